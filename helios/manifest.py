@@ -1,0 +1,290 @@
+"""The core manifest (`core.json`): one typed, versioned schema shared by ignition and helios.
+
+ignition writes it, helios reads nothing else to serve. Everything here is plain data: no
+torch, no onnxruntime, so the runtime can import it cheaply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+FORMAT_VERSION = "1.0"
+MANIFEST_NAME = "core.json"
+
+
+class ManifestError(ValueError):
+    """A core that helios cannot serve, with a message naming what is wrong."""
+
+
+@dataclass
+class Identity:
+    recipe: str
+    checkpoint_id: str  # e.g. "qwen2.5-coder-0.5b" or a path's basename
+    checkpoint_sha256: str  # of the GGUF file, or of the safetensors files concatenated in name order
+    aliases: list[str] = field(default_factory=list)  # served names; the first nonempty is the model id
+
+
+@dataclass
+class Architecture:
+    family: str  # "qwen2" | "llama"
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # qkv projection bias (qwen2)
+
+
+@dataclass
+class Limits:
+    context_length: int  # prompt + output tokens per request
+    max_concurrency: int  # active sequences the engine batches together
+    prefill_chunk_size: int  # max prompt tokens of one sequence in one step
+    max_batch_tokens: int  # max tokens (prefill + decode) in one engine step
+    default_max_tokens: int  # output budget when a request omits it
+    kv_pages: int  # default KV pool size in pages (overridable at serve time)
+
+
+@dataclass
+class KVLayout:
+    """Geometry of the paged KV pool the engine graph reads and the runner writes.
+
+    The pool is one float tensor of shape [num_layers * 2 * num_pages, page_tokens, kv_heads,
+    head_dim]; row (layer * 2 + kind) * num_pages + page holds K (kind 0) or V (kind 1).
+    """
+
+    page_tokens: int
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str = "float32"
+
+
+@dataclass
+class TensorSpec:
+    name: str
+    dtype: str  # numpy dtype name
+    shape: list[int | str]  # ints are fixed, strings are symbolic dims
+
+
+@dataclass
+class Engine:
+    name: str  # "step": the packed paged-KV step graph
+    file: str  # relative to the core folder
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    data_files: list[str] = field(default_factory=list)  # external weight files
+
+
+@dataclass
+class TokenizerSpec:
+    file: str  # tokenizer.json (Hugging Face tokenizers format)
+    bos_token_id: int | None
+    eos_token_ids: list[int]  # every id that ends generation (EOS, <|im_end|>, ...)
+    pad_token_id: int | None
+    add_bos: bool  # whether raw text prompts get BOS prepended
+    special_tokens: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class TemplateSpec:
+    file: str | None  # chat_template.jinja, or None for a core without chat support
+    supports_system: bool = True
+    supports_tools: bool = False
+
+
+@dataclass
+class SamplingDefaults:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 disables top-k
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+
+@dataclass
+class Range:
+    min: float
+    max: float
+
+
+@dataclass
+class Sampling:
+    defaults: SamplingDefaults
+    # Inclusive bounds per parameter name; a parameter absent here is fixed at its default.
+    ranges: dict[str, Range] = field(default_factory=dict)
+
+
+@dataclass
+class Parsers:
+    tool: str | None = None  # tool-call syntax name, e.g. "qwen25_coder_json"
+    reasoning: str | None = None  # reasoning syntax name, None when the model has none
+
+
+@dataclass
+class Logprobs:
+    max_top_logprobs: int  # natural alternatives the graph returns (0..20)
+    explicit_token_ids: bool  # whether full-vocabulary gathers of caller ids are possible
+    prompt_logprobs: bool  # scored prefill graphs present (--prompt-logprobs)
+
+
+@dataclass
+class Parity:
+    """What export validation measured: engine vs the torch reference on a fixed prompt."""
+
+    max_abs_logit_error: float
+    tolerance: float
+    prompt_tokens: int
+    decode_steps: int
+    top1_agreement: float  # fraction of positions where argmax agrees
+
+
+@dataclass
+class Manifest:
+    identity: Identity
+    architecture: Architecture
+    precision: str  # "int4" | "int8" | "fp32"
+    limits: Limits
+    kv: KVLayout
+    engines: list[Engine]
+    tokenizer: TokenizerSpec
+    template: TemplateSpec
+    sampling: Sampling
+    parsers: Parsers
+    logprobs: Logprobs
+    decode_weight_bytes: int
+    parity: Parity | None = None
+    toolchain: dict[str, str] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
+    format_version: str = FORMAT_VERSION
+
+    @property
+    def model_id(self) -> str:
+        return next((a for a in self.identity.aliases if a), self.identity.checkpoint_id)
+
+    def engine(self, name: str) -> Engine:
+        for engine in self.engines:
+            if engine.name == name:
+                return engine
+        raise ManifestError(f"core has no engine named {name!r}")
+
+    def to_json(self) -> str:
+        # sort_keys keeps the file byte-stable across runs (reproducible cores).
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
+
+    def save(self, folder: Path) -> None:
+        (Path(folder) / MANIFEST_NAME).write_text(self.to_json())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Manifest":
+        return _build(cls, data, "core")
+
+    @classmethod
+    def load(cls, folder: Path, verify_files: bool = True) -> "Manifest":
+        """Read and check a core folder; raise ManifestError naming the first problem."""
+        folder = Path(folder)
+        path = folder / MANIFEST_NAME
+        if not path.is_file():
+            raise ManifestError(f"{folder} is not a core: {MANIFEST_NAME} is missing")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ManifestError(f"{path} is not valid JSON: {exc}") from None
+        version = str(data.get("format_version", ""))
+        major = version.split(".")[0]
+        if major != FORMAT_VERSION.split(".")[0]:
+            raise ManifestError(
+                f"{path} has format version {version!r}; this helios reads {FORMAT_VERSION.split('.')[0]}.x"
+            )
+        manifest = cls.from_dict(data)
+        if verify_files:
+            manifest.verify_files(folder)
+        return manifest
+
+    def verify_files(self, folder: Path) -> None:
+        for rel, digest in sorted(self.files.items()):
+            target = Path(folder) / rel
+            if not target.is_file():
+                raise ManifestError(f"core file {rel} is missing from {folder}")
+            if file_sha256(target) != digest:
+                raise ManifestError(f"core file {rel} does not match its digest in {MANIFEST_NAME}")
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _build(tp: Any, data: Any, where: str) -> Any:
+    """Build dataclass `tp` from JSON data, checking field presence and basic types."""
+    import types
+    import typing
+
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if data is None:
+            return None
+        for arg in args[:-1]:
+            try:
+                return _build(arg, data, where)
+            except ManifestError:
+                pass
+        return _build(args[-1], data, where)
+    if origin is list:
+        if not isinstance(data, list):
+            raise ManifestError(f"{where} must be a list")
+        (item,) = typing.get_args(tp)
+        return [_build(item, v, f"{where}[{i}]") for i, v in enumerate(data)]
+    if origin is dict:
+        if not isinstance(data, dict):
+            raise ManifestError(f"{where} must be an object")
+        _, value = typing.get_args(tp)
+        return {k: _build(value, v, f"{where}.{k}") for k, v in data.items()}
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(data, dict):
+            raise ManifestError(f"{where} must be an object")
+        hints = get_type_hints(tp)
+        kwargs = {}
+        for f in dataclasses.fields(tp):
+            if f.name in data:
+                kwargs[f.name] = _build(hints[f.name], data[f.name], f"{where}.{f.name}")
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ManifestError(f"{where}.{f.name} is missing")
+        return tp(**kwargs)
+    if tp is float:
+        if isinstance(data, bool) or not isinstance(data, (int, float)):
+            raise ManifestError(f"{where} must be a number")
+        return float(data)
+    if tp is int:
+        if isinstance(data, bool) or not isinstance(data, int):
+            raise ManifestError(f"{where} must be an integer")
+        return data
+    if tp is str:
+        if not isinstance(data, str):
+            raise ManifestError(f"{where} must be a string")
+        return data
+    if tp is bool:
+        if not isinstance(data, bool):
+            raise ManifestError(f"{where} must be a boolean")
+        return data
+    if tp is Any:
+        return data
+    return data

