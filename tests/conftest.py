@@ -1,0 +1,123 @@
+"""Shared fixtures: real cores (tiny random and the real default model) and live servers."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("FLARE_CACHE", Path.home() / ".cache" / "flare"))
+
+
+def code_digest() -> str:
+    """Hash of everything that shapes an exported core, so a cached core never outlives its code."""
+    h = hashlib.sha256()
+    for folder in ("ignition", "recipes"):
+        for path in sorted((REPO / folder).rglob("*")):
+            if path.is_file() and path.suffix in {".py", ".toml", ".jinja"}:
+                h.update(path.relative_to(REPO).as_posix().encode())
+                h.update(path.read_bytes())
+    h.update((REPO / "helios" / "manifest.py").read_bytes())
+    return h.hexdigest()[:16]
+
+
+def export(recipe: str, checkpoint: str, out: Path, precision: str) -> Path:
+    from ignition.export.pipeline import ExportOptions, export_core
+    from ignition.recipes import load_recipe
+
+    export_core(ExportOptions(recipe=load_recipe(recipe), checkpoint=checkpoint, out=out, precision=precision))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_dir(tmp_path_factory) -> Path:
+    from tests.unit.tiny_checkpoints import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_core(tmp_path_factory, tiny_checkpoint_dir) -> Path:
+    """A real fp32 core exported from a tiny random qwen2 checkpoint with the real Qwen tokenizer."""
+    return export("qwen25_coder", str(tiny_checkpoint_dir), tmp_path_factory.mktemp("cores") / "tiny", "fp32")
+
+
+@pytest.fixture(scope="session")
+def default_core() -> Path:
+    """The real default core (Qwen2.5-Coder-0.5B, int4), exported once and cached by code digest."""
+    target = CACHE / "cores" / f"qwen25_coder-int4-{code_digest()}"
+    if not (target / "core.json").is_file():
+        for stale in (CACHE / "cores").glob("qwen25_coder-int4-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        export("qwen25_coder", "qwen2.5-coder-0.5b", target, "int4")
+    return target
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A real `helios serve` process on a loopback port."""
+
+    def __init__(self, core: Path, *args: str, timeout: float = 300.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(core.parent / f"helios-{self.port}.log", "w+")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "helios.cli", "serve", str(core), "--port", str(self.port), *args],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"helios exited with {self.process.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"helios did not become healthy in {timeout}s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-5000:]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_core) -> Iterator[Server]:
+    server = Server(tiny_core)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def default_server(default_core) -> Iterator[Server]:
+    server = Server(default_core)
+    yield server
+    server.stop()
