@@ -9,6 +9,10 @@ import numpy as np
 from helios.manifest import Architecture
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or used, with a message naming what is wrong."""
+
+
 @dataclass
 class Checkpoint:
     """Weights, tokenizer and template of one model, independent of the file format.

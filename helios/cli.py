@@ -1,0 +1,84 @@
+"""`helios serve CORE`: load a core, start its engine, serve the HTTP protocols."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from helios.manifest import Manifest, ManifestError
+from helios.server.config import ConfigError, ServerConfig, read_api_key_file
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="helios: the Flare serving runtime")
+console = Console(stderr=False)
+err_console = Console(stderr=True)
+
+
+@app.callback()
+def main() -> None:
+    """helios: serve a Flare core over HTTP."""
+
+
+@app.command()
+def serve(
+    core: Path = typer.Argument(..., help="core folder written by `ignition export`"),
+    host: Optional[str] = typer.Option(None, help="bind address [default: 127.0.0.1]"),
+    port: Optional[int] = typer.Option(None, help="TCP port [default: 8000]"),
+    api_key_file: Optional[Path] = typer.Option(None, help="file holding the serving key (overrides api_key)"),
+    config: Optional[Path] = typer.Option(None, help="TOML file with a [server] table"),
+    max_concurrency: Optional[int] = typer.Option(None, help="active sequences the engine batches"),
+    kv_pages: Optional[int] = typer.Option(None, help="KV pool size in pages"),
+    threads: Optional[int] = typer.Option(None, help="engine compute threads"),
+) -> None:
+    """Serve CORE over the OpenAI-compatible HTTP API."""
+    from aiohttp import web
+
+    try:
+        manifest = Manifest.load(core)
+        settings = ServerConfig.load(config) if config else ServerConfig()
+        if host is not None:
+            settings.host = host
+        if port is not None:
+            settings.port = port
+        if api_key_file is not None:
+            settings.api_key = read_api_key_file(api_key_file)
+        if max_concurrency is not None:
+            settings.max_concurrency = max_concurrency
+        from helios.server.app import check_startup
+
+        check_startup(manifest, settings)
+        for name, value in (("kv-pages", kv_pages), ("threads", threads)):
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name} must be a positive integer")
+    except (ManifestError, ConfigError) as exc:
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}")
+        raise typer.Exit(2) from None
+
+    from helios.engine.engine import Engine
+    from helios.server.app import create_app
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = Engine(core, manifest, max_concurrency=settings.max_concurrency, kv_pages=kv_pages, threads=threads)
+    engine.start()
+    try:
+        application = create_app(manifest, core, engine, settings)
+
+        def ready(message: str) -> None:
+            # run_app reports the bound address once the site listens; show one line of our own.
+            match = re.search(r"https?://\S+", message)
+            url = match.group(0) if match else f"http://{settings.host}:{settings.port}"
+            auth = "key required" if settings.api_key else "no auth"
+            console.print(f"[bold green]helios[/] serving [bold]{escape(manifest.model_id)}[/] at {escape(url)}/v1 ({auth})")
+
+        web.run_app(application, host=settings.host, port=settings.port, print=ready, access_log=None)
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()

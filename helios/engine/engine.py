@@ -1,0 +1,396 @@
+"""The engine: one daemon thread looping schedule -> run -> sample -> stops/detokenize -> publish.
+
+Thread model: `submit`, `abort`, `stats` and `shutdown` may be called from any thread; they only
+touch an inbox guarded by one condition variable. Everything else (scheduler, pages, sequences,
+runner) belongs to the engine thread, which sleeps on the condition when there is no work. Sinks
+are called from the engine thread, outside the lock, and must not block for long (the server
+hands events over to its event loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from helios.engine.api import FinishReason, GenerationEvent, GenerationRequest, TokenLogprob
+from helios.engine.block_manager import BlockManager
+from helios.engine.runner import Runner, StepOutput, StepRow
+from helios.engine.sampler import sample, token_logprob
+from helios.engine.scheduler import Batch, Scheduler
+from helios.engine.sequence import Sequence
+from helios.manifest import Manifest
+
+log = logging.getLogger("helios.engine")
+
+Sink = Callable[[GenerationEvent], None]
+
+
+@dataclass
+class EngineStats:
+    active: int  # admitted sequences (holding pages)
+    pending: int  # submitted, waiting for admission (new or preempted)
+    free_pages: int
+    total_pages: int
+    page_tokens: int
+    prefill_tokens_total: int  # prompt (and recomputed) tokens fed in prefill chunks
+    generated_tokens_total: int
+    completed_total: int  # finished with STOP or LENGTH
+    cancelled_total: int  # ABORT
+    failed_total: int  # ERROR
+    steps_total: int
+    admitted_total: int  # requests admitted for the first time
+    preempted_total: int
+    step_seconds_total: float
+    schedule_seconds_total: float
+
+
+class Engine:
+    def __init__(
+        self,
+        core_dir: Path,
+        manifest: Manifest,
+        *,
+        max_concurrency: int | None = None,
+        kv_pages: int | None = None,
+        threads: int | None = None,
+        runner: Runner | None = None,
+        tokenizer: Any | None = None,
+    ):
+        self.core_dir = Path(core_dir)
+        self.manifest = manifest
+        limits = manifest.limits
+        if runner is None:
+            runner = Runner(self.core_dir, manifest, kv_pages or limits.kv_pages, threads)
+        elif kv_pages is not None and kv_pages != runner.num_pages:
+            raise ValueError(f"kv_pages={kv_pages} but the given runner has {runner.num_pages} pages")
+        self.runner = runner
+        if tokenizer is None:
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(str(self.core_dir / manifest.tokenizer.file))
+        self.tokenizer = tokenizer
+        self.block_manager = BlockManager(runner.num_pages, manifest.kv.page_tokens)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_concurrency=max_concurrency or limits.max_concurrency,
+            max_batch_tokens=limits.max_batch_tokens,
+            prefill_chunk_size=limits.prefill_chunk_size,
+        )
+        self.context_length = limits.context_length
+        self.vocab_size = manifest.architecture.vocab_size
+        self.eos_token_ids = list(manifest.tokenizer.eos_token_ids)
+
+        self._cv = threading.Condition()
+        self._inbox: list[Sequence] = []  # guarded by _cv
+        self._aborts: list[str] = []  # guarded by _cv
+        self._live: set[str] = set()  # request ids submitted and not yet finished; guarded by _cv
+        self._next_arrival = 0  # guarded by _cv
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._seqs: dict[str, Sequence] = {}  # engine thread only
+
+        self._prefill_tokens = 0
+        self._generated_tokens = 0
+        self._completed = 0
+        self._cancelled = 0
+        self._failed = 0
+        self._steps = 0
+        self._step_seconds = 0.0
+        self._schedule_seconds = 0.0
+
+    # -- public, thread-safe -------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._loop, name="helios-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the loop after the current step; unfinished requests end with ERROR."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("engine thread did not stop within %.0f s", timeout)
+                return
+        self._fail_all("engine shut down")
+
+    def healthy(self) -> bool:
+        """The step loop is alive and accepting work."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def submit(self, request: GenerationRequest, sink: Sink) -> None:
+        """Queue a request; events go to `sink` (from the engine thread). Raises ValueError."""
+        self._validate(request)
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("engine is shut down")
+            if request.request_id in self._live:
+                raise ValueError(f"request id {request.request_id!r} is already active")
+            seq = Sequence.create(
+                request, self._next_arrival, self.tokenizer, self.eos_token_ids, self.context_length, sink
+            )
+            self._next_arrival += 1
+            self._live.add(request.request_id)
+            self._inbox.append(seq)
+            self._cv.notify()
+
+    def _validate(self, request: GenerationRequest) -> None:
+        prompt = request.prompt_token_ids
+        n = len(prompt)
+        if n == 0:
+            raise ValueError("the prompt has no tokens")
+        if n + 1 > self.context_length:
+            raise ValueError(
+                f"the prompt has {n} tokens; with at least one output token this exceeds the "
+                f"context length of {self.context_length} tokens"
+            )
+        ids = np.asarray(prompt)
+        if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        s = request.sampling
+        if s.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        top = self.manifest.logprobs.max_top_logprobs
+        if s.logprobs is not None and not 0 <= s.logprobs <= top:
+            raise ValueError(f"logprobs must be between 0 and {top} for this core")
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request at the next step boundary (final event: ABORT). False if not live."""
+        with self._cv:
+            if request_id not in self._live:
+                return False
+            self._aborts.append(request_id)
+            self._cv.notify()
+            return True
+
+    def stats(self) -> EngineStats:
+        with self._cv:
+            inbox = len(self._inbox)
+        sched = self.scheduler
+        return EngineStats(
+            active=len(sched.running),
+            pending=len(sched.waiting) + inbox,
+            free_pages=self.block_manager.num_free,
+            total_pages=self.block_manager.num_pages,
+            page_tokens=self.block_manager.page_tokens,
+            prefill_tokens_total=self._prefill_tokens,
+            generated_tokens_total=self._generated_tokens,
+            completed_total=self._completed,
+            cancelled_total=self._cancelled,
+            failed_total=self._failed,
+            steps_total=self._steps,
+            admitted_total=sched.num_admissions,
+            preempted_total=sched.num_preemptions,
+            step_seconds_total=self._step_seconds,
+            schedule_seconds_total=self._schedule_seconds,
+        )
+
+    def generate(self, request: GenerationRequest, timeout: float | None = None) -> list[GenerationEvent]:
+        """Blocking convenience: submit and collect every event. Without a started thread the
+        caller's thread drives the steps (handy in tests and scripts)."""
+        events: list[GenerationEvent] = []
+        done = threading.Event()
+
+        def sink(event: GenerationEvent) -> None:
+            events.append(event)
+            if event.finished:
+                done.set()
+
+        self.submit(request, sink)
+        if self._thread is None:
+            while not done.is_set():
+                self.step()
+        elif not done.wait(timeout):
+            self.abort(request.request_id)
+            raise TimeoutError(f"request {request.request_id!r} did not finish in {timeout} s")
+        return events
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._stopping or self._inbox or self._aborts or self.scheduler.has_work()):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+            try:
+                progressed = self.step()
+            except Exception:  # a bug outside any request's step: keep serving
+                log.exception("engine step failed")
+                progressed = False
+            if not progressed:
+                # Work exists but nothing could move (should not happen): back off, don't spin.
+                with self._cv:
+                    self._cv.wait(0.01)
+
+    def step(self) -> bool:
+        """Run one engine step on the calling thread. Returns whether anything happened.
+
+        Only the engine thread calls this once `start()` has been called.
+        """
+        t0 = time.perf_counter()
+        emitted: list[tuple[Sequence, GenerationEvent]] = []
+        changed = self._drain_inbox(emitted)
+
+        try:
+            batch = self.scheduler.schedule()
+        except Exception as exc:  # scheduler bug: fail everything rather than loop on it
+            log.exception("scheduling failed")
+            for seq in list(self._seqs.values()):
+                emitted.append((seq, self._fail(seq, f"scheduling failed: {exc}")))
+            self._publish(emitted)
+            return True
+        t1 = time.perf_counter()
+        self._schedule_seconds += t1 - t0
+
+        for seq in batch.finished:  # no room left in the pool: LENGTH
+            emitted.append((seq, self._final_event(seq, [], seq.stop_checker.finish_text(), None)))
+        if batch.rows:
+            self._run_batch(batch, emitted)
+            self._steps += 1
+        self._step_seconds += time.perf_counter() - t0
+        self._publish(emitted)
+        return changed or bool(batch.rows or batch.finished)
+
+    def _drain_inbox(self, emitted: list[tuple[Sequence, GenerationEvent]]) -> bool:
+        with self._cv:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for seq in inbox:
+            self._seqs[seq.request_id] = seq
+            self.scheduler.add(seq)
+        for rid in aborts:
+            seq = self._seqs.get(rid)
+            if seq is None:
+                continue  # finished in the meantime
+            self.scheduler.remove(seq)
+            seq.finish_reason = FinishReason.ABORT
+            emitted.append((seq, self._final_event(seq, [], "", None)))
+        return bool(inbox or aborts)
+
+    def _run_batch(self, batch: Batch, emitted: list[tuple[Sequence, GenerationEvent]]) -> None:
+        rows = [
+            StepRow(token_ids=r.token_ids, history_len=r.start, block_table=list(r.seq.page_table))
+            for r in batch.rows
+        ]
+        try:
+            out = self.runner.step(rows)
+        except Exception as exc:
+            log.exception("runner step failed for %d rows", len(rows))
+            for r in batch.rows:
+                if not r.seq.is_finished:
+                    emitted.append((r.seq, self._fail(r.seq, f"runner step failed: {exc}")))
+            return
+        self.scheduler.commit(batch)
+        self._prefill_tokens += sum(r.num_tokens for r in batch.rows if not r.is_decode)
+
+        idx = [i for i, r in enumerate(batch.rows) if r.samples]
+        if not idx:
+            return
+        seqs = [batch.rows[i].seq for i in idx]
+        try:
+            tokens = sample(out.logits[idx], seqs)
+        except Exception as exc:
+            log.exception("sampling failed")
+            for seq in seqs:
+                emitted.append((seq, self._fail(seq, f"sampling failed: {exc}")))
+            return
+        for i, seq, token in zip(idx, seqs, tokens.tolist()):
+            if token < 0:
+                log.error("non-finite logits for %s", seq.request_id)
+                emitted.append((seq, self._fail(seq, "the model produced non-finite logits")))
+                continue
+            try:
+                emitted.append((seq, self._commit_token(seq, token, out, i)))
+            except Exception as exc:  # e.g. a detokenizer failure: only this request fails
+                log.exception("postprocessing failed for %s", seq.request_id)
+                emitted.append((seq, self._fail(seq, f"postprocessing failed: {exc}")))
+
+    def _commit_token(self, seq: Sequence, token: int, out: StepOutput, i: int) -> GenerationEvent:
+        seq.append_token(token)
+        self._generated_tokens += 1
+        outcome = seq.stop_checker.on_token(token, seq.num_generated)
+        k = seq.sampling.logprobs
+        logprobs: list[TokenLogprob] | None = None
+        if k is not None:
+            logprobs = []
+            if outcome.has_logprob_entry:
+                logprobs.append(
+                    token_logprob(token, out.logits[i], out.logsumexp[i], out.top_logprobs[i], out.top_ids[i], k)
+                )
+        if outcome.finished:
+            self.scheduler.finish(seq, outcome.finish_reason, outcome.stop_reason)
+            return self._final_event(seq, [token], outcome.text, logprobs)
+        return self._event(seq, [token], outcome.text, logprobs)
+
+    # -- events and bookkeeping ----------------------------------------------------------------
+
+    def _event(self, seq: Sequence, token_ids: list[int], text: str, logprobs) -> GenerationEvent:
+        if logprobs is None and seq.sampling.logprobs is not None:
+            logprobs = []  # requested: always a list, empty when this event has no entries
+        return GenerationEvent(
+            request_id=seq.request_id,
+            token_ids=token_ids,
+            text=text,
+            logprobs=logprobs,
+            prompt_tokens=seq.prompt_len,
+            cached_tokens=0,
+            completion_tokens=seq.num_generated,
+        )
+
+    def _final_event(self, seq: Sequence, token_ids: list[int], text: str, logprobs) -> GenerationEvent:
+        """The request's last event; also retires it from the engine's books."""
+        event = self._event(seq, token_ids, text, logprobs)
+        event.finished = True
+        event.finish_reason = seq.finish_reason
+        event.stop_reason = seq.stop_reason
+        if seq.finish_reason is FinishReason.ABORT:
+            self._cancelled += 1
+        elif seq.finish_reason is FinishReason.ERROR:
+            self._failed += 1
+        else:
+            self._completed += 1
+        self._seqs.pop(seq.request_id, None)
+        with self._cv:
+            self._live.discard(seq.request_id)
+        return event
+
+    def _fail(self, seq: Sequence, message: str) -> GenerationEvent:
+        self.scheduler.finish(seq, FinishReason.ERROR)
+        event = self._final_event(seq, [], "", None)
+        event.error = message
+        return event
+
+    def _fail_all(self, message: str) -> None:
+        emitted = []
+        with self._cv:
+            inbox, self._inbox = self._inbox, []
+        for seq in inbox:
+            self._seqs[seq.request_id] = seq
+        for seq in list(self._seqs.values()):
+            emitted.append((seq, self._fail(seq, message)))
+        self._publish(emitted)
+
+    def _publish(self, emitted: list[tuple[Sequence, GenerationEvent]]) -> None:
+        for seq, event in emitted:
+            if seq.sink is None:
+                continue
+            try:
+                seq.sink(event)
+            except Exception:
+                # A broken consumer must not take the engine down; stop working for it.
+                log.exception("event sink failed for %s; aborting it", seq.request_id)
+                if not event.finished:
+                    self.abort(seq.request_id)

@@ -1,0 +1,225 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step is built in three passes over a token budget (`max_batch_tokens`):
+
+1. Decodes: every running sequence whose prompt is fully computed feeds its last sampled token
+   (one token each), oldest first. If the pool has no page for one, the newest running sequence
+   is preempted (pages freed, put back at the front of the waiting queue, recomputed later with
+   its generated tokens kept) until the page fits, or the sequence itself is the newest.
+2. Partially prefilled running sequences get their next chunk (<= `prefill_chunk_size`), oldest
+   first, shrunk to the free pages if needed.
+3. Waiting sequences are admitted FCFS while fewer than `max_concurrency` are running and the
+   pool can hold the head's whole remaining prefill plus its first decode on top of what running
+   sequences were already promised. The head is never skipped (no starvation of long prompts).
+
+Age is arrival order, not admission order: a preempted and re-admitted request keeps its age,
+so the oldest request always makes progress and two requests cannot preempt each other forever.
+A sequence that cannot fit in the pool even alone finishes with LENGTH.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from helios.engine.api import FinishReason
+from helios.engine.block_manager import BlockManager
+from helios.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledRow:
+    seq: Sequence
+    start: int  # tokens already in the pool (the row's history_len)
+    num_tokens: int  # new tokens fed this step
+    is_decode: bool
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start : self.start + self.num_tokens]
+
+    @property
+    def samples(self) -> bool:
+        """The row reaches the sequence's last token, so its logits give the next token."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class Batch:
+    rows: list[ScheduledRow] = field(default_factory=list)  # decodes first, then prefill chunks
+    finished: list[Sequence] = field(default_factory=list)  # ended here (LENGTH: no room)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_concurrency: int,
+        max_batch_tokens: int,
+        prefill_chunk_size: int,
+    ):
+        if min(max_concurrency, max_batch_tokens, prefill_chunk_size) < 1:
+            raise ValueError("max_concurrency, max_batch_tokens and prefill_chunk_size must be >= 1")
+        self.bm = block_manager
+        # More running sequences than the token budget would leave the newest decodes unserved
+        # every step; cap concurrency instead.
+        self.max_concurrency = min(max_concurrency, max_batch_tokens)
+        self.max_batch_tokens = max_batch_tokens
+        self.prefill_chunk_size = prefill_chunk_size
+        self.waiting: deque[Sequence] = deque()  # arrival order
+        self.running: list[Sequence] = []  # arrival order; the last one is preempted first
+        self.num_preemptions = 0
+        self.num_admissions = 0
+
+    # -- queue management ----------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self._enqueue(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence (finished, aborted or failed) and release its pages."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def finish(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        self.remove(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Insert keeping arrival order: new arrivals go to the back (O(1)); preempted sequences
+        are older than everything never admitted, so they land at the front (a short scan)."""
+        if not self.waiting or self.waiting[-1].arrival < seq.arrival:
+            self.waiting.append(seq)
+            return
+        i = 0
+        while self.waiting[i].arrival < seq.arrival:
+            i += 1
+        self.waiting.insert(i, seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.bm.release(seq.page_table)
+        seq.page_table = []
+        seq.num_computed_tokens = 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(seq)
+
+    def _fits_alone(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.bm.pages_for(num_tokens) <= self.bm.num_pages
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def schedule(self) -> Batch:
+        batch = Batch()
+        while True:
+            self._schedule_into(batch)
+            if batch.rows or not self.running:
+                return batch
+            # Running sequences exist but none could move (partial prefills starved of pages by
+            # decodes that have since finished or been preempted): free the newest and retry.
+            # The oldest alone always fits, so this terminates.
+            victim = self.running[-1]
+            self._preempt(victim)
+            batch.preempted.append(victim)
+
+    def _schedule_into(self, batch: Batch) -> None:
+        budget = self.max_batch_tokens
+        bm = self.bm
+
+        # 1. Decodes, oldest first.
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING or not seq.is_decoding:
+                continue
+            need = seq.num_tokens  # K/V for every token once the last one is fed
+            if not self._fits_alone(seq, need):
+                self.finish(seq, FinishReason.LENGTH)
+                batch.finished.append(seq)
+                continue
+            while not bm.can_grow(seq.page_table, need):
+                victim = self.running[-1]  # newest; never an already scheduled (older) row
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # it was the newest running sequence: nothing after it is left
+            bm.grow(seq.page_table, need)
+            batch.rows.append(ScheduledRow(seq, seq.num_computed_tokens, 1, True))
+            budget -= 1
+
+        # 2. Next chunks of partially prefilled running sequences, oldest first.
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.is_decoding or seq.num_uncomputed == 0:
+                continue
+            n = self._chunk(seq, budget)
+            if n > 0:
+                bm.grow(seq.page_table, seq.num_computed_tokens + n)
+                batch.rows.append(ScheduledRow(seq, seq.num_computed_tokens, n, False))
+                budget -= n
+
+        # 3. Admissions, FCFS.
+        while self.waiting and budget > 0 and len(self.running) < self.max_concurrency:
+            seq = self.waiting[0]
+            # Room for the whole (re)prefill and the first decode after it.
+            need = bm.pages_for(seq.num_tokens + 1)
+            if need > bm.num_pages:
+                self.waiting.popleft()
+                self.finish(seq, FinishReason.LENGTH)
+                batch.finished.append(seq)
+                continue
+            if need > bm.num_free - self._promised_pages():
+                break  # wait for room; do not let later (smaller) requests overtake the head
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.insert(bisect.bisect([s.arrival for s in self.running], seq.arrival), seq)
+            if seq.num_preemptions == 0:
+                self.num_admissions += 1  # first admissions only; re-admissions are recompute
+            n = self._chunk(seq, budget)
+            bm.grow(seq.page_table, n)
+            batch.rows.append(ScheduledRow(seq, 0, n, False))
+            budget -= n
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of `seq`'s prefill to feed now: bounded by chunk size, budget and free pages."""
+        n = min(seq.num_uncomputed, self.prefill_chunk_size, budget)
+        room = (len(seq.page_table) + self.bm.num_free) * self.bm.page_tokens - seq.num_computed_tokens
+        return max(0, min(n, room))
+
+    def _promised_pages(self) -> int:
+        """Pages running sequences still need to finish their prefill and take a first decode."""
+        return sum(
+            max(0, self.bm.pages_for(s.num_tokens + 1) - len(s.page_table))
+            for s in self.running
+            if not s.is_decoding
+        )
+
+    def commit(self, batch: Batch) -> None:
+        """The runner wrote the batch's K/V: advance each row's sequence."""
+        for row in batch.rows:
+            if row.seq.status is SequenceStatus.RUNNING:
+                row.seq.num_computed_tokens = row.start + row.num_tokens

@@ -1,0 +1,113 @@
+"""One request's state inside the engine: tokens, KV page table, progress, sampling, stops.
+
+Progress is a single counter, `num_computed_tokens`: how many of `token_ids` (prompt followed
+by generated tokens) have K/V in the pool. A step feeds `token_ids[num_computed:num_computed+n]`
+and, when that reaches the last token, samples the next one. A decode is the case n == 1; a
+preempted sequence is reset to 0 and simply re-prefills prompt + generated tokens, resuming
+exactly where it was (its random generator is not reset).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+
+import numpy as np
+
+from helios.engine.api import FinishReason, GenerationEvent, GenerationRequest, SamplingParams
+from helios.engine.detokenizer import IncrementalDetokenizer
+from helios.engine.stops import StopChecker
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no pages (new, or preempted)
+    RUNNING = "running"  # admitted: holds pages, being prefilled or decoded
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(
+        self,
+        request: GenerationRequest,
+        arrival: int,
+        stop_checker: StopChecker,
+        sink: Callable[[GenerationEvent], None] | None = None,
+    ):
+        self.request_id = request.request_id
+        self.request = request
+        self.sampling: SamplingParams = request.sampling
+        self.arrival = arrival  # FCFS order; also the preemption order (newest first)
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.prompt_len = len(self.token_ids)
+        self.num_computed_tokens = 0
+        self.page_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: str | int | None = None
+        self.stop_checker = stop_checker
+        self.sink = sink
+        # Own generator: a seeded request samples the same tokens whatever its batch neighbours.
+        self.rng = np.random.default_rng(self.sampling.seed)
+        self.num_preemptions = 0
+        self._prompt_unique: np.ndarray | None = None
+
+    @classmethod
+    def create(
+        cls,
+        request: GenerationRequest,
+        arrival: int,
+        tokenizer,
+        eos_token_ids: list[int],
+        context_length: int,
+        sink: Callable[[GenerationEvent], None] | None = None,
+    ) -> "Sequence":
+        prompt = request.prompt_token_ids
+        # The output budget is bounded by what is left of the context.
+        max_new = min(request.sampling.max_tokens, context_length - len(prompt))
+        checker = StopChecker(
+            request.sampling, eos_token_ids, max_new, IncrementalDetokenizer(tokenizer, prompt)
+        )
+        return cls(request, arrival, checker, sink)
+
+    # -- sizes ---------------------------------------------------------------------------------
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """Only the last sampled token lacks K/V: the next step is a one-token decode."""
+        return self.num_uncomputed == 1 and self.num_generated > 0
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def prompt_unique_ids(self) -> np.ndarray:
+        """Distinct prompt ids, computed once (repetition penalty needs them every step)."""
+        if self._prompt_unique is None:
+            self._prompt_unique = np.unique(np.asarray(self.token_ids[: self.prompt_len], dtype=np.int64))
+        return self._prompt_unique
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(int(token_id))
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, pages={len(self.page_table)})"
+        )

@@ -1,0 +1,254 @@
+"""Pieces shared by the OpenAI-shaped protocols (chat, completions): request field readers,
+usage objects, stream error payloads, per-choice accumulation and logprob encodings.
+
+Nothing here translates one protocol into another; each protocol module decodes its own JSON
+into the neutral request and encodes engine events into its own JSON.
+"""
+
+from __future__ import annotations
+
+import codecs
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from helios.engine.api import FinishReason, GenerationEvent, TokenLogprob
+from helios.frontend.errors import RequestError
+from helios.frontend.sampling import require_bool, require_int
+from helios.frontend.tokenizer import Tokenizer
+from helios.server.errors import ApiError, openai_error_body
+
+NONFINITE_LOGPROB = -9999.0
+
+
+# -- request field readers (RequestError -> HTTP 400) -------------------------------------------
+
+def opt_bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    return default if value is None else require_bool(value, name)
+
+
+def opt_int(body: dict[str, Any], name: str, default: int | None) -> int | None:
+    value = body.get(name)
+    return default if value is None else require_int(value, name)
+
+
+def opt_object(body: dict[str, Any], name: str) -> dict[str, Any] | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, dict):
+        raise RequestError(f"{name} must be an object", param=name)
+    return value
+
+
+def choice_count(body: dict[str, Any]) -> int:
+    n = opt_int(body, "n", 1)
+    assert n is not None
+    if n < 1:
+        raise RequestError("n must be at least 1", param="n")
+    return n
+
+
+@dataclass
+class StreamOptions:
+    include_usage: bool = False
+    continuous_usage: bool = False  # only meaningful with include_usage
+
+
+def stream_options(body: dict[str, Any]) -> StreamOptions:
+    options = opt_object(body, "stream_options") or {}
+    include = opt_bool(options, "include_usage", False)
+    continuous = opt_bool(options, "continuous_usage_stats", False)
+    return StreamOptions(include_usage=include, continuous_usage=include and continuous)
+
+
+def reject_present(body: dict[str, Any], names: tuple[str, ...], why: str) -> None:
+    for name in names:
+        if body.get(name) is not None:
+            raise RequestError(f"{name} is not supported {why}", param=name)
+
+
+def reject_unsupported_extensions(body: dict[str, Any]) -> None:
+    """Native extensions this engine cannot honour yet: refuse rather than silently ignore."""
+    if body.get("logit_bias"):
+        raise RequestError("logit_bias is not supported", param="logit_bias")
+    min_tokens = opt_int(body, "min_tokens", 0)
+    if min_tokens:
+        raise RequestError("min_tokens is not supported", param="min_tokens")
+    if body.get("stop_token_sequences"):
+        raise RequestError("stop_token_sequences is not supported yet; use stop_token_ids", param="stop_token_sequences")
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+        if body.get(name) is not None:
+            raise RequestError(f"{name} is not supported yet", param=name)
+
+
+def check_logprob_token_ids(body: dict[str, Any], logprobs_enabled: bool) -> None:
+    """Explicit-ID alternatives need an engine input the engine does not have yet."""
+    ids = body.get("logprob_token_ids")
+    if ids is None or ids == []:
+        return
+    if not isinstance(ids, list):
+        raise RequestError("logprob_token_ids must be an array of token ids", param="logprob_token_ids")
+    if not logprobs_enabled:
+        raise RequestError("logprob_token_ids requires generation logprobs to be enabled", param="logprob_token_ids")
+    raise RequestError(
+        "logprob_token_ids is not available in this server yet (explicit-ID logprobs need engine support)",
+        param="logprob_token_ids",
+    )
+
+
+def check_prompt_logprobs(value: Any, *, streaming: bool, core_has_prompt_logprobs: bool) -> None:
+    if value is None:
+        return
+    k = require_int(value, "prompt_logprobs")
+    if streaming:
+        raise RequestError("prompt_logprobs cannot be used with stream: true", param="prompt_logprobs")
+    if not 0 <= k <= 20:
+        raise RequestError("prompt_logprobs must be between 0 and 20", param="prompt_logprobs")
+    if not core_has_prompt_logprobs:
+        raise RequestError(
+            "prompt logprobs are not available in this model core; re-export it with --prompt-logprobs",
+            param="prompt_logprobs",
+        )
+    raise RequestError("prompt logprobs are not available in this server yet", param="prompt_logprobs")
+
+
+# -- usage and errors ------------------------------------------------------------------------------
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, *,
+          reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI usage with prompt_tokens_details.cached_tokens always present (vLLM's
+    --enable-prompt-tokens-details); chat adds completion_tokens_details.reasoning_tokens."""
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
+
+
+def stream_error(error: ApiError) -> dict[str, Any]:
+    """A terminal SSE error frame (no [DONE] follows)."""
+    return openai_error_body(error)
+
+
+def finish_reason_name(reason: FinishReason | None) -> str | None:
+    if reason is None:
+        return None
+    return "length" if reason == FinishReason.LENGTH else "stop"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def logprob_value(value: float) -> float:
+    return value if math.isfinite(value) else NONFINITE_LOGPROB
+
+
+# -- per-choice accumulation ---------------------------------------------------------------------
+
+@dataclass
+class Delta:
+    """What one engine event adds to a choice, after protocol-neutral filtering."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    offsets: list[int]  # text_offset of each logprob entry (characters from completion start)
+    timestamps_ns: list[int]
+
+
+@dataclass
+class ChoiceState:
+    """Everything generated so far for one choice (one engine request)."""
+
+    index: int
+    tokenizer: Tokenizer
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    timestamps_ns: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+    _chars: int = 0
+    _decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+
+    def apply(self, event: GenerationEvent) -> Delta:
+        stamp = time.time_ns()
+        # The engine already omits entries for a terminating EOS / token-id stop (api.md).
+        entries = list(event.logprobs or [])
+        offsets = []
+        for entry in entries:
+            offsets.append(self._chars)
+            if not self.tokenizer.is_special(entry.token_id):  # released text skips specials
+                self._chars += len(self._decoder.decode(self.tokenizer.token_bytes(entry.token_id)))
+        self.text.append(event.text)
+        self.token_ids.extend(event.token_ids)
+        stamps = [stamp] * len(event.token_ids)
+        self.timestamps_ns.extend(stamps)
+        self.logprobs.extend(entries)
+        self.offsets.extend(offsets)
+        self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
+        self.completion_tokens = max(self.completion_tokens, event.completion_tokens)
+        if event.finished:
+            self.finished = True
+            self.finish_reason = event.finish_reason
+            self.stop_reason = event.stop_reason
+            self.error = event.error
+        return Delta(event.text, list(event.token_ids), entries, offsets, stamps)
+
+    @property
+    def full_text(self) -> str:
+        return "".join(self.text)
+
+
+# -- logprob encodings ---------------------------------------------------------------------------
+
+def token_label(tokenizer: Tokenizer, token_id: int, as_ids: bool) -> str:
+    return f"token_id:{token_id}" if as_ids else tokenizer.token_string(token_id)
+
+
+def natural_top(entry: TokenLogprob, k: int) -> list[tuple[int, float]]:
+    """k alternatives by decreasing logprob, increasing id on ties."""
+    return sorted(entry.top, key=lambda t: (-t[1], t[0]))[:k]
+
+
+def chat_logprob_entries(tokenizer: Tokenizer, entries: list[TokenLogprob], k: int,
+                         as_ids: bool) -> list[dict[str, Any]]:
+    def one(token_id: int, lp: float) -> dict[str, Any]:
+        return {
+            "token": token_label(tokenizer, token_id, as_ids),
+            "logprob": logprob_value(lp),
+            "bytes": list(tokenizer.token_bytes(token_id)),
+        }
+
+    return [
+        {**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in natural_top(e, k)]}
+        for e in entries
+    ]
+
+
+def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob], offsets: list[int], k: int,
+                        as_ids: bool, offset_base: int = 0) -> dict[str, Any]:
+    """Parallel arrays of Completions; top maps keep the first id per decoded string."""
+    tops = []
+    for e in entries:
+        top: dict[str, float] = {}
+        for token_id, lp in natural_top(e, k):
+            top.setdefault(token_label(tokenizer, token_id, as_ids), logprob_value(lp))
+        tops.append(top)
+    return {
+        "tokens": [token_label(tokenizer, e.token_id, as_ids) for e in entries],
+        "token_logprobs": [logprob_value(e.logprob) for e in entries],
+        "top_logprobs": tops,
+        "text_offset": [offset_base + o for o in offsets],
+    }

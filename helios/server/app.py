@@ -1,0 +1,172 @@
+"""The aiohttp application: routes, authentication, error shapes, lifecycle.
+
+Routes are thin: each protocol module owns its decoding and encoding; this module owns what
+every route shares (auth, WebSocket refusal, JSON 404/405, in-flight accounting).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from helios.frontend.errors import RequestError
+from helios.frontend.template import ChatTemplate
+from helios.frontend.tokenizer import Tokenizer
+from helios.manifest import Manifest
+from helios.protocols import chat, completions, models
+from helios.server import metrics
+from helios.server.admission import Admission
+from helios.server.config import ConfigError, ServerConfig
+from helios.server.context import ServerContext
+from helios.server.errors import (
+    ApiError,
+    bad_request,
+    json_response,
+    method_not_allowed,
+    not_found,
+    openai_error_response,
+    server_error,
+    unauthorized,
+    unavailable,
+)
+
+log = logging.getLogger("helios.server")
+
+CTX_KEY = web.AppKey("flare_context", ServerContext)
+COLLECTOR_KEY = web.AppKey("flare_collector", metrics.FlareCollector)
+STATE_KEY = web.AppKey("flare_state", dict)
+
+# Aggregate-only routes anyone may read (api.md: no request content is exposed there).
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+Handler = Callable[[web.Request, ServerContext], Awaitable[web.StreamResponse]]
+
+
+def check_startup(manifest: Manifest, config: ServerConfig) -> None:
+    """Refuse configurations this core cannot serve (before binding any port)."""
+    config.validate()
+    if config.thinking_token_budget is not None and not manifest.parsers.reasoning:
+        raise ConfigError(
+            "thinking_token_budget is set but this core declares no reasoning syntax; remove it from [server]"
+        )
+
+
+def create_app(manifest: Manifest, core_dir: Path, engine: Any, config: ServerConfig) -> web.Application:
+    """Build the application over a started (or about to start) engine. The caller owns the engine."""
+    check_startup(manifest, config)
+    tokenizer = Tokenizer.from_core(core_dir, manifest)
+    template = ChatTemplate.from_core(core_dir, manifest, bos_token=tokenizer.bos_token,
+                                      eos_token=tokenizer.eos_token)
+    admission = Admission(config.http_admission_slots, config.queue_size)
+    http = metrics.HttpStats(admission_slots=config.http_admission_slots)
+    executor = ThreadPoolExecutor(max_workers=config.frontend_workers, thread_name_prefix="helios-frontend")
+    ctx = ServerContext(
+        manifest=manifest, core_dir=Path(core_dir), tokenizer=tokenizer, template=template, engine=engine,
+        config=config, admission=admission, http=http, executor=executor,
+    )
+    app = web.Application(
+        middlewares=[_error_middleware, _auth_middleware],
+        # We decode bodies ourselves (bounded); disconnects cancel handlers so engine work is aborted.
+        handler_args={"auto_decompress": False, "handler_cancellation": True},
+    )
+    app[CTX_KEY] = ctx
+    app[COLLECTOR_KEY] = metrics.FlareCollector(engine, http, admission, manifest.decode_weight_bytes)
+    app[STATE_KEY] = {"serving": True}
+
+    def route(handler: Handler, generation: bool = False) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def wrapped(request: web.Request) -> web.StreamResponse:
+            if not generation:
+                return await handler(request, ctx)
+            ctx.http.inflight_requests += 1
+            try:
+                return await handler(request, ctx)
+            finally:
+                ctx.http.inflight_requests -= 1
+
+        return wrapped
+
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics_route)
+    app.router.add_get("/v1/models", route(models.list_models))
+    app.router.add_get("/v1/models/{model:.*}", route(models.retrieve_model))
+    app.router.add_post("/v1/chat/completions", route(chat.handle, generation=True))
+    app.router.add_post("/v1/completions", route(completions.handle, generation=True))
+
+    async def on_shutdown(_: web.Application) -> None:
+        app[STATE_KEY]["serving"] = False
+
+    async def on_cleanup(_: web.Application) -> None:
+        executor.shutdown(wait=False, cancel_futures=True)
+
+    app.on_shutdown.append(on_shutdown)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+# -- middlewares -----------------------------------------------------------------------------------
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
+    if request.headers.get("Upgrade", "").lower() == "websocket":
+        return openai_error_response(bad_request("WebSocket connections are not supported; use HTTP or SSE"))
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return openai_error_response(exc)
+    except RequestError as exc:
+        return openai_error_response(ApiError.from_request_error(exc))
+    except web.HTTPNotFound:
+        return openai_error_response(not_found(f"no route for {request.method} {request.path}"))
+    except web.HTTPMethodNotAllowed:
+        return openai_error_response(method_not_allowed(f"{request.method} is not allowed on {request.path}"))
+    except web.HTTPException as exc:
+        if exc.status == 413:
+            return openai_error_response(ApiError(413, "request_too_large", exc.text or "request too large",
+                                                  "request_too_large"))
+        return openai_error_response(ApiError(exc.status, "invalid_request_error", exc.reason))
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return openai_error_response(server_error("internal server error"))
+
+
+@web.middleware
+async def _auth_middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
+    ctx = request.app[CTX_KEY]
+    key = ctx.config.api_key
+    if key and request.path not in OPEN_PATHS:
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise unauthorized()
+    return await handler(request)
+
+
+# -- open routes -----------------------------------------------------------------------------------
+
+async def health(request: web.Request) -> web.Response:
+    if not request.app[STATE_KEY]["serving"]:
+        raise unavailable("the server is shutting down")
+    ctx = request.app[CTX_KEY]
+    try:
+        ctx.engine.stats()
+        healthy = bool(getattr(ctx.engine, "running", True))  # the engine thread is alive
+    except Exception as exc:  # the runtime cannot even report
+        raise unavailable(f"the model runtime is unavailable: {exc}") from None
+    if not healthy:
+        raise unavailable("the model runtime is unavailable")
+    return json_response({"status": "ok"})
+
+
+async def metrics_route(request: web.Request) -> web.Response:
+    collector = request.app[COLLECTOR_KEY]
+    if metrics.wants_json(request.query.get("format"), request.headers.get("Accept")):
+        return json_response(metrics.json_snapshot(collector))
+    return web.Response(body=metrics.prometheus_text(collector),
+                        headers={"Content-Type": metrics.TEXT_CONTENT_TYPE})

@@ -1,0 +1,98 @@
+"""What every protocol handler serves from: the loaded core, its frontend, the engine, limits.
+
+Built once by `create_app`; protocol modules receive it instead of reaching into the app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from helios.engine.api import GenerationRequest
+from helios.frontend.errors import RequestError
+from helios.frontend.template import ChatTemplate
+from helios.frontend.tokenizer import Tokenizer
+from helios.manifest import Manifest
+from helios.server import bodies
+from helios.server.admission import Admission, GenerationGroup, Reservation
+from helios.server.config import ServerConfig
+from helios.server.errors import ApiError, bad_request
+from helios.server.metrics import HttpStats
+
+T = TypeVar("T")
+
+
+@dataclass
+class ServerContext:
+    manifest: Manifest
+    core_dir: Path
+    tokenizer: Tokenizer
+    template: ChatTemplate | None
+    engine: Any  # helios.engine.engine.Engine (duck-typed so tests can stand in)
+    config: ServerConfig
+    admission: Admission
+    http: HttpStats
+    executor: ThreadPoolExecutor
+    created: int = field(default_factory=lambda: int(time.time()))  # discovery init time
+
+    @property
+    def model_id(self) -> str:
+        return self.manifest.model_id
+
+    @property
+    def max_concurrency(self) -> int:
+        return self.config.max_concurrency or self.manifest.limits.max_concurrency
+
+    async def in_frontend(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run CPU work (decompression, templating, tokenization) in the bounded worker pool.
+
+        RequestError raised there becomes a 400 here.
+        """
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        except RequestError as exc:
+            raise ApiError.from_request_error(exc) from None
+
+    async def read_json_object(self, request: web.Request) -> dict[str, Any]:
+        encodings = bodies.content_encodings(request.headers.get("Content-Encoding"))
+        limit = self.config.max_body_bytes
+        raw = await bodies.read_encoded(request, limit)
+        body = await self.in_frontend(bodies.decode_json, raw, encodings, limit)
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        return body
+
+    def reserve(self, count: int) -> Reservation:
+        pending = self.engine.stats().pending if self.admission.queue_size is not None else 0
+        try:
+            return self.admission.reserve(count, pending)
+        except ApiError as exc:
+            if exc.status == 429:
+                self.http.rejected_rate_limited += 1
+            raise
+
+    def start_group(self, requests: list[GenerationRequest], reservation: Reservation | None) -> GenerationGroup:
+        group = GenerationGroup(self.engine, requests, reservation, self.http.first_response)
+        group.submit()
+        return group
+
+
+def response_headers(request: web.Request, response_id: str) -> dict[str, str]:
+    """x-request-id for a request that reached model submission: the client's own id when it
+    sent a sane one (so it can correlate logs), else the response id."""
+    supplied = request.headers.get("X-Request-Id", "")
+    if 0 < len(supplied) <= 128 and all(c.isalnum() or c in "-_.:" for c in supplied):
+        return {"x-request-id": supplied}
+    return {"x-request-id": response_id}
+
+
+def new_response_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"

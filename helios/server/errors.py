@@ -1,0 +1,93 @@
+"""HTTP errors in the OpenAI shape and the status mapping of api.md "Transport and admission".
+
+Chat Completions, Completions (and later Responses) errors are
+{"error": {"type", "message", "param": null, "code"}}. Other protocols (Messages) render the
+same `ApiError` in their own shape.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+from helios.frontend.errors import RequestError
+
+
+class ApiError(Exception):
+    """An error response: HTTP status, error type, message and optional code."""
+
+    def __init__(self, status: int, type_: str, message: str, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.type = type_
+        self.message = message
+        self.code = code
+        self.headers: dict[str, str] = {}  # e.g. x-request-id once the request reached the model
+
+    def with_headers(self, headers: dict[str, str]) -> "ApiError":
+        self.headers = {**self.headers, **headers}
+        return self
+
+    @classmethod
+    def from_request_error(cls, exc: RequestError) -> "ApiError":
+        return bad_request(exc.message, code=exc.code)
+
+
+# One constructor per row of the status table.
+def bad_request(message: str, code: str | None = None) -> ApiError:
+    return ApiError(400, "invalid_request_error", message, code)
+
+
+def unauthorized(message: str = "a valid API key is required (Authorization: Bearer KEY)") -> ApiError:
+    return ApiError(401, "authentication_error", message, "invalid_api_key")
+
+
+def not_found(message: str, code: str = "not_found") -> ApiError:
+    return ApiError(404, "invalid_request_error", message, code)
+
+
+def method_not_allowed(message: str) -> ApiError:
+    return ApiError(405, "invalid_request_error", message, "method_not_allowed")
+
+
+def too_large(limit: int) -> ApiError:
+    return ApiError(413, "request_too_large", f"the request body exceeds the {limit}-byte limit", "request_too_large")
+
+
+def unsupported_encoding(encoding: str) -> ApiError:
+    return ApiError(
+        415, "invalid_request_error",
+        f"unsupported Content-Encoding {encoding!r}; use identity, gzip, deflate, br or zstd",
+        "unsupported_content_encoding",
+    )
+
+
+def rate_limited(message: str) -> ApiError:
+    return ApiError(429, "rate_limit_error", message, "rate_limit_exceeded")
+
+
+def unavailable(message: str) -> ApiError:
+    return ApiError(503, "server_error", message, "service_unavailable")
+
+
+def server_error(message: str) -> ApiError:
+    return ApiError(500, "server_error", message, "internal_error")
+
+
+def openai_error_body(error: ApiError) -> dict[str, Any]:
+    return {"error": {"type": error.type, "message": error.message, "param": None, "code": error.code}}
+
+
+def dumps(data: Any) -> str:
+    # Non-ASCII stays readable; JSON has no NaN, so callers map non-finite numbers first.
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(text=dumps(data), status=status, content_type="application/json", headers=headers)
+
+
+def openai_error_response(error: ApiError) -> web.Response:
+    return json_response(openai_error_body(error), status=error.status, headers=error.headers or None)

@@ -1,0 +1,814 @@
+"""Engine core: pages, scheduling, sampling, detokenization, stops and the step loop.
+
+No model is needed: the loop tests use `FakeRunner`, a deterministic test double of
+helios.engine.runner.Runner whose "KV pool" stores token ids, so each row's history is read back
+through its block table exactly as the real graph gathers K/V. Logits are a function of the full
+context (history + new tokens): wrong page tables, lost history or cross-talk between sequences
+change the output, which the equivalence tests below would catch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from helios.engine.api import FinishReason, GenerationEvent, GenerationRequest, SamplingParams
+from helios.engine.block_manager import BlockManager, OutOfPages
+from helios.engine.detokenizer import IncrementalDetokenizer
+from helios.engine.engine import Engine
+from helios.engine.sampler import apply_penalties, candidates, sample, token_logprob
+from helios.engine.scheduler import Scheduler
+from helios.engine.sequence import Sequence, SequenceStatus
+from helios.engine.stops import StopStringMatcher
+from helios.manifest import (
+    Architecture,
+    Identity,
+    KVLayout,
+    Limits,
+    Logprobs,
+    Manifest,
+    Parsers,
+    Sampling,
+    SamplingDefaults,
+    TemplateSpec,
+    TokenizerSpec,
+)
+
+# -- a tiny byte-level BPE tokenizer: token id == byte value for single bytes ------------------
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (what ByteLevel uses)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+B2U = _bytes_to_unicode()
+MERGES = [("h", "e"), ("l", "l"), ("he", "ll"), ("hell", "o"), ("Ġ", "w"), ("o", "r"), ("Ġw", "or")]
+EOS = 256 + len(MERGES)  # <|endoftext|>
+IM_END = EOS + 1  # <|im_end|>
+VOCAB = IM_END + 1
+
+
+def byte_ids(text: str | bytes) -> list[int]:
+    data = text.encode() if isinstance(text, str) else text
+    return list(data)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Tokenizer:
+    vocab = {B2U[b]: b for b in range(256)}
+    for a, b in MERGES:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=MERGES))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True), AddedToken("<|im_end|>", special=True)])
+    assert tok.get_vocab_size() == VOCAB and tok.token_to_id("<|endoftext|>") == EOS
+    return tok
+
+
+@pytest.fixture(scope="module")
+def core_dir(tmp_path_factory, tokenizer) -> Path:
+    folder = tmp_path_factory.mktemp("core")
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def make_manifest(
+    *,
+    page_tokens: int = 4,
+    kv_pages: int = 256,
+    context_length: int = 256,
+    max_concurrency: int = 4,
+    prefill_chunk_size: int = 16,
+    max_batch_tokens: int = 32,
+) -> Manifest:
+    return Manifest(
+        identity=Identity(recipe="test", checkpoint_id="fake", checkpoint_sha256="0" * 64),
+        architecture=Architecture(
+            family="qwen2", num_layers=1, hidden_size=8, intermediate_size=16, num_heads=1,
+            num_kv_heads=1, head_dim=8, vocab_size=VOCAB, rope_theta=1e6, rms_norm_eps=1e-6,
+            max_position_embeddings=context_length, tie_word_embeddings=True, attention_bias=True,
+        ),
+        precision="fp32",
+        limits=Limits(
+            context_length=context_length, max_concurrency=max_concurrency,
+            prefill_chunk_size=prefill_chunk_size, max_batch_tokens=max_batch_tokens,
+            default_max_tokens=16, kv_pages=kv_pages,
+        ),
+        kv=KVLayout(page_tokens=page_tokens, num_layers=1, kv_heads=1, head_dim=8),
+        engines=[],
+        tokenizer=TokenizerSpec(
+            file="tokenizer.json", bos_token_id=None, eos_token_ids=[EOS, IM_END], pad_token_id=None,
+            add_bos=False,
+        ),
+        template=TemplateSpec(file=None),
+        sampling=Sampling(defaults=SamplingDefaults()),
+        parsers=Parsers(),
+        logprobs=Logprobs(max_top_logprobs=20, explicit_token_ids=False, prompt_logprobs=False),
+        decode_weight_bytes=0,
+    )
+
+
+# -- the runner test double -------------------------------------------------------------------
+
+
+class FakeRunner:
+    """Implements Runner.step: reads history through block tables, writes new tokens into pages.
+
+    Next-token logits: for a context that extends a scripted prompt, a one-hot (+100) on the
+    script's next token; otherwise pseudo-random logits seeded by a hash of the whole context.
+    """
+
+    def __init__(self, num_pages: int, page_tokens: int, scripts: dict[tuple, list[int]] | None = None):
+        self.num_pages = num_pages
+        self.page_tokens = page_tokens
+        self.pool = np.full((num_pages, page_tokens), -1, dtype=np.int64)
+        self.scripts = scripts or {}
+        self.steps: list[list] = []  # rows of every call, for scheduling assertions
+        self.fail_next = False
+        self.delay = 0.0
+
+    def step(self, rows):
+        self.steps.append([SimpleNamespace(**vars(r)) for r in rows])
+        if self.delay:
+            time.sleep(self.delay)
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("boom")
+        logits = np.empty((len(rows), VOCAB), dtype=np.float32)
+        for b, row in enumerate(rows):
+            n = len(row.token_ids)
+            assert n >= 1
+            end = row.history_len + n
+            assert len(row.block_table) == -(-end // self.page_tokens), "block table must cover exactly"
+            table = np.asarray(row.block_table, dtype=np.int64)
+            hist = self.pool[table].reshape(-1)[: row.history_len]
+            assert (hist >= 0).all(), "history read from a page never written"
+            pos = np.arange(row.history_len, end)
+            self.pool[table[pos // self.page_tokens], pos % self.page_tokens] = row.token_ids
+            logits[b] = self._logits(hist.tolist() + list(row.token_ids))
+        mx = logits.max(axis=1)
+        lse = (mx + np.log(np.exp(logits - mx[:, None]).sum(axis=1))).astype(np.float32)
+        lp = logits - lse[:, None]
+        ids = np.arange(VOCAB)
+        order = np.stack([np.lexsort((ids, -row)) for row in lp])[:, :20]
+        return SimpleNamespace(
+            logits=logits, logsumexp=lse, top_logprobs=np.take_along_axis(lp, order, axis=1), top_ids=order
+        )
+
+    def _logits(self, ctx: list[int]) -> np.ndarray:
+        for prompt, cont in self.scripts.items():
+            i = len(ctx) - len(prompt)
+            if 0 <= i < len(cont) and tuple(ctx[: len(prompt)]) == prompt:
+                out = np.zeros(VOCAB, dtype=np.float32)
+                out[cont[i]] = 100.0
+                return out
+        seed = zlib.crc32(np.asarray(ctx, dtype=np.int64).tobytes())
+        return (np.random.default_rng(seed).standard_normal(VOCAB) * 3).astype(np.float32)
+
+
+def make_engine(core_dir, *, scripts=None, **limits) -> tuple[Engine, FakeRunner]:
+    manifest = make_manifest(**limits)
+    runner = FakeRunner(manifest.limits.kv_pages, manifest.kv.page_tokens, scripts)
+    return Engine(core_dir, manifest, runner=runner), runner
+
+
+def req(rid: str, prompt: list[int], **sampling) -> GenerationRequest:
+    sampling.setdefault("max_tokens", 16)
+    return GenerationRequest(request_id=rid, prompt_token_ids=list(prompt), sampling=SamplingParams(**sampling))
+
+
+def collect(events: list[GenerationEvent]) -> tuple[list[int], str, GenerationEvent]:
+    assert events and events[-1].finished and not any(e.finished for e in events[:-1])
+    ids = [t for e in events for t in e.token_ids]
+    assert events[-1].completion_tokens == len(ids)
+    return ids, "".join(e.text for e in events), events[-1]
+
+
+# -- block manager ----------------------------------------------------------------------------
+
+
+def test_block_manager_alloc_share_release():
+    bm = BlockManager(num_pages=6, page_tokens=4)
+    assert bm.pages_for(0) == 0 and bm.pages_for(1) == 1 and bm.pages_for(4) == 1 and bm.pages_for(5) == 2
+    table: list[int] = []
+    bm.grow(table, 9)
+    assert len(table) == 3 and bm.num_free == 3 and all(bm.ref_count(p) == 1 for p in table)
+    bm.grow(table, 12)  # still fits in 3 pages
+    assert len(table) == 3
+    bm.share(table[:2])  # e.g. a prefix checkpoint keeps the first two pages
+    assert bm.is_shared(table[0]) and not bm.is_shared(table[2])
+    bm.release(table)
+    assert bm.num_free == 4 and bm.ref_count(table[0]) == 1
+    bm.release(table[:2])
+    assert bm.num_free == 6
+    with pytest.raises(ValueError):
+        bm.release([table[0]])
+    with pytest.raises(ValueError):
+        bm.share([table[0]])
+    assert not bm.can_grow([], 25)
+    with pytest.raises(OutOfPages):
+        bm.allocate(7)
+    pages = bm.allocate(6)
+    assert sorted(pages) == list(range(6)) and bm.num_free == 0  # page 0 is an ordinary page
+
+
+# -- scheduler (no runner: rows are committed by hand, sampled tokens appended by hand) --------
+
+
+def _seq(rid: str, n_prompt: int, arrival: int, max_tokens: int = 8, context: int = 10_000) -> Sequence:
+    return Sequence.create(req(rid, [1] * n_prompt, max_tokens=max_tokens), arrival, None, [EOS], context)
+
+
+def _advance(sched: Scheduler, batch, token: int = 7) -> None:
+    sched.commit(batch)
+    for row in batch.rows:
+        if row.samples:
+            row.seq.append_token(token)
+
+
+def test_chunked_prefill_splits_long_prompt():
+    sched = Scheduler(BlockManager(64, 4), max_concurrency=4, max_batch_tokens=64, prefill_chunk_size=32)
+    seq = _seq("a", 100, 0)
+    sched.add(seq)
+    sizes = []
+    for _ in range(4):
+        batch = sched.schedule()
+        assert len(batch.rows) == 1
+        row = batch.rows[0]
+        sizes.append((row.start, row.num_tokens, row.samples))
+        assert len(seq.page_table) == -(-(row.start + row.num_tokens) // 4)
+        _advance(sched, batch)
+    assert sizes == [(0, 32, False), (32, 32, False), (64, 32, False), (96, 4, True)]
+    batch = sched.schedule()
+    assert [(r.start, r.num_tokens, r.is_decode) for r in batch.rows] == [(100, 1, True)]
+
+
+def test_decode_rows_first_and_batch_token_budget():
+    sched = Scheduler(BlockManager(256, 4), max_concurrency=8, max_batch_tokens=20, prefill_chunk_size=16)
+    a = _seq("a", 5, 0)
+    sched.add(a)
+    _advance(sched, sched.schedule())  # a is now decoding
+    for i, n in enumerate([40, 40, 3]):
+        sched.add(_seq(f"p{i}", n, i + 1))
+    seen = []
+    for _ in range(12):
+        batch = sched.schedule()
+        if not batch.rows:
+            break
+        assert batch.num_tokens <= 20
+        kinds = [r.is_decode for r in batch.rows]
+        assert kinds == sorted(kinds, reverse=True), "decode rows come first"
+        assert all(r.num_tokens <= 16 for r in batch.rows)
+        seen.append([(r.seq.request_id, r.num_tokens) for r in batch.rows])
+        _advance(sched, batch)
+    # Step 1: a's decode, then p0 gets a full chunk and p1 the rest of the budget.
+    assert seen[0] == [("a", 1), ("p0", 16), ("p1", 3)]
+    # The short prompt behind the long ones is admitted in order, not ahead of them.
+    first = {rid: next(i for i, s in enumerate(seen) if any(r == rid for r, _ in s)) for rid in ("p0", "p1", "p2")}
+    assert first["p0"] <= first["p1"] <= first["p2"]
+
+
+def test_max_concurrency_bounds_active_sequences():
+    sched = Scheduler(BlockManager(256, 4), max_concurrency=2, max_batch_tokens=64, prefill_chunk_size=8)
+    seqs = [_seq(f"s{i}", 10, i, max_tokens=3) for i in range(5)]
+    for seq in seqs:
+        sched.add(seq)
+    order = []
+    while sched.has_work():
+        batch = sched.schedule()
+        assert len(sched.running) <= 2
+        _advance(sched, batch)
+        for row in batch.rows:
+            if row.seq.num_generated >= 3:
+                order.append(row.seq.request_id)
+                sched.finish(row.seq, FinishReason.LENGTH)
+    assert order == [f"s{i}" for i in range(5)]  # FCFS completion for equal work
+    assert sched.bm.num_free == 256
+
+
+def test_fcfs_admission_never_overtakes_the_head():
+    # 10 pages of 4 tokens. A big request waits behind a running one; a small one arriving later
+    # would fit but must not overtake it.
+    sched = Scheduler(BlockManager(10, 4), max_concurrency=4, max_batch_tokens=64, prefill_chunk_size=64)
+    a, big, small = _seq("a", 20, 0), _seq("big", 34, 1), _seq("small", 5, 2)
+    for s in (a, big, small):
+        sched.add(s)
+    batch = sched.schedule()
+    assert [r.seq.request_id for r in batch.rows] == ["a"]  # big needs 9 pages, 4 left
+    _advance(sched, batch)
+    assert [s.request_id for s in sched.waiting] == ["big", "small"]
+    sched.finish(a, FinishReason.STOP)
+    batch = sched.schedule()
+    assert [r.seq.request_id for r in batch.rows] == ["big"]  # small (2 pages) does not fit beside it
+    _advance(sched, batch)
+    sched.finish(big, FinishReason.STOP)
+    assert [r.seq.request_id for r in sched.schedule().rows] == ["small"]
+
+
+def test_preemption_frees_newest_and_requeues_it_first():
+    # Concurrency 2 keeps "later" queued behind the two running sequences.
+    sched = Scheduler(BlockManager(6, 4), max_concurrency=2, max_batch_tokens=64, prefill_chunk_size=64)
+    old, new, later = _seq("old", 7, 0), _seq("new", 7, 1), _seq("later", 3, 2)
+    for s in (old, new):
+        sched.add(s)
+    _advance(sched, sched.schedule())  # both prefilled: 2 pages each, 2 free
+    sched.add(later)
+    preempted = []
+    for _ in range(12):
+        batch = sched.schedule()
+        preempted += [s.request_id for s in batch.preempted]
+        assert sched.bm.num_free >= 0
+        _advance(sched, batch)
+        if preempted:
+            break
+    assert preempted == ["new"]  # the newest running sequence, never the oldest
+    assert new.status is SequenceStatus.WAITING and new.page_table == [] and new.num_computed_tokens == 0
+    assert new.num_generated > 0  # generated tokens are kept, to be recomputed
+    assert sched.waiting[0] is new  # back at the front, ahead of the later arrival
+    sched.finish(old, FinishReason.STOP)
+    batch = sched.schedule()
+    assert batch.rows[0].seq is new and batch.rows[0].start == 0 and batch.rows[0].num_tokens == new.num_tokens
+    assert batch.rows[0].samples  # the recompute ends by sampling the next token
+
+
+def test_sequence_that_cannot_fit_alone_finishes_with_length():
+    sched = Scheduler(BlockManager(4, 4), max_concurrency=4, max_batch_tokens=64, prefill_chunk_size=64)
+    huge, ok = _seq("huge", 16, 0), _seq("ok", 3, 1)  # 16 + 1 tokens need 5 pages > 4
+    sched.add(huge)
+    sched.add(ok)
+    batch = sched.schedule()
+    assert batch.finished == [huge] and huge.finish_reason is FinishReason.LENGTH
+    assert [r.seq for r in batch.rows] == [ok]
+    assert sched.bm.num_free == 3
+
+
+# -- sampler ----------------------------------------------------------------------------------
+
+
+class Row:
+    def __init__(self, seed=None, prompt=(), output=(), **params):
+        self.sampling = SamplingParams(seed=seed, **params)
+        self.rng = np.random.default_rng(seed)
+        self.prompt_unique_ids = np.unique(np.asarray(prompt, dtype=np.int64))
+        self.output_ids = list(output)
+
+
+def _draws(logits_row: np.ndarray, n: int, **params) -> np.ndarray:
+    row = Row(seed=0, **params)
+    return np.array([sample(logits_row[None], [row])[0] for _ in range(n)])
+
+
+def test_seeded_sampling_is_independent_of_batch_neighbours():
+    rng = np.random.default_rng(1)
+    V = 5000
+    target = rng.standard_normal(V).astype(np.float32) * 2
+    params = dict(temperature=0.9, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1)
+
+    def run(position: int, batch: int, neighbour_seed: int) -> list[int]:
+        row = Row(seed=1234, prompt=[1, 2, 3], output=[4], **params)
+        others = [
+            Row(seed=neighbour_seed + i, top_k=[-1, 3, 2000][i % 3], top_p=[1.0, 0.5, 0.99][i % 3],
+                temperature=[1.0, 0.3, 2.0][i % 3], presence_penalty=0.5, output=[1, 2])
+            for i in range(batch - 1)
+        ]
+        rows = others[:position] + [row] + others[position:]
+        out = []
+        nrng = np.random.default_rng(neighbour_seed)
+        for _ in range(40):
+            logits = nrng.standard_normal((batch, V)).astype(np.float32) * 2
+            logits[position] = target
+            out.append(int(sample(logits, rows)[position]))
+        return out
+
+    base = run(0, 1, 0)
+    assert run(3, 6, 99) == base
+    assert run(5, 9, 7) == base
+    assert len(set(base)) > 1  # actually random, not collapsed to argmax
+
+
+def kept(logits, **params) -> list[int]:
+    ids, _ = candidates(np.asarray(logits, dtype=np.float32), SamplingParams(**params))
+    return sorted(ids.tolist())
+
+
+def test_top_k_keeps_only_k_best():
+    logits = np.array([0.0, 3.0, 1.0, 2.5, -1.0, 2.9], dtype=np.float32)
+    assert kept(logits, top_k=2) == [1, 5]
+    assert kept(logits, top_k=1) == [1]
+    assert kept(logits, top_k=6) == kept(logits, top_k=-1) == kept(logits, top_k=0) == list(range(6))
+    assert set(_draws(logits, 300, top_k=3).tolist()) == {1, 3, 5}
+
+
+def test_top_p_nucleus_and_wide_fallback():
+    logits = np.log(np.array([0.05, 0.5, 0.15, 0.3]))
+    assert kept(logits, top_p=0.7) == [1, 3]  # 0.5 < 0.7, then 0.8 >= 0.7
+    assert kept(logits, top_p=0.85) == [1, 2, 3]
+    assert kept(logits, top_p=0.01) == [1]  # the best token always survives
+    # top-p renormalizes over what top-k kept: there token 1 has 0.5 / 0.8 = 0.625 >= 0.6.
+    assert kept(logits, top_p=0.6) == [1, 3]
+    assert kept(logits, top_k=2, top_p=0.6) == [1]
+    assert kept(logits, top_k=2, top_p=0.63) == [1, 3]
+    # A flat distribution whose nucleus is wider than the partitioned prefix (full sort path).
+    V = 5000
+    flat = np.random.default_rng(0).permutation(np.arange(V, dtype=np.float32) * -1e-4)
+    p = np.sort(np.exp(flat.astype(np.float64)))[::-1] / np.exp(flat.astype(np.float64)).sum()
+    expected = int(((np.cumsum(p) - p) < 0.5).sum())
+    assert expected > 2000
+    assert len(kept(flat, top_p=0.5)) == expected
+    # A wide candidate set whose nucleus is narrow (found in the prefix).
+    peaked = flat.copy()
+    peaked[123] = 20.0
+    assert kept(peaked, top_p=0.9) == [123]
+    assert set(_draws(logits.astype(np.float32), 400, top_p=0.7).tolist()) == {1, 3}
+
+
+def test_min_p_is_relative_to_the_best_token():
+    logits = np.log(np.array([0.6, 0.3, 0.1]))
+    assert kept(logits, min_p=0.2) == [0, 1]  # 0.1 < 0.2 * 0.6
+    assert kept(logits, min_p=0.1) == [0, 1, 2]
+    # After temperature: T=0.5 squares the ratios, 0.3/0.6 -> 0.25 < 0.3.
+    assert kept(logits, min_p=0.3, temperature=0.5) == [0]
+
+
+def test_far_tail_is_never_a_candidate():
+    logits = np.zeros(1000, dtype=np.float32)
+    logits[:3] = 100.0
+    assert kept(logits) == [0, 1, 2]  # e^-100 per token: below float32 resolution
+    assert len(kept(logits, temperature=4.0)) == 1000  # flatter after temperature: all count
+
+
+def _reference_kept(z: np.ndarray, s: SamplingParams) -> list[int]:
+    """Naive full-sort HF pipeline (distinct logits, so tie rules do not matter)."""
+    v = z.astype(np.float64) / s.temperature
+    alive = v >= v.max() - 35.0  # the documented far-tail cutoff (mass < 1e-10)
+    order = np.argsort(-v)
+    if 0 < s.top_k < alive.sum():
+        alive[order[s.top_k :]] = False
+    if s.top_p < 1.0:
+        p = np.where(alive, np.exp(v - v.max()), 0.0)
+        p /= p.sum()
+        ps = p[order]
+        drop = (np.cumsum(ps) - ps) >= s.top_p
+        drop[0] = False
+        alive[order[drop]] = False
+    if s.min_p > 0:
+        alive &= v >= v.max() + np.log(s.min_p)
+    return np.flatnonzero(alive).tolist()
+
+
+def test_filters_match_a_naive_full_sort_reference():
+    rng = np.random.default_rng(5)
+    for trial in range(200):
+        V = int(rng.integers(2, 6000))
+        z = (rng.standard_normal(V) * rng.choice([0.3, 2.0, 6.0])).astype(np.float32)
+        s = SamplingParams(
+            temperature=float(rng.choice([0.2, 0.7, 1.0, 1.5])),
+            top_k=int(rng.choice([-1, 1, 5, 50, 3000])),
+            top_p=float(rng.choice([1.0, 0.9, 0.5, 0.999])),
+            min_p=float(rng.choice([0.0, 0.0, 0.05])),
+        )
+        got, _ = candidates(z, s)
+        assert sorted(got.tolist()) == _reference_kept(z, s), (trial, s)
+
+
+def test_penalties_follow_hf_and_openai_semantics():
+    z = np.array([[2.0, -2.0, 1.0, 0.5]] * 3, dtype=np.float32)
+    rows = [
+        Row(prompt=[0, 1], output=[1], repetition_penalty=2.0),
+        Row(prompt=[3], output=[2, 2, 0], presence_penalty=0.5, frequency_penalty=0.25),
+        Row(prompt=[0], output=[0]),  # neutral
+    ]
+    apply_penalties(z, rows)
+    np.testing.assert_allclose(z[0], [1.0, -4.0, 1.0, 0.5])  # positive divided, negative multiplied
+    # presence once per distinct generated token, frequency per occurrence; prompt untouched.
+    np.testing.assert_allclose(z[1], [2.0 - 0.5 - 0.25, -2.0, 1.0 - 0.5 - 0.5, 0.5])
+    np.testing.assert_allclose(z[2], [2.0, -2.0, 1.0, 0.5])
+    # End to end: a strong repetition penalty moves sampling off the repeated argmax.
+    logits = np.array([5.0, 4.9, 0.0], dtype=np.float32)
+    assert set(_draws(logits, 50, temperature=1e-6).tolist()) == {0}
+    assert set(_draws(logits, 50, temperature=1e-6, output=[0], repetition_penalty=1.5).tolist()) == {1}
+
+
+def test_temperature_extremes():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal(50).astype(np.float32)
+    best = int(np.argmax(logits))
+    assert set(_draws(logits, 50, temperature=1e-7).tolist()) == {best}  # greedy path
+    assert set(_draws(logits, 50, temperature=1e-3).tolist()) == {best}  # sharpened, still sampled
+    hot = _draws(logits, 2000, temperature=1e4)
+    assert len(set(hot.tolist())) == 50  # practically uniform
+
+
+def test_non_finite_logits_fail_only_their_row():
+    logits = np.zeros((3, 8), dtype=np.float32)
+    logits[0, 2] = 5.0
+    logits[1, 3] = np.nan
+    logits[2, :7] = -np.inf  # masked tokens are fine
+    out = sample(logits, [Row(seed=0, temperature=1e-6), Row(seed=1), Row(seed=2)])
+    assert out.tolist() == [2, -1, 7]
+
+
+def test_token_logprob_uses_raw_distribution_and_breaks_ties_by_id():
+    logits = np.array([1.0, 3.0, 3.0, 0.0], dtype=np.float32)
+    lse = float(np.log(np.exp(logits).sum()))
+    top_ids = np.array([2, 1, 0, 3])  # tie between 1 and 2 in the wrong order
+    top_lp = (logits[top_ids] - lse).astype(np.float32)
+    entry = token_logprob(3, logits, lse, top_lp, top_ids, 2)
+    assert entry.token_id == 3 and entry.logprob == pytest.approx(0.0 - lse)
+    assert [t for t, _ in entry.top] == [1, 2]
+    assert token_logprob(1, logits, lse, top_lp, top_ids, 0).top == []
+
+
+# -- detokenizer and stop strings -------------------------------------------------------------
+
+
+def test_detokenizer_holds_incomplete_utf8(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, byte_ids("Say: "))
+    emoji = byte_ids("😀")  # 4 one-byte tokens
+    assert len(emoji) == 4
+    deltas = [detok.push(t) for t in byte_ids("ab") + emoji + byte_ids("!")]
+    assert deltas == ["a", "b", "", "", "", "😀", "!"]
+    # Text before an incomplete character is released immediately.
+    detok = IncrementalDetokenizer(tokenizer, [])
+    assert detok.push(tokenizer.token_to_id("hello")) == "hello"
+    assert detok.push(byte_ids("é")[0]) == ""
+    assert detok.push(EOS) == ""  # special tokens produce no text
+    assert detok.flush() == "\ufffd"  # generation ended inside a character
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer() -> Tokenizer:
+    try:
+        from tests.unit.tiny_checkpoints import qwen_tokenizer_bundle
+
+        return Tokenizer.from_str(qwen_tokenizer_bundle()["tokenizer_json"])
+    except Exception as exc:  # the GGUF is not available here
+        pytest.skip(f"real Qwen tokenizer unavailable: {exc}")
+
+
+def test_detokenizer_on_the_real_qwen_tokenizer(qwen_tokenizer):
+    tok = qwen_tokenizer
+    text = "Hi 👋🏽 naïve café — 日本語テキスト 🧑‍💻 done"
+    ids = tok.encode(text, add_special_tokens=False).ids + [tok.token_to_id("<|im_end|>")]
+    assert any(tok.decode([i]).endswith("\ufffd") for i in ids)  # some emoji really are split
+    detok = IncrementalDetokenizer(tok, tok.encode("<|im_start|>assistant\n", add_special_tokens=False).ids)
+    deltas = [detok.push(i) for i in ids] + [detok.flush()]
+    assert "".join(deltas) == text  # <|im_end|> produces no text
+    assert not any("\ufffd" in d for d in deltas)
+    # Arbitrary token streams (invalid UTF-8 included) decode like a one-shot decode.
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        ids = rng.integers(0, tok.get_vocab_size(), 40).tolist()
+        detok = IncrementalDetokenizer(tok, [1, 2, 3])
+        out = "".join(detok.push(i) for i in ids) + detok.flush()
+        assert out == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_stop_string_matcher_across_chunks():
+    m = StopStringMatcher(["STOP", "END!"])
+    assert m.feed("Hello S") == ("Hello ", None)  # "S" could start "STOP": held
+    assert m.feed("T") == ("", None)
+    assert m.feed("ART E") == ("START ", None)  # not a stop after all; "E" could start "END!"
+    assert m.feed("ND! more") == ("", "END!")
+    m = StopStringMatcher(["STOP"], include_stop=True)
+    assert m.feed("xxSTO") == ("xx", None)
+    assert m.feed("P tail") == ("STOP", "STOP")
+    m = StopStringMatcher(["aab", "b"])  # the earliest occurrence wins
+    assert m.feed("aa") == ("", None)
+    assert m.feed("ab") == ("a", "aab")
+    m = StopStringMatcher(["ab", "xyz"])
+    assert m.feed("--xy") == ("--", None)
+    assert m.feed("q") == ("xyq", None)
+    assert m.feed("x") == ("", None)
+    assert m.flush() == "x"  # ended for another reason: held text is released
+
+
+# -- engine loop ------------------------------------------------------------------------------
+
+
+def test_stop_string_split_across_tokens(core_dir):
+    prompt = byte_ids("Q:")
+    engine, _ = make_engine(core_dir, scripts={tuple(prompt): byte_ids("Hi there STOP and more")})
+    ids, text, last = collect(engine.generate(req("a", prompt, stop=["STOP"], max_tokens=50)))
+    assert text == "Hi there "
+    assert last.finish_reason is FinishReason.STOP and last.stop_reason == "STOP"
+    assert ids == byte_ids("Hi there STOP")  # the completing token is counted
+    ids, text, last = collect(
+        engine.generate(req("b", prompt, stop=["STOP"], include_stop_str_in_output=True, max_tokens=50))
+    )
+    assert text == "Hi there STOP" and last.stop_reason == "STOP"
+    # A stop landing exactly on the final allowed token reports STOP, not LENGTH.
+    ids, text, last = collect(engine.generate(req("c", prompt, stop=["STOP"], max_tokens=13)))
+    assert last.finish_reason is FinishReason.STOP and len(ids) == 13
+    ids, text, last = collect(engine.generate(req("d", prompt, stop=["STOP"], max_tokens=11)))
+    assert last.finish_reason is FinishReason.LENGTH and text == "Hi there ST"  # held text flushed
+
+
+def test_utf8_emoji_split_across_tokens_streams_whole(core_dir):
+    prompt = byte_ids(">")
+    engine, _ = make_engine(core_dir, scripts={tuple(prompt): byte_ids("a😀b") + [EOS]})
+    events = engine.generate(req("a", prompt, max_tokens=20, logprobs=1))
+    ids, text, last = collect(events)
+    assert text == "a😀b" and last.finish_reason is FinishReason.STOP and last.stop_reason is None
+    assert [e.text for e in events] == ["a", "", "", "", "😀", "b", ""]
+    assert ids[-1] == EOS and len(ids) == 7
+    # One logprob entry per token except the terminating EOS, even where no text was released.
+    assert [len(e.logprobs) for e in events] == [1, 1, 1, 1, 1, 1, 0]
+
+
+def test_stop_token_ids_eos_and_ignore_eos(core_dir):
+    prompt = byte_ids("go")
+    script = byte_ids("xy") + [EOS] + byte_ids("zw") + [IM_END] + byte_ids("tail")
+    engine, _ = make_engine(core_dir, scripts={tuple(prompt): script})
+    ids, text, last = collect(engine.generate(req("eos", prompt, max_tokens=50)))
+    assert text == "xy" and ids == byte_ids("xy") + [EOS] and last.stop_reason is None
+    ids, text, last = collect(engine.generate(req("stopid", prompt, max_tokens=50, stop_token_ids=[ord("z")])))
+    assert text == "xy" and ids == byte_ids("xy") + [EOS] and last.stop_reason is None  # EOS came first
+    events = engine.generate(req("ign", prompt, max_tokens=50, ignore_eos=True, stop_token_ids=[ord("w")], logprobs=0))
+    ids, text, last = collect(events)
+    assert text == "xyz" and ids == script[:5]
+    assert last.finish_reason is FinishReason.STOP and last.stop_reason == ord("w")
+    assert sum(len(e.logprobs) for e in events) == 4  # EOS under ignore_eos keeps its entry; w has none
+    ids, text, last = collect(engine.generate(req("len", prompt, max_tokens=5, ignore_eos=True)))
+    assert last.finish_reason is FinishReason.LENGTH and text == "xyzw" and len(ids) == 5
+    # EOS on the last allowed token is STOP.
+    ids, text, last = collect(engine.generate(req("eos-last", prompt, max_tokens=3)))
+    assert last.finish_reason is FinishReason.STOP and len(ids) == 3
+
+
+def test_logprobs_are_raw_and_counts_are_cumulative(core_dir):
+    engine, runner = make_engine(core_dir)
+    prompt = byte_ids("logprobs please")
+    events = engine.generate(req("a", prompt, max_tokens=6, logprobs=3, temperature=0.5, top_k=5, seed=3))
+    assert [e.completion_tokens for e in events] == [1, 2, 3, 4, 5, 6]
+    assert all(e.prompt_tokens == len(prompt) and e.cached_tokens == 0 for e in events)
+    ctx = list(prompt)
+    for e in events:
+        (tok,) = e.token_ids
+        raw = runner._logits(ctx).astype(np.float64)
+        lse = np.log(np.exp(raw - raw.max()).sum()) + raw.max()
+        (entry,) = e.logprobs
+        assert entry.token_id == tok and entry.logprob == pytest.approx(raw[tok] - lse, abs=1e-4)
+        assert [t for t, _ in entry.top] == np.argsort(-raw, kind="stable")[:3].tolist()
+        ctx.append(tok)
+
+
+def test_context_length_bounds_output(core_dir):
+    engine, _ = make_engine(core_dir, context_length=16)
+    ids, _, last = collect(engine.generate(req("a", [5] * 10, max_tokens=100, ignore_eos=True)))
+    assert len(ids) == 6 and last.finish_reason is FinishReason.LENGTH
+
+
+def test_submit_validation(core_dir):
+    engine, _ = make_engine(core_dir, context_length=16)
+    with pytest.raises(ValueError, match="context"):
+        engine.submit(req("a", [5] * 16), lambda e: None)
+    with pytest.raises(ValueError):
+        engine.submit(req("b", []), lambda e: None)
+    with pytest.raises(ValueError):
+        engine.submit(req("c", [VOCAB]), lambda e: None)
+    with pytest.raises(ValueError):
+        engine.submit(req("d", [1], logprobs=21), lambda e: None)
+    engine.submit(req("e", [1]), lambda e: None)
+    with pytest.raises(ValueError, match="already active"):
+        engine.submit(req("e", [1]), lambda e: None)
+
+
+def test_pool_too_small_for_prompt_finishes_with_length(core_dir):
+    engine, _ = make_engine(core_dir, kv_pages=3, page_tokens=4)
+    ids, text, last = collect(engine.generate(req("a", [5] * 12)))
+    assert ids == [] and last.finish_reason is FinishReason.LENGTH
+    assert engine.stats().free_pages == 3
+
+
+def _run_all(engine: Engine, requests: list[GenerationRequest]) -> dict[str, list[int]]:
+    results: dict[str, list[GenerationEvent]] = {r.request_id: [] for r in requests}
+    for r in requests:
+        engine.submit(r, results[r.request_id].append)
+    while any(not ev or not ev[-1].finished for ev in results.values()):
+        engine.step()
+    return {rid: collect(ev)[0] for rid, ev in results.items()}
+
+
+def test_preempted_sequences_complete_with_the_same_output(core_dir):
+    reqs = lambda: [  # noqa: E731
+        req(f"r{i}", byte_ids(f"prompt {i}!"), max_tokens=24, seed=100 + i, ignore_eos=True,
+            temperature=0.8, top_p=0.95)
+        for i in range(4)
+    ]
+    roomy, _ = make_engine(core_dir, kv_pages=256)
+    expected = _run_all(roomy, reqs())
+    # Alone, each needs ceil((9 + 24) / 4) = 9 pages; four at once cannot fit in 12.
+    tight, runner = make_engine(core_dir, kv_pages=12)
+    got = _run_all(tight, reqs())
+    stats = tight.stats()
+    assert stats.preempted_total > 0
+    assert got == expected
+    assert stats.free_pages == 12 and stats.active == 0 and stats.pending == 0
+    assert stats.completed_total == 4 and stats.admitted_total == 4
+    assert stats.generated_tokens_total == 4 * 24
+    # Each request alone gives the same output as in a batch (no cross-talk between rows).
+    for r in reqs()[:2]:
+        alone, _ = make_engine(core_dir, kv_pages=256)
+        assert collect(alone.generate(r))[0] == expected[r.request_id]
+
+
+def test_abort_waiting_and_running_requests(core_dir):
+    engine, _ = make_engine(core_dir, max_concurrency=1)
+    events: dict[str, list[GenerationEvent]] = {"run": [], "wait": []}
+    engine.submit(req("run", [1, 2, 3], max_tokens=100, ignore_eos=True), events["run"].append)
+    engine.submit(req("wait", [4, 5], max_tokens=100, ignore_eos=True), events["wait"].append)
+    for _ in range(3):
+        engine.step()
+    assert engine.stats().active == 1 and engine.stats().pending == 1 and len(events["run"]) == 3
+    assert engine.abort("wait") and engine.abort("run")
+    engine.step()
+    for rid in ("run", "wait"):
+        last = events[rid][-1]
+        assert last.finished and last.finish_reason is FinishReason.ABORT and last.token_ids == []
+    stats = engine.stats()
+    assert stats.free_pages == stats.total_pages and stats.active == stats.pending == 0
+    assert stats.cancelled_total == 2 and stats.completed_total == 0
+    assert not engine.abort("run")
+    engine.submit(req("run", [1]), lambda e: None)  # the id is free again
+
+
+def test_thread_loop_concurrent_submit_abort_and_errors(core_dir):
+    engine, runner = make_engine(core_dir, max_concurrency=3)
+    runner.delay = 0.002
+    engine.start()
+    try:
+        expected = {}
+        for i in range(3):
+            solo, _ = make_engine(core_dir)
+            expected[f"s{i}"] = collect(solo.generate(req(f"s{i}", byte_ids(f"t{i}"), seed=i, max_tokens=12)))[0]
+        results: dict[str, list] = {}
+
+        def client(i: int) -> None:
+            request = req(f"s{i}", byte_ids(f"t{i}"), seed=i, max_tokens=12)
+            results[f"s{i}"] = collect(engine.generate(request, timeout=20))[0]
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert results == expected
+
+        # Abort: a final ABORT event, pages back, counted as cancelled.
+        events: list[GenerationEvent] = []
+        done = threading.Event()
+        engine.submit(req("long", [3, 4], max_tokens=10_000, ignore_eos=True),
+                      lambda e: (events.append(e), e.finished and done.set()))
+        while not events:
+            time.sleep(0.001)
+        assert engine.abort("long")
+        assert done.wait(10)
+        assert events[-1].finish_reason is FinishReason.ABORT and events[-1].finished
+        assert not engine.abort("long")  # no longer live
+
+        # A failing step fails its requests with ERROR; the loop survives.
+        runner.fail_next = True
+        ev = engine.generate(req("bad", [1, 2]), timeout=10)
+        assert ev[-1].finish_reason is FinishReason.ERROR and "boom" in ev[-1].error
+        assert collect(engine.generate(req("good", [1, 2], max_tokens=3), timeout=10))[2].finished
+
+        # Idle: the loop sleeps (no steps without work).
+        time.sleep(0.05)
+        steps = engine.stats().steps_total
+        time.sleep(0.1)
+        stats = engine.stats()
+        assert stats.steps_total == steps
+        assert stats.free_pages == stats.total_pages and stats.active == 0
+        assert stats.cancelled_total == 1 and stats.failed_total == 1
+        assert stats.step_seconds_total > stats.schedule_seconds_total > 0
+    finally:
+        engine.shutdown()
+    with pytest.raises(RuntimeError):
+        engine.submit(req("late", [1]), lambda e: None)
+
+
+def test_shutdown_fails_unfinished_requests(core_dir):
+    engine, runner = make_engine(core_dir)
+    events: list[GenerationEvent] = []
+    engine.submit(req("x", [1, 2, 3], max_tokens=10_000, ignore_eos=True), events.append)
+    engine.step()
+    engine.shutdown()
+    assert events[-1].finished and events[-1].finish_reason is FinishReason.ERROR
