@@ -62,7 +62,7 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
     from ignition.checkpoints.load import load_checkpoint, peek_family
     from ignition.export.graph import export_step_graph
     from ignition.export.quantize import quantize
-    from ignition.export.validate import validate
+    from ignition.export.validate import ParityError, validate
     from ignition.models import build_model
 
     recipe, out = options.recipe, Path(options.out)
@@ -130,7 +130,10 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
 
         progress("validate", "comparing engine logits with the torch reference")
         prompt_ids = _validation_prompt(engine_dir / tokenizer_spec.file, checkpoint)
-        manifest.parity = validate(engine_dir, manifest, model, prompt_ids, precision=options.precision)
+        try:
+            manifest.parity = validate(engine_dir, model, kv, prompt_ids, precision=options.precision)
+        except ParityError as exc:
+            raise ExportError(str(exc)) from None
 
         progress("write", f"writing {out}")
         manifest.files = {
