@@ -34,6 +34,7 @@ def serve(
     max_concurrency: Optional[int] = typer.Option(None, help="active sequences the engine batches"),
     kv_pages: Optional[int] = typer.Option(None, help="KV pool size in pages"),
     threads: Optional[int] = typer.Option(None, help="engine compute threads"),
+    dashboard: bool = typer.Option(False, "--dashboard", help="show the `helios top` dashboard while serving"),
 ) -> None:
     """Serve CORE over the OpenAI-compatible HTTP API."""
     from aiohttp import web
@@ -75,9 +76,43 @@ def serve(
             auth = "key required" if settings.api_key else "no auth"
             console.print(f"[bold green]helios[/] serving [bold]{escape(manifest.model_id)}[/] at {escape(url)}/v1 ({auth})")
 
-        web.run_app(application, host=settings.host, port=settings.port, print=ready, access_log=None)
+        stop = _start_dashboard(settings) if dashboard else None
+        try:
+            web.run_app(application, host=settings.host, port=settings.port, print=ready, access_log=None)
+        finally:
+            if stop is not None:
+                stop.set()
     finally:
         engine.shutdown()
+
+
+def _start_dashboard(settings: ServerConfig):  # noqa: ANN202 - returns a threading.Event
+    """Run the dashboard in a daemon thread against this server's own /metrics."""
+    import threading
+
+    from helios import dashboard as top
+
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    url = f"http://{host}:{settings.port}"
+    stop = threading.Event()
+    threading.Thread(target=top.run, args=(url,), kwargs={"stop": stop}, name="helios-dashboard",
+                     daemon=True).start()
+    return stop
+
+
+@app.command()
+def top(
+    url: str = typer.Argument("http://127.0.0.1:8000", help="base URL of a helios server"),
+    interval: float = typer.Option(1.0, min=0.1, help="seconds between polls"),
+    history: int = typer.Option(60, min=2, help="samples kept for the sparklines"),
+) -> None:
+    """Live dashboard of a server's rates: tokens/s, requests, KV pages, cache reuse, WEIGHTS."""
+    from helios import dashboard as top_view
+
+    try:
+        top_view.run(url, interval=interval, history=history)
+    except KeyboardInterrupt:
+        pass
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -116,6 +116,25 @@ def tiny_server(tiny_core) -> Iterator[Server]:
     server.stop()
 
 
+# The keyed tiny server: authentication on, few admission slots and a small body limit, so the
+# transport rules (401, 429, 413) are reachable quickly.
+TINY_API_KEY = "tiny-serving-key"
+TINY_ADMISSION_SLOTS = 4
+TINY_MAX_BODY_BYTES = 1 << 20
+
+
+@pytest.fixture(scope="session")
+def tiny_keyed_server(tiny_core, tmp_path_factory) -> Iterator[Server]:
+    folder = tmp_path_factory.mktemp("keyed")
+    (folder / "key").write_text(TINY_API_KEY + "\n")
+    (folder / "helios.toml").write_text(
+        f"[server]\nhttp_admission_slots = {TINY_ADMISSION_SLOTS}\nmax_body_bytes = {TINY_MAX_BODY_BYTES}\n"
+    )
+    server = Server(tiny_core, "--api-key-file", str(folder / "key"), "--config", str(folder / "helios.toml"))
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def default_server(default_core) -> Iterator[Server]:
     server = Server(default_core)

@@ -13,13 +13,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from helios.engine.api import FinishReason, GenerationEvent, TokenLogprob
+from helios.engine.api import FinishReason, GenerationEvent, SamplingParams, TokenLogprob
 from helios.frontend.errors import RequestError
-from helios.frontend.sampling import require_bool, require_int
+from helios.frontend.sampling import DISTRIBUTION_FIELDS, SamplingFields, require_bool, require_int, resolve_sampling
 from helios.frontend.tokenizer import Tokenizer
+from helios.manifest import Manifest
 from helios.server.errors import ApiError, openai_error_body
 
 NONFINITE_LOGPROB = -9999.0
+INT32_MAX = (1 << 31) - 1
 
 
 # -- request field readers (RequestError -> HTTP 400) -------------------------------------------
@@ -47,6 +49,26 @@ def choice_count(body: dict[str, Any]) -> int:
     if n < 1:
         raise RequestError("n must be at least 1", param="n")
     return n
+
+
+def request_sampling(body: dict[str, Any], manifest: Manifest, *, stop_name: str = "stop",
+                     logprobs: int | None = None) -> SamplingParams:
+    """The request's sampling fields (native extensions included) resolved against the core's
+    prepared policy; max_tokens and per-choice seeds are set by the caller."""
+    return resolve_sampling(
+        SamplingFields(
+            values={name: body.get(name) for name in DISTRIBUTION_FIELDS},
+            seed=body.get("seed"),
+            stop=body.get(stop_name),
+            stop_name=stop_name,
+            stop_token_ids=body.get("stop_token_ids"),
+            ignore_eos=body.get("ignore_eos"),
+            include_stop_str_in_output=body.get("include_stop_str_in_output"),
+            logprobs=logprobs,
+        ),
+        manifest.sampling,
+        manifest.architecture.vocab_size,
+    )
 
 
 @dataclass
@@ -80,6 +102,19 @@ def reject_unsupported_extensions(body: dict[str, Any]) -> None:
     for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
         if body.get(name) is not None:
             raise RequestError(f"{name} is not supported yet", param=name)
+
+
+def check_thinking_token_budget(body: dict[str, Any], has_reasoning: bool) -> None:
+    """An explicit budget: a positive 32-bit integer, only on cores with reasoning syntax."""
+    if body.get("thinking_token_budget") is None:
+        return
+    budget = require_int(body["thinking_token_budget"], "thinking_token_budget")
+    if not 1 <= budget <= INT32_MAX:
+        raise RequestError("thinking_token_budget must be a positive 32-bit integer", param="thinking_token_budget")
+    if not has_reasoning:
+        raise RequestError("thinking_token_budget needs a model core with reasoning syntax",
+                           param="thinking_token_budget")
+    raise RequestError("thinking_token_budget is not supported yet", param="thinking_token_budget")
 
 
 def check_logprob_token_ids(body: dict[str, Any], logprobs_enabled: bool) -> None:

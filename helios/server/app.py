@@ -1,7 +1,8 @@
 """The aiohttp application: routes, authentication, error shapes, lifecycle.
 
 Routes are thin: each protocol module owns its decoding and encoding; this module owns what
-every route shares (auth, WebSocket refusal, JSON 404/405, in-flight accounting).
+every route shares (auth, WebSocket refusal, JSON 404/405, in-flight accounting) and picks each
+route's error shape (OpenAI, Anthropic Messages, Ollama discovery).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from helios.frontend.errors import RequestError
 from helios.frontend.template import ChatTemplate
 from helios.frontend.tokenizer import Tokenizer
 from helios.manifest import Manifest
-from helios.protocols import chat, completions, models
+from helios.protocols import chat, completions, messages, models, ollama, responses
 from helios.server import metrics
 from helios.server.admission import Admission
 from helios.server.config import ConfigError, ServerConfig
@@ -28,8 +29,10 @@ from helios.server.errors import (
     ApiError,
     bad_request,
     json_response,
+    messages_error_response,
     method_not_allowed,
     not_found,
+    ollama_error_response,
     openai_error_response,
     server_error,
     unauthorized,
@@ -44,7 +47,9 @@ STATE_KEY = web.AppKey("flare_state", dict)
 
 # Aggregate-only routes anyone may read (api.md: no request content is exposed there).
 OPEN_PATHS = frozenset({"/health", "/metrics"})
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+# Anthropic routes: Messages error shape, and x-api-key accepted next to Bearer.
+ANTHROPIC_PREFIX = "/v1/messages"
+OLLAMA_PREFIX = "/api/"
 
 Handler = Callable[[web.Request, ServerContext], Awaitable[web.StreamResponse]]
 
@@ -98,6 +103,11 @@ def create_app(manifest: Manifest, core_dir: Path, engine: Any, config: ServerCo
     app.router.add_get("/v1/models/{model:.*}", route(models.retrieve_model))
     app.router.add_post("/v1/chat/completions", route(chat.handle, generation=True))
     app.router.add_post("/v1/completions", route(completions.handle, generation=True))
+    app.router.add_post("/v1/messages", route(messages.handle, generation=True))
+    app.router.add_post("/v1/messages/count_tokens", route(messages.handle_count))
+    app.router.add_post("/v1/responses", route(responses.handle, generation=True))
+    app.router.add_get("/api/tags", route(ollama.tags))
+    app.router.add_post("/api/show", route(ollama.show))
 
     async def on_shutdown(_: web.Application) -> None:
         app[STATE_KEY]["serving"] = False
@@ -112,28 +122,61 @@ def create_app(manifest: Manifest, core_dir: Path, engine: Any, config: ServerCo
 
 # -- middlewares -----------------------------------------------------------------------------------
 
+def is_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
+def error_renderer(path: str) -> Callable[[ApiError], web.Response]:
+    """Each protocol's error shape, chosen by route so errors raised before a handler runs
+    (auth, body limits, encodings, 404/405) already speak the client's protocol."""
+    if is_anthropic(path):
+        return messages_error_response
+    if path.startswith(OLLAMA_PREFIX):
+        return ollama_error_response
+    return openai_error_response
+
+
 @web.middleware
 async def _error_middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
+    render = error_renderer(request.path)
     if request.headers.get("Upgrade", "").lower() == "websocket":
-        return openai_error_response(bad_request("WebSocket connections are not supported; use HTTP or SSE"))
+        return render(bad_request("WebSocket connections are not supported; use HTTP or SSE"))
     try:
         return await handler(request)
     except ApiError as exc:
-        return openai_error_response(exc)
+        return render(exc)
     except RequestError as exc:
-        return openai_error_response(ApiError.from_request_error(exc))
+        return render(ApiError.from_request_error(exc))
     except web.HTTPNotFound:
-        return openai_error_response(not_found(f"no route for {request.method} {request.path}"))
+        return render(not_found(f"no route for {request.method} {request.path}"))
     except web.HTTPMethodNotAllowed:
-        return openai_error_response(method_not_allowed(f"{request.method} is not allowed on {request.path}"))
+        return render(method_not_allowed(f"{request.method} is not allowed on {request.path}"))
     except web.HTTPException as exc:
         if exc.status == 413:
-            return openai_error_response(ApiError(413, "request_too_large", exc.text or "request too large",
-                                                  "request_too_large"))
-        return openai_error_response(ApiError(exc.status, "invalid_request_error", exc.reason))
+            return render(ApiError(413, "request_too_large", exc.text or "request too large", "request_too_large"))
+        return render(ApiError(exc.status, "invalid_request_error", exc.reason))
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return openai_error_response(server_error("internal server error"))
+        return render(server_error("internal server error"))
+
+
+def _key_matches(presented: str, key: str) -> bool:
+    return hmac.compare_digest(presented.encode(), key.encode())
+
+
+def authorized(headers: Any, key: str, anthropic: bool) -> bool:
+    """OpenAI routes: Authorization: Bearer KEY. Anthropic routes also accept x-api-key: KEY;
+    when both headers are sent, both must match."""
+    presented: list[str] = []
+    header = headers.get("Authorization")
+    if header is not None:
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        presented.append(token.strip())
+    if anthropic and headers.get("x-api-key") is not None:
+        presented.append(headers["x-api-key"].strip())
+    return bool(presented) and all(_key_matches(p, key) for p in presented)
 
 
 @web.middleware
@@ -141,9 +184,10 @@ async def _auth_middleware(request: web.Request, handler: Callable) -> web.Strea
     ctx = request.app[CTX_KEY]
     key = ctx.config.api_key
     if key and request.path not in OPEN_PATHS:
-        header = request.headers.get("Authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        anthropic = is_anthropic(request.path)
+        if not authorized(request.headers, key, anthropic):
+            if anthropic:
+                raise unauthorized("a valid API key is required (x-api-key: KEY or Authorization: Bearer KEY)")
             raise unauthorized()
     return await handler(request)
 
@@ -156,7 +200,8 @@ async def health(request: web.Request) -> web.Response:
     ctx = request.app[CTX_KEY]
     try:
         ctx.engine.stats()
-        healthy = bool(getattr(ctx.engine, "running", True))  # the engine thread is alive
+        check = getattr(ctx.engine, "healthy", None)  # the step loop is alive and accepting work
+        healthy = bool(check()) if callable(check) else True
     except Exception as exc:  # the runtime cannot even report
         raise unavailable(f"the model runtime is unavailable: {exc}") from None
     if not healthy:

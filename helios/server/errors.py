@@ -1,8 +1,10 @@
 """HTTP errors in the OpenAI shape and the status mapping of api.md "Transport and admission".
 
-Chat Completions, Completions (and later Responses) errors are
-{"error": {"type", "message", "param": null, "code"}}. Other protocols (Messages) render the
-same `ApiError` in their own shape.
+Chat Completions, Completions and Responses errors are
+{"error": {"type", "message", "param": null, "code"}}; Messages errors are
+{"type": "error", "error": {"type", "message"}} with api_error for 5xx; Ollama discovery errors
+are {"error": "message"}. Every route raises the same `ApiError`; the renderer of its protocol
+picks the shape (see `app.error_renderer`).
 """
 
 from __future__ import annotations
@@ -91,3 +93,27 @@ def json_response(data: Any, status: int = 200, headers: dict[str, str] | None =
 
 def openai_error_response(error: ApiError) -> web.Response:
     return json_response(openai_error_body(error), status=error.status, headers=error.headers or None)
+
+
+# Anthropic's error types by status; everything 5xx is api_error (api.md).
+_MESSAGES_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                   413: "request_too_large", 429: "rate_limit_error"}
+
+
+def messages_error_body(error: ApiError) -> dict[str, Any]:
+    if error.status >= 500:
+        kind = "api_error"
+    else:
+        kind = _MESSAGES_TYPES.get(error.status, "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def messages_error_response(error: ApiError) -> web.Response:
+    return json_response(messages_error_body(error), status=error.status, headers=error.headers or None)
+
+
+def ollama_error_response(error: ApiError) -> web.Response:
+    """Ollama discovery errors are {"error": "message"}; authentication stays OpenAI-shaped (api.md)."""
+    if error.status == 401:
+        return openai_error_response(error)
+    return json_response({"error": error.message}, status=error.status, headers=error.headers or None)

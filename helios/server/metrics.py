@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from helios.server.errors import bad_request
 
@@ -68,6 +68,68 @@ class HttpStats:
     rejected_rate_limited: int = 0
 
 
+# Image preparation and prepared-input caches: text-only cores never touch them, so they stay
+# zero; their names are part of the JSON object (api.md) as well as the text.
+INPUT_METRICS = (
+    "input_decoded_images_total",
+    "input_image_cache_hits_total",
+    "input_image_cache_misses_total",
+    "input_prepared_cache_hits_total",
+    "input_prepared_cache_misses_total",
+)
+CHECKPOINT_ROLES = ("anchor", "message", "endpoint")
+CHECKPOINT_SKIP_REASONS = ("unknown_cost", "work_budget", "storage")
+HOST_TIERS = ("dram", "nvme")
+HOST_DROP_REASONS = ("end_of_chain", "oversize", "io_error")
+HOST_HISTOGRAMS = (
+    ("flare_host_cache_missing_tokens", "Prompt tokens a host prefix-store lookup could not cover"),
+    ("flare_host_cache_estimated_transfer_ns", "Estimated host-to-GPU transfer time of a host prefix-store chain"),
+    ("flare_host_cache_estimated_prefill_ns", "Estimated prefill time a host prefix-store chain would replace"),
+)
+
+
+def engine_fields(s: Any, decode_weight_bytes: int) -> dict[str, Any]:
+    """The api.md JSON table from one Engine.stats() snapshot.
+
+    Features this runtime does not have (speculation, host prefix store, replay timing) are 0.
+    Prefix reuse (engine-speed issue) is read from the stats when the engine reports it, so the
+    numbers appear here without touching this module.
+    """
+    return {
+        "prefill_tokens": s.prefill_tokens_total,
+        "generated_tokens": s.generated_tokens_total,
+        "decode_weight_bytes": decode_weight_bytes,
+        "draft_steps": 0,
+        # Every step graph is the verification graph of a zero-draft round: it reads the weights
+        # once, so decode_weight_bytes x verify_steps/s is the WEIGHTS bandwidth.
+        "verify_steps": s.steps_total,
+        "verification_drafts": 0,
+        "verification_rounds": 0,
+        "accepted_drafts": 0,
+        "draft_rounds": 0,
+        "active": s.active,
+        "pending": s.pending,
+        "completed": s.completed_total,
+        "reasoning_budget_cuts": getattr(s, "reasoning_budget_cuts_total", 0),
+        "failed": s.failed_total,
+        "replay_gpu_ns": 0,
+        "replay_readiness_wait_ns": 0,
+        "replay_readiness_samples": 0,
+        "reused_tokens": getattr(s, "reused_tokens_total", 0),
+        "cached_pages": getattr(s, "cached_pages", 0),
+        "free_pages": s.free_pages,
+        "total_pages": s.total_pages,
+        "page_tokens": s.page_tokens,
+        "host_hits": 0,
+        "host_reused_tokens": 0,
+        "host_memory_records": 0,
+        "host_disk_records": 0,
+        "host_bytes_out": 0,
+        "host_bytes_in": 0,
+        "learned_drafter": False,
+    }
+
+
 class FlareCollector:
     """prometheus_client custom collector over Engine.stats() and the HTTP gauges."""
 
@@ -79,13 +141,14 @@ class FlareCollector:
 
     def collect(self):  # noqa: ANN201 - prometheus_client protocol
         s = self.engine.stats()
+        f = engine_fields(s, self.decode_weight_bytes)
         counters = [
             ("flare_generated_tokens_total", "Committed generated tokens, including EOS and tokens withheld by stops",
-             s.generated_tokens_total),
-            ("flare_prefill_tokens_total", "Prompt tokens consumed by completed prefill", s.prefill_tokens_total),
-            ("flare_requests_completed_total", "Requests whose generation completed successfully", s.completed_total),
+             f["generated_tokens"]),
+            ("flare_prefill_tokens_total", "Prompt tokens consumed by completed prefill", f["prefill_tokens"]),
+            ("flare_requests_completed_total", "Requests whose generation completed successfully", f["completed"]),
             ("flare_requests_failed_total", "Requests failed by admission, execution or output processing",
-             s.failed_total),
+             f["failed"]),
             ("flare_requests_cancelled_total", "Requests cancelled by their client", s.cancelled_total),
             ("flare_requests_admitted_total", "Requests admitted into the model scheduler", s.admitted_total),
             ("flare_requests_preempted_total", "Preemptions (recompute) for lack of KV pages",
@@ -93,30 +156,85 @@ class FlareCollector:
             ("flare_engine_steps_total", "Engine steps (graph launches)", s.steps_total),
             ("flare_engine_step_seconds_total", "Seconds spent running engine steps", s.step_seconds_total),
             ("flare_engine_schedule_seconds_total", "Seconds spent scheduling engine steps", s.schedule_seconds_total),
-            ("flare_cache_reused_tokens_total", "Tokens covered by prefix-cache hits", 0),
-            ("flare_reasoning_budget_cuts_total", "Requests whose reasoning was closed by their token budget", 0),
+            ("flare_cache_reused_tokens_total", "Tokens covered by GPU prefix-cache hits", f["reused_tokens"]),
+            ("flare_reasoning_budget_cuts_total", "Requests whose reasoning was closed by their token budget",
+             f["reasoning_budget_cuts"]),
+            ("flare_verification_draft_tokens_total", "Draft positions allocated for progressing request rounds",
+             f["verification_drafts"]),
+            ("flare_verification_request_rounds_total", "Progressing decode or verification request rounds",
+             f["verification_rounds"]),
+            ("flare_accepted_draft_tokens_total", "Accepted draft tokens, excluding the bonus token",
+             f["accepted_drafts"]),
+            ("flare_draft_request_rounds_total", "Request rounds that offered at least one draft", f["draft_rounds"]),
+            ("flare_replay_gpu_nanoseconds_total", "Summed device durations of completed graphs", f["replay_gpu_ns"]),
+            ("flare_replay_readiness_wait_nanoseconds_total", "Exposed embedding readiness delay",
+             f["replay_readiness_wait_ns"]),
+            ("flare_replay_readiness_samples_total", "Completed graphs with readiness timing outputs",
+             f["replay_readiness_samples"]),
+            ("flare_host_cache_hits_total", "Host prefix-store lookups whose chain admission fetched", f["host_hits"]),
+            ("flare_host_cache_reused_tokens_total", "Tokens covered by host prefix-store chains",
+             f["host_reused_tokens"]),
+            ("flare_host_cache_bytes_out_total", "Bytes copied from GPU checkpoints to the host store",
+             f["host_bytes_out"]),
+            ("flare_host_cache_bytes_in_total", "Bytes copied from the host store into GPU pages", f["host_bytes_in"]),
+            ("flare_host_cache_copyout_headroom_deferrals_total", "Copy-out offers deferred by the headroom check", 0),
+            ("flare_host_cache_store_skipped_total", "Host store offers skipped (duplicates and retries)", 0),
+            ("flare_checkpoint_extra_work_nanoseconds_total", "Charged predicted extra prefill and copy work", 0),
+            ("flare_embedding_row_cache_hits_total", "Embedding row-cache hits", 0),
+            ("flare_embedding_row_cache_misses_total", "Embedding row-cache misses", 0),
             ("flare_http_rate_limited_total", "Requests refused for lack of HTTP admission slots",
              self.http.rejected_rate_limited),
+            *((f"flare_{name}", "Image preparation and prepared-input cache counter", 0) for name in INPUT_METRICS),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        labelled = [
+            ("flare_speculative_rounds_total", "Completed speculative or verification graphs by draft width",
+             ["width"], [(["0"], f["verify_steps"])]),
+            ("flare_graph_launches_total", "Graph launches by kind", ["kind"], [(["step"], s.steps_total)]),
+            ("flare_checkpoint_captures_total", "GPU prefix checkpoints captured by role", ["role"],
+             [([role], 0) for role in CHECKPOINT_ROLES]),
+            ("flare_checkpoint_skips_total", "Checkpoint selections or captures rejected by reason", ["reason"],
+             [([reason], 0) for reason in CHECKPOINT_SKIP_REASONS]),
+            ("flare_host_cache_held_total", "Checkpoint records held by the host store by tier", ["tier"],
+             [([tier], 0) for tier in HOST_TIERS]),
+            ("flare_host_cache_dropped_total", "Host store records dropped by tier and reason", ["tier", "reason"],
+             [([tier, reason], 0) for tier in HOST_TIERS for reason in HOST_DROP_REASONS]),
+        ]
+        for name, doc, labels, samples in labelled:
+            family = CounterMetricFamily(name, doc, labels=labels)
+            for values, value in samples:
+                family.add_metric(values, value)
+            yield family
         gauges = [
-            ("flare_active_requests", "Model slots with a live request", s.active),
-            ("flare_pending_requests", "Requests waiting in the model scheduler", s.pending),
-            ("flare_free_kv_pages", "KV pages free for new history", s.free_pages),
-            ("flare_total_kv_pages", "Pages in the KV pool", s.total_pages),
-            ("flare_kv_page_tokens", "History tokens per KV page", s.page_tokens),
-            ("flare_cached_kv_pages", "KV pages owned by immutable prefix checkpoints", 0),
+            ("flare_active_requests", "Model slots with a live request", f["active"]),
+            ("flare_pending_requests", "Requests waiting in the model scheduler", f["pending"]),
+            ("flare_free_kv_pages", "KV pages free for new history", f["free_pages"]),
+            ("flare_total_kv_pages", "Pages in the KV pool", f["total_pages"]),
+            ("flare_kv_page_tokens", "History tokens per KV page", f["page_tokens"]),
+            ("flare_cached_kv_pages", "KV pages owned by immutable prefix checkpoints", f["cached_pages"]),
+            ("flare_checkpoint_anchor_reservations", "Unused anchor guards", 0),
+            ("flare_host_cache_memory_records", "Checkpoint records in the host store's memory",
+             f["host_memory_records"]),
+            ("flare_host_cache_disk_records", "Checkpoint records in the host store's directory",
+             f["host_disk_records"]),
+            ("flare_host_cache_parked_records", "Complete DRAM copies awaiting disk writes", 0),
+            ("flare_host_cache_slots_in_use", "Local checkpoint pool slots in use", 0),
+            ("flare_host_cache_slots_total", "Local checkpoint pool slots", 0),
+            ("flare_host_cache_intake_slots", "Local checkpoint pool intake slots", 0),
+            ("flare_history_drafts_enabled", "Whether shared decoded history augments learned proposals", 0),
             ("flare_http_inflight_requests", "HTTP generation requests in progress", self.http.inflight_requests),
             ("flare_http_admission_slots", "HTTP admission slots (one per generated choice)", self.admission.slots),
             ("flare_http_admission_slots_used", "HTTP admission slots in use", self.admission.used),
             ("flare_decode_weight_bytes", "Weight bytes one decode step reads for one request",
-             self.decode_weight_bytes),
+             f["decode_weight_bytes"]),
             ("flare_uptime_seconds", "Seconds since the server started",
              time.monotonic() - self.http.started_monotonic),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
+        for name, doc in HOST_HISTOGRAMS:
+            yield HistogramMetricFamily(name, doc, buckets=[("+Inf", 0)], sum_value=0)
 
 
 def prometheus_text(collector: FlareCollector) -> bytes:
@@ -126,39 +244,12 @@ def prometheus_text(collector: FlareCollector) -> bytes:
 
 
 def json_snapshot(collector: FlareCollector) -> dict[str, Any]:
-    """The api.md "Health and metrics" object (absent speculative/host-cache features are 0)."""
+    """The api.md "Health and metrics" object; helios.dashboard.Snapshot reads it back."""
     s = collector.engine.stats()
     return {
-        "prefill_tokens": s.prefill_tokens_total,
-        "generated_tokens": s.generated_tokens_total,
-        "decode_weight_bytes": collector.decode_weight_bytes,
-        "draft_steps": 0,
-        "verify_steps": 0,
-        "verification_drafts": 0,
-        "verification_rounds": 0,
-        "accepted_drafts": 0,
-        "draft_rounds": 0,
-        "active": s.active,
-        "pending": s.pending,
-        "completed": s.completed_total,
-        "reasoning_budget_cuts": 0,
-        "failed": s.failed_total,
-        "replay_gpu_ns": 0,
-        "replay_readiness_wait_ns": 0,
-        "replay_readiness_samples": 0,
-        "reused_tokens": 0,
-        "cached_pages": 0,
-        "free_pages": s.free_pages,
-        "total_pages": s.total_pages,
-        "page_tokens": s.page_tokens,
-        "host_hits": 0,
-        "host_reused_tokens": 0,
-        "host_memory_records": 0,
-        "host_disk_records": 0,
-        "host_bytes_out": 0,
-        "host_bytes_in": 0,
-        "learned_drafter": False,
+        **engine_fields(s, collector.decode_weight_bytes),
         "first_response": collector.http.first_response.snapshot(),
+        **{name: 0 for name in INPUT_METRICS},
         # Flare extensions beyond the table (integers, like the table's fields).
         "cancelled": s.cancelled_total,
         "admitted": s.admitted_total,

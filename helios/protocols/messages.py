@@ -1,0 +1,483 @@
+"""POST /v1/messages and /v1/messages/count_tokens: Anthropic Messages over the neutral conversation.
+
+decode (system + content blocks -> Conversation) -> render through the chat template -> one
+engine request -> encode the ordered output blocks as a message object or named SSE events
+(message_start, content_block_start/delta/stop, message_delta with the final usage, message_stop).
+
+Usage reports reused prompt tokens in cache_read_input_tokens and the rest in input_tokens, so
+their sum is what count_tokens returns for the same request; cache writes are not accounted
+separately (cache_creation_input_tokens is always 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from helios.engine.api import GenerationRequest
+from helios.frontend.conversation import (
+    Conversation,
+    ImagePart,
+    Message,
+    Part,
+    ReasoningPart,
+    TextPart,
+    ToolCallPart,
+    ToolResultPart,
+    ToolSpec,
+    render_prompt,
+)
+from helios.frontend.errors import RequestError
+from helios.frontend.hints import boundary_positions
+from helios.frontend.output import Block, BlockClosed, BlockDelta, BlockOpened, OutputEvent
+from helios.frontend.sampling import resolve_max_tokens
+from helios.protocols import common
+from helios.protocols.answer import Answer, follow, handle as handle_single
+from helios.server.admission import GenerationGroup, terminal_failure
+from helios.server.context import ServerContext
+from helios.server.errors import ApiError, bad_request, json_response, messages_error_body, server_error
+from helios.server.sse import SSEWriter
+
+log = logging.getLogger("helios.messages")
+
+ANTHROPIC_VERSION = "2023-06-01"
+THINKING_MARKER = "flare-thinking-v1:"
+MAX_CACHE_HINTS = 4  # api.md: the first four cache_control blocks are checkpoint candidates
+# Logprobs exist on the OpenAI-shaped protocols only; Messages refuses rather than ignores them.
+LOGPROB_FIELDS = ("logprobs", "top_logprobs", "return_tokens_as_token_ids", "logprob_token_ids", "prompt_logprobs")
+# Server-side features a local runtime does not have.
+HOSTED_FIELDS = ("mcp_servers", "container")
+
+
+@dataclass
+class Decoded:
+    """A Messages request lowered to the neutral conversation (shared by generation and counting)."""
+
+    conversation: Conversation
+    continue_final: bool  # the history ends with an assistant prefill
+    template_kwargs: dict[str, Any]
+    cache_hints: list[Part]  # parts whose end is a candidate prefix-checkpoint boundary
+
+
+@dataclass
+class MessagesPlan:
+    response_id: str
+    prompt_ids: list[int]
+    request: GenerationRequest
+    stream: bool
+
+
+def require_version(request: web.Request) -> None:
+    """The header is required. This server speaks the 2023-06-01 wire format; later dated versions
+    are accepted because current SDKs send their own newer date for that same format (the pinned
+    anthropic SDK sends 2026-10-21), while malformed or older versions are refused."""
+    version = request.headers.get("anthropic-version")
+    if version is None:
+        raise bad_request(f"the anthropic-version header is required (anthropic-version: {ANTHROPIC_VERSION})")
+    version = version.strip()
+    try:
+        dated = datetime.date.fromisoformat(version) if len(version) == 10 else None
+    except ValueError:
+        dated = None
+    if dated is None or version < ANTHROPIC_VERSION:
+        raise bad_request(f"unsupported anthropic-version {version!r}; this server implements {ANTHROPIC_VERSION}")
+
+
+def thinking_signature(text: str) -> str:
+    """The local round-trip marker of a thinking block: a consistency check, not authentication."""
+    return THINKING_MARKER + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+# -- decoding --------------------------------------------------------------------------------------
+
+def _text_of(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise RequestError(f"{where} must be a string", param="messages")
+    return value
+
+
+def _text_blocks(value: Any, where: str, hints: list[Part] | None) -> list[TextPart]:
+    """A string or an array of text blocks (system prompts, tool_result content)."""
+    if isinstance(value, str):
+        return [TextPart(value)] if value else []
+    if not isinstance(value, list):
+        raise RequestError(f"{where} must be a string or an array of text blocks", param=where)
+    parts = []
+    for j, block in enumerate(value):
+        if not isinstance(block, dict) or block.get("type") != "text":
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "image":
+                raise RequestError("this model core does not accept image input", param=where)
+            raise RequestError(f"{where}[{j}] must be a text block", param=where)
+        part = TextPart(_text_of(block.get("text"), f"{where}[{j}].text"))
+        parts.append(part)
+        if hints is not None and block.get("cache_control") is not None:
+            hints.append(part)
+    return parts
+
+
+def decode_system(value: Any) -> list[Message]:
+    if value is None:
+        return []
+    parts = _text_blocks(value, "system", None)
+    return [Message("system", parts)] if parts else []
+
+
+def decode_messages(value: Any, hints: list[Part]) -> list[Message]:
+    if not isinstance(value, list) or not value:
+        raise RequestError("messages must be a nonempty array", param="messages")
+    out: list[Message] = []
+    for i, raw in enumerate(value):
+        out.extend(_decode_message(raw, f"messages[{i}]", hints))
+    return out
+
+
+def _decode_message(raw: Any, where: str, hints: list[Part]) -> list[Message]:
+    """One Anthropic message -> neutral messages. A user turn's tool_result blocks become tool
+    messages at their positions; message-level metadata (output_config, ...) is ignored."""
+    if not isinstance(raw, dict):
+        raise RequestError(f"{where} must be an object", param="messages")
+    role = raw.get("role")
+    if role not in ("user", "assistant", "system"):
+        raise RequestError(f"{where}.role must be user, assistant or system", param="messages")
+    content = raw.get("content")
+    if role == "system":
+        # Inline system text; an empty one produces no prompt text (api.md).
+        parts = _text_blocks(content, f"{where}.content", None)
+        return [Message("system", parts)] if parts else []
+    if isinstance(content, str):
+        return [Message(role, [TextPart(content)])]
+    if not isinstance(content, list):
+        raise RequestError(f"{where}.content must be a string or an array of content blocks", param="messages")
+    messages: list[Message] = []
+    current: list[Part] = []
+
+    def flush() -> None:
+        if current:
+            messages.append(Message(role, list(current)))
+            current.clear()
+
+    for j, block in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        hinted = role == "user" and isinstance(block, dict) and block.get("cache_control") is not None
+        if kind == "text":
+            part: Part = TextPart(_text_of(block.get("text"), f"{at}.text"))
+            current.append(part)
+            if hinted:
+                hints.append(part)
+        elif kind == "image":
+            raise RequestError("this model core does not accept image input", param="messages")
+        elif kind == "tool_use" and role == "assistant":
+            current.append(_tool_use(block, at))
+        elif kind == "thinking" and role == "assistant":
+            current.append(_thinking(block, at))
+        elif kind == "redacted_thinking":
+            raise RequestError(f"{at}: redacted (encrypted-only) thinking cannot be replayed to this model",
+                               param="messages")
+        elif kind == "tool_result" and role == "user":
+            flush()
+            result = _tool_result(block, at)
+            messages.append(Message("tool", [result]))
+            if hinted:
+                hints.append(result)
+        else:
+            raise RequestError(f"{at} has an unsupported content block type {kind!r} for role {role}",
+                               param="messages")
+    flush()
+    return messages
+
+
+def _tool_use(block: dict[str, Any], at: str) -> ToolCallPart:
+    call_id, name, arguments = block.get("id"), block.get("name"), block.get("input", {})
+    if not isinstance(call_id, str) or not isinstance(name, str) or not name:
+        raise RequestError(f"{at}: tool_use needs a string id and a nonempty name", param="messages")
+    if not isinstance(arguments, dict):
+        raise RequestError(f"{at}.input must be an object", param="messages")
+    return ToolCallPart(call_id, name, arguments)
+
+
+def _thinking(block: dict[str, Any], at: str) -> ReasoningPart:
+    text = _text_of(block.get("thinking"), f"{at}.thinking")
+    signature = block.get("signature")
+    if signature is not None and not isinstance(signature, str):
+        raise RequestError(f"{at}.signature must be a string", param="messages")
+    # Our own markers must match their text; readable thinking from other providers is replayed.
+    if signature and signature.startswith(THINKING_MARKER) and signature != thinking_signature(text):
+        raise RequestError(f"{at}: the thinking text does not match its flare-thinking-v1 signature",
+                           param="messages")
+    return ReasoningPart(text)
+
+
+def _tool_result(block: dict[str, Any], at: str) -> ToolResultPart:
+    call_id = block.get("tool_use_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise RequestError(f"{at}.tool_use_id must be a nonempty string", param="messages")
+    is_error = block.get("is_error", False)
+    if not isinstance(is_error, bool):
+        raise RequestError(f"{at}.is_error must be a boolean", param="messages")
+    content: list[TextPart | ImagePart] = list(_text_blocks(block.get("content", ""), f"{at}.content", None))
+    return ToolResultPart(call_id, content, is_error=is_error)
+
+
+def decode_tools(body: dict[str, Any], supports_tools: bool) -> list[ToolSpec]:
+    tools = body.get("tools")
+    if tools is None:
+        tools = []
+    if not isinstance(tools, list):
+        raise RequestError("tools must be an array", param="tools")
+    specs = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise RequestError(f"tools[{i}] must be an object", param="tools")
+        kind = tool.get("type", "custom")
+        if kind != "custom":
+            raise RequestError(f"tools[{i}]: server tools ({kind!r}) are not supported; declare client tools "
+                               "with name and input_schema", param="tools")
+        name, schema, description = tool.get("name"), tool.get("input_schema"), tool.get("description")
+        if not isinstance(name, str) or not name:
+            raise RequestError(f"tools[{i}].name must be a nonempty string", param="tools")
+        if not isinstance(schema, dict):
+            raise RequestError(f"tools[{i}].input_schema must be an object", param="tools")
+        if description is not None and not isinstance(description, str):
+            raise RequestError(f"tools[{i}].description must be a string", param="tools")
+        if tool.get("strict") is True:
+            raise RequestError("strict tool schemas (strict: true) are not supported", param="tools")
+        specs.append(ToolSpec(name, description, schema))
+    choice = body.get("tool_choice")
+    kind = None
+    if choice is not None:
+        kind = choice.get("type") if isinstance(choice, dict) else None
+        if kind not in ("auto", "any", "tool", "none"):
+            raise RequestError('tool_choice.type must be "auto", "any", "tool" or "none"', param="tool_choice")
+        parallel = choice.get("disable_parallel_tool_use")
+        if parallel is not None and not isinstance(parallel, bool):
+            raise RequestError("tool_choice.disable_parallel_tool_use must be a boolean", param="tool_choice")
+        if kind == "any" and not specs:
+            raise RequestError('tool_choice "any" needs at least one tool', param="tool_choice")
+        if kind == "tool" and choice.get("name") not in {s.name for s in specs}:
+            raise RequestError("tool_choice names a tool that is not declared in tools", param="tool_choice")
+        if kind in ("any", "tool"):
+            # Needs the tool-call parser and output validator (tools issue).
+            raise RequestError('tool_choice "any" and named tools are not supported yet', param="tool_choice")
+    if specs and not supports_tools:
+        raise RequestError("this model core's chat template does not support tools", param="tools")
+    return [] if kind == "none" else specs
+
+
+def _check_controls(body: dict[str, Any], has_reasoning: bool) -> None:
+    for name in LOGPROB_FIELDS:
+        if name in body and body[name] is not None:
+            raise RequestError(f"{name} is not supported by /v1/messages; use /v1/chat/completions", param=name)
+    for name in HOSTED_FIELDS:
+        if body.get(name):
+            raise RequestError(f"{name} is not supported: Flare runs no hosted tools", param=name)
+    thinking = common.opt_object(body, "thinking")
+    if thinking is not None:
+        if thinking.get("type") not in ("enabled", "disabled", "adaptive"):
+            raise RequestError('thinking.type must be "enabled", "disabled" or "adaptive"', param="thinking")
+        budget = thinking.get("budget_tokens")
+        if budget is not None and (common.opt_int(thinking, "budget_tokens", None) or 0) < 1:
+            raise RequestError("thinking.budget_tokens must be a positive integer", param="thinking")
+        # A budget is advisory on cores without reasoning syntax (api.md); the reasoning issue
+        # wires it into the engine's cap for cores that have one.
+    common.check_thinking_token_budget(body, has_reasoning)
+    output_config = common.opt_object(body, "output_config") or {}
+    if output_config.get("format") is not None:
+        raise RequestError("output_config.format (structured output) is not supported yet", param="output_config")
+    management = common.opt_object(body, "context_management")
+    if management is not None:
+        edits = management.get("edits") or []
+        if not isinstance(edits, list):
+            raise RequestError("context_management.edits must be an array", param="context_management")
+        for edit in edits:
+            # Preserving every thinking block is a no-op here; active edits would rewrite history.
+            if not (isinstance(edit, dict) and edit.get("type") == "clear_thinking_20251015"
+                    and edit.get("keep") == "all"):
+                raise RequestError("context_management edits are not supported (only clear_thinking_20251015 "
+                                   'with keep: "all")', param="context_management")
+    common.reject_unsupported_extensions(body)
+
+
+def decode(ctx: ServerContext, body: dict[str, Any]) -> Decoded:
+    hints: list[Part] = []
+    messages = decode_system(body.get("system")) + decode_messages(body.get("messages"), hints)
+    tools = decode_tools(body, ctx.manifest.template.supports_tools)
+    continue_final = messages[-1].role == "assistant" if messages else False
+    if continue_final and not any(isinstance(p, TextPart) and p.text for p in messages[-1].parts):
+        raise RequestError("a final assistant message (prefill) must contain text to continue", param="messages")
+    kwargs = common.opt_object(body, "chat_template_kwargs") or {}
+    return Decoded(Conversation(messages, tools), continue_final, kwargs, hints[:MAX_CACHE_HINTS])
+
+
+def _prompt(ctx: ServerContext, decoded: Decoded) -> list[int]:
+    return render_prompt(
+        decoded.conversation, ctx.template, ctx.tokenizer,
+        add_generation_prompt=not decoded.continue_final,
+        continue_final_message=decoded.continue_final,
+        template_kwargs=decoded.template_kwargs,
+    )
+
+
+def count(ctx: ServerContext, body: dict[str, Any]) -> int:
+    """The exact prepared input token count of the request /v1/messages would submit."""
+    return len(_prompt(ctx, decode(ctx, body)))
+
+
+def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> MessagesPlan:
+    m = ctx.manifest
+    _check_controls(body, bool(m.parsers.reasoning))
+    decoded = decode(ctx, body)
+    stream = common.opt_bool(body, "stream", False)
+    sampling = common.request_sampling(body, m, stop_name="stop_sequences")
+    prompt_ids = _prompt(ctx, decoded)
+    max_tokens = resolve_max_tokens(body.get("max_tokens"), len(prompt_ids), m.limits, allow_zero=False)
+    request = GenerationRequest(
+        request_id=response_id,
+        prompt_token_ids=prompt_ids,
+        sampling=dataclasses.replace(sampling, max_tokens=max_tokens),
+        checkpoint_hints=cache_hint_positions(ctx, decoded, prompt_ids),
+    )
+    return MessagesPlan(response_id, prompt_ids, request, stream)
+
+
+def cache_hint_positions(ctx: ServerContext, decoded: Decoded, prompt_ids: list[int]) -> list[int]:
+    if not decoded.cache_hints:
+        return []
+    return boundary_positions(
+        decoded.conversation, decoded.cache_hints, ctx.template, ctx.tokenizer, prompt_ids,
+        add_generation_prompt=not decoded.continue_final,
+        continue_final_message=decoded.continue_final,
+        template_kwargs=decoded.template_kwargs,
+    )
+
+
+# -- encoding --------------------------------------------------------------------------------------
+
+def usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict[str, Any]:
+    return {
+        "input_tokens": prompt_tokens - cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached_tokens,
+        "output_tokens": output_tokens,
+    }
+
+
+def stop_reason(answer: Answer) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence): the limit wins only when it was the terminal cause."""
+    if answer.hit_limit:
+        return "max_tokens", None
+    if isinstance(answer.state.stop_reason, str):
+        return "stop_sequence", answer.state.stop_reason
+    return "end_turn", None  # EOS or an explicit token stop
+
+
+def content_block(block: Block) -> dict[str, Any]:
+    return {"type": "text", "text": block.text}
+
+
+def message_object(ctx: ServerContext, p: MessagesPlan, content: list[dict[str, Any]],
+                   reason: str | None, sequence: str | None, usage_: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": p.response_id,
+        "type": "message",
+        "role": "assistant",
+        "model": ctx.model_id,
+        "content": content,
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": usage_,
+    }
+
+
+# -- handlers --------------------------------------------------------------------------------------
+
+async def handle(request: web.Request, ctx: ServerContext) -> web.StreamResponse:
+    require_version(request)
+    return await handle_single(request, ctx, plan, "msg", _buffered, _stream)
+
+
+async def handle_count(request: web.Request, ctx: ServerContext) -> web.Response:
+    require_version(request)
+    body = await ctx.read_json_object(request)
+    return json_response({"input_tokens": await ctx.in_frontend(count, ctx, body)})
+
+
+async def _buffered(ctx: ServerContext, p: MessagesPlan, group: GenerationGroup,
+                    headers: dict[str, str]) -> web.Response:
+    answer = Answer(ctx.tokenizer, len(p.prompt_ids))
+    async for event in follow(group):
+        answer.apply(event)
+        if event.finished and (failure := terminal_failure(event)) is not None:
+            raise failure.with_headers(headers)
+    reason, sequence = stop_reason(answer)
+    content = [content_block(b) for b in answer.output.blocks]
+    out = message_object(ctx, p, content, reason, sequence,
+                         usage(answer.prompt_tokens, answer.cached_tokens, answer.completion_tokens))
+    return json_response(out, headers=headers)
+
+
+async def _stream(request: web.Request, ctx: ServerContext, p: MessagesPlan, group: GenerationGroup,
+                  headers: dict[str, str]) -> web.StreamResponse:
+    writer = await SSEWriter.start(request, headers)
+    answer = Answer(ctx.tokenizer, len(p.prompt_ids))
+
+    async def send(data: dict[str, Any]) -> None:
+        await writer.send(data, event=data["type"])  # the SDK dispatches on the event name
+
+    try:
+        # The full prompt with zero cache reads; message_delta carries the final counts (api.md).
+        start = message_object(ctx, p, [], None, None, usage(answer.prompt_tokens, 0, 0))
+        await send({"type": "message_start", "message": start})
+        async for event in follow(group, writer.comment):
+            if event.finished and (failure := terminal_failure(event)) is not None:
+                await _send_error(writer, failure)
+                return writer.response
+            for item in answer.apply(event):
+                if (frame := _frame(item)) is not None:
+                    await send(frame)
+        reason, sequence = stop_reason(answer)
+        await send({
+            "type": "message_delta",
+            "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": usage(answer.prompt_tokens, answer.cached_tokens, answer.completion_tokens),
+        })
+        await send({"type": "message_stop"})
+        await writer.close()
+    except (ConnectionResetError, ConnectionError):
+        pass  # the client left; the handler's finally aborts the request
+    except ApiError as exc:
+        await _send_error(writer, exc)
+    except Exception:
+        log.exception("messages stream failed")
+        await _send_error(writer, server_error("the stream failed"))
+    return writer.response
+
+
+def _frame(item: OutputEvent) -> dict[str, Any] | None:
+    index = item.block.index
+    if isinstance(item, BlockOpened):
+        return {"type": "content_block_start", "index": index,
+                "content_block": {**content_block(item.block), "text": ""}}
+    if isinstance(item, BlockDelta):
+        if not item.text:
+            return None
+        return {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": item.text}}
+    if isinstance(item, BlockClosed):
+        return {"type": "content_block_stop", "index": index}
+    return None
+
+
+async def _send_error(writer: SSEWriter, error: ApiError) -> None:
+    """A terminal `error` event; no message_stop follows."""
+    try:
+        await writer.send(messages_error_body(error), event="error")
+        await writer.close()
+    except Exception:  # the connection is gone too
+        pass

@@ -1,0 +1,443 @@
+"""POST /v1/responses: stateless OpenAI Responses over the neutral conversation.
+
+Requests carry the whole conversation (input items plus instructions); nothing is stored, so
+store: true, previous_response_id, conversation, background and truncation: "auto" are 400s.
+Output items come from the ordered output blocks, keep their order and ids for the whole
+response, and stream as named lifecycle events with increasing sequence_number, ending in
+response.completed, response.incomplete (max_output_tokens) or response.failed, never [DONE].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from helios.engine.api import GenerationRequest, SamplingParams
+from helios.frontend.conversation import (
+    Conversation,
+    Message,
+    Part,
+    ReasoningPart,
+    TextPart,
+    ToolCallPart,
+    ToolResultPart,
+    ToolSpec,
+    render_prompt,
+)
+from helios.frontend.errors import RequestError
+from helios.frontend.output import Block, BlockClosed, BlockDelta, BlockOpened, OutputEvent
+from helios.frontend.sampling import check_top_logprobs, resolve_max_tokens
+from helios.protocols import common
+from helios.protocols.answer import Answer, follow, handle as handle_single
+from helios.server.admission import GenerationGroup, terminal_failure
+from helios.server.context import ServerContext
+from helios.server.errors import ApiError, json_response, server_error
+from helios.server.sse import SSEWriter
+
+log = logging.getLogger("helios.responses")
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+MESSAGE_ROLES = ("user", "assistant", "system", "developer")
+TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+
+
+@dataclass
+class ResponsesPlan:
+    response_id: str
+    prompt_ids: list[int]
+    request: GenerationRequest
+    stream: bool
+    logprobs: int | None  # natural alternatives per output_text entry; None: not included
+    as_token_ids: bool
+    echo: dict[str, Any]  # request settings repeated in every response object
+    sampling: SamplingParams
+
+
+# -- decoding --------------------------------------------------------------------------------------
+
+def _bad(message: str, param: str = "input") -> RequestError:
+    return RequestError(message, param=param)
+
+
+def _string(value: Any, where: str, param: str = "input") -> str:
+    if not isinstance(value, str):
+        raise _bad(f"{where} must be a string", param)
+    return value
+
+
+def _content_parts(content: Any, where: str) -> list[Part]:
+    if isinstance(content, str):
+        return [TextPart(content)]
+    if not isinstance(content, list):
+        raise _bad(f"{where}.content must be a string or an array of content parts")
+    parts: list[Part] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in TEXT_PARTS:
+            key = "refusal" if kind == "refusal" else "text"
+            parts.append(TextPart(_string(part.get(key), f"{where}.content[{j}].{key}")))
+        elif kind == "input_image":
+            raise _bad("this model core does not accept image input")
+        elif kind in ("input_file", "input_audio"):
+            raise _bad(f"{kind} content is not supported")
+        else:
+            raise _bad(f"{where}.content[{j}] has an unsupported content part type {kind!r}")
+    return parts
+
+
+def _reasoning(item: dict[str, Any], where: str) -> ReasoningPart | None:
+    texts = [c.get("text") for c in item.get("content") or [] if isinstance(c, dict)]
+    if not texts:
+        texts = [s.get("text") for s in item.get("summary") or [] if isinstance(s, dict)]
+    if not all(isinstance(t, str) for t in texts):
+        raise _bad(f"{where}: reasoning text must be strings")
+    text = "".join(texts)
+    if not text:
+        if item.get("encrypted_content"):
+            raise _bad(f"{where}: opaque encrypted-only reasoning cannot be replayed; send reasoning_text content")
+        return None
+    return ReasoningPart(text)
+
+
+def decode_input(value: Any, instructions: Any) -> list[Message]:
+    messages: list[Message] = []
+    if instructions is not None:
+        text = _string(instructions, "instructions", "instructions")
+        if text:
+            # Instructions are developer text: with them, every system and developer section is
+            # merged into one leading system message in request order (api.md).
+            messages.append(Message("developer", [TextPart(text)]))
+    if isinstance(value, str):
+        messages.append(Message("user", [TextPart(value)]))
+        return messages
+    if not isinstance(value, list) or not value:
+        raise _bad("input must be a string or a nonempty array of input items")
+
+    def assistant(parts: list[Part]) -> None:
+        # Reasoning, the answer and its calls are one assistant turn however they were split.
+        if messages and messages[-1].role == "assistant":
+            messages[-1].parts.extend(parts)
+        else:
+            messages.append(Message("assistant", parts))
+
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise _bad(f"{where} must be an object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in MESSAGE_ROLES:
+                raise _bad(f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}")
+            parts = _content_parts(item.get("content"), where)
+            if role == "assistant":
+                assistant(parts)
+            else:
+                messages.append(Message(role, parts))
+        elif kind == "reasoning":
+            part = _reasoning(item, where)
+            if part is not None:
+                assistant([part])
+        elif kind == "function_call":
+            call_id, name = item.get("call_id"), item.get("name")
+            arguments = item.get("arguments", "{}")
+            if not isinstance(call_id, str) or not isinstance(name, str) or not name:
+                raise _bad(f"{where}: function_call needs a string call_id and a nonempty name")
+            assistant([ToolCallPart(call_id, name, _string(arguments, f"{where}.arguments"))])
+        elif kind == "function_call_output":
+            call_id = _string(item.get("call_id"), f"{where}.call_id")
+            output = item.get("output")
+            content = [p for p in _content_parts(output, where) if isinstance(p, TextPart)] if output else []
+            messages.append(Message("tool", [ToolResultPart(call_id, list(content))]))
+        elif kind in ("custom_tool_call", "custom_tool_call_output"):
+            raise _bad(f"{where}: custom tool items are not supported yet")
+        elif kind == "item_reference":
+            raise _bad(f"{where}: item references need stored responses; this server is stateless")
+        else:
+            raise _bad(f"{where} has an unsupported item type {kind!r}")
+    return messages
+
+
+def decode_tools(body: dict[str, Any], supports_tools: bool) -> list[ToolSpec]:
+    tools = body.get("tools")
+    if tools is None:
+        tools = []
+    if not isinstance(tools, list):
+        raise _bad("tools must be an array", "tools")
+    specs = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "custom":
+            raise _bad("custom tools are not supported yet", "tools")
+        if kind != "function":
+            raise _bad(f"tools[{i}]: hosted tools ({kind!r}) are not supported; declare function tools", "tools")
+        name, params, description = tool.get("name"), tool.get("parameters"), tool.get("description")
+        if not isinstance(name, str) or not name:
+            raise _bad(f"tools[{i}].name must be a nonempty string", "tools")
+        if tool.get("strict") is True:
+            raise _bad("strict function schemas (strict: true) are not supported", "tools")
+        if params is None:
+            params = {"type": "object", "properties": {}}
+        if not isinstance(params, dict):
+            raise _bad(f"tools[{i}].parameters must be an object", "tools")
+        if description is not None and not isinstance(description, str):
+            raise _bad(f"tools[{i}].description must be a string", "tools")
+        specs.append(ToolSpec(name, description, params))
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in ("auto", "none", "required"):
+        if not isinstance(choice, dict) or choice.get("type") not in ("function", "custom"):
+            raise _bad('tool_choice must be "auto", "none", "required" or a named function tool', "tool_choice")
+        # The selected tool must be declared, with a matching type (custom tools are not yet).
+        if choice.get("type") != "function" or choice.get("name") not in {s.name for s in specs}:
+            raise _bad("tool_choice names a tool that is not declared in tools", "tool_choice")
+    if choice == "required" and not specs:
+        raise _bad('tool_choice "required" needs at least one tool', "tool_choice")
+    if choice == "required" or isinstance(choice, dict):
+        raise _bad("required and named tool_choice are not supported yet", "tool_choice")
+    if specs and not supports_tools:
+        raise _bad("this model core's chat template does not support tools", "tools")
+    return [] if choice == "none" else specs
+
+
+def _reject_stateful(body: dict[str, Any]) -> None:
+    if body.get("store") is True:
+        raise _bad("store: true is not supported; this server keeps no responses (send store: false)", "store")
+    for name in ("previous_response_id", "conversation", "prompt"):
+        if body.get(name) is not None:
+            raise _bad(f"{name} is not supported: requests must carry the complete conversation", name)
+    if body.get("background") is True:
+        raise _bad("background responses are not supported", "background")
+    truncation = body.get("truncation")
+    if truncation not in (None, "disabled"):
+        raise _bad('truncation must be "disabled": automatic truncation is not supported', "truncation")
+    if body.get("prompt_logprobs") is not None:
+        raise _bad("prompt_logprobs is not supported by /v1/responses", "prompt_logprobs")
+
+
+def _logprobs(body: dict[str, Any], ctx: ServerContext) -> int | None:
+    include = body.get("include") or []
+    if not isinstance(include, list) or not all(isinstance(i, str) for i in include):
+        raise _bad("include must be an array of strings", "include")
+    top = common.opt_int(body, "top_logprobs", None)
+    if top is not None and not 0 <= top <= 20:
+        raise _bad("top_logprobs must be between 0 and 20", "top_logprobs")
+    enabled = LOGPROBS_INCLUDE in include  # other include values are ignored (api.md)
+    if top and not enabled:
+        raise _bad(f'top_logprobs requires include: ["{LOGPROBS_INCLUDE}"]', "top_logprobs")
+    common.check_logprob_token_ids(body, enabled)
+    return check_top_logprobs(top or 0, "top_logprobs", ctx.manifest.logprobs) if enabled else None
+
+
+def _check_controls(body: dict[str, Any], has_reasoning: bool) -> dict[str, Any]:
+    """Validate the non-sampling settings; returns the ones echoed in response objects."""
+    text = common.opt_object(body, "text") or {}
+    fmt = text.get("format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise _bad("text.format other than text (structured output) is not supported yet", "text")
+    reasoning = common.opt_object(body, "reasoning") or {}
+    effort = reasoning.get("effort")
+    if effort is not None and effort not in EFFORTS:
+        raise _bad(f"reasoning.effort must be one of {', '.join(EFFORTS)}", "reasoning")
+    common.check_thinking_token_budget(body, has_reasoning)
+    common.reject_unsupported_extensions(body)
+    parallel = common.opt_bool(body, "parallel_tool_calls", True)
+    metadata = common.opt_object(body, "metadata") or {}
+    return {
+        "instructions": body.get("instructions"),
+        "metadata": metadata,
+        "parallel_tool_calls": parallel,
+        "reasoning": {"effort": effort, "summary": reasoning.get("summary")},
+        "text": {"format": {"type": "text"}, **({"verbosity": text["verbosity"]} if "verbosity" in text else {})},
+        "tool_choice": body.get("tool_choice") or "auto",
+        "tools": body.get("tools") or [],
+        "truncation": "disabled",
+        "store": False,
+        "background": False,
+        "previous_response_id": None,
+        "user": body.get("user"),
+        "top_logprobs": body.get("top_logprobs"),
+    }
+
+
+def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> ResponsesPlan:
+    m = ctx.manifest
+    _reject_stateful(body)
+    echo = _check_controls(body, bool(m.parsers.reasoning))
+    k = _logprobs(body, ctx)
+    if "input" not in body:
+        raise _bad("input is required")
+    messages = decode_input(body["input"], body.get("instructions"))
+    tools = decode_tools(body, m.template.supports_tools)
+    kwargs = common.opt_object(body, "chat_template_kwargs") or {}
+    sampling = common.request_sampling(body, m, logprobs=k)
+    prompt_ids = render_prompt(Conversation(messages, tools), ctx.template, ctx.tokenizer, template_kwargs=kwargs)
+    max_tokens = resolve_max_tokens(body.get("max_output_tokens"), len(prompt_ids), m.limits,
+                                    name="max_output_tokens", allow_zero=False)
+    sampling = dataclasses.replace(sampling, max_tokens=max_tokens)
+    echo["max_output_tokens"] = body.get("max_output_tokens")
+    return ResponsesPlan(
+        response_id=response_id,
+        prompt_ids=prompt_ids,
+        request=GenerationRequest(request_id=response_id, prompt_token_ids=prompt_ids, sampling=sampling),
+        stream=common.opt_bool(body, "stream", False),
+        logprobs=k,
+        as_token_ids=common.opt_bool(body, "return_tokens_as_token_ids", False),
+        echo=echo,
+        sampling=sampling,
+    )
+
+
+# -- encoding --------------------------------------------------------------------------------------
+
+@dataclass
+class Encoder:
+    """Builds output items and response objects; item ids are fixed when a block opens."""
+
+    ctx: ServerContext
+    plan: ResponsesPlan
+    answer: Answer
+    created_at: int = field(default_factory=common.now)
+    item_ids: dict[int, str] = field(default_factory=dict)
+
+    def item_id(self, block: Block) -> str:
+        if block.index not in self.item_ids:
+            self.item_ids[block.index] = f"msg_{uuid.uuid4().hex}"
+        return self.item_ids[block.index]
+
+    def entries(self, logprobs: list) -> list[dict[str, Any]]:
+        if self.plan.logprobs is None:
+            return []
+        return common.chat_logprob_entries(self.ctx.tokenizer, logprobs, self.plan.logprobs, self.plan.as_token_ids)
+
+    def part(self, block: Block) -> dict[str, Any]:
+        return {"type": "output_text", "text": block.text, "annotations": [], "logprobs": self.entries(block.logprobs)}
+
+    def item(self, block: Block) -> dict[str, Any]:
+        if not block.closed:
+            status = "in_progress"
+        else:
+            status = "incomplete" if self.answer.hit_limit else "completed"
+        return {"id": self.item_id(block), "type": "message", "status": status, "role": "assistant",
+                "content": [self.part(block)]}
+
+    def usage(self) -> dict[str, Any]:
+        a = self.answer
+        return {
+            "input_tokens": a.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": a.cached_tokens},
+            "output_tokens": a.completion_tokens,
+            # No reasoning parser yet: nothing is published as reasoning.
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": a.prompt_tokens + a.completion_tokens,
+        }
+
+    def response(self, status: str, error: ApiError | None = None) -> dict[str, Any]:
+        final = status in ("completed", "incomplete", "failed")
+        s = self.plan.sampling
+        return {
+            "id": self.plan.response_id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": {"code": error.code or error.type, "message": error.message} if error else None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "model": self.ctx.model_id,
+            "output": [self.item(b) for b in self.answer.output.blocks],
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "usage": self.usage() if final and status != "failed" else None,
+            **self.plan.echo,
+        }
+
+    def final_status(self) -> str:
+        return "incomplete" if self.answer.hit_limit else "completed"
+
+
+# -- handlers --------------------------------------------------------------------------------------
+
+async def handle(request: web.Request, ctx: ServerContext) -> web.StreamResponse:
+    return await handle_single(request, ctx, plan, "resp", _buffered, _stream)
+
+
+async def _buffered(ctx: ServerContext, p: ResponsesPlan, group: GenerationGroup,
+                    headers: dict[str, str]) -> web.Response:
+    encoder = Encoder(ctx, p, Answer(ctx.tokenizer, len(p.prompt_ids)))
+    async for event in follow(group):
+        encoder.answer.apply(event)
+        if event.finished and (failure := terminal_failure(event)) is not None:
+            raise failure.with_headers(headers)
+    return json_response(encoder.response(encoder.final_status()), headers=headers)
+
+
+class _Events:
+    """Named SSE events with one increasing sequence_number per response."""
+
+    def __init__(self, writer: SSEWriter):
+        self.writer = writer
+        self.sequence = 0
+
+    async def emit(self, kind: str, **fields: Any) -> None:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        await self.writer.send(data, event=kind)
+
+
+async def _stream(request: web.Request, ctx: ServerContext, p: ResponsesPlan, group: GenerationGroup,
+                  headers: dict[str, str]) -> web.StreamResponse:
+    writer = await SSEWriter.start(request, headers)
+    encoder = Encoder(ctx, p, Answer(ctx.tokenizer, len(p.prompt_ids)))
+    events = _Events(writer)
+    try:
+        await events.emit("response.created", response=encoder.response("in_progress"))
+        await events.emit("response.in_progress", response=encoder.response("in_progress"))
+        async for event in follow(group, writer.comment):
+            if event.finished and (failure := terminal_failure(event)) is not None:
+                await _fail(events, encoder, failure)
+                return writer.response
+            for item in encoder.answer.apply(event):
+                await _emit_output(events, encoder, item)
+        status = encoder.final_status()
+        await events.emit(f"response.{status}", response=encoder.response(status))
+        await writer.close()
+    except (ConnectionResetError, ConnectionError):
+        pass  # the client left; the handler's finally aborts the request
+    except ApiError as exc:
+        await _fail(events, encoder, exc)
+    except Exception:
+        log.exception("responses stream failed")
+        await _fail(events, encoder, server_error("the stream failed"))
+    return writer.response
+
+
+async def _emit_output(events: _Events, encoder: Encoder, item: OutputEvent) -> None:
+    block = item.block
+    where = {"item_id": encoder.item_id(block), "output_index": block.index}
+    if isinstance(item, BlockOpened):
+        opened = {**encoder.item(block), "content": []}
+        await events.emit("response.output_item.added", output_index=block.index, item=opened)
+        await events.emit("response.content_part.added", **where, content_index=0,
+                          part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+    elif isinstance(item, BlockDelta):
+        await events.emit("response.output_text.delta", **where, content_index=0, delta=item.text,
+                          logprobs=encoder.entries(item.logprobs))
+    elif isinstance(item, BlockClosed):
+        part = encoder.part(block)
+        await events.emit("response.output_text.done", **where, content_index=0, text=block.text,
+                          logprobs=part["logprobs"])
+        await events.emit("response.content_part.done", **where, content_index=0, part=part)
+        await events.emit("response.output_item.done", output_index=block.index, item=encoder.item(block))
+
+
+async def _fail(events: _Events, encoder: Encoder, error: ApiError) -> None:
+    """response.failed is the terminal event of a generation failure; nothing follows it."""
+    try:
+        await events.emit("response.failed", response=encoder.response("failed", error))
+        await events.writer.close()
+    except Exception:  # the connection is gone too
+        pass
