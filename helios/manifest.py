@@ -13,7 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
-FORMAT_VERSION = "1.0"
+# major.minor: helios refuses a core whose major version it does not know; a minor version only
+# adds optional fields (an older 1.x helios ignores them, a newer one defaults them for older 1.x).
+# 1.1: `digest` (sha256 of the `files` listing).
+FORMAT_VERSION = "1.1"
 MANIFEST_NAME = "core.json"
 
 
@@ -168,8 +171,9 @@ class Manifest:
     logprobs: Logprobs
     decode_weight_bytes: int
     parity: Parity | None = None
-    toolchain: dict[str, str] = field(default_factory=dict)
-    files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
+    toolchain: dict[str, str] = field(default_factory=dict)  # package -> version, "flare-exporter" -> code digest
+    files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256, every file but core.json
+    digest: str = ""  # sha256 of listing_text(files): one id for the core's content ("" before 1.1)
     format_version: str = FORMAT_VERSION
 
     @property
@@ -181,6 +185,24 @@ class Manifest:
             if engine.name == name:
                 return engine
         raise ManifestError(f"core has no engine named {name!r}")
+
+    def referenced_files(self) -> list[str]:
+        """Every file the manifest points at (engines and their weights, tokenizer, template)."""
+        names = [name for engine in self.engines for name in (engine.file, *engine.data_files)]
+        names.append(self.tokenizer.file)
+        if self.template.file:
+            names.append(self.template.file)
+        return list(dict.fromkeys(names))
+
+    def seal(self, folder: Path) -> None:
+        """List every file under `folder` but core.json with its sha256, and set `digest`."""
+        folder = Path(folder)
+        self.files = {
+            p.relative_to(folder).as_posix(): file_sha256(p)
+            for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.relative_to(folder).as_posix() != MANIFEST_NAME
+        }
+        self.digest = listing_digest(self.files)
 
     def to_json(self) -> str:
         # sort_keys keeps the file byte-stable across runs (reproducible cores).
@@ -204,6 +226,8 @@ class Manifest:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ManifestError(f"{path} is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ManifestError(f"{path} is not a JSON object")
         version = str(data.get("format_version", ""))
         major = version.split(".")[0]
         if major != FORMAT_VERSION.split(".")[0]:
@@ -216,12 +240,46 @@ class Manifest:
         return manifest
 
     def verify_files(self, folder: Path) -> None:
+        """Check the listing, then every listed file's presence and sha256, in name order.
+
+        Raises ManifestError naming the first file that is unsafe, unlisted, missing or altered.
+        """
+        folder = Path(folder)
+        for rel in self.files:
+            if not _safe_relative(rel):
+                raise ManifestError(f"core file {rel!r} in {MANIFEST_NAME} is not a plain relative path")
+        if self.digest and listing_digest(self.files) != self.digest:
+            raise ManifestError(
+                f"the file listing in {folder / MANIFEST_NAME} does not match its digest (files were edited)"
+            )
+        for rel in self.referenced_files():
+            if not _safe_relative(rel):
+                raise ManifestError(f"core file {rel!r} in {MANIFEST_NAME} is not a plain relative path")
+            if self.files and rel not in self.files:
+                raise ManifestError(f"core file {rel} is used by {MANIFEST_NAME} but not listed in its files")
+            if not (folder / rel).is_file():
+                raise ManifestError(f"core file {rel} is missing from {folder}")
         for rel, digest in sorted(self.files.items()):
-            target = Path(folder) / rel
+            target = folder / rel
             if not target.is_file():
                 raise ManifestError(f"core file {rel} is missing from {folder}")
             if file_sha256(target) != digest:
                 raise ManifestError(f"core file {rel} does not match its digest in {MANIFEST_NAME}")
+
+
+def listing_text(files: dict[str, str]) -> str:
+    """The `files` listing in `sha256sum` format ("<sha256>  <path>" per line, by path): the
+    text `digest` hashes, and what `sha256sum -c` checks in the core folder."""
+    return "".join(f"{digest}  {rel}\n" for rel, digest in sorted(files.items()))
+
+
+def listing_digest(files: dict[str, str]) -> str:
+    return hashlib.sha256(listing_text(files).encode()).hexdigest()
+
+
+def _safe_relative(rel: str) -> bool:
+    parts = rel.split("/")
+    return bool(rel) and not rel.startswith("/") and "\\" not in rel and all(p not in ("", ".", "..") for p in parts)
 
 
 def file_sha256(path: Path, chunk: int = 1 << 22) -> str:

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Flare's ahead-of-time model compiler.")
@@ -30,6 +31,9 @@ def export(
     precision: Annotated[str, typer.Option(help="Weight precision: int4, int8 or fp32")] = "int4",
     prompt_logprobs: Annotated[bool, typer.Option("--prompt-logprobs", help="Add scored prefill graphs")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing core at --out")] = False,
+    no_cache: Annotated[
+        bool, typer.Option("--no-cache", help="Neither read nor fill the export cache ($FLARE_CACHE/export)")
+    ] = False,
 ) -> None:
     """Export CHECKPOINT with RECIPE into a core folder."""
     from ignition.checkpoints.base import CheckpointError
@@ -45,27 +49,36 @@ def export(
             precision=precision,
             prompt_logprobs=prompt_logprobs,
             force=force,
+            cache=not no_cache,
         )
         started = time.monotonic()
-        stage_started = {"t": started}
-        current = {"stage": None}
+        current: dict = {"stage": None, "detail": "", "t": started}
+
+        def done(now: float) -> None:
+            detail = escape(current["detail"])
+            console.print(f"[green]✓[/] {current['stage']:<9} {now - current['t']:6.1f}s  [dim]{detail}[/]")
 
         with console.status("starting") as status:
 
             def progress(stage: str, detail: str) -> None:
+                # A stage reports once or more (the last detail is kept); the next stage ends it.
                 now = time.monotonic()
-                if current["stage"] is not None:
-                    console.print(f"[green]✓[/] {current['stage']:<9} {now - stage_started['t']:6.1f}s")
-                current["stage"], stage_started["t"] = stage, now
+                if stage != current["stage"]:
+                    if current["stage"] is not None:
+                        done(now)
+                    current["stage"], current["t"] = stage, now
+                current["detail"] = detail
                 step = STAGES.index(stage) + 1
-                status.update(f"[bold]{stage}[/] ({step}/{len(STAGES)}): {detail}")
+                status.update(f"[bold]{stage}[/] ({step}/{len(STAGES)}): {escape(detail)}")
 
             manifest = export_core(options, progress)
-            progress_done = time.monotonic()
-            console.print(f"[green]✓[/] {current['stage']:<9} {progress_done - stage_started['t']:6.1f}s")
+            done(time.monotonic())
     except (RecipeError, CheckpointError, ExportError) as exc:
-        console.print(f"[red]error:[/] {exc}")
+        console.print(f"[red]error:[/] {escape(str(exc))}")
         raise typer.Exit(code=2) from None
+    except KeyboardInterrupt:
+        console.print(f"[red]interrupted:[/] {escape(str(out))} was left as it was")
+        raise typer.Exit(code=130) from None
     _summary(out, manifest, time.monotonic() - started)
 
 
@@ -97,7 +110,98 @@ def _summary(out: Path, manifest, seconds: float) -> None:
         f"KV {lim.kv_pages} pages x {manifest.kv.page_tokens} tokens",
     )
     table.add_row("decode weights", f"{manifest.decode_weight_bytes / 1e6:.1f} MB per token")
+    table.add_row("digest", manifest.digest)
     Console().print(table)
+
+
+@app.command()
+def inspect(
+    core: Annotated[Path, typer.Argument(help="A core folder")],
+    json_output: Annotated[bool, typer.Option("--json", help="One JSON object on stdout, for machines")] = False,
+) -> None:
+    """Show what a release engineer checks in CORE (--json for machines).
+
+    Identity, recipe, precision, engines and sizes, limits, sampling defaults and ranges, parsers,
+    logprob capacities, parity measured at export, toolchain and digest. Digests are not re-hashed
+    here (that is `ignition verify`); missing files are reported.
+    """
+    import json
+
+    from helios.manifest import ManifestError
+    from ignition.inspect_core import inspect_data, render_inspect
+
+    try:
+        data = inspect_data(core)
+    except ManifestError as exc:
+        console.print(f"[red]error:[/] {escape(str(exc))}")
+        raise typer.Exit(code=2) from None
+    if json_output:
+        typer.echo(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        Console().print(render_inspect(data))
+
+
+@app.command()
+def verify(
+    core: Annotated[Path, typer.Argument(help="A core folder")],
+    checkpoint: Annotated[
+        Optional[str],
+        typer.Option(help="The checkpoint it was exported from (default: its packaged name or id, when present here)"),
+    ] = None,
+    require_reference: Annotated[
+        bool, typer.Option("--require-reference", help="Fail when the checkpoint is unavailable")
+    ] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="The checks as one JSON object on stdout")] = False,
+) -> None:
+    """Re-check CORE's digests and export-time parity; exit 1 on any mismatch.
+
+    Parity runs against the torch reference rebuilt from the checkpoint when it is available
+    (--checkpoint, or the core's packaged name); otherwise an engine smoke run replaces it.
+    """
+    import json
+
+    from ignition.inspect_core import Check, verify_core
+
+    def report(check: Check) -> None:
+        mark = {True: "[green]✓[/]", False: "[red]✗[/]", None: "[yellow]-[/]"}[check.ok]
+        console.print(f"{mark} {check.name:<10} {escape(check.detail)}")
+
+    with console.status(f"verifying {core}"):
+        result = verify_core(core, checkpoint, require_reference, report)
+    if json_output:
+        typer.echo(json.dumps(result.to_dict(), indent=2))
+    if result.ok:
+        console.print(f"[bold green]verified[/] {escape(str(core))}")
+    else:
+        console.print(f"[bold red]verification failed[/] for {escape(str(core))}")
+        raise typer.Exit(code=1)
+
+
+@app.command()
+def cache(
+    clear: Annotated[bool, typer.Option("--clear", help="Remove every entry")] = False,
+) -> None:
+    """List the export cache, or clear it.
+
+    It lives in $FLARE_CACHE/export (default ~/.cache/flare/export) and is bounded by
+    $FLARE_EXPORT_CACHE_GB (default 16): least recently used entries go first.
+    """
+    from ignition.export.cache import ExportCache, max_cache_bytes
+
+    store = ExportCache()
+    if clear:
+        freed = store.clear()
+        console.print(f"cleared {store.root} ({freed / 1e9:.2f} GB)")
+        return
+    entries = store.entries()
+    table = Table(title=f"export cache {store.root} (limit {max_cache_bytes() / (1 << 30):g} GiB)")
+    for column in ("key", "checkpoint", "size", "last used"):
+        table.add_column(column)
+    for entry in reversed(entries):
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.last_used)) if entry.last_used else "?"
+        table.add_row(entry.key[:16], entry.checkpoint, f"{entry.bytes / 1e9:.2f} GB", used)
+    Console().print(table)
+    console.print(f"{len(entries)} entries, {sum(e.bytes for e in entries) / 1e9:.2f} GB")
 
 
 if __name__ == "__main__":

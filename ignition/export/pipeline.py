@@ -1,15 +1,28 @@
 """The export pipeline: recipe + checkpoint -> core folder, stage by stage.
 
-Stages: read -> convert -> export -> quantize -> validate -> write. The core is assembled in a
-temporary sibling folder and renamed into place at the end, so a failed or interrupted export
-never leaves a folder that looks like a core.
+Stages: read -> convert -> export -> quantize -> validate -> write.
+
+Release-artifact rules (docs/cores.md):
+- Reproducible: the same checkpoint, recipe, flags and toolchain give byte-identical files and
+  core.json (no timestamps, no absolute paths, sorted JSON, the exporter's source-location
+  metadata stripped from the graph, deterministic names and external-data layout).
+- Atomic: the core is assembled in a hidden temporary sibling (`.NAME.partial-PID-HOST-*`),
+  core.json is written last and the folder is renamed into place, so a failed or interrupted
+  export never leaves a folder that looks like a core. Leftovers of dead exports are removed
+  by the next export to the same place. An existing --out is replaced only with force, and
+  only when it is a core (or empty).
+- Cached: read/convert/export results are reused from the export cache (cache.py) by content
+  hash, unless ExportOptions.cache is False (--no-cache).
 """
 
 from __future__ import annotations
 
-import importlib.metadata
+import copy
+import os
 import shutil
+import socket
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +40,9 @@ from helios.manifest import (
     Sampling,
     TemplateSpec,
     TokenizerSpec,
-    file_sha256,
 )
 from ignition.checkpoints.base import Checkpoint
+from ignition.export import cache as export_cache
 from ignition.recipes import Recipe
 
 STAGES = ("read", "convert", "export", "quantize", "validate", "write")
@@ -39,6 +52,10 @@ VALIDATION_PROMPT = (
     "<|im_start|>assistant\n"
 )
 TOP_LOGPROBS = 20
+GRAPH_FILE = "step.onnx"
+# Graph metadata the exporter adds that is not part of the model: source file paths and line
+# numbers (they differ between checkouts and virtual environments of the same code).
+STRIPPED_METADATA = ("pkg.torch.onnx.stack_trace",)
 
 
 class ExportError(RuntimeError):
@@ -53,6 +70,7 @@ class ExportOptions:
     precision: str = "int4"
     prompt_logprobs: bool = False
     force: bool = False
+    cache: bool = True  # reuse/populate the export cache ($FLARE_CACHE/export)
 
 
 Progress = Callable[[str, str], None]  # (stage, detail)
@@ -62,7 +80,7 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
     from ignition.checkpoints.load import load_checkpoint, peek_family
     from ignition.export.graph import export_step_graph
     from ignition.export.quantize import quantize
-    from ignition.export.validate import ParityError, validate
+    from ignition.export.validate import ParityError
     from ignition.models import build_model
 
     recipe, out = options.recipe, Path(options.out)
@@ -70,38 +88,76 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
         raise ExportError(f"unknown precision {options.precision!r} (choose {', '.join(PRECISIONS)})")
     if options.prompt_logprobs:
         raise ExportError("--prompt-logprobs (scored prefill graphs) is not implemented yet")
-    if out.exists() and not options.force:
-        raise ExportError(f"{out} already exists; pass --force to replace it")
+    check_out(out, options.force)
     family = peek_family(options.checkpoint)
     if family != recipe.family:
         raise ExportError(
             f"checkpoint {options.checkpoint} is a {family!r} model but recipe {recipe.name!r} compiles {recipe.family!r}"
         )
 
-    progress("read", f"reading {options.checkpoint}")
-    checkpoint = load_checkpoint(options.checkpoint)
-
     out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    remove_dead_partials(out)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-{socket.gethostname()}-", dir=out.parent))
+    staging = None
     try:
-        progress("convert", f"building {family} model ({checkpoint.architecture.num_layers} layers)")
-        model = build_model(checkpoint)
-        kv = KVLayout(
-            page_tokens=recipe.limits.page_tokens,
-            num_layers=checkpoint.architecture.num_layers,
-            kv_heads=checkpoint.architecture.num_kv_heads,
-            head_dim=checkpoint.architecture.head_dim,
-        )
-        progress("export", "tracing the step graph to ONNX")
-        fp32_dir = work / "fp32"
-        fp32_dir.mkdir()
-        engine = export_step_graph(model, checkpoint.architecture, kv, fp32_dir, file_name="step.onnx")
+        cache = export_cache.ExportCache() if options.cache else None
+        source = key = entry = None
+        seconds: dict[str, float] = {}  # of read/convert/export on a miss, kept in the cache entry
+        if cache is not None:
+            progress("read", f"looking up {options.checkpoint} in the export cache")
+            source = export_cache.identify(options.checkpoint)
+            key = export_cache.entry_key(source, recipe.limits.page_tokens, GRAPH_FILE) if source else None
+            entry = cache.lookup(key) if key else None
+        exported = None
+        if entry is not None:
+            assert source is not None
+            progress("read", f"export cache hit {entry.key[:12]}: converted checkpoint, nothing read")
+            checkpoint = entry.checkpoint(source)
+            progress(
+                "convert",
+                f"skipped: cached (read+convert+export took {entry.saved_seconds:.1f}s when it was cached)",
+            )
+            reference = entry.reference()
+            progress("export", f"skipped: cached fp32 step graph {entry.key[:12]}")
+            engine, fp32_graph = entry.engine(), entry.graph
+        else:
+            started = time.monotonic()
+            progress("read", f"reading {options.checkpoint}")
+            checkpoint = load_checkpoint(options.checkpoint)
+            seconds["read"] = time.monotonic() - started
+            if key is not None and source is not None and (source.checkpoint_id, source.sha256) == (
+                checkpoint.checkpoint_id,
+                checkpoint.sha256,
+            ):
+                try:
+                    staging = cache.stage(key)
+                except OSError:  # an unwritable cache only costs the reuse
+                    staging = None
+
+            started = time.monotonic()
+            progress("convert", f"building {family} model ({checkpoint.architecture.num_layers} layers)")
+            model = build_model(checkpoint)
+            seconds["convert"] = time.monotonic() - started
+
+            started = time.monotonic()
+            progress("export", "tracing the step graph to ONNX" + ("" if staging else " (export cache off)"))
+            fp32_dir = staging.path if staging else work / "fp32"
+            engine = export_step_graph(
+                model, checkpoint.architecture, _kv_layout(recipe, checkpoint), fp32_dir, file_name=GRAPH_FILE
+            )
+            fp32_graph = fp32_dir / engine.file
+            seconds["export"] = time.monotonic() - started
+            exported = copy.deepcopy(engine)  # as the fp32 graph has it, for the cache entry
+            reference = export_cache.RecordingReference(model) if staging else model
+        kv = _kv_layout(recipe, checkpoint)
 
         progress("quantize", f"quantizing to {options.precision}")
         engine_dir = work / "core"
         engine_dir.mkdir()
-        quantize(fp32_dir / engine.file, engine_dir / engine.file, options.precision)
-        shutil.rmtree(fp32_dir)
+        quantize(fp32_graph, engine_dir / engine.file, options.precision)
+        canonicalize_graph(engine_dir / engine.file)
+        if staging is None and entry is None:
+            shutil.rmtree(work / "fp32")  # free the disk before validation
         engine.data_files = sorted(p.name for p in engine_dir.iterdir() if p.name != engine.file)
 
         tokenizer_spec = _write_tokenizer(checkpoint, recipe, engine_dir)
@@ -124,30 +180,152 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
             parsers=Parsers(tool=recipe.tool_parser, reasoning=recipe.reasoning_parser),
             logprobs=Logprobs(max_top_logprobs=TOP_LOGPROBS, explicit_token_ids=False, prompt_logprobs=False),
             decode_weight_bytes=decode_weight_bytes(engine_dir / engine.file),
-            toolchain=_toolchain(),
+            toolchain=export_cache.toolchain(),
         )
-        manifest.save(engine_dir)  # validation loads the core the way helios will
 
-        progress("validate", "comparing engine logits with the torch reference")
-        prompt_ids = _validation_prompt(engine_dir / tokenizer_spec.file, checkpoint)
+        cached_ref = entry is not None and reference is not None
+        progress(
+            "validate",
+            "comparing engine logits with the "
+            + ("cached torch reference" if cached_ref else "torch reference"),
+        )
+        prompt_ids = validation_prompt(engine_dir / tokenizer_spec.file, checkpoint)
         try:
-            manifest.parity = validate(engine_dir, model, kv, prompt_ids, precision=options.precision)
+            try:
+                if reference is None:
+                    raise export_cache.ReferenceMiss("the cache entry has no reference logits")
+                parity = _validate(engine_dir / engine.file, reference, kv, prompt_ids, options.precision)
+            except export_cache.ReferenceMiss:
+                # Only a cache hit gets here: rebuild the reference from the checkpoint itself.
+                progress("validate", "cached reference does not apply: reading the checkpoint for the reference")
+                model = build_model(load_checkpoint(options.checkpoint))
+                parity = _validate(engine_dir / engine.file, model, kv, prompt_ids, options.precision)
         except ParityError as exc:
+            _commit(staging, checkpoint, exported, seconds, reference)
             raise ExportError(str(exc)) from None
+        _commit(staging, checkpoint, exported, seconds, reference)
+        manifest.parity = parity
 
         progress("write", f"writing {out}")
-        manifest.files = {
-            p.relative_to(engine_dir).as_posix(): file_sha256(p)
-            for p in sorted(engine_dir.rglob("*"))
-            if p.is_file() and p.name != MANIFEST_NAME
-        }
-        manifest.save(engine_dir)
-        if out.exists():
-            shutil.rmtree(out)
-        engine_dir.rename(out)
+        manifest.seal(engine_dir)
+        manifest.save(engine_dir)  # last: until now the folder had no core.json
+        for path in engine_dir.rglob("*"):
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
+        os.chmod(engine_dir, 0o755)
+        replace_into(engine_dir, out, options.force)
         return manifest
     finally:
+        if staging is not None:
+            staging.discard()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _kv_layout(recipe: Recipe, checkpoint: Checkpoint) -> KVLayout:
+    return KVLayout(
+        page_tokens=recipe.limits.page_tokens,
+        num_layers=checkpoint.architecture.num_layers,
+        kv_heads=checkpoint.architecture.num_kv_heads,
+        head_dim=checkpoint.architecture.head_dim,
+    )
+
+
+def _validate(graph: Path, reference, kv: KVLayout, prompt_ids: list[int], precision: str):  # noqa: ANN001, ANN202
+    from ignition.export.validate import validate
+
+    return validate(graph, reference, kv, prompt_ids, precision=precision)
+
+
+def _commit(staging, checkpoint: Checkpoint, engine, seconds: dict[str, float], reference) -> None:  # noqa: ANN001
+    """Put a fresh export's reusable work into the cache (a failure here never fails the export)."""
+    if staging is None:
+        return
+    recorder = reference if isinstance(reference, export_cache.RecordingReference) else None
+    try:
+        staging.commit(checkpoint, engine, seconds, recorder)
+    except OSError:
+        staging.discard()
+
+
+# -- atomic output ----------------------------------------------------------------------------
+
+
+def check_out(out: Path, force: bool) -> None:
+    """Refuse an existing --out without force, and anything but a core or an empty folder with it."""
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not force:
+        raise ExportError(f"{out} already exists; pass --force to replace it")
+    if not out.is_dir():
+        raise ExportError(f"refusing to replace {out}: it is not a folder")
+    if not (out / MANIFEST_NAME).is_file() and any(out.iterdir()):
+        raise ExportError(f"refusing to replace {out}: it is not a core (no {MANIFEST_NAME}) and not empty")
+
+
+def replace_into(folder: Path, out: Path, force: bool) -> None:
+    """Rename the finished `folder` to `out`; an existing core is moved aside first and deleted
+    after, so `out` is at every moment either the old core or the new one."""
+    if not (out.exists() or out.is_symlink()):
+        os.rename(folder, out)
+        return
+    check_out(out, force)
+    aside = out.parent / f".{out.name}.old-{os.getpid()}-{socket.gethostname()}-{time.monotonic_ns()}"
+    os.rename(out, aside)
+    try:
+        os.rename(folder, out)
+    except BaseException:  # noqa: BLE001 - interrupted too: put the old core back
+        os.rename(aside, out)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def remove_dead_partials(out: Path) -> None:
+    """Remove `.NAME.partial-*` / `.NAME.old-*` siblings left by exports that died on this host."""
+    if not out.parent.is_dir():
+        return
+    for kind in ("partial", "old"):
+        prefix = f".{out.name}.{kind}-"
+        for path in out.parent.glob(prefix + "*"):
+            fields = path.name[len(prefix) :].split("-", 1)
+            if not export_cache.owner_alive(fields):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def canonicalize_graph(path: Path) -> None:
+    """Strip metadata that records where the exporter ran, not what it built (see
+    STRIPPED_METADATA), rewriting only the graph file: the weights file is untouched."""
+    model = onnx.load(str(path), load_external_data=False)
+    changed = False
+
+    def strip(props) -> None:  # noqa: ANN001
+        nonlocal changed
+        keep = [p for p in props if p.key not in STRIPPED_METADATA]
+        if len(keep) != len(props):
+            kept = [(p.key, p.value) for p in keep]
+            del props[:]
+            for k, v in kept:
+                props.add(key=k, value=v)
+            changed = True
+
+    def walk(graph: onnx.GraphProto) -> None:
+        strip(graph.metadata_props)
+        for value in (*graph.input, *graph.output, *graph.value_info, *graph.initializer):
+            strip(value.metadata_props)
+        for node in graph.node:
+            strip(node.metadata_props)
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    walk(attr.g)
+                for sub in attr.graphs:
+                    walk(sub)
+
+    strip(model.metadata_props)
+    walk(model.graph)
+    for function in model.functions:
+        strip(function.metadata_props)
+        for node in function.node:
+            strip(node.metadata_props)
+    if changed:
+        path.write_bytes(model.SerializeToString())
 
 
 def _limits(recipe: Recipe, checkpoint: Checkpoint) -> Limits:
@@ -201,7 +379,7 @@ def _write_template(checkpoint: Checkpoint, recipe: Recipe, folder: Path) -> Tem
     )
 
 
-def _validation_prompt(tokenizer_file: Path, checkpoint: Checkpoint) -> list[int]:
+def validation_prompt(tokenizer_file: Path, checkpoint: Checkpoint) -> list[int]:
     from tokenizers import Tokenizer
 
     ids = Tokenizer.from_file(str(tokenizer_file)).encode(VALIDATION_PROMPT, add_special_tokens=False).ids
@@ -236,13 +414,3 @@ def _initializer_bytes(init: onnx.TensorProto) -> int:
     for d in init.dims:
         count *= int(d)
     return count * onnx.helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
-
-
-def _toolchain() -> dict[str, str]:
-    versions = {}
-    for package in ("flare", "torch", "onnx", "onnxruntime", "gguf", "tokenizers"):
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return versions

@@ -1,0 +1,441 @@
+"""The export cache: what every export of one checkpoint repeats, kept by content hash.
+
+An entry holds the converted checkpoint's metadata (architecture, tokenizer, chat template,
+special ids), the fp32 step graph (which carries the converted weights) and the torch
+reference's validation logits. A later export of the same checkpoint, at any precision, then
+skips read, convert and export (and the reference half of validate): it quantizes the cached
+graph and validates the engine against the cached reference.
+
+Location: `$FLARE_CACHE/export` (default `~/.cache/flare/export`), one folder per key.
+The key is a sha256 over: the checkpoint's sha256 (plus, for a Hugging Face folder, its config
+and tokenizer files), the exporter code version (`exporter_version()`), the toolchain versions,
+the KV page size (a fixed dim of the graph) and this module's entry format. A change to any of
+them is a different key; stale entries age out.
+
+Bounded: after each new entry, least recently used entries are removed until the cache is under
+`$FLARE_EXPORT_CACHE_GB` (default 16; 0 keeps only the newest entry). `ignition cache` lists
+the entries, `ignition cache --clear` (or `rm -rf ~/.cache/flare/export`) empties it.
+
+Entries are written to a staging folder and renamed into place, and evicted by renaming them
+away before deleting, so concurrent exports never see half an entry. Every cached file's sha256
+is checked on use: a corrupted entry is a miss (and is removed), never a silently different core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from helios.manifest import Architecture, Engine, TensorSpec, file_sha256
+from ignition.checkpoints.base import Checkpoint
+
+ENTRY_FORMAT = 1
+ENTRY_NAME = "entry.json"
+USED_NAME = "last-used"  # mtime = last use (LRU)
+GRAPH_NAME = "step.onnx"
+REFERENCE_NAME = "reference.npz"
+TOKENIZER_NAME = "tokenizer.json"
+DEFAULT_MAX_GB = 16.0
+TOOLCHAIN_PACKAGES = ("flare", "torch", "onnx", "onnxscript", "onnxruntime", "numpy", "gguf", "safetensors", "tokenizers")
+
+# Code that does not shape a core's bytes (presentation only) and so is not in its version.
+_NOT_EXPORTER = {"ignition/cli.py", "ignition/inspect_core.py"}
+# Hugging Face folder files the reader consults besides the weights (their bytes are not in the
+# checkpoint's sha256, which covers the .safetensors files only).
+HF_METADATA_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "model.safetensors.index.json",
+)
+
+
+def flare_cache_root() -> Path:
+    return Path(os.environ.get("FLARE_CACHE") or Path.home() / ".cache" / "flare")
+
+
+def export_cache_root() -> Path:
+    return flare_cache_root() / "export"
+
+
+def max_cache_bytes() -> int:
+    raw = os.environ.get("FLARE_EXPORT_CACHE_GB", "")
+    try:
+        gb = float(raw) if raw else DEFAULT_MAX_GB
+    except ValueError:
+        gb = DEFAULT_MAX_GB
+    return int(max(gb, 0.0) * (1 << 30))
+
+
+@functools.lru_cache(maxsize=1)
+def exporter_version() -> str:
+    """Digest of the code that shapes a core: ignition (but its CLI and inspection views), the
+    manifest schema and the runner validation drives. Recorded as toolchain["flare-exporter"]."""
+    repo = Path(__file__).resolve().parents[2]
+    files = [p for p in (repo / "ignition").rglob("*.py") if p.relative_to(repo).as_posix() not in _NOT_EXPORTER]
+    files += [repo / "helios" / "manifest.py", repo / "helios" / "engine" / "runner.py"]
+    h = hashlib.sha256()
+    for path in sorted(files, key=lambda p: p.relative_to(repo).as_posix()):
+        if "__pycache__" in path.parts or not path.is_file():
+            continue
+        h.update(path.relative_to(repo).as_posix().encode() + b"\0")
+        h.update(hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()[:16]
+
+
+def toolchain() -> dict[str, str]:
+    """Versions of everything that shapes a core's bytes: the manifest's `toolchain`."""
+    versions = {"flare-exporter": exporter_version()}
+    for package in TOOLCHAIN_PACKAGES:
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return dict(sorted(versions.items()))
+
+
+# -- checkpoint identity without reading it ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Source:
+    """What load_checkpoint(spec) will report as id and sha256, found without reading tensors."""
+
+    checkpoint_id: str
+    sha256: str
+    extra: tuple[tuple[str, str], ...] = ()  # (file name, sha256) of metadata outside sha256
+
+
+def identify(spec: str) -> Source | None:
+    """The identity of a checkpoint spec, or None when it cannot be told cheaply (then the
+    export runs uncached and load_checkpoint reports any problem with the spec)."""
+    from ignition.checkpoints.packaged import PACKAGED_MODELS
+    from ignition.checkpoints.safetensors_dir import files_sha256, safetensors_files
+
+    if spec in PACKAGED_MODELS:
+        model = PACKAGED_MODELS[spec]
+        return Source(model.name, model.sha256)
+    path = Path(spec).expanduser()
+    try:
+        if path.is_file() and path.suffix == ".gguf":
+            return Source(path.stem, file_sha256(path))
+        if path.is_dir() and (path / "config.json").is_file():
+            extra = tuple(
+                (name, file_sha256(path / name) if (path / name).is_file() else "")
+                for name in HF_METADATA_FILES
+            )
+            return Source(path.resolve().name, files_sha256(safetensors_files(path)), extra)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def entry_key(source: Source, page_tokens: int, graph_file: str = GRAPH_NAME) -> str:
+    inputs = {
+        "entry_format": ENTRY_FORMAT,
+        "checkpoint_sha256": source.sha256,
+        "checkpoint_files": [list(pair) for pair in source.extra],
+        "exporter": exporter_version(),
+        "toolchain": toolchain(),
+        "page_tokens": page_tokens,
+        "graph_file": graph_file,
+    }
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+
+# -- the validation reference, recorded and replayed ------------------------------------------
+
+
+class ReferenceMiss(LookupError):
+    """The cached reference was recorded for other tokens: validate against the real model."""
+
+
+class RecordingReference:
+    """Wraps a DecoderLM for validate(): passes `reference` calls through and keeps what a
+    replay needs (the last call's logits in full, every call's last row)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.lengths: list[int] = []
+        self.last_rows: list[np.ndarray] = []
+        self.tokens: list[int] | None = None
+        self.final: np.ndarray | None = None
+
+    def reference(self, tokens: Any) -> Any:
+        out = self.model.reference(tokens)
+        array = out.detach().float().numpy()
+        self.lengths.append(int(array.shape[0]))
+        self.last_rows.append(array[-1].copy())
+        self.tokens, self.final = [int(t) for t in tokens.reshape(-1).tolist()], array.copy()
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def save(self, path: Path) -> bool:
+        if self.final is None or self.tokens is None:
+            return False
+        np.savez(
+            path,
+            tokens=np.asarray(self.tokens, dtype=np.int64),
+            final=self.final,
+            lengths=np.asarray(self.lengths, dtype=np.int64),
+            last_rows=np.stack(self.last_rows),
+        )
+        return True
+
+
+class CachedReference:
+    """Replays RecordingReference's logits: each call's last row exactly as recorded, earlier
+    rows from the longest call (causal: a prefix's rows do not depend on later tokens)."""
+
+    def __init__(self, path: Path) -> None:
+        with np.load(path) as data:
+            self.tokens = [int(t) for t in data["tokens"]]
+            self.final = data["final"]
+            self.rows = {int(n): row for n, row in zip(data["lengths"], data["last_rows"])}
+
+    def reference(self, tokens: Any) -> Any:
+        import torch
+
+        ids = [int(t) for t in tokens.reshape(-1).tolist()]
+        n = len(ids)
+        if n not in self.rows or ids != self.tokens[:n]:
+            raise ReferenceMiss(f"no cached reference logits for this {n}-token sequence")
+        if n == len(self.tokens):
+            return torch.from_numpy(self.final.copy())
+        return torch.from_numpy(np.concatenate([self.final[: n - 1], self.rows[n][None]]))
+
+
+# -- entries -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Entry:
+    key: str
+    path: Path
+    meta: dict[str, Any]
+
+    @property
+    def graph(self) -> Path:
+        return self.path / GRAPH_NAME
+
+    @property
+    def saved_seconds(self) -> float:
+        return float(sum(self.meta.get("seconds", {}).values()))
+
+    def engine(self) -> Engine:
+        data = self.meta["engine"]
+        return Engine(
+            name=data["name"],
+            file=data["file"],
+            inputs=[TensorSpec(**spec) for spec in data["inputs"]],
+            outputs=[TensorSpec(**spec) for spec in data["outputs"]],
+            data_files=list(data["data_files"]),
+        )
+
+    def checkpoint(self, source: Source) -> Checkpoint:
+        """The converted checkpoint without its tensors (they live in the cached graph)."""
+        fields = dict(self.meta["checkpoint"])
+        fields["architecture"] = Architecture(**fields["architecture"])
+        fields["tokenizer_json"] = (self.path / TOKENIZER_NAME).read_text()
+        return Checkpoint(checkpoint_id=source.checkpoint_id, sha256=source.sha256, tensors={}, **fields)
+
+    def reference(self) -> CachedReference | None:
+        path = self.path / REFERENCE_NAME
+        return CachedReference(path) if path.is_file() else None
+
+
+@dataclass
+class Staging:
+    """A new entry being written; commit() renames it into place."""
+
+    cache: ExportCache
+    key: str
+    path: Path
+    committed: bool = False
+
+    def commit(
+        self,
+        checkpoint: Checkpoint,
+        engine: Engine,
+        seconds: dict[str, float],
+        reference: RecordingReference | None,
+    ) -> Entry | None:
+        if self.committed:
+            return None
+        fields = {f.name: getattr(checkpoint, f.name) for f in dataclasses.fields(checkpoint)}
+        for name in ("checkpoint_id", "sha256", "tensors", "tokenizer_json"):
+            fields.pop(name)
+        fields["architecture"] = dataclasses.asdict(checkpoint.architecture)
+        (self.path / TOKENIZER_NAME).write_text(checkpoint.tokenizer_json)
+        if reference is not None:
+            reference.save(self.path / REFERENCE_NAME)
+        files = {
+            p.name: file_sha256(p)
+            for p in sorted(self.path.iterdir())
+            if p.is_file() and p.name not in (ENTRY_NAME, USED_NAME)
+        }
+        meta = {
+            "entry_format": ENTRY_FORMAT,
+            "key": self.key,
+            "label": checkpoint.checkpoint_id,  # for `ignition cache` only: ids are not in the key
+            "checkpoint": fields,
+            "engine": dataclasses.asdict(engine),
+            "seconds": {k: round(v, 3) for k, v in seconds.items()},
+            "toolchain": toolchain(),
+            "files": files,
+        }
+        (self.path / ENTRY_NAME).write_text(json.dumps(meta, indent=2) + "\n")  # key order kept
+        (self.path / USED_NAME).touch()
+        self.committed = True
+        os.chmod(self.path, 0o755)  # mkdtemp makes it private; the cache is shared like any download
+        for path in self.path.iterdir():
+            os.chmod(path, 0o644)
+        target = self.cache.root / self.key
+        try:
+            os.rename(self.path, target)
+        except OSError:  # another export committed the same key first: keep theirs
+            shutil.rmtree(self.path, ignore_errors=True)
+            return None
+        self.cache.evict(keep=self.key)
+        return Entry(self.key, target, meta)
+
+    def discard(self) -> None:
+        if not self.committed:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+@dataclass
+class EntryInfo:
+    key: str
+    path: Path
+    bytes: int
+    last_used: float
+    checkpoint: str
+
+
+class ExportCache:
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = Path(root) if root is not None else export_cache_root()
+
+    def lookup(self, key: str) -> Entry | None:
+        """The complete, intact entry for `key`, marked used; None on a miss."""
+        path = self.root / key
+        try:
+            meta = json.loads((path / ENTRY_NAME).read_text())
+        except (OSError, ValueError):
+            return None
+        try:
+            intact = meta.get("entry_format") == ENTRY_FORMAT and all(
+                file_sha256(path / name) == digest for name, digest in meta["files"].items()
+            )
+        except (OSError, KeyError, AttributeError):
+            intact = False
+        if not intact:
+            self._remove(path)
+            return None
+        try:
+            (path / USED_NAME).touch()
+        except OSError:
+            pass
+        return Entry(key, path, meta)
+
+    def stage(self, key: str) -> Staging:
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = Path(tempfile.mkdtemp(prefix=f".staging-{os.getpid()}-{socket.gethostname()}-", dir=self.root))
+        return Staging(self, key, path)
+
+    def entries(self) -> list[EntryInfo]:
+        found = []
+        if not self.root.is_dir():
+            return found
+        for path in self.root.iterdir():
+            if path.name.startswith(".") or not (path / ENTRY_NAME).is_file():
+                continue
+            try:
+                meta = json.loads((path / ENTRY_NAME).read_text())
+                used = (path / USED_NAME).stat().st_mtime if (path / USED_NAME).exists() else 0.0
+                size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+            except (OSError, ValueError):
+                continue
+            arch = meta.get("checkpoint", {}).get("architecture", {})
+            label = f"{meta.get('label', '?')} ({arch.get('family', '?')}, {arch.get('num_layers', '?')} layers)"
+            found.append(EntryInfo(path.name, path, size, used, label))
+        return sorted(found, key=lambda e: e.last_used)
+
+    def evict(self, keep: str | None = None, limit: int | None = None) -> list[str]:
+        """Remove least recently used entries (never `keep`) until the total fits `limit`;
+        also clears staging folders of exports that died on this host."""
+        self._clean_dead_staging()
+        limit = max_cache_bytes() if limit is None else limit
+        entries = self.entries()
+        total = sum(e.bytes for e in entries)
+        removed = []
+        for entry in entries:
+            if total <= limit:
+                break
+            if entry.key == keep:
+                continue
+            self._remove(entry.path)
+            total -= entry.bytes
+            removed.append(entry.key)
+        return removed
+
+    def clear(self) -> int:
+        """Remove every entry; return the bytes freed."""
+        freed = sum(e.bytes for e in self.entries())
+        if self.root.is_dir():
+            for path in self.root.iterdir():
+                self._remove(path)
+        return freed
+
+    def _remove(self, path: Path) -> None:
+        trash = path.with_name(f".trash-{os.getpid()}-{socket.gethostname()}-{time.monotonic_ns()}")
+        try:
+            os.rename(path, trash)
+        except OSError:
+            return
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def _clean_dead_staging(self) -> None:
+        if not self.root.is_dir():
+            return
+        for path in self.root.iterdir():
+            if path.name.startswith((".staging-", ".trash-")) and not owner_alive(path.name.split("-", 2)[1:]):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def owner_alive(fields: list[str]) -> bool:
+    """Whether the process named by "[pid, host-...]" name fields may still be running: True
+    unless it ran on this host and is gone (another host's folders are never touched)."""
+    try:
+        pid = int(fields[0])
+    except (IndexError, ValueError):
+        return True
+    rest = fields[1] if len(fields) > 1 else ""
+    if not rest.startswith(socket.gethostname() + "-"):
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
