@@ -64,7 +64,8 @@ def serve(
     from helios.server.app import create_app
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = Engine(core, manifest, max_concurrency=settings.max_concurrency, kv_pages=kv_pages, threads=threads)
+    engine = Engine(core, manifest, max_concurrency=settings.max_concurrency, kv_pages=kv_pages, threads=threads,
+                    prefix_cache=settings.prefix_cache_config())
     engine.start()
     try:
         application = create_app(manifest, core, engine, settings)

@@ -38,13 +38,56 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # engine failure; GenerationEvent.error has the message
 
 
+class CheckpointRole(str, enum.Enum):
+    """Why a prompt position is a candidate prefix-checkpoint boundary (api.md, GPU checkpoints)."""
+
+    ANCHOR = "anchor"  # end of the shared preamble (system + tools), before the first message
+    HINT = "hint"  # end of a client-marked block (Anthropic cache_control, first four)
+    MESSAGE = "message"  # end of a whole rendered message
+    ENDPOINT = "endpoint"  # the exact end of the prompt
+
+
+@dataclass(frozen=True)
+class CheckpointCandidate:
+    """A prompt position where the engine may capture an immutable KV checkpoint.
+
+    `position` counts whole prompt tokens before the boundary (0 < position <= prompt length).
+    The engine chooses among candidates under its work allowance and storage budget; nothing
+    is ever captured or reused at a position that was not offered here."""
+
+    position: int
+    role: CheckpointRole
+
+
 @dataclass
 class GenerationRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    # Prompt positions at which prefix checkpoints may be captured (engine-speed issue).
+    # Candidate prefix-checkpoint boundaries (helios.frontend.checkpoints computes them).
+    checkpoints: list[CheckpointCandidate] = field(default_factory=list)
+    # Bare positions of client cache hints; the engine treats each as a HINT candidate.
     checkpoint_hints: list[int] = field(default_factory=list)
+    # Structured output: an llguidance grammar (compiled spec string, helios.frontend.grammar)
+    # masking the answer's tokens once reasoning has ended. None: unconstrained.
+    grammar: str | None = None
+    # Reasoning delimiters and budget (helios.engine.constraints). None: no reasoning syntax.
+    reasoning: "ReasoningControl | None" = None
+
+
+@dataclass
+class ReasoningControl:
+    """Plain data the engine needs to track reasoning by token and cap it.
+
+    budget applies only when output starts inside reasoning (`starts_open`): after `budget`
+    generated reasoning tokens the close token is forced (when the close is one token)."""
+
+    open_token_id: int | None  # single-token opener, None when matched as text
+    close_token_id: int | None  # single-token close, None when matched as text
+    starts_open: bool  # the prompt opened reasoning
+    budget: int | None = None
+    tool_open_ids: list[int] = field(default_factory=list)  # single-token tool openers (implicit close)
+    tool_open_texts: list[str] = field(default_factory=list)  # an undecided opener delays a forced close
 
 
 @dataclass

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,8 @@ import numpy as np
 
 from helios.engine.api import FinishReason, GenerationEvent, GenerationRequest, TokenLogprob
 from helios.engine.block_manager import BlockManager
+from helios.engine.constraints import ConstraintError, Constraints
+from helios.engine.prefix_cache import PrefixCache, PrefixCacheConfig
 from helios.engine.runner import Runner, StepOutput, StepRow
 from helios.engine.sampler import sample, token_logprob
 from helios.engine.scheduler import Batch, Scheduler
@@ -49,6 +51,18 @@ class EngineStats:
     preempted_total: int
     step_seconds_total: float
     schedule_seconds_total: float
+    # Prefix checkpoints (helios.engine.prefix_cache).
+    reused_tokens_total: int = 0  # prompt tokens restored from checkpoints (every admission)
+    cache_hits_total: int = 0  # admissions that restored a checkpoint
+    cached_pages: int = 0  # pages owned by checkpoints
+    checkpoints: int = 0  # checkpoints held
+    checkpoint_captures: dict[str, int] = field(default_factory=dict)  # by role: anchor/message/endpoint
+    checkpoint_skips: dict[str, int] = field(default_factory=dict)  # unknown_cost/work_budget/storage
+    checkpoint_evictions_total: int = 0
+    checkpoint_extra_work_ns_total: int = 0  # charged predicted copy work
+    # Output constraints (helios.engine.constraints).
+    reasoning_budget_cuts_total: int = 0  # requests whose reasoning was closed by their budget
+    grammar_mask_seconds_total: float = 0.0  # time computing grammar masks (beside the forward pass)
 
 
 class Engine:
@@ -62,6 +76,7 @@ class Engine:
         threads: int | None = None,
         runner: Runner | None = None,
         tokenizer: Any | None = None,
+        prefix_cache: PrefixCacheConfig | None = None,
     ):
         self.core_dir = Path(core_dir)
         self.manifest = manifest
@@ -77,15 +92,25 @@ class Engine:
             tokenizer = Tokenizer.from_file(str(self.core_dir / manifest.tokenizer.file))
         self.tokenizer = tokenizer
         self.block_manager = BlockManager(runner.num_pages, manifest.kv.page_tokens)
+        kv = manifest.kv
+        self.prefix_cache = PrefixCache(
+            self.block_manager,
+            copy_page=getattr(runner, "copy_page", None),
+            page_bytes=kv.num_layers * 2 * kv.page_tokens * kv.kv_heads * kv.head_dim * 4,
+            config=prefix_cache,
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             max_concurrency=max_concurrency or limits.max_concurrency,
             max_batch_tokens=limits.max_batch_tokens,
             prefill_chunk_size=limits.prefill_chunk_size,
+            prefix_cache=self.prefix_cache,
         )
         self.context_length = limits.context_length
         self.vocab_size = manifest.architecture.vocab_size
         self.eos_token_ids = list(manifest.tokenizer.eos_token_ids)
+        to_str = getattr(tokenizer, "to_str", None)
+        self.constraints = Constraints(to_str() if callable(to_str) else None, self.vocab_size, self.eos_token_ids)
 
         self._cv = threading.Condition()
         self._inbox: list[Sequence] = []  # guarded by _cv
@@ -140,6 +165,7 @@ class Engine:
             seq = Sequence.create(
                 request, self._next_arrival, self.tokenizer, self.eos_token_ids, self.context_length, sink
             )
+            self.constraints.attach(seq)
             self._next_arrival += 1
             self._live.add(request.request_id)
             self._inbox.append(seq)
@@ -178,6 +204,7 @@ class Engine:
         with self._cv:
             inbox = len(self._inbox)
         sched = self.scheduler
+        cache = self.prefix_cache
         return EngineStats(
             active=len(sched.running),
             pending=len(sched.waiting) + inbox,
@@ -194,6 +221,16 @@ class Engine:
             preempted_total=sched.num_preemptions,
             step_seconds_total=self._step_seconds,
             schedule_seconds_total=self._schedule_seconds,
+            reused_tokens_total=cache.reused_tokens,
+            cache_hits_total=cache.hits,
+            cached_pages=cache.cached_pages,
+            checkpoints=cache.num_checkpoints,
+            checkpoint_captures=cache.capture_counts(),
+            checkpoint_skips=dict(cache.skips),
+            checkpoint_evictions_total=cache.evictions,
+            checkpoint_extra_work_ns_total=cache.extra_work_ns,
+            reasoning_budget_cuts_total=self.constraints.budget_cuts,
+            grammar_mask_seconds_total=self.constraints.mask_seconds,
         )
 
     def generate(self, request: GenerationRequest, timeout: float | None = None) -> list[GenerationEvent]:
@@ -285,6 +322,8 @@ class Engine:
             StepRow(token_ids=r.token_ids, history_len=r.start, block_table=list(r.seq.page_table))
             for r in batch.rows
         ]
+        # Grammar masks and forced tokens of the rows that sample, computed beside the forward pass.
+        masking = self.constraints.begin([r.seq for r in batch.rows if r.samples])
         try:
             out = self.runner.step(rows)
         except Exception as exc:
@@ -300,25 +339,41 @@ class Engine:
         if not idx:
             return
         seqs = [batch.rows[i].seq for i in idx]
+        masks = masking.result() if masking is not None else {}
+        for j, seq in enumerate(seqs):
+            if (m := masks.get(j)) is not None and m.error is not None:
+                emitted.append((seq, self._fail(seq, m.error)))
+        live = [j for j, seq in enumerate(seqs) if not seq.is_finished]
+        if len(live) < len(seqs):
+            idx, seqs = [idx[j] for j in live], [seqs[j] for j in live]
+            masks = {k: masks[j] for k, j in enumerate(live) if j in masks}
+            if not idx:
+                return
+        row_masks = [masks.get(j) for j in range(len(seqs))] if masks else None
         try:
-            tokens = sample(out.logits[idx], seqs)
+            tokens = sample(out.logits[idx], seqs, row_masks)
         except Exception as exc:
             log.exception("sampling failed")
             for seq in seqs:
                 emitted.append((seq, self._fail(seq, f"sampling failed: {exc}")))
             return
-        for i, seq, token in zip(idx, seqs, tokens.tolist()):
+        for j, (i, seq, token) in enumerate(zip(idx, seqs, tokens.tolist())):
             if token < 0:
                 log.error("non-finite logits for %s", seq.request_id)
                 emitted.append((seq, self._fail(seq, "the model produced non-finite logits")))
                 continue
+            forced = row_masks is not None and row_masks[j] is not None and row_masks[j].forced is not None
             try:
-                emitted.append((seq, self._commit_token(seq, token, out, i)))
+                emitted.append((seq, self._commit_token(seq, token, out, i, forced)))
+            except ConstraintError as exc:
+                emitted.append((seq, self._fail(seq, str(exc))))
             except Exception as exc:  # e.g. a detokenizer failure: only this request fails
                 log.exception("postprocessing failed for %s", seq.request_id)
                 emitted.append((seq, self._fail(seq, f"postprocessing failed: {exc}")))
 
-    def _commit_token(self, seq: Sequence, token: int, out: StepOutput, i: int) -> GenerationEvent:
+    def _commit_token(self, seq: Sequence, token: int, out: StepOutput, i: int,
+                      forced: bool = False) -> GenerationEvent:
+        self.constraints.commit(seq, token, forced)
         seq.append_token(token)
         self._generated_tokens += 1
         outcome = seq.stop_checker.on_token(token, seq.num_generated)
@@ -326,7 +381,7 @@ class Engine:
         logprobs: list[TokenLogprob] | None = None
         if k is not None:
             logprobs = []
-            if outcome.has_logprob_entry:
+            if outcome.has_logprob_entry and not forced:  # forced tokens have no entry (api.md)
                 logprobs.append(
                     token_logprob(token, out.logits[i], out.logsumexp[i], out.top_logprobs[i], out.top_ids[i], k)
                 )
@@ -346,7 +401,7 @@ class Engine:
             text=text,
             logprobs=logprobs,
             prompt_tokens=seq.prompt_len,
-            cached_tokens=0,
+            cached_tokens=seq.cached_tokens,
             completion_tokens=seq.num_generated,
         )
 

@@ -15,6 +15,13 @@ Each step is built in three passes over a token budget (`max_batch_tokens`):
 Age is arrival order, not admission order: a preempted and re-admitted request keeps its age,
 so the oldest request always makes progress and two requests cannot preempt each other forever.
 A sequence that cannot fit in the pool even alone finishes with LENGTH.
+
+Prefix checkpoints (helios.engine.prefix_cache), when a cache is given: admission restores the
+longest checkpoint that is a prefix of the sequence (shared pages need no free pages; the
+prefill starts after the restored tokens), selects the request's checkpoint boundaries at its
+first admission, and `commit` captures the boundaries each step's K/V reaches. Whenever pages
+run short (admission, a prefill chunk, a decode), least recently used checkpoints are evicted
+before any live sequence is preempted or held back.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from dataclasses import dataclass, field
 
 from helios.engine.api import FinishReason
 from helios.engine.block_manager import BlockManager
+from helios.engine.prefix_cache import PrefixCache
 from helios.engine.sequence import Sequence, SequenceStatus
 
 
@@ -64,6 +72,7 @@ class Scheduler:
         max_concurrency: int,
         max_batch_tokens: int,
         prefill_chunk_size: int,
+        prefix_cache: PrefixCache | None = None,
     ):
         if min(max_concurrency, max_batch_tokens, prefill_chunk_size) < 1:
             raise ValueError("max_concurrency, max_batch_tokens and prefill_chunk_size must be >= 1")
@@ -73,6 +82,7 @@ class Scheduler:
         self.max_concurrency = min(max_concurrency, max_batch_tokens)
         self.max_batch_tokens = max_batch_tokens
         self.prefill_chunk_size = prefill_chunk_size
+        self.cache = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
         self.waiting: deque[Sequence] = deque()  # arrival order
         self.running: list[Sequence] = []  # arrival order; the last one is preempted first
         self.num_preemptions = 0
@@ -159,6 +169,11 @@ class Scheduler:
                 batch.finished.append(seq)
                 continue
             while not bm.can_grow(seq.page_table, need):
+                # Checkpoints go before live sequences (a preempted sequence's pages may have
+                # become reclaimable checkpoint pages, so this is retried after each preemption).
+                self._reclaim(bm.pages_to_grow(seq.page_table, need))
+                if bm.can_grow(seq.page_table, need):
+                    break
                 victim = self.running[-1]  # newest; never an already scheduled (older) row
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -186,29 +201,53 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_concurrency:
             seq = self.waiting[0]
             # Room for the whole (re)prefill and the first decode after it.
-            need = bm.pages_for(seq.num_tokens + 1)
-            if need > bm.num_pages:
+            total = bm.pages_for(seq.num_tokens + 1)
+            if total > bm.num_pages:
                 self.waiting.popleft()
                 self.finish(seq, FinishReason.LENGTH)
                 batch.finished.append(seq)
                 continue
-            if need > bm.num_free - self._promised_pages():
-                break  # wait for room; do not let later (smaller) requests overtake the head
+            ckpt, restored = self.cache.match(seq.token_ids) if self.cache else (None, 0)
+            # Pages a restore shares need no free page (its copied tail page does).
+            need = total - (self.cache.shared_pages(restored) if ckpt else 0)
+            promised = self._promised_pages()
+            if need > bm.num_free - promised:
+                if self.cache and need <= bm.num_free - promised + self.cache.reclaimable_pages(ckpt):
+                    self.cache.reclaim(need + promised, protect=ckpt)
+                if need > bm.num_free - promised:
+                    break  # wait for room; do not let later (smaller) requests overtake the head
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.insert(bisect.bisect([s.arrival for s in self.running], seq.arrival), seq)
-            if seq.num_preemptions == 0:
+            first = seq.num_preemptions == 0
+            if first:
                 self.num_admissions += 1  # first admissions only; re-admissions are recompute
+            if ckpt is not None:
+                self.cache.restore(seq, ckpt, restored)
+            if first:
+                seq.cached_tokens = restored  # usage reports the first admission's reuse
+            if self.cache and seq.checkpoint_plan is None:
+                seq.checkpoint_plan = self.cache.plan(seq, self.prefill_chunk_size)
             n = self._chunk(seq, budget)
-            bm.grow(seq.page_table, n)
-            batch.rows.append(ScheduledRow(seq, 0, n, False))
+            start = seq.num_computed_tokens
+            bm.grow(seq.page_table, start + n)
+            batch.rows.append(ScheduledRow(seq, start, n, False))
             budget -= n
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of `seq`'s prefill to feed now: bounded by chunk size, budget and free pages."""
         n = min(seq.num_uncomputed, self.prefill_chunk_size, budget)
+        short = self.bm.pages_to_grow(seq.page_table, seq.num_computed_tokens + n)
+        if short > self.bm.num_free:
+            self._reclaim(short)
         room = (len(seq.page_table) + self.bm.num_free) * self.bm.page_tokens - seq.num_computed_tokens
         return max(0, min(n, room))
+
+    def _reclaim(self, free_pages: int) -> None:
+        """Evict checkpoints (LRU) until `free_pages` pages are free, if they can provide them."""
+        cache = self.cache
+        if cache is not None and free_pages <= self.bm.num_free + cache.reclaimable_pages():
+            cache.reclaim(free_pages)
 
     def _promised_pages(self) -> int:
         """Pages running sequences still need to finish their prefill and take a first decode."""
@@ -220,6 +259,14 @@ class Scheduler:
 
     def commit(self, batch: Batch) -> None:
         """The runner wrote the batch's K/V: advance each row's sequence."""
+        reserve: int | None = None
         for row in batch.rows:
-            if row.seq.status is SequenceStatus.RUNNING:
-                row.seq.num_computed_tokens = row.start + row.num_tokens
+            seq = row.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens = row.start + row.num_tokens
+            plan = seq.checkpoint_plan
+            if self.cache is not None and plan and plan[0].position <= seq.num_computed_tokens:
+                if reserve is None:
+                    reserve = self._promised_pages()
+                self.cache.capture_reached(seq, reserve)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from helios.engine.api import FinishReason, GenerationEvent, GenerationRequest, SamplingParams
+from helios.engine.api import CheckpointCandidate, FinishReason, GenerationEvent, GenerationRequest, SamplingParams
 from helios.engine.detokenizer import IncrementalDetokenizer
 from helios.engine.stops import StopChecker
 
@@ -50,6 +50,11 @@ class Sequence:
         self.rng = np.random.default_rng(self.sampling.seed)
         self.num_preemptions = 0
         self._prompt_unique: np.ndarray | None = None
+        # Prefix checkpoints (helios.engine.prefix_cache): prompt tokens restored at the first
+        # admission (what usage reports as cached), and the boundaries still to capture (None
+        # until the first admission selects them).
+        self.cached_tokens = 0
+        self.checkpoint_plan: list[CheckpointCandidate] | None = None
 
     @classmethod
     def create(

@@ -14,6 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from helios.engine.api import GenerationRequest, SamplingParams
+from helios.frontend.checkpoints import conversation_candidates
 from helios.frontend.conversation import (
     Conversation,
     ImagePart,
@@ -24,19 +25,23 @@ from helios.frontend.conversation import (
     ToolCallPart,
     ToolResultPart,
     ToolSpec,
-    render_prompt,
 )
 from helios.frontend.errors import RequestError
+from helios.frontend.grammar import OutputFormat
+from helios.frontend.output import BlockDelta, BlockOpened, OutputEvent
+from helios.frontend.request import ChatOptions, OutputPlan, lower
 from helios.frontend.sampling import (
     DISTRIBUTION_FIELDS,
     SamplingFields,
     check_top_logprobs,
     child_seed,
-    require_int,
     resolve_max_tokens,
     resolve_sampling,
 )
+from helios.frontend.thinking import Budget, check_budget, check_effort, template_kwargs
+from helios.frontend.tools import EmittedCall, ToolChoice, unique_names
 from helios.protocols import common
+from helios.protocols.answer import Answer
 from helios.server.admission import GenerationGroup, terminal_failure
 from helios.server.context import ServerContext, new_response_id, response_headers
 from helios.server.errors import ApiError, json_response, server_error
@@ -45,7 +50,6 @@ from helios.server.sse import KEEPALIVE_SECONDS, SSEWriter
 log = logging.getLogger("helios.chat")
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-_INT32_MAX = (1 << 31) - 1
 
 
 @dataclass
@@ -62,6 +66,7 @@ class ChatPlan:
     return_token_ids: bool
     return_timestamps: bool
     base: SamplingParams
+    output: OutputPlan
 
 
 # -- decoding --------------------------------------------------------------------------------------
@@ -144,9 +149,8 @@ def _decode_tool_calls(value: Any, where: str) -> list[ToolCallPart]:
     return calls
 
 
-def decode_tools(body: dict[str, Any], supports_tools: bool) -> list[ToolSpec]:
+def decode_tools(body: dict[str, Any]) -> tuple[list[ToolSpec], ToolChoice]:
     tools = body.get("tools")
-    choice = body.get("tool_choice")
     if tools is None:
         tools = []
     if not isinstance(tools, list):
@@ -165,41 +169,37 @@ def decode_tools(body: dict[str, Any], supports_tools: bool) -> list[ToolSpec]:
         if description is not None and not isinstance(description, str):
             raise RequestError(f"tools[{i}].function.description must be a string", param="tools")
         specs.append(ToolSpec(fn["name"], description, params))
-    if choice is not None and choice not in ("auto", "none", "required") and not isinstance(choice, dict):
+    unique_names(specs)
+    choice = body.get("tool_choice")
+    parallel = common.opt_bool(body, "parallel_tool_calls", True)
+    if choice is None or choice in ("auto", "none", "required"):
+        return specs, ToolChoice(choice or "auto", parallel=parallel)
+    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise RequestError('tool_choice must be "auto", "none", "required" or a named function', param="tool_choice")
-    if choice == "required" and not specs:
-        raise RequestError('tool_choice "required" needs at least one tool', param="tool_choice")
-    if choice == "required" or isinstance(choice, dict):
-        # Needs the tool-call parser and output validator (tools issue).
-        raise RequestError("required and named tool_choice are not supported yet", param="tool_choice")
-    if specs and not supports_tools:
-        raise RequestError("this model core's chat template does not support tools", param="tools")
-    if choice == "none":
-        return []  # the model is told about no tools it must not call
-    return specs
+    return specs, ToolChoice("named", fn["name"], parallel)
+
+
+def decode_output_format(body: dict[str, Any]) -> tuple[OutputFormat | None, str]:
+    fmt = common.decode_format(body.get("response_format"), "response_format", nested=True)
+    guided, param = common.decode_guided(body)
+    if fmt is not None and guided is not None:
+        raise RequestError("response_format cannot be combined with guided decoding", param=param)
+    return (fmt, "response_format") if fmt is not None else (guided, param)
 
 
 def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> ChatPlan:
     """Validate everything and build every child request (runs in the frontend pool)."""
     m = ctx.manifest
     messages = decode_messages(body.get("messages"))
-    tools = decode_tools(body, m.template.supports_tools)
+    tools, choice = decode_tools(body)
     if body.get("chat_template") is not None:
         raise RequestError("custom chat templates are not accepted; the core's template is used",
                            param="chat_template")
-    fmt = common.opt_object(body, "response_format")
-    if fmt is not None and fmt.get("type") != "text":
-        raise RequestError("response_format other than text is not supported yet", param="response_format")
-    if body.get("thinking_token_budget") is not None:
-        budget = require_int(body["thinking_token_budget"], "thinking_token_budget")
-        if not 1 <= budget <= _INT32_MAX:
-            raise RequestError("thinking_token_budget must be a positive 32-bit integer",
-                               param="thinking_token_budget")
-        if not m.parsers.reasoning:
-            raise RequestError("thinking_token_budget needs a model core with reasoning syntax",
-                               param="thinking_token_budget")
-        raise RequestError("thinking_token_budget is not supported yet", param="thinking_token_budget")
-    common.reject_unsupported_extensions(body)
+    fmt, fmt_param = decode_output_format(body)
+    budget = check_budget(body.get("thinking_token_budget"))
+    effort = check_effort(body.get("reasoning_effort"), "reasoning_effort")
+    common.reject_unsupported_extensions(body, structured=True)
     n = common.choice_count(body)
     if n > ctx.admission.slots:
         raise RequestError(f"n={n} needs more admission slots than this server has ({ctx.admission.slots})",
@@ -221,6 +221,8 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> ChatPlan
     add_generation_prompt = common.opt_bool(body, "add_generation_prompt", True)
     continue_final = common.opt_bool(body, "continue_final_message", False)
     kwargs = common.opt_object(body, "chat_template_kwargs") or {}
+    kwargs = template_kwargs(kwargs, enabled=common.reasoning_switch(body, kwargs), effort=effort,
+                             template_source=ctx.template.source if ctx.template else None)
     base = resolve_sampling(
         SamplingFields(
             values={name: body.get(name) for name in DISTRIBUTION_FIELDS},
@@ -234,13 +236,18 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> ChatPlan
         m.sampling,
         m.architecture.vocab_size,
     )
-    prompt_ids = render_prompt(
-        Conversation(messages, tools),
-        ctx.template,
-        ctx.tokenizer,
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final,
-        template_kwargs=kwargs,
+    chat_options = ChatOptions(
+        tools=tools, choice=choice, output_format=fmt, output_format_param=fmt_param, template_kwargs=kwargs,
+        add_generation_prompt=add_generation_prompt, continue_final=continue_final,
+        budget=Budget(budget, explicit=budget is not None),
+        user_stops=bool(base.stop or base.stop_token_ids), ignore_eos=base.ignore_eos,
+    )
+    lowered = lower(Conversation(messages), chat_options, manifest=m, template=ctx.template, tokenizer=ctx.tokenizer,
+                    default_budget=ctx.config.thinking_token_budget)
+    conversation, prompt_ids = lowered.conversation, lowered.prompt_ids
+    checkpoints = conversation_candidates(
+        conversation, ctx.template, ctx.tokenizer, prompt_ids,
+        add_generation_prompt=add_generation_prompt, continue_final_message=continue_final, template_kwargs=kwargs,
     )
     requested = body.get("max_completion_tokens")
     name = "max_completion_tokens"
@@ -253,6 +260,9 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> ChatPlan
             request_id=f"{response_id}-{i}",
             prompt_token_ids=prompt_ids,
             sampling=dataclasses.replace(base, seed=child_seed(base.seed, i)),
+            checkpoints=checkpoints,
+            grammar=lowered.grammar,
+            reasoning=lowered.reasoning,
         )
         for i in range(n)
     ]
@@ -267,6 +277,7 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> ChatPlan
         return_token_ids=common.opt_bool(body, "return_token_ids", False),
         return_timestamps=common.opt_bool(body, "return_token_timestamps", False),
         base=base,
+        output=lowered.output,
     )
 
 
@@ -287,37 +298,54 @@ async def handle(request: web.Request, ctx: ServerContext) -> web.StreamResponse
         group.close()  # aborts unfinished children on disconnect or failure
 
 
-def _states(ctx: ServerContext, p: ChatPlan) -> list[common.ChoiceState]:
-    return [common.ChoiceState(i, ctx.tokenizer) for i in range(len(p.requests))]
+def _answers(ctx: ServerContext, p: ChatPlan) -> list[Answer]:
+    return [Answer(ctx.tokenizer, len(p.prompt_ids), p.output, index=i) for i in range(len(p.requests))]
 
 
-def _usage(p: ChatPlan, states: list[common.ChoiceState]) -> dict[str, Any]:
+def _usage(p: ChatPlan, answers: list[Answer]) -> dict[str, Any]:
     return common.usage(
         len(p.prompt_ids),
-        sum(s.completion_tokens for s in states),
-        states[0].cached_tokens,  # the first choice's admission count (prompt counted once)
-        reasoning_tokens=0,  # no reasoning parser yet: nothing is published as reasoning
+        sum(a.completion_tokens for a in answers),
+        answers[0].cached_tokens,  # the first choice's admission count (prompt counted once)
+        reasoning_tokens=sum(a.reasoning_tokens for a in answers),
     )
+
+
+def finish_reason(answer: Answer) -> str:
+    """length, tool_calls (parsed calls completed an answer the user did not stop) or stop."""
+    cause = answer.cause
+    return cause if cause in ("length", "tool_calls") else "stop"
+
+
+def _tool_call(call: EmittedCall, index: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": call.id, "type": "function",
+                           "function": {"name": call.name, "arguments": call.arguments_json}}
+    return out if index is None else {"index": index, **out}
 
 
 async def _buffered(ctx: ServerContext, p: ChatPlan, group: GenerationGroup,
                     headers: dict[str, str]) -> web.Response:
-    states = _states(ctx, p)
-    while not all(s.finished for s in states):
+    answers = _answers(ctx, p)
+    while not all(a.state.finished for a in answers):
         item = await group.next()
         assert item is not None
         index, event = item
-        states[index].apply(event)
+        try:
+            answers[index].apply(event)
+        except ApiError as exc:
+            raise exc.with_headers(headers) from None
         if event.finished and (failure := terminal_failure(event)) is not None:
             raise failure.with_headers(headers)
     choices = []
-    for s in states:
+    for a in answers:
+        s = a.state
+        text, reasoning, calls = a.output.text("text"), a.output.text("reasoning"), a.output.calls
         choice: dict[str, Any] = {
             "index": s.index,
-            "message": {"role": "assistant", "content": s.full_text, "refusal": None, "tool_calls": [],
-                        "reasoning_content": None},
+            "message": {"role": "assistant", "content": text if text or not calls else None, "refusal": None,
+                        "tool_calls": [_tool_call(c) for c in calls], "reasoning_content": reasoning or None},
             "logprobs": None,
-            "finish_reason": common.finish_reason_name(s.finish_reason),
+            "finish_reason": finish_reason(a),
             "stop_reason": s.stop_reason,
         }
         if p.logprobs is not None:
@@ -335,40 +363,58 @@ async def _buffered(ctx: ServerContext, p: ChatPlan, group: GenerationGroup,
         "created": common.now(),
         "model": ctx.model_id,
         "choices": choices,
-        "usage": _usage(p, states),
+        "usage": _usage(p, answers),
         "system_fingerprint": None,
         "prompt_logprobs": None,
     }
     if p.return_token_ids:
         out["prompt_token_ids"] = p.prompt_ids
     if p.return_token_ids or p.return_timestamps:
-        out["reused_prompt_tokens"] = states[0].cached_tokens
+        out["reused_prompt_tokens"] = answers[0].cached_tokens
     return json_response(out, headers=headers)
+
+
+def _delta(events: list[OutputEvent], calls_before: int) -> dict[str, Any]:
+    """One chunk's delta from the block events of one engine event."""
+    delta: dict[str, Any] = {}
+    content = "".join(e.text for e in events if isinstance(e, BlockDelta) and e.block.kind == "text")
+    reasoning = "".join(e.text for e in events if isinstance(e, BlockDelta) and e.block.kind == "reasoning")
+    calls = [e.block.call for e in events if isinstance(e, BlockOpened) and e.block.call is not None]
+    if reasoning:
+        delta["reasoning_content"] = reasoning
+    if content:
+        delta["content"] = content
+    if calls:
+        delta["tool_calls"] = [_tool_call(c, calls_before + k) for k, c in enumerate(calls)]
+    return delta
 
 
 async def _stream(request: web.Request, ctx: ServerContext, p: ChatPlan, group: GenerationGroup,
                   headers: dict[str, str]) -> web.StreamResponse:
     writer = await SSEWriter.start(request, headers)
-    states = _states(ctx, p)
+    answers = _answers(ctx, p)
     created = common.now()
-    role_sent = [False] * len(states)
+    role_sent = [False] * len(answers)
+    calls_sent = [0] * len(answers)
 
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
         out = {"id": p.response_id, "object": "chat.completion.chunk", "created": created,
                "model": ctx.model_id, "choices": choices}
         if p.options.continuous_usage:
-            out["usage"] = _usage(p, states)  # cumulative counts on every chunk
+            out["usage"] = _usage(p, answers)  # cumulative counts on every chunk
         return out
 
     try:
-        while not all(s.finished for s in states):
+        while not all(a.state.finished for a in answers):
             item = await group.next(KEEPALIVE_SECONDS)
             if item is None:
                 await writer.comment()
                 continue
             index, event = item
-            state = states[index]
-            delta = state.apply(event)
+            answer = answers[index]
+            state = answer.state
+            before = len(state.logprobs), len(state.token_ids), len(state.timestamps_ns)
+            events = answer.apply(event)  # ApiError: a terminal error frame below
             if event.finished and (failure := terminal_failure(event)) is not None:
                 await writer.send(common.stream_error(failure))
                 await writer.close()
@@ -378,16 +424,15 @@ async def _stream(request: web.Request, ctx: ServerContext, p: ChatPlan, group: 
                 role_sent[index] = True
                 await writer.send(chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}]))
-            entries = delta.logprobs if p.logprobs is not None else []
-            ids = delta.token_ids if p.return_token_ids else []
-            if not (delta.text or entries or ids or event.finished):
+            entries = state.logprobs[before[0]:] if p.logprobs is not None else []
+            ids = state.token_ids[before[1]:] if p.return_token_ids else []
+            delta = _delta(events, calls_sent[index])
+            calls_sent[index] += len(delta.get("tool_calls", []))
+            if not (delta or entries or ids or event.finished):
                 continue
-            choice: dict[str, Any] = {
-                "index": index,
-                "delta": {"content": delta.text} if (delta.text or entries or ids) else {},
-                "logprobs": None,
-                "finish_reason": None,
-            }
+            if not delta and (entries or ids):
+                delta = {"content": ""}
+            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
             if entries:
                 choice["logprobs"] = {
                     "content": common.chat_logprob_entries(ctx.tokenizer, entries, p.logprobs or 0, p.as_token_ids)
@@ -395,19 +440,19 @@ async def _stream(request: web.Request, ctx: ServerContext, p: ChatPlan, group: 
             if p.return_token_ids:
                 choice["token_ids"] = ids
             if p.return_timestamps:
-                choice["token_timestamps_ns"] = delta.timestamps_ns
+                choice["token_timestamps_ns"] = state.timestamps_ns[before[2]:]
             if event.finished:
-                choice["finish_reason"] = common.finish_reason_name(state.finish_reason)
+                choice["finish_reason"] = finish_reason(answer)
                 choice["stop_reason"] = state.stop_reason
             out = chunk([choice])
             if event.finished and (p.return_token_ids or p.return_timestamps):
-                out["reused_prompt_tokens"] = states[0].cached_tokens
-            last = all(s.finished for s in states)
+                out["reused_prompt_tokens"] = answers[0].cached_tokens
+            last = all(a.state.finished for a in answers)
             if last and p.return_token_ids and not p.options.include_usage:
-                out["usage"] = _usage(p, states)
+                out["usage"] = _usage(p, answers)
             await writer.send(out)
         if p.options.include_usage:
-            await writer.send({**chunk([]), "usage": _usage(p, states)})
+            await writer.send({**chunk([]), "usage": _usage(p, answers)})
         await writer.done()
     except (ConnectionResetError, ConnectionError):
         pass  # the client left; the handler's finally aborts what is still running

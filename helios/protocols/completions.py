@@ -15,6 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from helios.engine.api import GenerationRequest, SamplingParams
+from helios.frontend.checkpoints import endpoint
 from helios.frontend.errors import RequestError
 from helios.frontend.sampling import (
     DISTRIBUTION_FIELDS,
@@ -147,6 +148,7 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Completi
                     request_id=f"{response_id}-{pi * n + j}",
                     prompt_token_ids=prompt.token_ids,
                     sampling=dataclasses.replace(base, max_tokens=budget, seed=child_seed(base.seed, j)),
+                    checkpoints=endpoint(prompt.token_ids),  # raw prompts: the exact endpoint only
                 ))
     return CompletionPlan(
         response_id=response_id,

@@ -21,6 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from helios.engine.api import GenerationRequest
+from helios.frontend.checkpoints import conversation_candidates
 from helios.frontend.conversation import (
     Conversation,
     ImagePart,
@@ -31,12 +32,15 @@ from helios.frontend.conversation import (
     ToolCallPart,
     ToolResultPart,
     ToolSpec,
-    render_prompt,
 )
 from helios.frontend.errors import RequestError
+from helios.frontend.grammar import OutputFormat
 from helios.frontend.hints import boundary_positions
 from helios.frontend.output import Block, BlockClosed, BlockDelta, BlockOpened, OutputEvent
+from helios.frontend.request import ChatOptions, Lowered, OutputPlan, lower
 from helios.frontend.sampling import resolve_max_tokens
+from helios.frontend.thinking import INT32_MAX, Budget, check_budget, check_effort, effort_from_budget, template_kwargs
+from helios.frontend.tools import ToolChoice, unique_names
 from helios.protocols import common
 from helios.protocols.answer import Answer, follow, handle as handle_single
 from helios.server.admission import GenerationGroup, terminal_failure
@@ -60,9 +64,13 @@ class Decoded:
     """A Messages request lowered to the neutral conversation (shared by generation and counting)."""
 
     conversation: Conversation
-    continue_final: bool  # the history ends with an assistant prefill
-    template_kwargs: dict[str, Any]
+    options: ChatOptions  # tools, choice, output format, thinking, continuation
     cache_hints: list[Part]  # parts whose end is a candidate prefix-checkpoint boundary
+
+    @property
+    def continue_final(self) -> bool:
+        """The history ends with an assistant prefill."""
+        return self.options.continue_final
 
 
 @dataclass
@@ -71,6 +79,7 @@ class MessagesPlan:
     prompt_ids: list[int]
     request: GenerationRequest
     stream: bool
+    output: OutputPlan
 
 
 def require_version(request: web.Request) -> None:
@@ -226,7 +235,7 @@ def _tool_result(block: dict[str, Any], at: str) -> ToolResultPart:
     return ToolResultPart(call_id, content, is_error=is_error)
 
 
-def decode_tools(body: dict[str, Any], supports_tools: bool) -> list[ToolSpec]:
+def decode_tools(body: dict[str, Any]) -> tuple[list[ToolSpec], ToolChoice]:
     tools = body.get("tools")
     if tools is None:
         tools = []
@@ -250,47 +259,36 @@ def decode_tools(body: dict[str, Any], supports_tools: bool) -> list[ToolSpec]:
         if tool.get("strict") is True:
             raise RequestError("strict tool schemas (strict: true) are not supported", param="tools")
         specs.append(ToolSpec(name, description, schema))
+    unique_names(specs)
     choice = body.get("tool_choice")
-    kind = None
-    if choice is not None:
-        kind = choice.get("type") if isinstance(choice, dict) else None
-        if kind not in ("auto", "any", "tool", "none"):
-            raise RequestError('tool_choice.type must be "auto", "any", "tool" or "none"', param="tool_choice")
-        parallel = choice.get("disable_parallel_tool_use")
-        if parallel is not None and not isinstance(parallel, bool):
-            raise RequestError("tool_choice.disable_parallel_tool_use must be a boolean", param="tool_choice")
-        if kind == "any" and not specs:
+    if choice is None:
+        return specs, ToolChoice("auto")
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind not in ("auto", "any", "tool", "none"):
+        raise RequestError('tool_choice.type must be "auto", "any", "tool" or "none"', param="tool_choice")
+    disable = choice.get("disable_parallel_tool_use")
+    if disable is not None and not isinstance(disable, bool):
+        raise RequestError("tool_choice.disable_parallel_tool_use must be a boolean", param="tool_choice")
+    parallel = not disable
+    if kind == "any":
+        if not specs:
             raise RequestError('tool_choice "any" needs at least one tool', param="tool_choice")
-        if kind == "tool" and choice.get("name") not in {s.name for s in specs}:
+        return specs, ToolChoice("required", parallel=parallel)
+    if kind == "tool":
+        name = choice.get("name")
+        if not isinstance(name, str) or name not in {s.name for s in specs}:
             raise RequestError("tool_choice names a tool that is not declared in tools", param="tool_choice")
-        if kind in ("any", "tool"):
-            # Needs the tool-call parser and output validator (tools issue).
-            raise RequestError('tool_choice "any" and named tools are not supported yet', param="tool_choice")
-    if specs and not supports_tools:
-        raise RequestError("this model core's chat template does not support tools", param="tools")
-    return [] if kind == "none" else specs
+        return specs, ToolChoice("named", name, parallel)
+    return specs, ToolChoice(kind, parallel=parallel)
 
 
-def _check_controls(body: dict[str, Any], has_reasoning: bool) -> None:
+def _check_controls(body: dict[str, Any]) -> None:
     for name in LOGPROB_FIELDS:
         if name in body and body[name] is not None:
             raise RequestError(f"{name} is not supported by /v1/messages; use /v1/chat/completions", param=name)
     for name in HOSTED_FIELDS:
         if body.get(name):
             raise RequestError(f"{name} is not supported: Flare runs no hosted tools", param=name)
-    thinking = common.opt_object(body, "thinking")
-    if thinking is not None:
-        if thinking.get("type") not in ("enabled", "disabled", "adaptive"):
-            raise RequestError('thinking.type must be "enabled", "disabled" or "adaptive"', param="thinking")
-        budget = thinking.get("budget_tokens")
-        if budget is not None and (common.opt_int(thinking, "budget_tokens", None) or 0) < 1:
-            raise RequestError("thinking.budget_tokens must be a positive integer", param="thinking")
-        # A budget is advisory on cores without reasoning syntax (api.md); the reasoning issue
-        # wires it into the engine's cap for cores that have one.
-    common.check_thinking_token_budget(body, has_reasoning)
-    output_config = common.opt_object(body, "output_config") or {}
-    if output_config.get("format") is not None:
-        raise RequestError("output_config.format (structured output) is not supported yet", param="output_config")
     management = common.opt_object(body, "context_management")
     if management is not None:
         edits = management.get("edits") or []
@@ -305,24 +303,83 @@ def _check_controls(body: dict[str, Any], has_reasoning: bool) -> None:
     common.reject_unsupported_extensions(body)
 
 
+def _thinking_controls(body: dict[str, Any]) -> tuple[bool | None, str | None, Budget]:
+    """thinking (enabled/adaptive/disabled, budget_tokens), thinking_token_budget and
+    output_config.effort -> (enable_thinking, effort, budget)."""
+    thinking = common.opt_object(body, "thinking")
+    enabled: bool | None = None
+    requested: int | None = None
+    if thinking is not None:
+        kind = thinking.get("type")
+        if kind not in ("enabled", "disabled", "adaptive"):
+            raise RequestError('thinking.type must be "enabled", "disabled" or "adaptive"', param="thinking")
+        enabled = kind != "disabled"
+        if thinking.get("budget_tokens") is not None:
+            requested = common.opt_int(thinking, "budget_tokens", None)
+            if requested is None or requested < 1:
+                raise RequestError("thinking.budget_tokens must be a positive integer", param="thinking")
+    explicit = check_budget(body.get("thinking_token_budget"))
+    if explicit is not None and requested is not None and explicit != requested:
+        raise RequestError("thinking_token_budget and thinking.budget_tokens must match when both are given",
+                           param="thinking_token_budget")
+    output_config = common.opt_object(body, "output_config") or {}
+    effort = check_effort(output_config.get("effort"), "output_config.effort")
+    if effort is None and requested is not None and enabled:
+        effort = effort_from_budget(requested)
+    if explicit is not None:
+        budget = Budget(explicit, explicit=True)
+    elif requested is not None and enabled:
+        # A hard cap where the format allows one, an effort hint elsewhere; budgets beyond the
+        # 32-bit output limit can never be reached, so they never cut.
+        budget = Budget(requested if requested <= INT32_MAX else None, explicit=True, advisory=True)
+    else:
+        budget = Budget()
+    return enabled, effort, budget
+
+
+def _output_format(body: dict[str, Any]) -> tuple[OutputFormat | None, str]:
+    output_config = common.opt_object(body, "output_config") or {}
+    fmt = common.decode_format(output_config.get("format"), "output_config.format", nested=False)
+    legacy = common.decode_format(body.get("output_format"), "output_format", nested=False)
+    if fmt is not None and legacy is not None:
+        raise RequestError("give output_config.format or output_format, not both", param="output_format")
+    return (fmt, "output_config") if fmt is not None else (legacy, "output_format")
+
+
 def decode(ctx: ServerContext, body: dict[str, Any]) -> Decoded:
+    """Everything generation and counting share: the conversation and its generation options."""
+    _check_controls(body)
     hints: list[Part] = []
     messages = decode_system(body.get("system")) + decode_messages(body.get("messages"), hints)
-    tools = decode_tools(body, ctx.manifest.template.supports_tools)
+    tools, choice = decode_tools(body)
     continue_final = messages[-1].role == "assistant" if messages else False
     if continue_final and not any(isinstance(p, TextPart) and p.text for p in messages[-1].parts):
         raise RequestError("a final assistant message (prefill) must contain text to continue", param="messages")
+    enabled, effort, budget = _thinking_controls(body)
     kwargs = common.opt_object(body, "chat_template_kwargs") or {}
-    return Decoded(Conversation(messages, tools), continue_final, kwargs, hints[:MAX_CACHE_HINTS])
+    if enabled is None:
+        enabled = common.reasoning_switch(body, kwargs)
+    kwargs = template_kwargs(kwargs, enabled=enabled, effort=effort,
+                             template_source=ctx.template.source if ctx.template else None)
+    fmt, fmt_param = _output_format(body)
+    options = ChatOptions(
+        tools=tools, choice=choice, output_format=fmt, output_format_param=fmt_param, template_kwargs=kwargs,
+        add_generation_prompt=not continue_final, continue_final=continue_final, budget=budget,
+        user_stops=bool(body.get("stop_sequences") or body.get("stop_token_ids")),
+        ignore_eos=body.get("ignore_eos") is True,
+    )
+    return Decoded(Conversation(messages), options, hints[:MAX_CACHE_HINTS])
+
+
+def _lower(ctx: ServerContext, decoded: Decoded, compile_grammar: bool = True) -> Lowered:
+    config = getattr(ctx, "config", None)
+    return lower(decoded.conversation, decoded.options, manifest=ctx.manifest, template=ctx.template,
+                 tokenizer=ctx.tokenizer, default_budget=config.thinking_token_budget if config else None,
+                 compile_grammar=compile_grammar)
 
 
 def _prompt(ctx: ServerContext, decoded: Decoded) -> list[int]:
-    return render_prompt(
-        decoded.conversation, ctx.template, ctx.tokenizer,
-        add_generation_prompt=not decoded.continue_final,
-        continue_final_message=decoded.continue_final,
-        template_kwargs=decoded.template_kwargs,
-    )
+    return _lower(ctx, decoded, compile_grammar=False).prompt_ids
 
 
 def count(ctx: ServerContext, body: dict[str, Any]) -> int:
@@ -332,29 +389,40 @@ def count(ctx: ServerContext, body: dict[str, Any]) -> int:
 
 def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> MessagesPlan:
     m = ctx.manifest
-    _check_controls(body, bool(m.parsers.reasoning))
     decoded = decode(ctx, body)
     stream = common.opt_bool(body, "stream", False)
     sampling = common.request_sampling(body, m, stop_name="stop_sequences")
-    prompt_ids = _prompt(ctx, decoded)
+    lowered = _lower(ctx, decoded)
+    prompt_ids = lowered.prompt_ids
     max_tokens = resolve_max_tokens(body.get("max_tokens"), len(prompt_ids), m.limits, allow_zero=False)
+    options = decoded.options
+    rendered = dataclasses.replace(decoded, conversation=lowered.conversation)
     request = GenerationRequest(
         request_id=response_id,
         prompt_token_ids=prompt_ids,
         sampling=dataclasses.replace(sampling, max_tokens=max_tokens),
-        checkpoint_hints=cache_hint_positions(ctx, decoded, prompt_ids),
+        checkpoints=conversation_candidates(
+            lowered.conversation, ctx.template, ctx.tokenizer, prompt_ids,
+            hints=cache_hint_positions(ctx, rendered, prompt_ids),
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final,
+            template_kwargs=options.template_kwargs,
+        ),
+        grammar=lowered.grammar,
+        reasoning=lowered.reasoning,
     )
-    return MessagesPlan(response_id, prompt_ids, request, stream)
+    return MessagesPlan(response_id, prompt_ids, request, stream, lowered.output)
 
 
 def cache_hint_positions(ctx: ServerContext, decoded: Decoded, prompt_ids: list[int]) -> list[int]:
     if not decoded.cache_hints:
         return []
+    options = decoded.options
     return boundary_positions(
         decoded.conversation, decoded.cache_hints, ctx.template, ctx.tokenizer, prompt_ids,
-        add_generation_prompt=not decoded.continue_final,
-        continue_final_message=decoded.continue_final,
-        template_kwargs=decoded.template_kwargs,
+        add_generation_prompt=options.add_generation_prompt,
+        continue_final_message=options.continue_final,
+        template_kwargs=options.template_kwargs,
     )
 
 
@@ -369,16 +437,23 @@ def usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict[st
     }
 
 
+STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop_sequence": "stop_sequence", "stop": "end_turn"}
+
+
 def stop_reason(answer: Answer) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence): the limit wins only when it was the terminal cause."""
-    if answer.hit_limit:
-        return "max_tokens", None
-    if isinstance(answer.state.stop_reason, str):
-        return "stop_sequence", answer.state.stop_reason
-    return "end_turn", None  # EOS or an explicit token stop
+    """(stop_reason, stop_sequence): the limit wins only when it was the terminal cause; calls
+    that complete an answer the user did not stop are tool_use; EOS and token stops end_turn."""
+    reason = STOP_REASONS[answer.cause]
+    return reason, answer.state.stop_reason if reason == "stop_sequence" else None
 
 
 def content_block(block: Block) -> dict[str, Any]:
+    if block.kind == "reasoning":
+        return {"type": "thinking", "thinking": block.text, "signature": thinking_signature(block.text)}
+    if block.kind == "tool_call":
+        call = block.call
+        assert call is not None
+        return {"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments}
     return {"type": "text", "text": block.text}
 
 
@@ -411,9 +486,12 @@ async def handle_count(request: web.Request, ctx: ServerContext) -> web.Response
 
 async def _buffered(ctx: ServerContext, p: MessagesPlan, group: GenerationGroup,
                     headers: dict[str, str]) -> web.Response:
-    answer = Answer(ctx.tokenizer, len(p.prompt_ids))
+    answer = Answer(ctx.tokenizer, len(p.prompt_ids), p.output, call_prefix="toolu_")
     async for event in follow(group):
-        answer.apply(event)
+        try:
+            answer.apply(event)
+        except ApiError as exc:
+            raise exc.with_headers(headers) from None
         if event.finished and (failure := terminal_failure(event)) is not None:
             raise failure.with_headers(headers)
     reason, sequence = stop_reason(answer)
@@ -426,7 +504,7 @@ async def _buffered(ctx: ServerContext, p: MessagesPlan, group: GenerationGroup,
 async def _stream(request: web.Request, ctx: ServerContext, p: MessagesPlan, group: GenerationGroup,
                   headers: dict[str, str]) -> web.StreamResponse:
     writer = await SSEWriter.start(request, headers)
-    answer = Answer(ctx.tokenizer, len(p.prompt_ids))
+    answer = Answer(ctx.tokenizer, len(p.prompt_ids), p.output, call_prefix="toolu_")
 
     async def send(data: dict[str, Any]) -> None:
         await writer.send(data, event=data["type"])  # the SDK dispatches on the event name
@@ -440,7 +518,7 @@ async def _stream(request: web.Request, ctx: ServerContext, p: MessagesPlan, gro
                 await _send_error(writer, failure)
                 return writer.response
             for item in answer.apply(event):
-                if (frame := _frame(item)) is not None:
+                for frame in _frames(item):
                     await send(frame)
         reason, sequence = stop_reason(answer)
         await send({
@@ -460,18 +538,35 @@ async def _stream(request: web.Request, ctx: ServerContext, p: MessagesPlan, gro
     return writer.response
 
 
-def _frame(item: OutputEvent) -> dict[str, Any] | None:
-    index = item.block.index
+def _frames(item: OutputEvent) -> list[dict[str, Any]]:
+    block = item.block
+    index = block.index
     if isinstance(item, BlockOpened):
-        return {"type": "content_block_start", "index": index,
-                "content_block": {**content_block(item.block), "text": ""}}
+        if block.kind == "reasoning":
+            opened: dict[str, Any] = {"type": "thinking", "thinking": "", "signature": ""}
+        elif block.kind == "tool_call":
+            opened = {**content_block(block), "input": {}}
+        else:
+            opened = {"type": "text", "text": ""}
+        return [{"type": "content_block_start", "index": index, "content_block": opened}]
     if isinstance(item, BlockDelta):
         if not item.text:
-            return None
-        return {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": item.text}}
+            return []
+        if block.kind == "reasoning":
+            delta = {"type": "thinking_delta", "thinking": item.text}
+        elif block.kind == "tool_call":
+            assert block.call is not None
+            delta = {"type": "input_json_delta", "partial_json": block.call.arguments_json}
+        else:
+            delta = {"type": "text_delta", "text": item.text}
+        return [{"type": "content_block_delta", "index": index, "delta": delta}]
     if isinstance(item, BlockClosed):
-        return {"type": "content_block_stop", "index": index}
-    return None
+        frames = []
+        if block.kind == "reasoning":  # the block's marker, once its text is complete
+            frames.append({"type": "content_block_delta", "index": index,
+                           "delta": {"type": "signature_delta", "signature": thinking_signature(block.text)}})
+        return frames + [{"type": "content_block_stop", "index": index}]
+    return []
 
 
 async def _send_error(writer: SSEWriter, error: ApiError) -> None:

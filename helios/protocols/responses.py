@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from helios.engine.api import GenerationRequest, SamplingParams
+from helios.frontend.checkpoints import conversation_candidates
 from helios.frontend.conversation import (
     Conversation,
     Message,
@@ -27,11 +28,21 @@ from helios.frontend.conversation import (
     ToolCallPart,
     ToolResultPart,
     ToolSpec,
-    render_prompt,
 )
 from helios.frontend.errors import RequestError
+from helios.frontend.grammar import Compiler, OutputFormat, compiler_for
 from helios.frontend.output import Block, BlockClosed, BlockDelta, BlockOpened, OutputEvent
+from helios.frontend.request import ChatOptions, OutputPlan, lower
 from helios.frontend.sampling import check_top_logprobs, resolve_max_tokens
+from helios.frontend.thinking import Budget, check_budget, check_effort, template_kwargs
+from helios.frontend.tools import (
+    CUSTOM_PARAMETERS,
+    NAMESPACE_SEPARATOR,
+    ToolChoice,
+    custom_description,
+    namespaced,
+    unique_names,
+)
 from helios.protocols import common
 from helios.protocols.answer import Answer, follow, handle as handle_single
 from helios.server.admission import GenerationGroup, terminal_failure
@@ -42,7 +53,7 @@ from helios.server.sse import SSEWriter
 log = logging.getLogger("helios.responses")
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+ITEM_PREFIXES = {"text": "msg", "reasoning": "rs", "tool_call": "fc"}
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 
@@ -57,6 +68,7 @@ class ResponsesPlan:
     as_token_ids: bool
     echo: dict[str, Any]  # request settings repeated in every response object
     sampling: SamplingParams
+    output: OutputPlan
 
 
 # -- decoding --------------------------------------------------------------------------------------
@@ -144,19 +156,23 @@ def decode_input(value: Any, instructions: Any) -> list[Message]:
             part = _reasoning(item, where)
             if part is not None:
                 assistant([part])
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
             call_id, name = item.get("call_id"), item.get("name")
-            arguments = item.get("arguments", "{}")
             if not isinstance(call_id, str) or not isinstance(name, str) or not name:
-                raise _bad(f"{where}: function_call needs a string call_id and a nonempty name")
-            assistant([ToolCallPart(call_id, name, _string(arguments, f"{where}.arguments"))])
-        elif kind == "function_call_output":
+                raise _bad(f"{where}: {kind} needs a string call_id and a nonempty name")
+            namespace = item.get("namespace")
+            if namespace is not None:
+                name = namespaced(_string(namespace, f"{where}.namespace"), name)
+            if kind == "function_call":
+                arguments: dict[str, Any] | str = _string(item.get("arguments", "{}"), f"{where}.arguments")
+            else:
+                arguments = {"input": _string(item.get("input", ""), f"{where}.input")}
+            assistant([ToolCallPart(call_id, name, arguments)])
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = _string(item.get("call_id"), f"{where}.call_id")
             output = item.get("output")
             content = [p for p in _content_parts(output, where) if isinstance(p, TextPart)] if output else []
             messages.append(Message("tool", [ToolResultPart(call_id, list(content))]))
-        elif kind in ("custom_tool_call", "custom_tool_call_output"):
-            raise _bad(f"{where}: custom tool items are not supported yet")
         elif kind == "item_reference":
             raise _bad(f"{where}: item references need stored responses; this server is stateless")
         else:
@@ -164,45 +180,83 @@ def decode_input(value: Any, instructions: Any) -> list[Message]:
     return messages
 
 
-def decode_tools(body: dict[str, Any], supports_tools: bool) -> list[ToolSpec]:
+def decode_tools(body: dict[str, Any], compiler: Compiler) -> tuple[list[ToolSpec], ToolChoice]:
+    """Function, custom (text or Lark/regex grammar) and namespace tools, and the tool choice."""
     tools = body.get("tools")
     if tools is None:
         tools = []
     if not isinstance(tools, list):
         raise _bad("tools must be an array", "tools")
-    specs = []
+    specs: list[ToolSpec] = []
     for i, tool in enumerate(tools):
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind == "custom":
-            raise _bad("custom tools are not supported yet", "tools")
-        if kind != "function":
-            raise _bad(f"tools[{i}]: hosted tools ({kind!r}) are not supported; declare function tools", "tools")
-        name, params, description = tool.get("name"), tool.get("parameters"), tool.get("description")
-        if not isinstance(name, str) or not name:
-            raise _bad(f"tools[{i}].name must be a nonempty string", "tools")
-        if tool.get("strict") is True:
-            raise _bad("strict function schemas (strict: true) are not supported", "tools")
-        if params is None:
-            params = {"type": "object", "properties": {}}
-        if not isinstance(params, dict):
-            raise _bad(f"tools[{i}].parameters must be an object", "tools")
-        if description is not None and not isinstance(description, str):
-            raise _bad(f"tools[{i}].description must be a string", "tools")
-        specs.append(ToolSpec(name, description, params))
+        if isinstance(tool, dict) and tool.get("type") == "namespace":
+            namespace = tool.get("name")
+            if not isinstance(namespace, str) or not namespace:
+                raise _bad(f"tools[{i}].name must be a nonempty string", "tools")
+            inner = tool.get("tools")
+            if not isinstance(inner, list) or not inner:
+                raise _bad(f"tools[{i}].tools must be a nonempty array", "tools")
+            about = tool.get("description") if isinstance(tool.get("description"), str) else None
+            specs += [_tool(t, f"tools[{i}].tools[{j}]", compiler, namespace, about) for j, t in enumerate(inner)]
+        else:
+            specs.append(_tool(tool, f"tools[{i}]", compiler))
+    unique_names(specs)
+    return specs, _tool_choice(body, specs)
+
+
+def _tool(tool: Any, where: str, compiler: Compiler, namespace: str | None = None,
+          namespace_description: str | None = None) -> ToolSpec:
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    if kind not in ("function", "custom"):
+        raise _bad(f"{where}: hosted tools ({kind!r}) are not supported; declare function or custom tools", "tools")
+    name, description = tool.get("name"), tool.get("description")
+    if not isinstance(name, str) or not name:
+        raise _bad(f"{where}.name must be a nonempty string", "tools")
+    if NAMESPACE_SEPARATOR in name and namespace is not None:
+        raise _bad(f"{where}.name must not contain {NAMESPACE_SEPARATOR!r} inside a namespace", "tools")
+    if description is not None and not isinstance(description, str):
+        raise _bad(f"{where}.description must be a string", "tools")
+    if namespace_description:
+        description = f"{namespace_description}\n\n{description}" if description else namespace_description
+    model_name = namespaced(namespace, name) if namespace else name
+    client = name if namespace else None
+    if kind == "custom":
+        fmt = tool.get("format")
+        grammar, syntax, definition = None, None, None
+        if fmt is not None:
+            if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "grammar"):
+                raise _bad(f'{where}.format.type must be "text" or "grammar"', "tools")
+            if fmt["type"] == "grammar":
+                syntax, definition = fmt.get("syntax"), fmt.get("definition")
+                grammar = compiler.tool_grammar(syntax, definition, "tools")
+        return ToolSpec(model_name, custom_description(description, syntax, definition), CUSTOM_PARAMETERS,
+                        client_name=client, namespace=namespace, custom=True, grammar=grammar)
+    if tool.get("strict") is True:
+        raise _bad("strict function schemas (strict: true) are not supported", "tools")
+    params = tool.get("parameters")
+    if params is None:
+        params = {"type": "object", "properties": {}}
+    if not isinstance(params, dict):
+        raise _bad(f"{where}.parameters must be an object", "tools")
+    return ToolSpec(model_name, description, params, client_name=client, namespace=namespace)
+
+
+def _tool_choice(body: dict[str, Any], specs: list[ToolSpec]) -> ToolChoice:
     choice = body.get("tool_choice")
-    if choice is not None and choice not in ("auto", "none", "required"):
-        if not isinstance(choice, dict) or choice.get("type") not in ("function", "custom"):
-            raise _bad('tool_choice must be "auto", "none", "required" or a named function tool', "tool_choice")
-        # The selected tool must be declared, with a matching type (custom tools are not yet).
-        if choice.get("type") != "function" or choice.get("name") not in {s.name for s in specs}:
-            raise _bad("tool_choice names a tool that is not declared in tools", "tool_choice")
-    if choice == "required" and not specs:
-        raise _bad('tool_choice "required" needs at least one tool', "tool_choice")
-    if choice == "required" or isinstance(choice, dict):
-        raise _bad("required and named tool_choice are not supported yet", "tool_choice")
-    if specs and not supports_tools:
-        raise _bad("this model core's chat template does not support tools", "tools")
-    return [] if choice == "none" else specs
+    parallel = common.opt_bool(body, "parallel_tool_calls", True)
+    if choice is None or choice in ("auto", "none", "required"):
+        return ToolChoice(choice or "auto", parallel=parallel)
+    if not isinstance(choice, dict) or choice.get("type") not in ("function", "custom"):
+        raise _bad('tool_choice must be "auto", "none", "required" or a named function or custom tool',
+                   "tool_choice")
+    name = choice.get("name")
+    if isinstance(name, str) and isinstance(choice.get("namespace"), str):
+        name = namespaced(choice["namespace"], name)
+    spec = next((s for s in specs if s.name == name), None)
+    # The selected tool must be declared, and its type must match.
+    if spec is None or spec.custom != (choice["type"] == "custom"):
+        raise _bad("tool_choice names a tool that is not declared in tools", "tool_choice")
+    return ToolChoice("named", spec.name, parallel)
 
 
 def _reject_stateful(body: dict[str, Any]) -> None:
@@ -234,26 +288,31 @@ def _logprobs(body: dict[str, Any], ctx: ServerContext) -> int | None:
     return check_top_logprobs(top or 0, "top_logprobs", ctx.manifest.logprobs) if enabled else None
 
 
-def _check_controls(body: dict[str, Any], has_reasoning: bool) -> dict[str, Any]:
-    """Validate the non-sampling settings; returns the ones echoed in response objects."""
+@dataclass
+class Controls:
+    echo: dict[str, Any]  # request settings repeated in every response object
+    output_format: OutputFormat | None
+    effort: str | None
+    budget: int | None
+
+
+def _check_controls(body: dict[str, Any]) -> Controls:
+    """Validate the non-sampling settings."""
     text = common.opt_object(body, "text") or {}
-    fmt = text.get("format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise _bad("text.format other than text (structured output) is not supported yet", "text")
+    fmt = common.decode_format(text.get("format"), "text.format", nested=False)
     reasoning = common.opt_object(body, "reasoning") or {}
-    effort = reasoning.get("effort")
-    if effort is not None and effort not in EFFORTS:
-        raise _bad(f"reasoning.effort must be one of {', '.join(EFFORTS)}", "reasoning")
-    common.check_thinking_token_budget(body, has_reasoning)
+    effort = check_effort(reasoning.get("effort"), "reasoning.effort")
+    budget = check_budget(body.get("thinking_token_budget"))
     common.reject_unsupported_extensions(body)
     parallel = common.opt_bool(body, "parallel_tool_calls", True)
     metadata = common.opt_object(body, "metadata") or {}
-    return {
+    echoed_format = text.get("format") if fmt is not None else {"type": "text"}
+    echo = {
         "instructions": body.get("instructions"),
         "metadata": metadata,
         "parallel_tool_calls": parallel,
         "reasoning": {"effort": effort, "summary": reasoning.get("summary")},
-        "text": {"format": {"type": "text"}, **({"verbosity": text["verbosity"]} if "verbosity" in text else {})},
+        "text": {"format": echoed_format, **({"verbosity": text["verbosity"]} if "verbosity" in text else {})},
         "tool_choice": body.get("tool_choice") or "auto",
         "tools": body.get("tools") or [],
         "truncation": "disabled",
@@ -263,33 +322,48 @@ def _check_controls(body: dict[str, Any], has_reasoning: bool) -> dict[str, Any]
         "user": body.get("user"),
         "top_logprobs": body.get("top_logprobs"),
     }
+    return Controls(echo, fmt, effort, budget)
 
 
 def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> ResponsesPlan:
     m = ctx.manifest
     _reject_stateful(body)
-    echo = _check_controls(body, bool(m.parsers.reasoning))
+    controls = _check_controls(body)
     k = _logprobs(body, ctx)
     if "input" not in body:
         raise _bad("input is required")
     messages = decode_input(body["input"], body.get("instructions"))
-    tools = decode_tools(body, m.template.supports_tools)
+    tools, choice = decode_tools(body, compiler_for(ctx.tokenizer, m))
     kwargs = common.opt_object(body, "chat_template_kwargs") or {}
+    kwargs = template_kwargs(kwargs, enabled=common.reasoning_switch(body, kwargs), effort=controls.effort,
+                             template_source=ctx.template.source if ctx.template else None)
     sampling = common.request_sampling(body, m, logprobs=k)
-    prompt_ids = render_prompt(Conversation(messages, tools), ctx.template, ctx.tokenizer, template_kwargs=kwargs)
+    options = ChatOptions(
+        tools=tools, choice=choice, output_format=controls.output_format, output_format_param="text",
+        template_kwargs=kwargs, budget=Budget(controls.budget, explicit=controls.budget is not None),
+        user_stops=bool(sampling.stop or sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
+    )
+    lowered = lower(Conversation(messages), options, manifest=m, template=ctx.template, tokenizer=ctx.tokenizer,
+                    default_budget=ctx.config.thinking_token_budget)
+    prompt_ids = lowered.prompt_ids
+    checkpoints = conversation_candidates(lowered.conversation, ctx.template, ctx.tokenizer, prompt_ids,
+                                          template_kwargs=kwargs)
     max_tokens = resolve_max_tokens(body.get("max_output_tokens"), len(prompt_ids), m.limits,
                                     name="max_output_tokens", allow_zero=False)
     sampling = dataclasses.replace(sampling, max_tokens=max_tokens)
+    echo = controls.echo
     echo["max_output_tokens"] = body.get("max_output_tokens")
     return ResponsesPlan(
         response_id=response_id,
         prompt_ids=prompt_ids,
-        request=GenerationRequest(request_id=response_id, prompt_token_ids=prompt_ids, sampling=sampling),
+        request=GenerationRequest(request_id=response_id, prompt_token_ids=prompt_ids, sampling=sampling,
+                                  checkpoints=checkpoints, grammar=lowered.grammar, reasoning=lowered.reasoning),
         stream=common.opt_bool(body, "stream", False),
         logprobs=k,
         as_token_ids=common.opt_bool(body, "return_tokens_as_token_ids", False),
         echo=echo,
         sampling=sampling,
+        output=lowered.output,
     )
 
 
@@ -307,7 +381,10 @@ class Encoder:
 
     def item_id(self, block: Block) -> str:
         if block.index not in self.item_ids:
-            self.item_ids[block.index] = f"msg_{uuid.uuid4().hex}"
+            prefix = ITEM_PREFIXES[block.kind]
+            if block.call is not None and block.call.custom_input is not None:
+                prefix = "ctc"
+            self.item_ids[block.index] = f"{prefix}_{uuid.uuid4().hex}"
         return self.item_ids[block.index]
 
     def entries(self, logprobs: list) -> list[dict[str, Any]]:
@@ -322,7 +399,23 @@ class Encoder:
         if not block.closed:
             status = "in_progress"
         else:
-            status = "incomplete" if self.answer.hit_limit else "completed"
+            status = "incomplete" if self.answer.hit_limit and block.kind != "tool_call" else "completed"
+        if block.kind == "reasoning":
+            # Readable reasoning: reasoning_text content, an empty summary, no encrypted state.
+            return {"id": self.item_id(block), "type": "reasoning", "summary": [], "status": status,
+                    "content": [{"type": "reasoning_text", "text": block.text}]}
+        if block.kind == "tool_call":
+            call = block.call
+            assert call is not None
+            if call.custom_input is not None:
+                item: dict[str, Any] = {"id": self.item_id(block), "type": "custom_tool_call", "call_id": call.id,
+                                        "name": call.name, "input": call.custom_input}
+            else:
+                item = {"id": self.item_id(block), "type": "function_call", "call_id": call.id, "name": call.name,
+                        "arguments": call.arguments_json, "status": status}
+            if call.namespace is not None:
+                item["namespace"] = call.namespace
+            return item
         return {"id": self.item_id(block), "type": "message", "status": status, "role": "assistant",
                 "content": [self.part(block)]}
 
@@ -332,8 +425,7 @@ class Encoder:
             "input_tokens": a.prompt_tokens,
             "input_tokens_details": {"cached_tokens": a.cached_tokens},
             "output_tokens": a.completion_tokens,
-            # No reasoning parser yet: nothing is published as reasoning.
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": a.reasoning_tokens},
             "total_tokens": a.prompt_tokens + a.completion_tokens,
         }
 
@@ -367,9 +459,12 @@ async def handle(request: web.Request, ctx: ServerContext) -> web.StreamResponse
 
 async def _buffered(ctx: ServerContext, p: ResponsesPlan, group: GenerationGroup,
                     headers: dict[str, str]) -> web.Response:
-    encoder = Encoder(ctx, p, Answer(ctx.tokenizer, len(p.prompt_ids)))
+    encoder = Encoder(ctx, p, Answer(ctx.tokenizer, len(p.prompt_ids), p.output))
     async for event in follow(group):
-        encoder.answer.apply(event)
+        try:
+            encoder.answer.apply(event)
+        except ApiError as exc:
+            raise exc.with_headers(headers) from None
         if event.finished and (failure := terminal_failure(event)) is not None:
             raise failure.with_headers(headers)
     return json_response(encoder.response(encoder.final_status()), headers=headers)
@@ -391,7 +486,7 @@ class _Events:
 async def _stream(request: web.Request, ctx: ServerContext, p: ResponsesPlan, group: GenerationGroup,
                   headers: dict[str, str]) -> web.StreamResponse:
     writer = await SSEWriter.start(request, headers)
-    encoder = Encoder(ctx, p, Answer(ctx.tokenizer, len(p.prompt_ids)))
+    encoder = Encoder(ctx, p, Answer(ctx.tokenizer, len(p.prompt_ids), p.output))
     events = _Events(writer)
     try:
         await events.emit("response.created", response=encoder.response("in_progress"))
@@ -417,20 +512,55 @@ async def _stream(request: web.Request, ctx: ServerContext, p: ResponsesPlan, gr
 
 async def _emit_output(events: _Events, encoder: Encoder, item: OutputEvent) -> None:
     block = item.block
+    if block.kind == "tool_call":
+        await _emit_call(events, encoder, item)
+        return
     where = {"item_id": encoder.item_id(block), "output_index": block.index}
+    reasoning = block.kind == "reasoning"
+    kind = "reasoning_text" if reasoning else "output_text"
     if isinstance(item, BlockOpened):
         opened = {**encoder.item(block), "content": []}
         await events.emit("response.output_item.added", output_index=block.index, item=opened)
-        await events.emit("response.content_part.added", **where, content_index=0,
-                          part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+        part = {"type": "reasoning_text", "text": ""} if reasoning else \
+            {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        await events.emit("response.content_part.added", **where, content_index=0, part=part)
     elif isinstance(item, BlockDelta):
-        await events.emit("response.output_text.delta", **where, content_index=0, delta=item.text,
-                          logprobs=encoder.entries(item.logprobs))
+        if reasoning:
+            await events.emit("response.reasoning_text.delta", **where, content_index=0, delta=item.text)
+        else:
+            await events.emit("response.output_text.delta", **where, content_index=0, delta=item.text,
+                              logprobs=encoder.entries(item.logprobs))
     elif isinstance(item, BlockClosed):
-        part = encoder.part(block)
-        await events.emit("response.output_text.done", **where, content_index=0, text=block.text,
-                          logprobs=part["logprobs"])
+        done = encoder.item(block)
+        part = done["content"][0]
+        extra = {} if reasoning else {"logprobs": part["logprobs"]}
+        await events.emit(f"response.{kind}.done", **where, content_index=0, text=block.text, **extra)
         await events.emit("response.content_part.done", **where, content_index=0, part=part)
+        await events.emit("response.output_item.done", output_index=block.index, item=done)
+
+
+async def _emit_call(events: _Events, encoder: Encoder, item: OutputEvent) -> None:
+    """A call arrives complete: added, its whole arguments (or custom input) as one delta, done."""
+    block = item.block
+    call = block.call
+    assert call is not None
+    where = {"item_id": encoder.item_id(block), "output_index": block.index}
+    custom = call.custom_input is not None
+    if isinstance(item, BlockOpened):
+        opened = encoder.item(block)
+        opened.update({"input": ""} if custom else {"arguments": "", "status": "in_progress"})
+        await events.emit("response.output_item.added", output_index=block.index, item=opened)
+    elif isinstance(item, BlockDelta):
+        if custom:
+            await events.emit("response.custom_tool_call_input.delta", **where, delta=block.text)
+        else:
+            await events.emit("response.function_call_arguments.delta", **where, delta=block.text)
+    elif isinstance(item, BlockClosed):
+        if custom:
+            await events.emit("response.custom_tool_call_input.done", **where, input=block.text)
+        else:
+            await events.emit("response.function_call_arguments.done", **where, arguments=block.text,
+                              name=call.name)
         await events.emit("response.output_item.done", output_index=block.index, item=encoder.item(block))
 
 

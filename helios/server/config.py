@@ -10,6 +10,9 @@
     queue_size = 64               # engine-pending requests before 503 (default: unbounded)
     thinking_token_budget = 4096  # default reasoning cap; needs a core with reasoning syntax
     frontend_workers = 4          # threads for decompression, templating and tokenization
+    prefix_cache = true           # reuse KV prefix checkpoints across requests
+    checkpoint_storage_fraction = 0.5    # most of the KV pool that checkpoints may own
+    checkpoint_work_allowance_us = 5000  # predicted capture copy work allowed per request
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ class ServerConfig:
     queue_size: int | None = None
     thinking_token_budget: int | None = None
     frontend_workers: int = DEFAULT_FRONTEND_WORKERS
+    prefix_cache: bool = True
+    checkpoint_storage_fraction: float = 0.5
+    checkpoint_work_allowance_us: int = 5000
 
     @classmethod
     def load(cls, path: Path) -> "ServerConfig":
@@ -85,6 +91,20 @@ class ServerConfig:
             positive("queue_size", self.queue_size)
         if self.thinking_token_budget is not None:
             positive("thinking_token_budget", self.thinking_token_budget, _INT32_MAX)
+        if not isinstance(self.prefix_cache, bool):
+            raise ConfigError(f"{where}: prefix_cache must be true or false")
+        fraction = self.checkpoint_storage_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+            raise ConfigError(f"{where}: checkpoint_storage_fraction must be a number in [0, 1]")
+        allowance = self.checkpoint_work_allowance_us
+        if isinstance(allowance, bool) or not isinstance(allowance, int) or allowance < 0:
+            raise ConfigError(f"{where}: checkpoint_work_allowance_us must be a nonnegative integer")
+
+    def prefix_cache_config(self):  # noqa: ANN201 - helios.engine.prefix_cache.PrefixCacheConfig
+        from helios.engine.prefix_cache import PrefixCacheConfig
+
+        return PrefixCacheConfig(enabled=self.prefix_cache, storage_fraction=float(self.checkpoint_storage_fraction),
+                                 work_allowance_ns=self.checkpoint_work_allowance_us * 1000)
 
 
 def read_api_key_file(path: Path) -> str:

@@ -42,7 +42,8 @@ def test_ok_buffered(client):
     assert chat.choices[0].message.content == "OK"
     assert chat.choices[0].finish_reason == "stop"
     assert chat.usage.completion_tokens >= 1
-    assert chat.usage.prompt_tokens_details.cached_tokens == 0
+    # Always reported; other tests on the shared server may have checkpointed this prompt's preamble.
+    assert 0 <= chat.usage.prompt_tokens_details.cached_tokens < chat.usage.prompt_tokens
 
 
 def test_ok_streamed_with_usage(client):

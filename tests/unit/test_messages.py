@@ -57,7 +57,8 @@ def test_buffered_message_shape_and_usage(sdk: Anthropic, http: httpx.Client, fr
     assert [b.type for b in message.content] == ["text"] * len(message.content)
     usage = message.usage
     assert usage.output_tokens == 4
-    assert usage.cache_creation_input_tokens == 0 and usage.cache_read_input_tokens == 0
+    # Cache reads are whatever earlier requests on the shared server checkpointed (an anchor at least).
+    assert usage.cache_creation_input_tokens == 0 and usage.cache_read_input_tokens >= 0
     assert usage.input_tokens + usage.cache_read_input_tokens == _count(http, messages=USER)
     raw = http.post("/v1/messages", json={"messages": USER, "max_tokens": 2})
     assert raw.headers.get("x-request-id")
@@ -171,7 +172,8 @@ def test_assistant_prefill_continues_the_final_message(http: httpx.Client, front
     prompt = messages._prompt(frontend, decoded)
     assert frontend.tokenizer.decode(prompt).endswith("Sure:")
     result = http.post("/v1/messages", json={"messages": prefill, "max_tokens": 2, "ignore_eos": True})
-    assert result.status_code == 200 and result.json()["usage"]["input_tokens"] == len(prompt)
+    usage = result.json()["usage"] if result.status_code == 200 else {}
+    assert usage.get("input_tokens", -1) + usage.get("cache_read_input_tokens", 0) == len(prompt)
     empty = USER + [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]
     assert http.post("/v1/messages/count_tokens", json={"messages": empty}).status_code == 400
 
@@ -242,7 +244,8 @@ def test_logprob_fields_are_rejected(http: httpx.Client, field):
     {"messages": USER, "mcp_servers": [{"url": "http://x"}]},
     {"messages": USER, "thinking": {"type": "sometimes"}},
     {"messages": USER, "thinking_token_budget": 100},
-    {"messages": USER, "output_config": {"format": {"type": "json_schema", "schema": {}}}},
+    {"messages": USER, "output_config": {"format": {"type": "json_schema"}}},
+    {"messages": USER, "output_config": {"format": {"type": "json_schema", "schema": {}}}, "stop_sequences": ["x"]},
     {"messages": USER, "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
     {"messages": [{"role": "user", "content": "alpha beta gamma delta " * 3000}]},  # over the context
 ])

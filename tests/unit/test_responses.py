@@ -34,7 +34,7 @@ def test_buffered_incomplete_at_the_output_limit(sdk: OpenAI, http: httpx.Client
     assert item.content[0].type == "output_text" and response.output_text == item.content[0].text
     usage = response.usage
     assert usage.output_tokens == 4 and usage.total_tokens == usage.input_tokens + usage.output_tokens
-    assert usage.input_tokens_details.cached_tokens == 0
+    assert 0 <= usage.input_tokens_details.cached_tokens < usage.input_tokens  # earlier tests may warm it
     assert usage.output_tokens_details.reasoning_tokens == 0
     chat = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1}).json()
     assert usage.input_tokens == chat["usage"]["prompt_tokens"]  # one template, one prompt
@@ -113,8 +113,10 @@ def test_input_items_instructions_and_tool_history(http: httpx.Client):
     {"tool_choice": {"type": "function", "name": "lookup"}},
     {"tools": [{"type": "function", "name": "lookup", "parameters": {}, "strict": True}]},
     {"tools": [{"type": "web_search"}]},
-    {"tools": [{"type": "custom", "name": "record"}]},
-    {"text": {"format": {"type": "json_schema", "name": "a", "schema": {}}}},
+    {"tools": [{"type": "custom", "name": "record", "format": {"type": "grammar", "syntax": "lark",
+                                                                "definition": "start: missing_rule"}}]},
+    {"text": {"format": {"type": "json_schema", "name": "a", "schema": 5}}},
+    {"tools": [{"type": "function", "name": "a"}, {"type": "function", "name": "a"}]},
     {"reasoning": {"effort": 80}},
     {"top_logprobs": 1},
     {"top_logprobs": 21, "include": ["message.output_text.logprobs"]},
@@ -125,7 +127,6 @@ def test_input_items_instructions_and_tool_history(http: httpx.Client):
     {"input": 5},
     {"input": [{"type": "item_reference", "id": "msg_1"}]},
     {"input": [{"type": "reasoning", "summary": [], "encrypted_content": "opaque"}]},
-    {"input": [{"type": "custom_tool_call", "call_id": "c", "name": "record", "input": "x"}]},
     {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:"}]}]},
     {"input": [{"role": "robot", "content": "x"}]},
     {"instructions": ["not", "a", "string"]},

@@ -222,10 +222,12 @@ def test_keepalive_comments_while_the_model_is_quiet(monkeypatch):
 
 def test_cached_tokens_always_reported(http: httpx.Client):
     chat = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2}).json()
-    assert chat["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    # Present always; the live server may already hold a checkpoint of this prompt (prefix reuse).
+    assert set(chat["usage"]["prompt_tokens_details"]) == {"cached_tokens"}
+    assert 0 <= chat["usage"]["prompt_tokens_details"]["cached_tokens"] < chat["usage"]["prompt_tokens"]
     assert chat["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
     completion = http.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 1}).json()
-    assert completion["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert 0 <= completion["usage"]["prompt_tokens_details"]["cached_tokens"] < completion["usage"]["prompt_tokens"]
     assert "completion_tokens_details" not in completion["usage"]  # no reasoning region
     zero = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 0}).json()
     assert zero["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -233,7 +235,8 @@ def test_cached_tokens_always_reported(http: httpx.Client):
         frames = [d for _, d in sse(http.post(path, json={**body, "max_tokens": 3, "ignore_eos": True, "stream": True,
                                                           "stream_options": {"include_usage": True}}).text)]
         assert frames[-1] == "[DONE]" and frames[-2]["choices"] == []
-        assert frames[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        usage = frames[-2]["usage"]
+        assert 0 <= usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"]
         assert all(f.get("usage") is None for f in frames[:-2])
 
 

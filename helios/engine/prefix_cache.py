@@ -1,0 +1,414 @@
+"""Prefix reuse through immutable KV checkpoints (api.md: GPU checkpoint retention).
+
+A checkpoint is the KV state of an exact token prefix: its token ids and the pool pages that
+hold their K/V. It is captured only at a boundary the frontend offered for the request
+(`GenerationRequest.checkpoints`: the conversation anchor, client cache hints, message ends,
+the exact prompt endpoint) and is never written again. Reuse is the longest checkpoint whose
+ids are a prefix of a new prompt; nothing is reused at an unmarked position.
+
+Pages and immutability. The runner writes K/V only at the positions a step feeds, so a page
+whose every slot is computed never changes again. Capturing position p shares (refcount) the
+pages wholly below p; the page holding p-1 is shared too when it is already complete, and is
+copied into a fresh page when the live sequence is still filling it (its later appends would
+land in the checkpoint's page otherwise). Restoring r tokens shares the checkpoint's pages
+wholly below r and copies the page holding r-1..r when r is not page aligned, because the new
+sequence writes position r onward into it. So a page with several owners is always complete.
+At least the last prompt token is recomputed (its logits pick the first output token).
+
+Selection. At a request's first admission its candidates are ordered by role priority (anchor,
+hints, endpoint, message ends; later message ends first) and charged their predicted extra work
+(a page copy when the prefill commit that reaches the position will leave its page unfinished,
+typically the endpoint) against a per-request work allowance;
+the rest are skipped (`work_budget`). A position whose cost cannot be predicted (a runner
+without page copies) is skipped as `unknown_cost`. Capture checks the storage budget (pages
+owned by checkpoints, a fraction of the pool): least recently used checkpoints are evicted to
+make room, anchors last; when that cannot make room the capture is skipped (`storage`).
+The scheduler also evicts checkpoints (LRU) before it preempts a live sequence for pages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from helios.engine.api import CheckpointCandidate, CheckpointRole
+from helios.engine.block_manager import BlockManager
+
+# Selection order: the anchor is shared by every conversation with the same preamble; hints are
+# the client's own boundaries; the endpoint serves repeats and the next turn; message ends last.
+ROLE_PRIORITY = {CheckpointRole.ANCHOR: 0, CheckpointRole.HINT: 1, CheckpointRole.ENDPOINT: 2,
+                 CheckpointRole.MESSAGE: 3}
+# Exported roles (api.md): a hinted block end is a message-part boundary.
+METRIC_ROLES = ("anchor", "message", "endpoint")
+METRIC_ROLE = {CheckpointRole.ANCHOR: "anchor", CheckpointRole.HINT: "message",
+               CheckpointRole.MESSAGE: "message", CheckpointRole.ENDPOINT: "endpoint"}
+SKIP_REASONS = ("unknown_cost", "work_budget", "storage")
+
+
+@dataclass
+class PrefixCacheConfig:
+    enabled: bool = True
+    # Most pages that checkpoints may own, as a fraction of the pool.
+    storage_fraction: float = 0.5
+    # Predicted extra work (page copies) one request may spend on captures, in nanoseconds.
+    work_allowance_ns: int = 5_000_000
+    # Copy bandwidth that prices a page copy (a prediction: wall-clock timings of single copies
+    # on a loaded CPU are too noisy to steer selection).
+    copy_bytes_per_second: float = 4e9
+
+    def validate(self) -> None:
+        if not 0.0 <= self.storage_fraction <= 1.0:
+            raise ValueError("storage_fraction must be in [0, 1]")
+        if self.work_allowance_ns < 0:
+            raise ValueError("work_allowance_ns must be >= 0")
+        if self.copy_bytes_per_second <= 0:
+            raise ValueError("copy_bytes_per_second must be > 0")
+
+
+class Checkpoint:
+    __slots__ = ("ids", "length", "pages", "role", "key", "uses")
+
+    def __init__(self, ids: np.ndarray, pages: list[int], role: CheckpointRole, key: bytes):
+        self.ids = ids  # int64 [length]
+        self.length = int(ids.shape[0])
+        self.pages = pages  # covers `length` tokens; every page is immutable
+        self.role = role
+        self.key = key
+        self.uses = 0  # restores served
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({self.role.value}, length={self.length}, pages={self.pages})"
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+class PrefixCache:
+    """Checkpoint index, capture, restore and eviction over a BlockManager.
+
+    Engine-thread only. `copy_page(src, dst)` copies one page of K/V (the runner's); without it
+    only page-aligned or already complete boundaries can be captured and restores round down to
+    a page boundary."""
+
+    def __init__(self, bm: BlockManager, *, copy_page: Callable[[int, int], None] | None,
+                 page_bytes: int, config: PrefixCacheConfig | None = None):
+        self.config = config or PrefixCacheConfig()
+        self.config.validate()
+        self.bm = bm
+        self.pt = bm.page_tokens
+        self._copy_page = copy_page
+        self.page_bytes = page_bytes
+        self.storage_pages = int(bm.num_pages * self.config.storage_fraction)
+        self._copy_ns = page_bytes / self.config.copy_bytes_per_second * 1e9  # predicted cost of one copy
+        self._by_length: dict[int, dict[bytes, Checkpoint]] = {}
+        self._lru: OrderedDict[int, Checkpoint] = OrderedDict()  # id -> checkpoint, oldest first
+        self._page_owners: dict[int, int] = {}  # page -> checkpoints holding it
+        # Counters (read by Engine.stats from other threads: plain ints and fixed-key dicts).
+        self.captures = {role: 0 for role in CheckpointRole}
+        self.skips = {reason: 0 for reason in SKIP_REASONS}
+        self.hits = 0
+        self.reused_tokens = 0
+        self.evictions = 0
+        self.copies = 0
+        self.copy_seconds = 0.0  # measured, for reports
+        self.extra_work_ns = 0
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.enabled and self.storage_pages > 0
+
+    @property
+    def cached_pages(self) -> int:
+        """Pages owned by at least one checkpoint."""
+        return len(self._page_owners)
+
+    @property
+    def num_checkpoints(self) -> int:
+        return len(self._lru)
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """Least recently used first."""
+        return list(self._lru.values())
+
+    def capture_counts(self) -> dict[str, int]:
+        out = dict.fromkeys(METRIC_ROLES, 0)
+        for role, n in self.captures.items():
+            out[METRIC_ROLE[role]] += n
+        return out
+
+    def lookup(self, token_ids: list[int], limit: int | None = None) -> Checkpoint | None:
+        """The longest checkpoint whose ids are a prefix of `token_ids` (length <= limit)."""
+        if not self._by_length:
+            return None
+        n = len(token_ids) if limit is None else min(limit, len(token_ids))
+        lengths = sorted(length for length in self._by_length if length <= n)
+        if not lengths:
+            return None
+        ids = np.asarray(token_ids[: lengths[-1]], dtype=np.int64)
+        h = hashlib.blake2b(digest_size=16)
+        best: Checkpoint | None = None
+        prev = 0
+        for length in lengths:  # one incremental hash over the prompt: O(prompt + lengths)
+            h.update(ids[prev:length].tobytes())
+            prev = length
+            found = self._by_length[length].get(h.copy().digest())
+            if found is not None and np.array_equal(found.ids, ids[:length]):
+                best = found
+        return best
+
+    def restorable(self, ckpt: Checkpoint, num_tokens: int) -> int:
+        """Tokens a sequence of `num_tokens` tokens may restore from `ckpt` (0: none)."""
+        r = min(ckpt.length, num_tokens - 1)  # the last token is always computed
+        if self._copy_page is None:
+            r -= r % self.pt
+        return max(0, r)
+
+    def match(self, token_ids: list[int]) -> tuple[Checkpoint | None, int]:
+        """(checkpoint, tokens to restore) for a sequence holding `token_ids`."""
+        if not self.enabled or len(token_ids) < 2:
+            return None, 0
+        ckpt = self.lookup(token_ids, len(token_ids))
+        if ckpt is None:
+            return None, 0
+        r = self.restorable(ckpt, len(token_ids))
+        return (ckpt, r) if r > 0 else (None, 0)
+
+    def shared_pages(self, r: int) -> int:
+        """Pool pages a restore of r tokens shares rather than allocates."""
+        return r // self.pt
+
+    # -- restore ---------------------------------------------------------------------------------
+
+    def restore(self, seq, ckpt: Checkpoint, r: int) -> None:
+        """Give an unstarted `seq` the K/V of its first r tokens from `ckpt` (pages must be free
+        for the copied tail page: the scheduler checked)."""
+        assert seq.num_computed_tokens == 0 and not seq.page_table and 0 < r <= ckpt.length
+        full = r // self.pt
+        shared = ckpt.pages[:full]
+        self.bm.share(shared)
+        table = list(shared)
+        if r % self.pt:
+            (page,) = self.bm.allocate(1)
+            self._copy(ckpt.pages[full], page)
+            table.append(page)
+        seq.page_table = table
+        seq.num_computed_tokens = r
+        ckpt.uses += 1
+        self._touch(ckpt)
+        self.hits += 1
+        self.reused_tokens += r
+
+    # -- selection -------------------------------------------------------------------------------
+
+    def plan(self, seq, chunk_size: int | None = None) -> list[CheckpointCandidate]:
+        """Choose which of the request's candidates to capture (sorted by position).
+
+        Called at the first admission, after any restore. `chunk_size` (the prefill chunk) predicts
+        where prefill commits land, hence which boundaries share a page the sequence is still
+        filling at capture time (a copy) and which are complete by then (free)."""
+        if not self.enabled:
+            return []
+        request = seq.request
+        prompt_len = seq.prompt_len
+        best: dict[int, CheckpointRole] = {}
+        offered = list(request.checkpoints) + [CheckpointCandidate(p, CheckpointRole.HINT)
+                                               for p in request.checkpoint_hints]
+        for cand in offered:
+            role = CheckpointRole(cand.role)
+            p = int(cand.position)
+            if not 0 < p <= prompt_len:
+                continue
+            if p not in best or ROLE_PRIORITY[role] < ROLE_PRIORITY[best[p]]:
+                best[p] = role
+        # Priority, then later positions first within a role (the most recent message ends).
+        order = sorted(best.items(), key=lambda item: (ROLE_PRIORITY[item[1]], -item[0]))
+        allowance = self.config.work_allowance_ns
+        spent = 0.0
+        chosen: list[CheckpointCandidate] = []
+        ids = seq.token_ids
+        for p, role in order:
+            held = self._find(ids, p)
+            if held is not None:  # already held: nothing to capture
+                self._promote(held, role)
+                self._touch(held)
+                continue
+            copies = self._needs_copy(p, seq.num_computed_tokens, seq.num_tokens, chunk_size)
+            if copies and self._copy_page is None:
+                self.skips["unknown_cost"] += 1
+                continue
+            cost = self._copy_ns if copies else 0.0
+            if spent + cost > allowance:
+                self.skips["work_budget"] += 1
+                continue
+            spent += cost
+            chosen.append(CheckpointCandidate(p, role))
+        self.extra_work_ns += int(spent)
+        chosen.sort(key=lambda c: c.position)
+        return chosen
+
+    def _needs_copy(self, p: int, start: int, end: int, chunk_size: int | None) -> bool:
+        """Whether the page holding p-1 will still be filling when the prefill first reaches p."""
+        if p % self.pt == 0:
+            return False
+        page_end = -(-p // self.pt) * self.pt
+        if chunk_size is None:
+            return True
+        reached = min(end, start + chunk_size * max(1, -(-(p - start) // chunk_size)))
+        return reached < page_end
+
+    # -- capture ---------------------------------------------------------------------------------
+
+    def capture_reached(self, seq, free_reserve: int = 0) -> None:
+        """Capture every planned boundary the sequence's computed K/V now covers.
+
+        `free_reserve`: pages the scheduler has promised to running sequences, which a copied
+        tail page may not take."""
+        plan = seq.checkpoint_plan
+        if not plan:
+            return
+        computed = seq.num_computed_tokens
+        while plan and plan[0].position <= computed:
+            cand = plan.pop(0)
+            self.capture(seq, cand.position, CheckpointRole(cand.role), free_reserve)
+
+    def capture(self, seq, p: int, role: CheckpointRole, free_reserve: int = 0) -> Checkpoint | None:
+        if not (0 < p <= seq.num_computed_tokens):
+            raise ValueError(f"cannot capture position {p}: {seq.num_computed_tokens} tokens computed")
+        ids = np.asarray(seq.token_ids[:p], dtype=np.int64)
+        key = _digest(ids.tobytes())
+        existing = self._by_length.get(p, {}).get(key)
+        if existing is not None and np.array_equal(existing.ids, ids):
+            self._promote(existing, role)
+            self._touch(existing)
+            return existing
+        pt = self.pt
+        last = (p - 1) // pt  # page holding position p-1
+        # The last page is immutable once the sequence has computed all of it.
+        tail_complete = (last + 1) * pt <= seq.num_computed_tokens
+        shared = seq.page_table[: last + 1] if tail_complete else seq.page_table[:last]
+        copy = not tail_complete
+        if copy and self._copy_page is None:
+            self.skips["unknown_cost"] += 1
+            return None
+
+        def added() -> int:
+            return sum(1 for page in shared if page not in self._page_owners) + int(copy)
+
+        # Check that evictions can make room before evicting anything.
+        if len(shared) + int(copy) > self.storage_pages or (
+                copy and self.bm.num_free - free_reserve + self.reclaimable_pages() < 1):
+            self.skips["storage"] += 1
+            return None
+        while self.cached_pages + added() > self.storage_pages:
+            if not self._evict_one(protect=None):
+                self.skips["storage"] += 1
+                return None
+        if copy:
+            while self.bm.num_free - free_reserve < 1:
+                if not self._evict_one(protect=None, reclaimable_only=True):
+                    self.skips["storage"] += 1
+                    return None
+        self.bm.share(shared)
+        pages = list(shared)
+        if copy:
+            (page,) = self.bm.allocate(1)
+            self._copy(seq.page_table[last], page)
+            pages.append(page)
+        ckpt = Checkpoint(ids, pages, role, key)
+        self._by_length.setdefault(p, {})[key] = ckpt
+        self._lru[id(ckpt)] = ckpt
+        for page in pages:
+            self._page_owners[page] = self._page_owners.get(page, 0) + 1
+        self.captures[role] += 1
+        return ckpt
+
+    # -- eviction --------------------------------------------------------------------------------
+
+    def reclaimable_pages(self, protect: Checkpoint | None = None) -> int:
+        """Pages that evicting checkpoints (all but `protect`) would return to the pool."""
+        kept = set(protect.pages) if protect is not None else ()
+        ref = self.bm.ref_count
+        return sum(1 for page, owners in self._page_owners.items() if ref(page) == owners and page not in kept)
+
+    def reclaim(self, free_pages: int, protect: Checkpoint | None = None) -> bool:
+        """Evict least recently used checkpoints until `free_pages` pages are free. Only
+        checkpoints holding pages that no live sequence shares are evicted (others free nothing)."""
+        while self.bm.num_free < free_pages:
+            if not self._evict_one(protect=protect, reclaimable_only=True):
+                return False
+        return True
+
+    def clear(self) -> None:
+        for ckpt in list(self._lru.values()):
+            self._drop(ckpt)
+
+    def _evict_one(self, protect: Checkpoint | None, reclaimable_only: bool = False) -> bool:
+        victim = None
+        for anchors in (False, True):  # the anchor outlives other roles (api.md anchor priority)
+            for ckpt in self._lru.values():
+                if ckpt is protect or (ckpt.role is CheckpointRole.ANCHOR) != anchors:
+                    continue
+                if reclaimable_only and not self._reclaimable(ckpt):
+                    continue
+                victim = ckpt
+                break
+            if victim is not None:
+                break
+        if victim is None:
+            return False
+        self._drop(victim)
+        self.evictions += 1
+        return True
+
+    def _reclaimable(self, ckpt: Checkpoint) -> bool:
+        """Some page of `ckpt` is held by checkpoints only (evictions can return it to the pool)."""
+        return any(self.bm.ref_count(page) == self._page_owners[page] for page in ckpt.pages)
+
+    def _drop(self, ckpt: Checkpoint) -> None:
+        del self._lru[id(ckpt)]
+        bucket = self._by_length[ckpt.length]
+        del bucket[ckpt.key]
+        if not bucket:
+            del self._by_length[ckpt.length]
+        for page in ckpt.pages:
+            n = self._page_owners[page] - 1
+            if n:
+                self._page_owners[page] = n
+            else:
+                del self._page_owners[page]
+        self.bm.release(ckpt.pages)
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _find(self, token_ids: list[int], p: int) -> Checkpoint | None:
+        bucket = self._by_length.get(p)
+        if not bucket:
+            return None
+        ids = np.asarray(token_ids[:p], dtype=np.int64)
+        found = bucket.get(_digest(ids.tobytes()))
+        return found if found is not None and np.array_equal(found.ids, ids) else None
+
+    @staticmethod
+    def _promote(ckpt: Checkpoint, role: CheckpointRole) -> None:
+        """The same prefix offered under a higher-priority role keeps that role (anchor eviction
+        order)."""
+        if ROLE_PRIORITY[role] < ROLE_PRIORITY[ckpt.role]:
+            ckpt.role = role
+
+    def _touch(self, ckpt: Checkpoint) -> None:
+        self._lru.move_to_end(id(ckpt))
+
+    def _copy(self, src: int, dst: int) -> None:
+        assert self._copy_page is not None
+        t0 = time.perf_counter()
+        self._copy_page(src, dst)
+        self.copy_seconds += time.perf_counter() - t0
+        self.copies += 1
