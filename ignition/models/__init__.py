@@ -1,0 +1,37 @@
+"""Model families: one file each; `build_model` picks the class from `Architecture.family`.
+
+Adding a family = one module with a `DecoderLM` subclass plus one line in `FAMILIES`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ignition.checkpoints.base import Checkpoint
+from ignition.models.common import TOP_K, DecoderLM
+from ignition.models.llama import LlamaForCausalLM
+from ignition.models.qwen2 import Qwen2ForCausalLM
+
+FAMILIES: dict[str, type[DecoderLM]] = {
+    "qwen2": Qwen2ForCausalLM,
+    "llama": LlamaForCausalLM,
+}
+
+
+def build_model(checkpoint: Checkpoint) -> DecoderLM:
+    """A float32 eval-mode model holding the checkpoint's weights (q/k/v and gate/up fused)."""
+    arch = checkpoint.architecture
+    if arch.family not in FAMILIES:
+        raise ValueError(f"unknown model family {arch.family!r}; known: {sorted(FAMILIES)}")
+    if arch.num_heads % arch.num_kv_heads:
+        raise ValueError(f"num_heads {arch.num_heads} is not a multiple of num_kv_heads {arch.num_kv_heads}")
+    # Built on the meta device (no random init, no allocation): load_hf_tensors then swaps in
+    # the checkpoint tensors and checks that none is left on meta.
+    with torch.device("meta"):
+        model = FAMILIES[arch.family](arch)
+    model.rotary.reset_parameters()  # the rotary table is computed on CPU, not loaded
+    model.load_hf_tensors(checkpoint.tensors)
+    return model.eval().requires_grad_(False)
+
+
+__all__ = ["FAMILIES", "TOP_K", "DecoderLM", "build_model"]

@@ -1,0 +1,251 @@
+"""The three hot-path ops of a decoder layer, each with a plain-torch meaning and a fused ONNX form.
+
+    add_rms_norm(x, residual, weight)   -> (rms_norm(x + residual) * weight, x + residual)
+    rotary(x, positions, cos, sin)      -> rotate-half rotary of every head of x [B, L, heads*D]
+    paged_attention(q, k, v, past_k, past_v, seqlens_k, query_lens, total_len)
+                                        -> causal GQA over (history ++ new) per row
+
+Eager torch (and a plain export) runs the functions below as written. Inside `fused_export()`
+the model calls them as torch custom ops instead, and `TRANSLATIONS` lowers those to the
+onnxruntime contrib kernels SkipSimplifiedLayerNormalization, RotaryEmbedding and
+GroupQueryAttention: one node each where the plain graph has 7-30, and GQA shares each KV head
+across its query group in-kernel (no repeated KV heads). The plain functions define what the
+fused kernels must compute; export validation checks the two agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Iterator
+
+import torch
+
+_FUSED = False
+
+
+@contextlib.contextmanager
+def fused_export() -> Iterator[None]:
+    """Route the model through the custom ops (for torch.onnx.export with TRANSLATIONS)."""
+    global _FUSED
+    previous, _FUSED = _FUSED, True
+    try:
+        yield
+    finally:
+        _FUSED = previous
+
+
+# -- plain torch semantics -------------------------------------------------------------------------
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    total = x + residual
+    return total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + eps) * weight, total
+
+
+def rotary_ref(x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor):
+    """x [B, L, heads*D], positions [B, L], caches [max_pos, D/2] -> rotated x (HF rotate-half)."""
+    batch, length, width = x.shape
+    half = cos_cache.shape[1]
+    x = x.reshape(batch, length, width // (2 * half), 2 * half)
+    cos = cos_cache[positions].unsqueeze(2)  # [B, L, 1, D/2]
+    sin = sin_cache[positions].unsqueeze(2)
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.reshape(batch, length, width)
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [B, L, nh*D], rotated
+    k: torch.Tensor,  # [B, L, kvh*D], rotated
+    v: torch.Tensor,  # [B, L, kvh*D]
+    past_k: torch.Tensor,  # [B, kvh, S, D]: history gathered from the pool (BNSH)
+    past_v: torch.Tensor,
+    seqlens_k: torch.Tensor,  # [B] int32: history + valid new tokens - 1 (GQA's convention)
+    query_lens: torch.Tensor,  # [B] int32: valid new tokens
+    total_len: torch.Tensor,  # int32 scalar: S + L, an upper bound of seqlens_k + 1
+    num_heads: int,
+    kv_heads: int,
+) -> torch.Tensor:
+    """[B, L, nh*D]. Row b's history is past[b, :, :h] with h = seqlens_k + 1 - query_lens; new
+    token i sees that history and new tokens 0..i. Rows past query_lens are padding (any value)."""
+    batch, length, _ = q.shape
+    hist, dim = past_k.shape[2], past_k.shape[3]
+    group = num_heads // kv_heads
+    history_lens = (seqlens_k + 1 - query_lens).to(torch.int64)
+    k = k.reshape(batch, length, kv_heads, dim).transpose(1, 2)
+    v = v.reshape(batch, length, kv_heads, dim).transpose(1, 2)
+    keys = torch.cat([past_k, k], dim=2)  # [B, kvh, S+L, D]
+    values = torch.cat([past_v, v], dim=2)
+    # Query head h = kv * group + g uses kv head h // group (HF order): regroup Q to
+    # [B, kvh, group*L, D] so one matmul per KV head serves its whole group (no repeat).
+    q = q.reshape(batch, length, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(batch, kv_heads, group * length, dim) * (1.0 / math.sqrt(dim))
+    # Visibility of key s for query i of row b: history s < history_lens[b], then new keys
+    # causally. Padded query rows still see new key 0, so no row is all-masked (no NaN).
+    hist_ok = torch.arange(hist).unsqueeze(0) < history_lens.unsqueeze(1)  # [B, S]
+    idx = torch.arange(length)
+    causal = idx.unsqueeze(0) <= idx.unsqueeze(1)  # [L query, L key]
+    visible = torch.cat(
+        [hist_ok.unsqueeze(1).expand(batch, length, hist), causal.unsqueeze(0).expand(batch, length, length)], dim=-1
+    )
+    visible = visible.unsqueeze(1).expand(batch, group, length, hist + length)
+    visible = visible.reshape(batch, 1, group * length, hist + length)
+    scores = torch.matmul(q, keys.transpose(-1, -2))
+    scores = scores.masked_fill(~visible, torch.finfo(torch.float32).min)
+    out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, kvh, group*L, D]
+    out = out.reshape(batch, kv_heads, group, length, dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(batch, length, num_heads * dim)
+
+
+# -- custom ops (export only) ---------------------------------------------------------------------
+
+
+@torch.library.custom_op("flare::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, total = add_rms_norm_ref(x, residual, weight, eps)
+    return out, total
+
+
+@_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("flare::rotary", mutates_args=())
+def _rotary_op(x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> torch.Tensor:
+    return rotary_ref(x, positions, cos_cache, sin_cache)
+
+
+@_rotary_op.register_fake
+def _(x, positions, cos_cache, sin_cache):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("flare::paged_attention", mutates_args=())
+def _paged_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    past_k: torch.Tensor,
+    past_v: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    query_lens: torch.Tensor,
+    total_len: torch.Tensor,
+    num_heads: int,
+    kv_heads: int,
+) -> torch.Tensor:
+    return paged_attention_ref(q, k, v, past_k, past_v, seqlens_k, query_lens, total_len, num_heads, kv_heads)
+
+
+@_paged_attention_op.register_fake
+def _(q, k, v, past_k, past_v, seqlens_k, query_lens, total_len, num_heads, kv_heads):
+    return torch.empty_like(q)
+
+
+# -- what the model calls ---------------------------------------------------------------------------
+
+
+def add_rms_norm(x, residual, weight, eps: float):
+    return (_add_rms_norm_op if _FUSED else add_rms_norm_ref)(x, residual, weight, eps)
+
+
+def rotary(x, positions, cos_cache, sin_cache):
+    return (_rotary_op if _FUSED else rotary_ref)(x, positions, cos_cache, sin_cache)
+
+
+def paged_attention(q, k, v, past_k, past_v, seqlens_k, query_lens, total_len, num_heads: int, kv_heads: int):
+    fn = _paged_attention_op if _FUSED else paged_attention_ref
+    return fn(q, k, v, past_k, past_v, seqlens_k, query_lens, total_len, num_heads, kv_heads)
+
+
+# -- ONNX translations (onnxruntime contrib ops) ---------------------------------------------------
+
+
+@functools.cache
+def _contrib():
+    """The com.microsoft opset for onnxscript. onnx itself has no schemas for onnxruntime's
+    contrib ops, so register the few we emit, copied from onnxruntime's own registry."""
+    import onnx
+    import onnxscript
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_c
+
+    wanted = {"SkipSimplifiedLayerNormalization", "RotaryEmbedding", "GroupQueryAttention"}
+    param = onnx.defs.OpSchema.FormalParameter
+    option = onnx.defs.OpSchema.FormalParameterOption
+    for s in ort_c.get_all_operator_schema():
+        if s.domain != "com.microsoft" or s.name not in wanted:
+            continue
+        wanted.discard(s.name)
+        if onnx.defs.has(s.name, s.domain):
+            continue
+
+        def params(items):
+            return [param(p.name, p.typeStr, param_option=getattr(option, p.option.name)) for p in items]
+
+        onnx.defs.register_schema(
+            onnx.defs.OpSchema(
+                s.name,
+                s.domain,
+                s.since_version,
+                inputs=params(s.inputs),
+                outputs=params(s.outputs),
+                type_constraints=[(c.type_param_str, list(c.allowed_type_strs), "") for c in s.type_constraints],
+                attributes=[
+                    onnx.defs.OpSchema.Attribute(a.name, onnx.defs.OpSchema.AttrType(int(a.type)), "", required=a.required)
+                    for a in s.attributes.values()
+                ],
+            )
+        )
+    if wanted:
+        raise RuntimeError(f"this onnxruntime lacks contrib ops {sorted(wanted)}")
+    return onnxscript.values.Opset("com.microsoft", 1)
+
+
+def _add_rms_norm_onnx(x, residual, weight, eps: float):
+    # The exporter gives a call every output its schema lists; unused ones are trimmed later
+    # (graph.py) so onnxruntime skips computing them.
+    out, _mean, _inv_std, total = _contrib().SkipSimplifiedLayerNormalization(x, residual, weight, epsilon=eps)
+    return out, total
+
+
+def _rotary_onnx(x, positions, cos_cache, sin_cache):
+    # 3-D input: heads are inferred from the cache width (head_dim = 2 * cache columns).
+    return _contrib().RotaryEmbedding(x, positions, cos_cache, sin_cache, interleaved=0)
+
+
+def _paged_attention_onnx(q, k, v, past_k, past_v, seqlens_k, query_lens, total_len, num_heads: int, kv_heads: int):
+    # With query_seqlens, total_sequence_length only bounds seqlens_k + 1; the present buffer it
+    # sizes must hold the history (S) plus the whole padded chunk (L): hence S + L.
+    out, _present_k, _present_v, _qk = _contrib().GroupQueryAttention(
+        q,
+        k,
+        v,
+        past_k,
+        past_v,
+        seqlens_k,
+        total_len,
+        None,  # cos_cache: rotary is applied before (new_kv must hold rotated K)
+        None,  # sin_cache
+        None,  # position_ids
+        None,  # attention_bias
+        None,  # head_sink
+        None,  # k_scale
+        None,  # v_scale
+        None,  # q_norm_weight
+        None,  # k_norm_weight
+        query_lens,  # query_seqlens: right-padded chunks of different lengths in one batch
+        num_heads=num_heads,
+        kv_num_heads=kv_heads,
+    )
+    return out
+
+
+TRANSLATIONS = {
+    torch.ops.flare.add_rms_norm.default: _add_rms_norm_onnx,
+    torch.ops.flare.rotary.default: _rotary_onnx,
+    torch.ops.flare.paged_attention.default: _paged_attention_onnx,
+}
