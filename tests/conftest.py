@@ -52,6 +52,40 @@ def tiny_core(tmp_path_factory, tiny_checkpoint_dir) -> Path:
     return export("qwen25_coder", str(tiny_checkpoint_dir), tmp_path_factory.mktemp("cores") / "tiny", "fp32")
 
 
+THINK_TOKENS = {151667: "<think>", 151668: "</think>"}  # Qwen3's ids for its reasoning delimiters
+
+
+def add_think_tokens(tokenizer_json: str) -> str:
+    """The Qwen2.5 tokenizer extended the way Qwen3's is: <think> and </think> as single added
+    (non-special) tokens in two of its reserved rows."""
+    import json
+
+    doc = json.loads(tokenizer_json)
+    vocab = doc["model"]["vocab"]
+    for token_id, text in THINK_TOKENS.items():
+        old = next(k for k, v in vocab.items() if v == token_id)
+        del vocab[old]
+        vocab[text] = token_id
+        doc["added_tokens"].append({"id": token_id, "content": text, "single_word": False, "lstrip": False,
+                                    "rstrip": False, "normalized": False, "special": False})
+    return json.dumps(doc)
+
+
+@pytest.fixture(scope="session")
+def tiny_think_core(tmp_path_factory) -> Path:
+    """A tiny random qwen2 core with Qwen3-style reasoning: tests/data/qwen3_tiny.toml (reasoning
+    "qwen3", tool "hermes"), <think>/</think> as single tokens, and a template that opens
+    reasoning in the generation prompt unless enable_thinking is false."""
+    from tests.unit.tiny_checkpoints import write_tiny_checkpoint
+
+    folder = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-think"), "qwen2")
+    tokenizer = folder / "tokenizer.json"
+    tokenizer.write_text(add_think_tokens(tokenizer.read_text()))
+    (folder / "chat_template.jinja").write_text((REPO / "tests" / "data" / "qwen3_tiny.jinja").read_text())
+    out = tmp_path_factory.mktemp("cores") / "tiny-think"
+    return export(str(REPO / "tests" / "data" / "qwen3_tiny.toml"), str(folder), out, "fp32")
+
+
 @pytest.fixture(scope="session")
 def default_core() -> Path:
     """The real default core (Qwen2.5-Coder-0.5B, int4), exported once and cached by code digest."""

@@ -109,8 +109,7 @@ class Engine:
         self.context_length = limits.context_length
         self.vocab_size = manifest.architecture.vocab_size
         self.eos_token_ids = list(manifest.tokenizer.eos_token_ids)
-        to_str = getattr(tokenizer, "to_str", None)
-        self.constraints = Constraints(to_str() if callable(to_str) else None, self.vocab_size, self.eos_token_ids)
+        self.constraints = Constraints(tokenizer, self.vocab_size, self.eos_token_ids)
 
         self._cv = threading.Condition()
         self._inbox: list[Sequence] = []  # guarded by _cv

@@ -47,12 +47,23 @@ class SampleRow(Protocol):
     def output_ids(self) -> list[int]: ...
 
 
-def sample(logits: np.ndarray, rows: list[SampleRow]) -> np.ndarray:
+class TokenMask(Protocol):
+    """A row's output constraint (helios.engine.constraints.RowMask)."""
+
+    forced: int | None  # the only token the row may produce
+    allowed: np.ndarray | None  # bool [V]: tokens the row's grammar allows; None: all
+
+
+def sample(logits: np.ndarray, rows: list[SampleRow], masks: list[TokenMask | None] | None = None) -> np.ndarray:
     """Sample one token per row of `logits` [B, V]; returns int64 [B]. `logits` is not modified.
 
     Penalties are applied to the whole batch at once; the filters then run per row on that row's
     small candidate set, so a row's result is bit-identical whatever its neighbours are. A row
     whose logits contain NaN or +inf gets -1 (the caller fails that request, not the batch).
+
+    `masks[b]`, when given, constrains row b: a forced token is returned as is; otherwise tokens
+    outside `allowed` get -inf before temperature and the filters (a grammar decides what may
+    follow, the distribution only ranks what it allows).
     """
     B, V = logits.shape
     # One uniform per row, always drawn, so a generator's stream advances by exactly one per token.
@@ -62,6 +73,13 @@ def sample(logits: np.ndarray, rows: list[SampleRow]) -> np.ndarray:
     out = np.empty(B, dtype=np.int64)
     for b, row in enumerate(rows):
         s = row.sampling
+        mask = masks[b] if masks is not None else None
+        if mask is not None:
+            if mask.forced is not None:
+                out[b] = mask.forced
+                continue
+            if mask.allowed is not None:
+                apply_mask(z[b], mask.allowed)
         if not np.isfinite(z[b].max()):  # max propagates NaN; -inf alone is a masked token
             out[b] = -1
             continue
@@ -71,6 +89,15 @@ def sample(logits: np.ndarray, rows: list[SampleRow]) -> np.ndarray:
         ids, vals = candidates(z[b], s)
         out[b] = ids[_inverse_cdf(vals, u[b])]
     return out
+
+
+def apply_mask(z: np.ndarray, allowed: np.ndarray) -> None:
+    """Disallowed tokens of one row [V] become -inf, in place. A NaN on an allowed token still
+    fails the row; NaNs the mask removes do not matter."""
+    n = min(z.size, allowed.size)
+    z[:n][~allowed[:n]] = -np.inf
+    if z.size > n:
+        z[n:] = -np.inf
 
 
 def apply_penalties(z: np.ndarray, rows: list[SampleRow]) -> None:

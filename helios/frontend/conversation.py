@@ -12,6 +12,7 @@ decoders fill them in; lowering handles the ones a text template can show today.
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
@@ -67,11 +68,19 @@ class Message:
 
 @dataclass
 class ToolSpec:
-    """A client-executed function tool, as the template's `tools` variable presents it."""
+    """A client-executed function tool, as the template's `tools` variable presents it.
+
+    `name` is what the model sees; the other fields let an encoder restore what the client
+    declared (Responses namespaces become namespace__name, custom tools a function taking
+    {"input": string} whose completed input is checked against `grammar`)."""
 
     name: str
     description: str | None = None
     parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+    client_name: str | None = None  # the declared name when it differs from `name`
+    namespace: str | None = None
+    custom: bool = False
+    grammar: Any = None  # helios.frontend.grammar.TextGrammar for a grammar-constrained custom tool
 
 
 @dataclass
@@ -99,17 +108,97 @@ def merge_instructions(messages: list[Message]) -> list[Message]:
     """Apply the system/developer rules before templating.
 
     With developer messages present, every system and developer message becomes one leading
-    system message, sections in request order; other messages keep their relative order.
+    system message whose sections keep their role labels (<system>...</system>,
+    <developer>...</developer>) in request order; other messages keep their relative order.
     Without developer messages the template's own system-role rules apply unchanged.
-    TODO(conversation issue): probe the template for inline system support and rewrite
-    noninitial system messages into <system>...</system> user turns where it lacks one.
     """
     if not any(m.role == "developer" for m in messages):
         return list(messages)
-    sections = [m.text(PART_SEPARATOR) for m in messages if m.role in ("system", "developer")]
+    sections = []
+    for m in messages:
+        if m.role in ("system", "developer"):
+            text = m.text(PART_SEPARATOR)
+            if text:
+                sections.append(f"<{m.role}>\n{text}\n</{m.role}>")
     rest = [m for m in messages if m.role not in ("system", "developer")]
-    merged = Message("system", [TextPart(SECTION_SEPARATOR.join(s for s in sections if s))])
+    merged = Message("system", [TextPart(SECTION_SEPARATOR.join(sections))])
     return [merged, *rest]
+
+
+def with_instruction(conversation: Conversation, text: str) -> Conversation:
+    """The conversation with `text` appended to its leading system instructions (a new leading
+    system message when there is none). Used for the required-tool and JSON-only instructions."""
+    messages = list(conversation.messages)
+    if messages and messages[0].role == "system":
+        first = messages[0]
+        messages[0] = Message("system", [*first.parts, TextPart("\n" + text)], name=first.name)
+    else:
+        messages.insert(0, Message("system", [TextPart(text)]))
+    return Conversation(messages, conversation.tools)
+
+
+_INLINE_PROBE = "\ue001flare-inline-system\ue001"
+_INLINE_SUPPORT: "weakref.WeakKeyDictionary[ChatTemplate, bool]" = weakref.WeakKeyDictionary()
+
+
+def supports_inline_system(template: ChatTemplate) -> bool:
+    """Probe the template once: does a system message after the first turn render its text?"""
+    known = _INLINE_SUPPORT.get(template)
+    if known is None:
+        probe = [{"role": "user", "content": "x"}, {"role": "system", "content": _INLINE_PROBE},
+                 {"role": "user", "content": "y"}]
+        try:
+            known = _INLINE_PROBE in template.render(probe, add_generation_prompt=True)
+        except RequestError:
+            known = False
+        _INLINE_SUPPORT[template] = known
+    return known
+
+
+def inline_system_fallback(messages: list[Message], template: ChatTemplate) -> list[Message]:
+    """Noninitial system messages become <system>...</system> user messages at the same
+    positions when the template rejects or omits inline system text."""
+    if not any(m.role == "system" for m in messages[1:]) or supports_inline_system(template):
+        return messages
+    out = messages[:1]
+    for m in messages[1:]:
+        if m.role == "system":
+            text = SECTION_SEPARATOR.join(p.text for p in m.parts if isinstance(p, TextPart))
+            out.append(Message("user", [TextPart(f"<system>{text}</system>")]))
+        else:
+            out.append(m)
+    return out
+
+
+def reorder_tool_results(messages: list[Message]) -> list[Message]:
+    """Parallel tool results are put in the order of the preceding assistant's calls.
+
+    Only when the results between that assistant message and the next one answer its calls
+    exactly (unique ids, none missing or unknown); other messages keep their positions and
+    results never cross an assistant message."""
+    out = list(messages)
+    i = 0
+    while i < len(out):
+        calls = [p.id for p in out[i].parts if isinstance(p, ToolCallPart)] if out[i].role == "assistant" else []
+        if not calls:
+            i += 1
+            continue
+        j = i + 1
+        slots: list[int] = []
+        while j < len(out) and out[j].role != "assistant":
+            if out[j].role == "tool":
+                slots.append(j)
+            j += 1
+        results = [[p for p in out[k].parts if isinstance(p, ToolResultPart)] for k in slots]
+        ids = [r[0].call_id for r in results if len(r) == 1]
+        if (len(ids) == len(slots) == len(calls) and len(set(calls)) == len(calls)
+                and len(set(ids)) == len(ids) and set(ids) == set(calls)):
+            order = {call_id: n for n, call_id in enumerate(calls)}
+            ranked = sorted(zip(ids, (out[k] for k in slots)), key=lambda pair: order[pair[0]])
+            for k, (_, message) in zip(slots, ranked):
+                out[k] = message
+        i = j
+    return out
 
 
 def to_template_messages(messages: list[Message]) -> list[dict[str, Any]]:
@@ -178,7 +267,8 @@ def render_text(
 ) -> str:
     if template is None:
         raise RequestError("this model core has no chat template; use /v1/completions")
-    messages = to_template_messages(merge_instructions(conversation.messages))
+    messages = reorder_tool_results(merge_instructions(conversation.messages))
+    messages = to_template_messages(inline_system_fallback(messages, template))
     return template.render(
         messages,
         tools=template_tools(conversation.tools),

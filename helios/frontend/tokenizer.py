@@ -106,6 +106,10 @@ class Tokenizer:
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special
 
+    def to_json(self) -> str:
+        """The tokenizer.json text (what llguidance builds its own tokenizer from)."""
+        return self._tok.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

@@ -299,7 +299,7 @@ async def handle(request: web.Request, ctx: ServerContext) -> web.StreamResponse
 
 
 def _answers(ctx: ServerContext, p: ChatPlan) -> list[Answer]:
-    return [Answer(ctx.tokenizer, len(p.prompt_ids), p.output, index=i) for i in range(len(p.requests))]
+    return [Answer(ctx.tokenizer, len(p.prompt_ids), p.output, index=i, stats=ctx.http) for i in range(len(p.requests))]
 
 
 def _usage(p: ChatPlan, answers: list[Answer]) -> dict[str, Any]:

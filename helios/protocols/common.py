@@ -8,6 +8,7 @@ into the neutral request and encodes engine events into its own JSON.
 from __future__ import annotations
 
 import codecs
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import Any
 
 from helios.engine.api import FinishReason, GenerationEvent, SamplingParams, TokenLogprob
 from helios.frontend.errors import RequestError
+from helios.frontend.grammar import OutputFormat
 from helios.frontend.sampling import DISTRIBUTION_FIELDS, SamplingFields, require_bool, require_int, resolve_sampling
 from helios.frontend.tokenizer import Tokenizer
 from helios.manifest import Manifest
@@ -90,8 +92,12 @@ def reject_present(body: dict[str, Any], names: tuple[str, ...], why: str) -> No
             raise RequestError(f"{name} is not supported {why}", param=name)
 
 
-def reject_unsupported_extensions(body: dict[str, Any]) -> None:
-    """Native extensions this engine cannot honour yet: refuse rather than silently ignore."""
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+
+
+def reject_unsupported_extensions(body: dict[str, Any], *, structured: bool = False) -> None:
+    """Native extensions this engine cannot honour: refuse rather than silently ignore.
+    `structured`: the caller decodes the guided-decoding fields itself (decode_guided)."""
     if body.get("logit_bias"):
         raise RequestError("logit_bias is not supported", param="logit_bias")
     min_tokens = opt_int(body, "min_tokens", 0)
@@ -99,22 +105,88 @@ def reject_unsupported_extensions(body: dict[str, Any]) -> None:
         raise RequestError("min_tokens is not supported", param="min_tokens")
     if body.get("stop_token_sequences"):
         raise RequestError("stop_token_sequences is not supported yet; use stop_token_ids", param="stop_token_sequences")
-    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+    if not structured:
+        for name in GUIDED_FIELDS:
+            if body.get(name) is not None:
+                raise RequestError(f"{name} is not supported by this endpoint", param=name)
+
+
+# -- structured output formats ---------------------------------------------------------------------
+
+def _schema(value: Any, param: str) -> dict[str, Any]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise RequestError(f"{param} must be a JSON schema object", param=param) from None
+    if not isinstance(value, dict):
+        raise RequestError(f"{param} must be a JSON schema object", param=param)
+    return value
+
+
+def decode_format(value: Any, param: str, *, nested: bool) -> OutputFormat | None:
+    """OpenAI response_format ({"type", "json_schema": {...}}, nested) or Responses text.format /
+    Anthropic output_config.format ({"type", "schema", ...}, flat). type "text" is no constraint."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise RequestError(f"{param} must be an object", param=param.split(".")[0])
+    kind = value.get("type")
+    top = param.split(".")[0]
+    if kind in (None, "text"):
+        if kind is None:
+            raise RequestError(f"{param}.type is required", param=top)
+        return None
+    if kind == "json_object":
+        return OutputFormat("json_object", {"type": "object"})
+    if kind == "json_schema":
+        holder = value.get("json_schema") if nested else value
+        if not isinstance(holder, dict):
+            raise RequestError(f"{param}.json_schema must be an object", param=top)
+        if "schema" not in holder:
+            raise RequestError(f"{param} needs a schema", param=top)
+        name = holder.get("name")
+        return OutputFormat("json_schema", _schema(holder["schema"], f"{param}.schema"),
+                            name if isinstance(name, str) else None)
+    raise RequestError(f"{param}.type must be text, json_object or json_schema", param=top)
+
+
+def decode_guided(body: dict[str, Any]) -> tuple[OutputFormat | None, str]:
+    """vLLM guided decoding (guided_json / guided_regex / guided_choice / guided_grammar, or the
+    structured_outputs object with json / regex / choice / grammar): at most one."""
+    found: list[tuple[str, str, Any]] = []
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
         if body.get(name) is not None:
-            raise RequestError(f"{name} is not supported yet", param=name)
+            found.append((name, name.removeprefix("guided_"), body[name]))
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise RequestError("structured_outputs must be an object", param="structured_outputs")
+        for key in ("json", "regex", "choice", "grammar"):
+            if outputs.get(key) is not None:
+                found.append(("structured_outputs", key, outputs[key]))
+    if not found:
+        return None, "response_format"
+    if len(found) > 1:
+        raise RequestError("only one guided decoding constraint may be given", param=found[1][0])
+    param, key, value = found[0]
+    if key == "json":
+        return OutputFormat("json_schema", _schema(value, param)), param
+    if key == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise RequestError(f"{param} choices must be a nonempty array of strings", param=param)
+        return OutputFormat("choice", value), param
+    if not isinstance(value, str) or not value:
+        raise RequestError(f"{param} must be a nonempty string", param=param)
+    return OutputFormat("regex" if key == "regex" else "lark", value), param
 
 
-def check_thinking_token_budget(body: dict[str, Any], has_reasoning: bool) -> None:
-    """An explicit budget: a positive 32-bit integer, only on cores with reasoning syntax."""
-    if body.get("thinking_token_budget") is None:
-        return
-    budget = require_int(body["thinking_token_budget"], "thinking_token_budget")
-    if not 1 <= budget <= INT32_MAX:
-        raise RequestError("thinking_token_budget must be a positive 32-bit integer", param="thinking_token_budget")
-    if not has_reasoning:
-        raise RequestError("thinking_token_budget needs a model core with reasoning syntax",
-                           param="thinking_token_budget")
-    raise RequestError("thinking_token_budget is not supported yet", param="thinking_token_budget")
+def reasoning_switch(body: dict[str, Any], kwargs: dict[str, Any]) -> bool | None:
+    """enable_thinking from chat_template_kwargs (wins) or the top-level field."""
+    if "enable_thinking" in kwargs:
+        return None  # already a template variable
+    value = body.get("enable_thinking")
+    return None if value is None else require_bool(value, "enable_thinking")
 
 
 def check_logprob_token_ids(body: dict[str, Any], logprobs_enabled: bool) -> None:

@@ -486,7 +486,7 @@ async def handle_count(request: web.Request, ctx: ServerContext) -> web.Response
 
 async def _buffered(ctx: ServerContext, p: MessagesPlan, group: GenerationGroup,
                     headers: dict[str, str]) -> web.Response:
-    answer = Answer(ctx.tokenizer, len(p.prompt_ids), p.output, call_prefix="toolu_")
+    answer = Answer(ctx.tokenizer, len(p.prompt_ids), p.output, call_prefix="toolu_", stats=ctx.http)
     async for event in follow(group):
         try:
             answer.apply(event)
@@ -504,7 +504,7 @@ async def _buffered(ctx: ServerContext, p: MessagesPlan, group: GenerationGroup,
 async def _stream(request: web.Request, ctx: ServerContext, p: MessagesPlan, group: GenerationGroup,
                   headers: dict[str, str]) -> web.StreamResponse:
     writer = await SSEWriter.start(request, headers)
-    answer = Answer(ctx.tokenizer, len(p.prompt_ids), p.output, call_prefix="toolu_")
+    answer = Answer(ctx.tokenizer, len(p.prompt_ids), p.output, call_prefix="toolu_", stats=ctx.http)
 
     async def send(data: dict[str, Any]) -> None:
         await writer.send(data, event=data["type"])  # the SDK dispatches on the event name

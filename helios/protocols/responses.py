@@ -459,7 +459,7 @@ async def handle(request: web.Request, ctx: ServerContext) -> web.StreamResponse
 
 async def _buffered(ctx: ServerContext, p: ResponsesPlan, group: GenerationGroup,
                     headers: dict[str, str]) -> web.Response:
-    encoder = Encoder(ctx, p, Answer(ctx.tokenizer, len(p.prompt_ids), p.output))
+    encoder = Encoder(ctx, p, Answer(ctx.tokenizer, len(p.prompt_ids), p.output, stats=ctx.http))
     async for event in follow(group):
         try:
             encoder.answer.apply(event)
@@ -486,7 +486,7 @@ class _Events:
 async def _stream(request: web.Request, ctx: ServerContext, p: ResponsesPlan, group: GenerationGroup,
                   headers: dict[str, str]) -> web.StreamResponse:
     writer = await SSEWriter.start(request, headers)
-    encoder = Encoder(ctx, p, Answer(ctx.tokenizer, len(p.prompt_ids), p.output))
+    encoder = Encoder(ctx, p, Answer(ctx.tokenizer, len(p.prompt_ids), p.output, stats=ctx.http))
     events = _Events(writer)
     try:
         await events.emit("response.created", response=encoder.response("in_progress"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +17,9 @@ from typing import Any
 
 from aiohttp import web
 
+from helios.frontend import parsers
 from helios.frontend.errors import RequestError
+from helios.frontend.grammar import compiler_for
 from helios.frontend.template import ChatTemplate
 from helios.frontend.tokenizer import Tokenizer
 from helios.manifest import Manifest
@@ -54,19 +57,34 @@ OLLAMA_PREFIX = "/api/"
 Handler = Callable[[web.Request, ServerContext], Awaitable[web.StreamResponse]]
 
 
-def check_startup(manifest: Manifest, config: ServerConfig) -> None:
+def check_startup(manifest: Manifest, config: ServerConfig, tokenizer: Tokenizer | None = None) -> None:
     """Refuse configurations this core cannot serve (before binding any port)."""
     config.validate()
-    if config.thinking_token_budget is not None and not manifest.parsers.reasoning:
-        raise ConfigError(
-            "thinking_token_budget is set but this core declares no reasoning syntax; remove it from [server]"
-        )
+    if not parsers.tool_syntax_known(manifest.parsers.tool):
+        raise ConfigError(f"this core declares an unknown tool syntax {manifest.parsers.tool!r}")
+    try:
+        parsers.reasoning_syntax(manifest.parsers.reasoning)
+    except parsers.UnknownSyntax as exc:
+        raise ConfigError(f"this core declares {exc}") from None
+    if config.thinking_token_budget is not None:
+        if not manifest.parsers.reasoning:
+            raise ConfigError(
+                "thinking_token_budget is set but this core declares no reasoning syntax; remove it from [server]"
+            )
+        reasoning = parsers.resolve_reasoning(manifest.parsers.reasoning, tokenizer) if tokenizer else None
+        if reasoning is not None and reasoning.close_id is None:
+            raise ConfigError("thinking_token_budget is set but this core's reasoning close delimiter is not "
+                              "one token, so a budget cannot close reasoning; remove it from [server]")
 
 
 def create_app(manifest: Manifest, core_dir: Path, engine: Any, config: ServerConfig) -> web.Application:
     """Build the application over a started (or about to start) engine. The caller owns the engine."""
     check_startup(manifest, config)
     tokenizer = Tokenizer.from_core(core_dir, manifest)
+    check_startup(manifest, config, tokenizer)
+    # Build the grammar tokenizer (about a second) now, not on the first structured request.
+    threading.Thread(target=lambda: compiler_for(tokenizer, manifest).llg, name="helios-grammar-warmup",
+                     daemon=True).start()
     template = ChatTemplate.from_core(core_dir, manifest, bos_token=tokenizer.bos_token,
                                       eos_token=tokenizer.eos_token)
     admission = Admission(config.http_admission_slots, config.queue_size)

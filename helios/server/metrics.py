@@ -66,6 +66,7 @@ class HttpStats:
     started_monotonic: float = field(default_factory=time.monotonic)
     first_response: FirstResponseWindow = field(default_factory=FirstResponseWindow)
     rejected_rate_limited: int = 0
+    output_failures: int = 0  # responses failed by output processing (tool contract, parsing)
 
 
 # Image preparation and prepared-input caches: text-only cores never touch them, so they stay
@@ -88,7 +89,7 @@ HOST_HISTOGRAMS = (
 )
 
 
-def engine_fields(s: Any, decode_weight_bytes: int) -> dict[str, Any]:
+def engine_fields(s: Any, decode_weight_bytes: int, output_failures: int = 0) -> dict[str, Any]:
     """The api.md JSON table from one Engine.stats() snapshot.
 
     Features this runtime does not have (speculation, host prefix store, replay timing) are 0.
@@ -111,7 +112,7 @@ def engine_fields(s: Any, decode_weight_bytes: int) -> dict[str, Any]:
         "pending": s.pending,
         "completed": s.completed_total,
         "reasoning_budget_cuts": getattr(s, "reasoning_budget_cuts_total", 0),
-        "failed": s.failed_total,
+        "failed": s.failed_total + output_failures,
         "replay_gpu_ns": 0,
         "replay_readiness_wait_ns": 0,
         "replay_readiness_samples": 0,
@@ -141,7 +142,7 @@ class FlareCollector:
 
     def collect(self):  # noqa: ANN201 - prometheus_client protocol
         s = self.engine.stats()
-        f = engine_fields(s, self.decode_weight_bytes)
+        f = engine_fields(s, self.decode_weight_bytes, self.http.output_failures)
         counters = [
             ("flare_generated_tokens_total", "Committed generated tokens, including EOS and tokens withheld by stops",
              f["generated_tokens"]),
@@ -249,7 +250,7 @@ def json_snapshot(collector: FlareCollector) -> dict[str, Any]:
     """The api.md "Health and metrics" object; helios.dashboard.Snapshot reads it back."""
     s = collector.engine.stats()
     return {
-        **engine_fields(s, collector.decode_weight_bytes),
+        **engine_fields(s, collector.decode_weight_bytes, collector.http.output_failures),
         "first_response": collector.http.first_response.snapshot(),
         **{name: 0 for name in INPUT_METRICS},
         # Flare extensions beyond the table (integers, like the table's fields).

@@ -26,30 +26,35 @@ class QuantSettings:
     accuracy_level: int  # MatMulNBits compute type: 4 = int8 activations (VNNI); 1 = fp32
     lm_head_bits: int | None  # None keeps the lm_head fp32
     embedding_bits: int | None  # 4: GatherBlockQuantized token table (onnxruntime: 4 bits only)
+    lm_head_block_size: int = 128  # 8-bit block 32 is a slow MLAS path (see below)
 
 
-# Measured on the real Qwen2.5-Coder-0.5B, 2 threads, this AVX512-VNNI machine (median process
-# CPU-ms per decoded token, which other tenants' load disturbs far less than wall time; quality
-# as mean KL(reference || engine) over 227 positions of 3 prompts, and top-1 agreement):
+# Measured on the real Qwen2.5-Coder-0.5B, 2 threads, this AVX512-VNNI machine. Speed: median
+# process CPU-ms per decoded token (other tenants disturb it far less than wall time) and
+# isolated-MatMulNBits microbenchmarks; quality: mean KL(reference || engine) and top-1 agreement
+# over 227 positions of 3 prompts (reference = fp32 torch on the dequantized GGUF).
 #
-#   layers        lm_head  b=1 cpu-ms  b=8 cpu-ms/tok  prefill cpu-ms/tok  mean KL  top-1
-#   int4 b32 a4   int8     30-44       13.2-13.7       6.5                 0.040    0.925
-#   int4 b32 a4   int4     38          13.2            6.5                 0.054    0.947
-#   int4 b32 a4   fp32     67          15.8            6.5                 0.040    0.925
-#   int4 b64 a4   int8     28-39       12.6-12.8       6.2                 0.045    0.916
-#   int4 b128 a4  int8     24-32       10.4-11.1       5.0                 0.061    0.912
-#   int8 b32 a4   int8     36-50       13.0-13.8       6.3                 0.0004   0.996
-#   int8 b128 a4  int8     28-42       11.2-11.9       4.9                 0.0011   1.000
-#   accuracy_level 1 (fp32 compute): int4 b32 ~0.5 s/token, int8 ~1.5 s/token: MLAS has no
-#   fast fp32 path for these blocks here, so level 4 (int8 activations, VNNI) is the only option.
+#   layers        lm_head     b=1 cpu-ms  b=8 cpu-ms/tok  prefill cpu-ms/tok  mean KL  top-1
+#   int4 b32 a4   int8 b32    30-44       13.2-13.7       6.5                 0.040    0.925
+#   int4 b32 a4   int4 b32    38          13.2            6.5                 0.054    0.947
+#   int4 b32 a4   fp32        67          15.8            6.5                 0.040    0.925
+#   int4 b64 a4   int8 b64    28-39       12.6-12.8       6.2                 0.045    0.916
+#   int4 b128 a4  int8 b128   24-32       10.4-11.1       5.0                 0.061    0.912
+#   int8 b32 a4   int8 b32    36-50       13.0-13.8       6.3                 0.0004   0.996
+#   int8 b128 a4  int8 b128   28-42       11.2-11.9       4.9                 0.0011   1.000
+#   accuracy_level 1 (fp32 compute): int4 ~0.5 s/token, int8 ~1.5 s/token (no fast MLAS path
+#   here), so level 4 (int8 activations, VNNI) it is.
+#   8-bit block 32 is a slow MLAS path: the lm_head alone takes ~7x longer at M=1 than with
+#   block 64/128 (isolated: 21 ms vs 3.1-3.6 ms), so the 8-bit lm_head always uses block 128.
 #
 # int4: block 32 keeps the best int4 quality (64: +12% KL for ~9% speed; 128: +50% KL and twice
-#   the worst-case KL for ~20%). The lm_head stays int8: int4 there saves ~15% at b=1 but adds
-#   35% KL, fp32 doubles b=1 time for no quality gain. The 4-bit embedding table halves the core
-#   (0.93 -> 0.47 GB) for +6% KL and no speed cost (it is gathered, not multiplied).
-# int8: block 128 is ~15% faster than 32 with negligible KL either way; it decodes about as fast
-#   as int4 b32 on 2 cores (dequantizing nibbles costs what the halved bandwidth saves) at ~40x
-#   lower KL. 8-bit Gather is unsupported, so its embedding stays fp32 (core ~1.06 GB).
+#   the worst-case KL for ~20%), and matches the source Q4_K's 32-weight scale granularity. The
+#   lm_head stays 8-bit (as llama.cpp's Q4_K_M keeps it): 4-bit there adds 35% KL, fp32 doubles
+#   b=1 time for no gain. The 4-bit embedding table halves the core (0.93 -> 0.46 GB) for +6% KL
+#   and no speed cost (it is gathered, not multiplied).
+# int8: block 128, ~15% faster than 32 at negligible KL either way. It decodes about as fast as
+#   int4 on 2 cores (unpacking nibbles costs what the halved bandwidth saves) at ~40x lower KL.
+#   8-bit Gather is unsupported, so its embedding stays fp32 (core ~1.06 GB).
 SETTINGS = {
     "int4": QuantSettings(bits=4, block_size=32, accuracy_level=4, lm_head_bits=8, embedding_bits=4),
     "int8": QuantSettings(bits=8, block_size=128, accuracy_level=4, lm_head_bits=8, embedding_bits=None),
@@ -79,11 +84,11 @@ def quantize_weights(model: onnx.ModelProto, s: QuantSettings) -> None:
     _name_nodes(model)
     lm_head = [n.name for n in model.graph.node if LM_HEAD_OUTPUT in n.output and n.op_type == "MatMul"]
 
-    def run(bits: int, include: list[str] | None, exclude: list[str], op_types: tuple[str, ...]) -> None:
+    def run(bits: int, include: list[str] | None, exclude: list[str], op_types: tuple[str, ...], block: int) -> None:
         quantizer = MatMulNBitsQuantizer(
             model,
             bits=bits,
-            block_size=s.block_size,
+            block_size=block,
             is_symmetric=True,  # no zero points: less to read, and MLAS's fastest int4 path
             accuracy_level=s.accuracy_level,
             nodes_to_include=include,
@@ -94,14 +99,14 @@ def quantize_weights(model: onnx.ModelProto, s: QuantSettings) -> None:
         quantizer.process()
         model.CopyFrom(quantizer.model.model)
 
-    run(s.bits, None, lm_head, ("MatMul",))
+    run(s.bits, None, lm_head, ("MatMul",), s.block_size)
     if s.lm_head_bits is not None and lm_head:
-        run(s.lm_head_bits, lm_head, [], ("MatMul",))
+        run(s.lm_head_bits, lm_head, [], ("MatMul",), s.lm_head_block_size)
     if s.embedding_bits is not None:
         if s.embedding_bits != 4:
             raise ValueError("onnxruntime quantizes Gather to 4 bits only")
         embeds = [n.name for n in model.graph.node if n.op_type == "Gather" and n.input[1] == "input_ids"]
-        run(s.embedding_bits, embeds, [], ("Gather",))
+        run(s.embedding_bits, embeds, [], ("Gather",), s.block_size)
     fold_bias_adds(model)
 
 

@@ -289,7 +289,7 @@ def test_developer_instructions_merge_into_one_leading_system_message():
             Message("developer", [TextPart("D1"), TextPart("D2")])]
     merged = merge_instructions(msgs)
     assert [m.role for m in merged] == ["system", "user"]
-    assert merged[0].text() == "S\n\nD1\nD2"
+    assert merged[0].text() == "<system>\nS\n</system>\n\n<developer>\nD1\nD2\n</developer>"
     plain = [Message("user", [TextPart("a")]), Message("system", [TextPart("b")])]
     assert merge_instructions(plain) == plain  # template rules apply without developer messages
 

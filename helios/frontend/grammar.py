@@ -1,0 +1,247 @@
+"""Structured output and custom-tool grammars, compiled by llguidance before admission.
+
+Request formats (JSON schema, any JSON object, Lark, regex, choice) become an llguidance grammar
+named `answer`. The grammar the engine enforces is `answer`, or `answer` or the model's tool-call
+envelopes when tools are presented, so "constrain the final answer while the tool-call
+envelopes stay free" holds: the engine applies the mask once reasoning has ended (reasoning is
+never constrained). Tool arguments follow their own tool's parameter schema, never the answer's.
+
+Compilation is bounded: sources above MAX_SOURCE_BYTES and grammars beyond llguidance's parser
+limits are refused with HTTP 400 naming the grammar. Custom tool grammars (Responses) use the
+same compiler and validate a completed input's exact bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from helios.engine.constraints import llg_tokenizer, parser_limits
+from helios.frontend.errors import RequestError
+
+MAX_SOURCE_BYTES = 1 << 20
+# Compact JSON (one space after ':' and ','): no runaway whitespace, and the spelling models use.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+class GrammarError(RequestError):
+    """A grammar or schema llguidance cannot compile (HTTP 400)."""
+
+
+@dataclass
+class OutputFormat:
+    """What the final answer must be."""
+
+    kind: str  # "json_schema" | "json_object" | "lark" | "regex" | "choice"
+    source: Any  # schema dict, Lark text, regex text, or list of strings
+    name: str | None = None  # the schema's name (json_schema)
+
+    @property
+    def is_json(self) -> bool:
+        return self.kind in ("json_schema", "json_object")
+
+    def instruction(self, with_tools: bool) -> str | None:
+        """The JSON-only formatting instruction added to the system prompt (conversational JSON)."""
+        if not self.is_json:
+            return None
+        lead = "When you answer (rather than call a tool), reply" if with_tools else "Reply"
+        if self.kind == "json_object":
+            return f"{lead} with only a JSON object and no other text."
+        schema = json.dumps(self.source, ensure_ascii=False)
+        return f"{lead} with only a JSON value that conforms to this JSON schema, and no other text:\n{schema}"
+
+
+def _source_size(value: Any) -> int:
+    return len((value if isinstance(value, str) else json.dumps(value)).encode("utf-8"))
+
+
+def _check_size(value: Any, what: str, param: str) -> None:
+    if _source_size(value) > MAX_SOURCE_BYTES:
+        raise GrammarError(f"the {what} grammar source exceeds {MAX_SOURCE_BYTES >> 20} MiB", param=param)
+
+
+def _styled(schema: dict[str, Any]) -> dict[str, Any]:
+    styled = dict(schema)
+    guidance = dict(styled.get("x-guidance") or {})
+    for key, value in JSON_STYLE.items():
+        guidance.setdefault(key, value)
+    guidance.setdefault("lenient", True)
+    styled["x-guidance"] = guidance
+    return styled
+
+
+def answer_entry(fmt: OutputFormat) -> dict[str, Any]:
+    """The llguidance grammar entry for a format, named `answer`."""
+    if fmt.kind == "json_schema":
+        return {"name": "answer", "json_schema": _styled(fmt.source)}
+    if fmt.kind == "json_object":
+        return {"name": "answer", "json_schema": _styled(ANY_OBJECT)}
+    if fmt.kind == "lark":
+        return {"name": "answer", "lark_grammar": fmt.source}
+    if fmt.kind == "regex":
+        return {"name": "answer", "lark_grammar": "start: " + _lark_regex(fmt.source)}
+    if fmt.kind == "choice":
+        return {"name": "answer", "lark_grammar": "start: " + " | ".join(json.dumps(c) for c in fmt.source)}
+    raise GrammarError(f"unknown output format {fmt.kind!r}")
+
+
+def _lark_regex(pattern: str) -> str:
+    # A Lark regex literal: /.../ with slashes escaped.
+    return "/" + pattern.replace("/", "\\/") + "/"
+
+
+@dataclass
+class Envelope:
+    """How the model writes tool calls, for the grammar's `calls` alternative."""
+
+    open: str  # Lark expression of the opener (a special-token reference or a quoted literal)
+    close: str
+    bare: bool  # the whole answer may be a bare call object (qwen25_coder_json)
+
+
+def envelope_for(tool_syntax: str | None, special: set[str]) -> Envelope | None:
+    """The tool-call envelope of a JSON tool syntax; None for syntaxes without one here (their
+    calls are then not available under an output constraint)."""
+    if tool_syntax not in ("hermes", "qwen25_coder_json"):
+        return None
+
+    def token(text: str) -> str:
+        return text if text in special else json.dumps(text)
+
+    return Envelope(token("<tool_call>"), token("</tool_call>"), tool_syntax == "qwen25_coder_json")
+
+
+def call_schema(tools: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A call object of one of the presented tools, its arguments checked by that tool's own
+    parameter schema (never the answer's)."""
+    def one(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+        usable = isinstance(parameters, dict) and parameters and '"$ref"' not in json.dumps(parameters)
+        arguments = parameters if usable else ANY_OBJECT  # references only resolve at a schema's root
+        return {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
+                "required": ["name", "arguments"], "additionalProperties": False}
+
+    options = [one(name, parameters) for name, parameters in tools.items()]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def structured_grammar(fmt: OutputFormat, envelope: Envelope | None, tools: dict[str, dict[str, Any]],
+                       bare_calls: bool = True) -> str:
+    """The llguidance grammar (JSON text) the engine enforces for this request.
+
+    A bare call object (qwen25_coder_json) and a JSON answer both start with "{": once the
+    conversation ends in tool results, `bare_calls` is False and only the template's tagged
+    envelope remains for further calls, so a bare object is the answer. (Qwen2.5-Coder otherwise
+    repeats its call with the result merged into the arguments instead of answering; see
+    shared/models.md and docs/conformance.md.)"""
+    answer = answer_entry(fmt)
+    if envelope is None or not tools:
+        top = "start: @answer"
+        return json.dumps({"grammars": [{"lark_grammar": top}, answer]})
+    call = json.dumps(_styled(call_schema(tools)))
+    rules = [
+        f"tagged: {envelope.open} \"\\n\" %json {call} \"\\n\" {envelope.close}",
+        'calls: tagged ("\\n" tagged)*',
+    ]
+    bare = envelope.bare and bare_calls
+    alternatives = ["@answer", "calls"]
+    if bare:
+        alternatives.append("@bare")
+    top = "start: " + " | ".join(alternatives) + "\n" + "\n".join(rules)
+    grammars = [{"lark_grammar": top}, answer]
+    if bare:
+        grammars.append({"name": "bare", "json_schema": _styled(call_schema(tools))})
+    return json.dumps({"grammars": grammars})
+
+
+class Compiler:
+    """Validates grammars against the loaded tokenizer (shared LLTokenizer)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]):
+        self._args = (tokenizer_json, vocab_size, list(eos_token_ids))
+        self._special: set[str] | None = None
+        self._llg: Any = None
+
+    @property
+    def llg(self) -> Any:
+        if self._llg is None:
+            self._llg = llg_tokenizer(*self._args)
+        return self._llg
+
+    def special_tokens(self, candidates: tuple[str, ...] = ("<tool_call>", "</tool_call>")) -> set[str]:
+        """Which of `candidates` the grammar tokenizer knows as single special tokens."""
+        if self._special is None:
+            tok = self.llg
+            found = set()
+            for text in candidates:
+                ids = tok.tokenize_str(text, parse_special=True)
+                if len(ids) == 1 and tok.is_special_token(ids[0]):
+                    found.add(text)
+            self._special = found
+        return self._special
+
+    def validate(self, grammar: str, what: str, param: str) -> str:
+        import llguidance
+
+        try:
+            error = llguidance.LLMatcher.validate_grammar(grammar, self.llg, limits=parser_limits())
+        except Exception as exc:  # malformed grammar JSON from our side, or a limit
+            error = str(exc)
+        if error and not error.startswith("WARNING"):
+            first = error.strip().splitlines()[0] if error.strip() else error
+            raise GrammarError(f"the {what} grammar does not compile: {first}", param=param)
+        return grammar
+
+    def output_grammar(self, fmt: OutputFormat, tool_syntax: str | None, tools: dict[str, dict[str, Any]],
+                       param: str, bare_calls: bool = True) -> str:
+        """`tools`: the presented tools' parameter schemas by model-facing name."""
+        _check_size(fmt.source, "output", param)
+        envelope = envelope_for(tool_syntax, self.special_tokens())
+        return self.validate(structured_grammar(fmt, envelope, tools, bare_calls), "output", param)
+
+    def tool_grammar(self, syntax: str, definition: str, param: str) -> "TextGrammar":
+        """A Responses custom tool's Lark or regex grammar."""
+        import llguidance
+
+        if not isinstance(definition, str) or not definition:
+            raise GrammarError("a custom tool grammar needs a nonempty definition", param=param)
+        _check_size(definition, "custom tool", param)
+        if syntax == "lark":
+            grammar = llguidance.LLMatcher.grammar_from_lark(definition)
+        elif syntax == "regex":
+            grammar = llguidance.LLMatcher.grammar_from_regex(definition)
+        else:
+            raise GrammarError(f'custom tool grammar syntax must be "lark" or "regex", not {syntax!r}', param=param)
+        return TextGrammar(self, self.validate(grammar, "custom tool", param))
+
+
+class TextGrammar:
+    """A compiled grammar that checks complete texts (custom tool inputs)."""
+
+    def __init__(self, compiler: Compiler, grammar: str):
+        self.compiler = compiler
+        self.grammar = grammar
+
+    def matches(self, text: str) -> bool:
+        import llguidance
+
+        tok = self.compiler.llg
+        matcher = llguidance.LLMatcher(tok, self.grammar, log_level=0, limits=parser_limits())
+        ids = tok.tokenize_str(text) if text else []
+        return matcher.consume_tokens(ids) and matcher.is_accepting()
+
+
+_COMPILERS: "weakref.WeakKeyDictionary[Any, Compiler]" = weakref.WeakKeyDictionary()
+
+
+def compiler_for(tokenizer: Any, manifest: Any) -> Compiler:
+    """The compiler of a loaded core (its tokenizer JSON, vocabulary and end tokens), one per
+    tokenizer object."""
+    compiler = _COMPILERS.get(tokenizer)
+    if compiler is None:
+        compiler = Compiler(tokenizer.to_json(), manifest.architecture.vocab_size,
+                            list(manifest.tokenizer.eos_token_ids))
+        _COMPILERS[tokenizer] = compiler
+    return compiler

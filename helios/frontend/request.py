@@ -1,0 +1,151 @@
+"""Lowering a neutral conversational request: prompt ids, output parsing plan, engine constraints.
+
+Chat Completions, Messages and Responses decode their own JSON into a `Conversation` plus
+`ChatOptions`; this one function turns that into what the engine and the output pipeline need,
+so tool choice, structured output and reasoning behave identically on every protocol:
+
+1. tool choice: required/named checks, the presented tool definitions, the required-mode
+   instruction; output constraints: the combination rules and the JSON-only instruction;
+2. render through the prepared template (helios.frontend.conversation);
+3. reasoning: where output starts (the rendered prompt), the budget rules, delimiter ids;
+4. the output grammar (llguidance, compiled and validated before admission).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from helios.engine.api import ReasoningControl
+from helios.frontend.conversation import Conversation, ToolSpec, render_text, with_instruction
+from helios.frontend.errors import RequestError
+from helios.frontend.grammar import OutputFormat, compiler_for
+from helios.frontend.parsers import (
+    REASONING,
+    TOOL_OPENER_TEXT,
+    OutputSpec,
+    resolve_reasoning,
+    single_token,
+    start_state,
+)
+from helios.frontend.template import ChatTemplate
+from helios.frontend.thinking import Budget
+from helios.frontend.tokenizer import Tokenizer
+from helios.frontend.tools import ToolChoice, presented, require_tools, with_required_instruction
+from helios.manifest import Manifest
+
+
+@dataclass
+class ChatOptions:
+    """Neutral generation options of a conversational request."""
+
+    tools: list[ToolSpec] = field(default_factory=list)  # every declared tool (model-facing names)
+    choice: ToolChoice = field(default_factory=ToolChoice)
+    output_format: OutputFormat | None = None
+    output_format_param: str = "response_format"
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final: bool = False
+    budget: Budget = field(default_factory=Budget)
+    user_stops: bool = False  # string or token stops were requested
+    ignore_eos: bool = False
+
+
+@dataclass
+class OutputPlan:
+    """How one request's generated text becomes its answer (per choice)."""
+
+    spec: OutputSpec = field(default_factory=OutputSpec)
+    tools: list[ToolSpec] = field(default_factory=list)  # presented tools
+    choice: ToolChoice = field(default_factory=ToolChoice)
+
+
+@dataclass
+class Lowered:
+    conversation: Conversation  # what was rendered (presented tools, added instructions)
+    prompt_text: str
+    prompt_ids: list[int]
+    output: OutputPlan
+    grammar: str | None = None
+    reasoning: ReasoningControl | None = None
+
+
+def lower(conversation: Conversation, options: ChatOptions, *, manifest: Manifest,
+          template: ChatTemplate | None, tokenizer: Tokenizer, default_budget: int | None = None,
+          compile_grammar: bool = True) -> Lowered:
+    choice = options.choice
+    require_tools(choice, options.tools)
+    tools = presented(options.tools, choice)
+    if tools and not manifest.template.supports_tools:
+        raise RequestError("this model core's chat template does not support tools", param="tools")
+    fmt = options.output_format
+    if fmt is not None:
+        param = options.output_format_param
+        if options.continue_final:
+            raise RequestError("an output constraint cannot be combined with assistant continuation", param=param)
+        if options.user_stops:
+            raise RequestError("an output constraint cannot be combined with custom stops", param=param)
+        if options.ignore_eos:
+            raise RequestError("ignore_eos cannot be combined with an output constraint", param="ignore_eos")
+
+    effective = Conversation(conversation.messages, tools)
+    effective = with_required_instruction(effective, choice)
+    if fmt is not None and (instruction := fmt.instruction(with_tools=bool(tools))):
+        effective = with_instruction(effective, instruction)
+
+    prompt_text = render_text(
+        effective, template,
+        add_generation_prompt=options.add_generation_prompt,
+        continue_final_message=options.continue_final,
+        template_kwargs=options.template_kwargs,
+    )
+    # The template writes its own BOS/control tokens (HF and vLLM encode without extras).
+    prompt_ids = tokenizer.encode(prompt_text, add_bos=False)
+
+    reasoning = resolve_reasoning(manifest.parsers.reasoning, tokenizer)
+    start = start_state(reasoning, prompt_text)
+    budget = _budget(options.budget, default_budget, reasoning is not None,
+                     start == REASONING, reasoning is not None and reasoning.close_id is not None)
+    control = None
+    if reasoning is not None:
+        tool_syntax = manifest.parsers.tool if tools else None
+        openers = TOOL_OPENER_TEXT.get(tool_syntax or "", ()) if reasoning.syntax.tool_ends_reasoning else ()
+        opener_ids = [i for i in (single_token(tokenizer, t) for t in openers) if i is not None]
+        control = ReasoningControl(
+            open_token_id=reasoning.open_id, close_token_id=reasoning.close_id,
+            starts_open=start == REASONING, budget=budget,
+            tool_open_ids=opener_ids, tool_open_texts=list(openers),
+        )
+    spec = OutputSpec(
+        tool_syntax=manifest.parsers.tool if tools else None,
+        schemas={t.name: t.parameters for t in tools},
+        reasoning=reasoning, start=start, verbatim=fmt is not None,
+    )
+    grammar = None
+    if fmt is not None and compile_grammar:
+        after_results = bool(conversation.messages) and conversation.messages[-1].role == "tool"
+        grammar = compiler_for(tokenizer, manifest).output_grammar(
+            fmt, spec.tool_syntax, {t.name: t.parameters for t in tools}, options.output_format_param,
+            bare_calls=not after_results)
+    return Lowered(effective, prompt_text, prompt_ids, OutputPlan(spec, tools, choice), grammar, control)
+
+
+def _budget(budget: Budget, default: int | None, has_syntax: bool, starts_open: bool,
+            single_close: bool) -> int | None:
+    """The engine cap, after api.md's rules: an explicit budget needs reasoning syntax, and a
+    one-token close when output starts in reasoning; output that starts in content is never cut.
+    Messages budgets are advisory where no cap is possible; the server default fills an omitted
+    budget."""
+    tokens = budget.tokens
+    if tokens is not None and budget.explicit and not budget.advisory:
+        if not has_syntax:
+            raise RequestError("thinking_token_budget needs a model core with reasoning syntax",
+                               param="thinking_token_budget")
+        if starts_open and not single_close:
+            raise RequestError("thinking_token_budget needs a reasoning close delimiter that is one token",
+                               param="thinking_token_budget")
+    if tokens is None:
+        tokens = default
+    if tokens is None or not (has_syntax and starts_open and single_close):
+        return None
+    return tokens
