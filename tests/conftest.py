@@ -31,11 +31,13 @@ def code_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def export(recipe: str, checkpoint: str, out: Path, precision: str) -> Path:
+def export(recipe: str, checkpoint: str, out: Path, precision: str, force: bool = False) -> Path:
     from ignition.export.pipeline import ExportOptions, export_core
     from ignition.recipes import load_recipe
 
-    export_core(ExportOptions(recipe=load_recipe(recipe), checkpoint=checkpoint, out=out, precision=precision))
+    export_core(
+        ExportOptions(recipe=load_recipe(recipe), checkpoint=checkpoint, out=out, precision=precision, force=force)
+    )
     return out
 
 
@@ -92,8 +94,10 @@ def default_core() -> Path:
     target = CACHE / "cores" / f"qwen25_coder-int4-{code_digest()}"
     if not (target / "core.json").is_file():
         for stale in (CACHE / "cores").glob("qwen25_coder-int4-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        export("qwen25_coder", "qwen2.5-coder-0.5b", target, "int4")
+            if stale != target:
+                shutil.rmtree(stale, ignore_errors=True)
+        # force: a concurrent run of the same code may have exported the same digest meanwhile.
+        export("qwen25_coder", "qwen2.5-coder-0.5b", target, "int4", force=True)
     return target
 
 
