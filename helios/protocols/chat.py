@@ -31,12 +31,9 @@ from helios.frontend.grammar import OutputFormat
 from helios.frontend.output import BlockDelta, BlockOpened, OutputEvent
 from helios.frontend.request import ChatOptions, OutputPlan, lower
 from helios.frontend.sampling import (
-    DISTRIBUTION_FIELDS,
-    SamplingFields,
     check_top_logprobs,
     child_seed,
     resolve_max_tokens,
-    resolve_sampling,
 )
 from helios.frontend.thinking import Budget, check_budget, check_effort, template_kwargs
 from helios.frontend.tools import EmittedCall, ToolChoice, unique_names
@@ -223,19 +220,7 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> ChatPlan
     kwargs = common.opt_object(body, "chat_template_kwargs") or {}
     kwargs = template_kwargs(kwargs, enabled=common.reasoning_switch(body, kwargs), effort=effort,
                              template_source=ctx.template.source if ctx.template else None)
-    base = resolve_sampling(
-        SamplingFields(
-            values={name: body.get(name) for name in DISTRIBUTION_FIELDS},
-            seed=body.get("seed"),
-            stop=body.get("stop"),
-            stop_token_ids=body.get("stop_token_ids"),
-            ignore_eos=body.get("ignore_eos"),
-            include_stop_str_in_output=body.get("include_stop_str_in_output"),
-            logprobs=k,
-        ),
-        m.sampling,
-        m.architecture.vocab_size,
-    )
+    base = common.request_sampling(body, m, logprobs=k)
     chat_options = ChatOptions(
         tools=tools, choice=choice, output_format=fmt, output_format_param=fmt_param, template_kwargs=kwargs,
         add_generation_prompt=add_generation_prompt, continue_final=continue_final,

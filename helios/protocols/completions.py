@@ -18,13 +18,10 @@ from helios.engine.api import GenerationRequest, SamplingParams
 from helios.frontend.checkpoints import endpoint
 from helios.frontend.errors import RequestError
 from helios.frontend.sampling import (
-    DISTRIBUTION_FIELDS,
-    SamplingFields,
     check_top_logprobs,
     child_seed,
     parse_token_ids,
     resolve_max_tokens,
-    resolve_sampling,
 )
 from helios.frontend.tokenizer import Tokenizer
 from helios.protocols import common
@@ -124,19 +121,7 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Completi
             f"{count} prompt(s) x n={n} needs more admission slots than this server has ({ctx.admission.slots})",
             param="n",
         )
-    base = resolve_sampling(
-        SamplingFields(
-            values={name: body.get(name) for name in DISTRIBUTION_FIELDS},
-            seed=body.get("seed"),
-            stop=body.get("stop"),
-            stop_token_ids=body.get("stop_token_ids"),
-            ignore_eos=body.get("ignore_eos"),
-            include_stop_str_in_output=body.get("include_stop_str_in_output"),
-            logprobs=k,
-        ),
-        m.sampling,
-        m.architecture.vocab_size,
-    )
+    base = common.request_sampling(body, m, logprobs=k)
     prompts = decode_prompts(raw, ctx.tokenizer, m.architecture.vocab_size)
     budgets = [resolve_max_tokens(body.get("max_tokens"), len(p.token_ids), m.limits, allow_zero=True)
                for p in prompts]
