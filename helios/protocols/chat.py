@@ -442,16 +442,8 @@ async def _stream(request: web.Request, ctx: ServerContext, p: ChatPlan, group: 
     except (ConnectionResetError, ConnectionError):
         pass  # the client left; the handler's finally aborts what is still running
     except ApiError as exc:
-        await _try_send_error(writer, exc)
+        await common.try_send_stream_error(writer, exc)
     except Exception:
         log.exception("chat stream failed")
-        await _try_send_error(writer, server_error("the stream failed"))
+        await common.try_send_stream_error(writer, server_error("the stream failed"))
     return writer.response
-
-
-async def _try_send_error(writer: SSEWriter, error: ApiError) -> None:
-    try:
-        await writer.send(common.stream_error(error))
-        await writer.close()
-    except Exception:  # the connection is gone too
-        pass

@@ -359,3 +359,12 @@ def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob], offse
         "top_logprobs": tops,
         "text_offset": [offset_base + o for o in offsets],
     }
+
+
+async def try_send_stream_error(writer: Any, error: ApiError) -> None:
+    """End an OpenAI-shaped SSE stream with a terminal error event, if the client is still there."""
+    try:
+        await writer.send(stream_error(error))
+        await writer.close()
+    except Exception:  # the connection is gone too
+        pass
