@@ -14,7 +14,16 @@ from pathlib import Path
 from helios.manifest import Range, SamplingDefaults
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
-KNOWN_FAMILIES = ("qwen2", "llama")
+# Families the exporter compiles (qwen2/llama: common.DecoderLM; the rest: models/configured.py)
+# and families recipes may already name whose architecture it refuses with what is missing
+# (ignition.models.families.PLANNED; docs/recipes.md).
+COMPILED_FAMILIES = ("qwen2", "llama", "deepseek_v3", "mimo_v2_flash", "gemma4", "step3p7", "muse_spark",
+                     "glm_moe_dsa", "minimax_m3_vl")  # fmt: skip
+PLANNED_FAMILIES = ("qwen3_5_moe", "qwen3_5", "deepseek_v4", "nemotron_h")
+KNOWN_FAMILIES = COMPILED_FAMILIES + PLANNED_FAMILIES
+# Template behaviours a recipe can declare its (native) prompt encoder refuses (api.md: the
+# DeepSeek encoders reject drop_thinking, assistant continuation and add_generation_prompt=false).
+TEMPLATE_REJECTS = ("drop_thinking", "continuation", "add_generation_prompt_false")
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingDefaults) if f.name != "seed")
 
 
@@ -31,6 +40,19 @@ class RecipeLimits:
     default_max_tokens: int
     kv_pages: int
     page_tokens: int
+
+
+@dataclass
+class RecipeReasoning:
+    """The family's reasoning syntax as the recipe declares it (checked against the parser's)."""
+
+    open: str  # the opening delimiter ("<think>", Gemma 4's "<|channel>thought")
+    close: str
+    starts_in_reasoning: bool  # the generation prompt opens reasoning (thinking on by default)
+    always: bool = False  # thinking cannot be switched off (Kimi K3: enable_thinking=false is ignored)
+    effort_levels: list[str] = field(default_factory=list)  # the template's reasoning_effort vocabulary
+    default_effort: str | None = None
+    numeric_effort: tuple[int, int] | None = None  # integer reasoning_effort scores (DeepSeek V4.1: 1..100)
 
 
 @dataclass
@@ -51,6 +73,11 @@ class Recipe:
     sampling_ranges: dict[str, Range]
     limits: RecipeLimits
     path: Path = field(default=Path())
+    reasoning: RecipeReasoning | None = None
+    # A template file (relative to the recipes folder) used when the checkpoint has none (tiny
+    # test checkpoints); a checkpoint's own template always wins with source = "checkpoint".
+    template_fallback: str | None = None
+    template_rejects: list[str] = field(default_factory=list)  # TEMPLATE_REJECTS the encoder refuses
 
 
 def available_recipes(folder: Path = RECIPES_DIR) -> list[str]:
@@ -105,6 +132,26 @@ def _parse(data: dict, path: Path) -> Recipe:
         sampling_ranges=ranges,
         limits=RecipeLimits(**data["limits"]),
         path=path,
+        reasoning=_reasoning(data.get("reasoning")),
+        template_fallback=template.get("fallback"),
+        template_rejects=list(template.get("rejects", [])),
+    )
+
+
+def _reasoning(table: dict | None) -> RecipeReasoning | None:
+    if not table:
+        return None
+    numeric = table.get("numeric_effort")
+    if numeric is not None and not (isinstance(numeric, list) and len(numeric) == 2 and all(isinstance(v, int) for v in numeric)):
+        raise TypeError("reasoning.numeric_effort must be [min, max] integers")
+    return RecipeReasoning(
+        open=table["open"],
+        close=table["close"],
+        starts_in_reasoning=bool(table["starts_in_reasoning"]),
+        always=bool(table.get("always", False)),
+        effort_levels=list(table.get("effort_levels", [])),
+        default_effort=table.get("default_effort"),
+        numeric_effort=tuple(numeric) if numeric else None,
     )
 
 
@@ -127,8 +174,50 @@ def _check(recipe: Recipe) -> None:
         raise RecipeError(f"{where}: temperature bounds must be positive")
     if "top_p" in recipe.sampling_ranges and not 0 < recipe.sampling_ranges["top_p"].min <= recipe.sampling_ranges["top_p"].max <= 1:
         raise RecipeError(f"{where}: top_p bounds must lie in (0, 1]")
+    _check_syntax(recipe)
     lim = recipe.limits
     if min(lim.context_length, lim.max_concurrency, lim.prefill_chunk_size, lim.page_tokens, lim.kv_pages) <= 0:
         raise RecipeError(f"{where}: limits must be positive")
     if lim.max_batch_tokens < lim.prefill_chunk_size:
         raise RecipeError(f"{where}: max_batch_tokens must be at least prefill_chunk_size")
+
+
+def _check_syntax(recipe: Recipe) -> None:
+    """Parsers, reasoning delimiters, effort vocabulary and template rules agree with helios."""
+    from helios.frontend.parsers import REASONING_SYNTAXES, TOOL_SYNTAXES
+    from helios.frontend.thinking import EFFORT_LEVELS, template_levels
+
+    where = recipe.path
+    if recipe.tool_parser and recipe.tool_parser not in TOOL_SYNTAXES:
+        raise RecipeError(f"{where}: unknown tool syntax {recipe.tool_parser!r}")
+    if recipe.reasoning_parser and recipe.reasoning_parser not in REASONING_SYNTAXES:
+        raise RecipeError(f"{where}: unknown reasoning syntax {recipe.reasoning_parser!r}")
+    bad = [r for r in recipe.template_rejects if r not in TEMPLATE_REJECTS]
+    if bad:
+        raise RecipeError(f"{where}: unknown template rejects {bad} (known: {', '.join(TEMPLATE_REJECTS)})")
+    r = recipe.reasoning
+    if r is None:  # the [reasoning] table is optional: the parser alone names the syntax
+        return
+    syntax = REASONING_SYNTAXES.get(recipe.reasoning_parser or "")
+    if syntax is None:
+        raise RecipeError(f"{where}: [reasoning] needs parsers.reasoning")
+    if (r.open, r.close) != (syntax.open, syntax.close):
+        raise RecipeError(
+            f"{where}: reasoning delimiters {r.open!r}/{r.close!r} differ from the {syntax.name} parser's "
+            f"{syntax.open!r}/{syntax.close!r}"
+        )
+    unknown = [level for level in r.effort_levels if level not in EFFORT_LEVELS[1:]]
+    if unknown:
+        raise RecipeError(f"{where}: unknown effort levels {unknown} (known: {', '.join(EFFORT_LEVELS[1:])})")
+    if r.default_effort is not None and r.default_effort not in r.effort_levels:
+        raise RecipeError(f"{where}: default effort {r.default_effort!r} is not one of {r.effort_levels}")
+    if r.numeric_effort is not None and not 1 <= r.numeric_effort[0] <= r.numeric_effort[1] <= 100:
+        raise RecipeError(f"{where}: numeric effort bounds must lie in 1..100")
+    if recipe.template_fallback:
+        path = recipe.path.parent / recipe.template_fallback
+        if not path.is_file():
+            raise RecipeError(f"{where}: template fallback {recipe.template_fallback} does not exist")
+        # helios reads the effort vocabulary from the template text (frontend/thinking.py).
+        named = template_levels(path.read_text())
+        if r.effort_levels and sorted(named) != sorted(r.effort_levels):
+            raise RecipeError(f"{where}: {recipe.template_fallback} names effort levels {named}, the recipe {r.effort_levels}")

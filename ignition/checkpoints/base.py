@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -35,3 +36,6 @@ class Checkpoint:
     special_tokens: dict[str, int] = field(default_factory=dict)  # content -> id for control tokens
     source_format: str = "gguf"  # "gguf" | "safetensors"
     source_quantization: str = ""  # e.g. "Q4_K_M" when known
+    # The Hugging Face config.json of configured families (ignition/models/families.py): their
+    # layer plan (MLA, MoE routing, windows, ...) is derived from it. Empty for qwen2/llama.
+    model_config: dict[str, Any] = field(default_factory=dict)

@@ -134,6 +134,8 @@ def read_gguf(path: Path, checkpoint_id: str | None = None, sha256: str | None =
 
 def checkpoint_from_reader(reader: gguf.GGUFReader, checkpoint_id: str, sha256: str, source: str) -> Checkpoint:
     family = check_family(str(metadata_value(reader, "general.architecture")), source)
+    if family not in ("qwen2", "llama"):
+        raise CheckpointError(f"{source}: GGUF files of the {family!r} family are not supported; use its safetensors folder")
     by_name = {t.name: t for t in reader.tensors}
     unknown = [name for name in by_name if hf_tensor_name(name) is None]
     if unknown:

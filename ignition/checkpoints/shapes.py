@@ -11,9 +11,18 @@ SUPPORTED_FAMILIES = ("qwen2", "llama")
 
 
 def check_family(family: str, source: str) -> str:
-    if family not in SUPPORTED_FAMILIES:
-        raise CheckpointError(f"{source} is a {family!r} model; flare supports {', '.join(SUPPORTED_FAMILIES)}")
-    return family
+    """The flare family of a checkpoint's model type (a Hugging Face model_type or GGUF
+    architecture): qwen2/llama, a configured family, or a planned one (export refuses those)."""
+    from ignition.models.families import MODEL_TYPES, PLANNED_MODEL_TYPES
+
+    if family in SUPPORTED_FAMILIES:
+        return family
+    if family in MODEL_TYPES:
+        return MODEL_TYPES[family]
+    if family in PLANNED_MODEL_TYPES:
+        return PLANNED_MODEL_TYPES[family]
+    known = [*SUPPORTED_FAMILIES, *sorted(MODEL_TYPES)]
+    raise CheckpointError(f"{source} is a {family!r} model; flare supports {', '.join(known)}")
 
 
 def expected_tensor_shapes(arch: Architecture) -> dict[str, tuple[int, ...]]:

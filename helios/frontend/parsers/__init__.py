@@ -3,8 +3,8 @@
 The core's manifest names its syntaxes (`parsers.tool`, `parsers.reasoning`, set by the recipe);
 they are looked up here by that name, never guessed from the model's name.
 
-    tool syntaxes       hermes, qwen25_coder_json, qwen3_xml, glm45, minimax, gemma4,
-                        deepseek_dsml, deepseek_xtml
+    tool syntaxes       hermes, qwen25_coder_json, qwen3_xml, mimo, glm45, minimax, gemma4,
+                        deepseek_dsml, deepseek_xtml, kimi_k2
     reasoning syntaxes  see parsers.reasoning.REASONING_SYNTAXES
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 from helios.frontend.parsers.base import ToolParseError, ToolParser, ToolSchemas
 from helios.frontend.parsers.deepseek import DeepSeekMarkupParser
 from helios.frontend.parsers.gemma import Gemma4Parser
-from helios.frontend.parsers.json_calls import HermesParser, Qwen25CoderJsonParser
+from helios.frontend.parsers.json_calls import HermesParser, KimiK2Parser, Qwen25CoderJsonParser
 from helios.frontend.parsers.reasoning import (
     ANSWER,
     REASONING,
@@ -28,18 +28,20 @@ from helios.frontend.parsers.reasoning import (
     ResolvedReasoning,
 )
 from helios.frontend.parsers.stream import CallOut, OutputStream, Out, ReasoningOut, TextOut
-from helios.frontend.parsers.xml_calls import GlmParser, MiniMaxParser, QwenFunctionTagParser
+from helios.frontend.parsers.xml_calls import GlmParser, MiMoFunctionTagParser, MiniMaxParser, QwenFunctionTagParser
 
 TOOL_SYNTAXES: dict[str, Callable[[ToolSchemas], ToolParser]] = {
     "hermes": HermesParser,
     "qwen25_coder_json": Qwen25CoderJsonParser,
     "qwen3_xml": QwenFunctionTagParser,
     "qwen3_coder": QwenFunctionTagParser,
+    "mimo": MiMoFunctionTagParser,
     "glm45": GlmParser,
     "minimax": MiniMaxParser,
     "gemma4": Gemma4Parser,
     "deepseek_dsml": lambda schemas: DeepSeekMarkupParser("DSML", schemas),
     "deepseek_xtml": lambda schemas: DeepSeekMarkupParser("XTML", schemas),
+    "kimi_k2": KimiK2Parser,
 }
 
 # Single-token tool openers that end reasoning for the engine's budget (Qwen's implicit close).
@@ -48,6 +50,7 @@ TOOL_OPENER_TEXT: dict[str, tuple[str, ...]] = {
     "qwen25_coder_json": ("<tool_call>",),
     "qwen3_xml": ("<tool_call>", "<function="),
     "qwen3_coder": ("<tool_call>", "<function="),
+    "mimo": ("<tool_call>", "<function="),
 }
 
 

@@ -26,6 +26,9 @@ glm45 (GLM-4.5 and later)::
 `<tool_call>` starts a call only when followed by a function name and an `<arg_key>` or
 `</tool_call>` tag.
 
+mimo (MiMo-V2): the same tags as qwen3_xml, but parameter values are kept verbatim (no
+newline unwrapping): `<parameter=code>    x = 1\n</parameter>` is "    x = 1\n".
+
 minimax (MiniMax-M2 family): the namespace-prefixed opener always starts a call::
 
     <minimax:tool_call>
@@ -76,6 +79,7 @@ class QwenFunctionTagParser(TaggedParser):
     PARAM_OPEN, PARAM_CLOSE = "<parameter=", "</parameter>"
     openers = (TOOL_OPEN, FUNC_OPEN)
     trailing_closers = (TOOL_CLOSE,)
+    unwrap_values = True  # Qwen: one wrapping newline on each side belongs to the tags
 
     def decide(self, buf: str, final: bool) -> Decision:
         tool = buf.startswith(self.TOOL_OPEN)
@@ -121,7 +125,8 @@ class QwenFunctionTagParser(TaggedParser):
                 if boundary is None:
                     return MORE
                 at, tag = boundary
-                raw = _unwrap(buf[value_start:at])
+                raw = buf[value_start:at]
+                raw = _unwrap(raw) if self.unwrap_values else raw
                 arguments[key] = convert_value(raw, self.schemas.parameter(name.strip(), key))
                 pos = at + len(tag) if tag == self.PARAM_CLOSE else at
                 continue
@@ -130,6 +135,13 @@ class QwenFunctionTagParser(TaggedParser):
             if nxt is None:
                 return MORE
             pos = nxt[0]
+
+
+class MiMoFunctionTagParser(QwenFunctionTagParser):
+    """MiMo-V2 (mimo): Qwen's function tags written compactly; values are kept verbatim,
+    indentation and newlines included (api.md)."""
+
+    unwrap_values = False
 
 
 def _first(text: str, tags: tuple[str, ...], start: int) -> tuple[int, str] | None:

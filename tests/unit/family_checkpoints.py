@@ -1,0 +1,320 @@
+"""Tiny random checkpoints of the recipe families, written by transformers itself.
+
+Each family's reference implementation (transformers 5.24) builds a 2-3 layer model with a small
+hidden size and a few experts from a seeded config, and `save_pretrained` writes it as the real
+checkpoints are laid out (sharded safetensors with model.safetensors.index.json, per-expert or
+fused expert tensors as each family's hub checkpoints have them). Weights
+are re-drawn larger than transformers' init (std 0.02 leaves logits nearly flat, which would hide
+errors), and biases/norms that init to constants are randomised so dropping one shows.
+
+The tokenizer is a byte-level BPE without merges (256 byte tokens) plus the family's control
+tokens, so any text round-trips and the family's delimiters are single tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Control tokens each family's template and parsers use (single tokens in the real tokenizers).
+SPECIALS = {
+    "deepseek_v3": ["[BOS]", "[EOS]", "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>",
+                    "<|im_end|>", "<think>", "</think>", "<|tool_calls_section_begin|>",
+                    "<|tool_calls_section_end|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
+                    "<|tool_call_end|>", "<|im_tool|>"],
+    "mimo_v2_flash": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
+                      "</tool_call>", "<tool_response>", "</tool_response>"],
+    "step3p7": ["<|begin_of_sentence|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
+                "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"],
+    "muse_spark": ["<|begin_of_text|>", "<|eot|>", "<|header_start|>", "<|header_end|>", "<think>", "</think>",
+                   "<tool_call>", "</tool_call>"],
+    "glm_moe_dsa": ["[gMASK]", "<sop>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
+                    "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                    "</arg_value>", "<tool_response>", "</tool_response>"],
+    "minimax_m3_vl": ["]~!b[", "[e~[", "]~b]", "<think>", "</think>", "<minimax:tool_call>", "</minimax:tool_call>"],
+    "gemma4": ["<bos>", "<eos>", "<pad>", "<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|think|>",
+               "<|tool_call>", "<tool_call|>", "<|tool>", "<tool|>", "<|tool_response>", "<tool_response|>", '<|"|>'],
+}  # fmt: skip
+
+EOS = {"deepseek_v3": "<|im_end|>", "mimo_v2_flash": "<|im_end|>", "gemma4": "<turn|>", "step3p7": "<|im_end|>", "muse_spark": "<|eot|>", "glm_moe_dsa": "<|user|>", "minimax_m3_vl": "[e~["}
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    # Kimi K2.5's text model: MLA (q LoRA, interleaved YaRN rotary) + sigmoid group-limited MoE
+    # with a shared expert, first layer dense.
+    "deepseek_v3": dict(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=32,
+        q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, routed_scaling_factor=2.5,
+        max_position_embeddings=4096, rope_interleave=True, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        # YaRN as Kimi K2's checkpoints use it (scaled so the tiny prompts cross its correction range;
+        # mscale != mscale_all_dim so the cos/sin attention factor is not 1).
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 16,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8},
+    ),
+    # MiMo-V2-Flash: sliding (window 7, sinks, doubled KV heads) / full layers, q/k head 24 vs v 16,
+    # partial rotary with per-type theta, value scale, sigmoid MoE without shared experts.
+    "mimo_v2_flash": dict(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, n_routed_experts=8, num_experts_per_tok=2,
+        head_dim=24, v_head_dim=16, sliding_window=7, max_position_embeddings=4096,
+        layer_types=["full_attention", "sliding_attention"],
+        mlp_layer_types=["dense", "sparse"], attention_value_scale=0.707,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 5_000_000.0, "partial_rotary_factor": 0.334},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.334},
+        },
+        tie_word_embeddings=False,
+    ),
+    # Step 3.5/3.7 text: sliding layers with more query heads, per-type partial rotary and theta,
+    # (1 + w) norms incl. QK norms, head-wise sigmoid output gates, a 1/sqrt(query_pre_attn_scalar)
+    # scale, clamped SwiGLU experts/shared expert and the sigmoid router with bias.
+    "step3p7": dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, share_expert_dim=32,
+        layer_types=["full_attention", "sliding_attention"], mlp_layer_types=["dense", "sparse"],
+        sliding_window=6, num_sliding_attention_heads=8, swiglu_limits=[None, 1.5],
+        swiglu_limits_shared=[1.0, 1.5], moe_router_scaling_factor=2.0, query_pre_attn_scalar=12,
+        max_position_embeddings=4096, rope_theta=[10000.0, 5000.0], partial_rotary_factors=[0.5, 1.0],
+    ),
+    # GLM-5: MLA (q LoRA, interleaved rotary) with the DSA indexer selecting each query's top 9
+    # keys (so long prompts exercise it), a shared-indexer layer, dense then sigmoid-routed MoE;
+    # 16 indexer heads, so exact all-zero ReLU ties (where top-k order is arbitrary) stay improbable.
+    "glm_moe_dsa": dict(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
+        v_head_dim=16, qk_nope_head_dim=16, routed_scaling_factor=2.5, index_topk=9, index_head_dim=16,
+        index_n_heads=16, mlp_layer_types=["dense", "sparse"], indexer_types=["full", "shared"],
+        max_position_embeddings=4096, tie_word_embeddings=False,
+    ),
+    # MiniMax M3 text: a block-sparse layer (indexer over 4-token key blocks, 3 blocks kept per query
+    # incl. its own), (1 + w) norms incl. QK norms, clamped SwiGLU-alpha dense MLP, experts and
+    # shared expert, sigmoid router with bias and routed scaling.
+    "minimax_m3_vl": dict(
+        hidden_size=64, intermediate_size=32, dense_intermediate_size=96, shared_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, mlp_layer_types=["dense", "sparse"],
+        layer_types=["full_attention", "minimax_m3_sparse"], index_n_heads=2,
+        index_head_dim=16, index_block_size=4, index_topk_blocks=3, index_local_blocks=1, swiglu_limit=1.5,
+        routed_scaling_factor=2.0, max_position_embeddings=4096,
+    ),
+    # Muse Spark text: sliding / NoPE-full layers, unscaled QK norms with a query scale, per-head
+    # output norms and sigmoid gates, residual gates, (1 + w) and input-scaled norms, projected-width
+    # experts with per-expert output norms, embedding norm, logit multiplier and soft-cap.
+    "muse_spark": dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+        layer_rope_theta=[500000.0, 0], mlp_layer_types=["dense", "sparse"],
+        moe_intermediate_size=32, moe_hidden_size=48, num_local_experts=4, num_experts_per_tok=2,
+        routed_scaling_factor=1.5, final_logit_softcapping=20.0, qk_scale_factor=2.0, output_multiplier=0.5,
+        residual_gate_temperature=0.3, post_norm_eps=1e-8, max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    ),
+    # Gemma 4 with every text feature at once: sliding (window 6) / global layers with wider global
+    # heads (32 vs 16), one global KV head with K=V, proportional partial rotary, a KV-shared last
+    # layer, per-layer inputs (PLE), the parallel expert block and a final logit soft-cap.
+    "gemma4": dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention", "full_attention"],
+        hidden_size_per_layer_input=8, num_kv_shared_layers=1, enable_moe_block=True, num_experts=4,
+        top_k_experts=2, moe_intermediate_size=32, final_logit_softcapping=30.0, max_position_embeddings=4096,
+    ),
+}  # fmt: skip
+
+
+def _classes(family: str):  # noqa: ANN202
+    if family == "deepseek_v3":
+        from transformers.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        return DeepseekV3Config, DeepseekV3ForCausalLM
+    if family == "mimo_v2_flash":
+        from transformers.models.mimo_v2_flash import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
+
+        return MiMoV2FlashConfig, MiMoV2FlashForCausalLM
+    if family == "gemma4":
+        from transformers.models.gemma4 import Gemma4ForCausalLM, Gemma4TextConfig
+
+        return Gemma4TextConfig, Gemma4ForCausalLM
+    if family == "step3p7":
+        from transformers.models.step3p7.configuration_step3p7 import Step3p7TextConfig
+
+        return Step3p7TextConfig, StepCausalLM
+    if family == "glm_moe_dsa":
+        from transformers.models.glm_moe_dsa import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+        return GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+    if family == "minimax_m3_vl":
+        from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
+        from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLForCausalLM
+
+        return MiniMaxM3VLTextConfig, MiniMaxM3VLForCausalLM
+    if family == "muse_spark":
+        from transformers.models.muse_spark.configuration_muse_spark import MuseSparkTextConfig
+
+        return MuseSparkTextConfig, MuseCausalLM
+    raise KeyError(family)
+
+
+class StepCausalLM(torch.nn.Module):
+    """Step3p7TextModel plus an lm_head: the text path of Step3p7ForConditionalGeneration (which
+    transformers ships only with its vision tower). Saved in the hub checkpoints' original layout."""
+
+    def __init__(self, config) -> None:  # noqa: ANN001
+        super().__init__()
+        from transformers.models.step3p7.modeling_step3p7 import Step3p7TextModel
+
+        self.config = config
+        self.model = Step3p7TextModel(config)
+        self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids):  # noqa: ANN001, ANN201
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=self.lm_head(self.model(input_ids).last_hidden_state))
+
+    def save_pretrained(self, folder: Path) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {}
+        for name, value in self.state_dict().items():
+            for old, new in ((".mlp.gate.weight", ".moe.gate.weight"), (".mlp.gate.e_score_correction_bias", ".moe.router_bias"),
+                             (".mlp.experts.down_proj", ".moe.down_proj.weight"), (".mlp.shared_experts.", ".share_expert.")):  # fmt: skip
+                name = name.replace(old, new)
+            if name.endswith(".mlp.experts.gate_up_proj"):
+                inter = value.shape[1] // 2
+                base = name.removesuffix(".mlp.experts.gate_up_proj")
+                tensors[base + ".moe.gate_proj.weight"] = value[:, :inter].contiguous()
+                tensors[base + ".moe.up_proj.weight"] = value[:, inter:].contiguous()
+                continue
+            tensors[name] = value.contiguous()
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        save_file(tensors, Path(folder) / "model.safetensors", metadata={"format": "pt"})
+        (Path(folder) / "config.json").write_text(self.config.to_json_string())
+
+
+class MuseCausalLM(torch.nn.Module):
+    """MuseSparkTextModel plus an lm_head with MuseSparkForConditionalGeneration's logit path
+    (output_multiplier, then the final soft-cap); saved as the multimodal checkpoint lays the text
+    model out (`model.language_model.*`, `lm_head.weight`)."""
+
+    def __init__(self, config) -> None:  # noqa: ANN001
+        super().__init__()
+        from transformers.models.muse_spark.modeling_muse_spark import MuseSparkTextModel
+
+        self.config = config
+        self.model = MuseSparkTextModel(config)
+        self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids):  # noqa: ANN001, ANN201
+        from types import SimpleNamespace
+
+        logits = self.lm_head(self.model(input_ids).last_hidden_state) * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        return SimpleNamespace(logits=torch.tanh(logits / cap) * cap)
+
+    def save_pretrained(self, folder: Path) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {(k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): v.contiguous()
+                   for k, v in self.state_dict().items()}  # fmt: skip
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        save_file(tensors, Path(folder) / "model.safetensors", metadata={"format": "pt"})
+        (Path(folder) / "config.json").write_text(self.config.to_json_string())
+
+
+# Markup the parsers must see in generated text: added tokens that are not special (as Qwen3's
+# <think> and <tool_call> are), so the detokenizer keeps them; the rest are control tokens.
+MARKUP = {"<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<arg_key>",
+          "</arg_key>", "<arg_value>", "</arg_value>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+          "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<minimax:tool_call>",
+          "</minimax:tool_call>", "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool>", "<tool|>",
+          "<|tool_response>", "<tool_response|>", '<|"|>', "<|think|>"}  # fmt: skip
+
+
+def byte_tokenizer(specials: list[str]) -> str:
+    """tokenizer.json of a byte-level BPE with no merges plus `specials` (ids 256...) as added
+    tokens: special control tokens, or plain added tokens for MARKUP."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    # bytes_to_unicode order, so id = byte value for readability
+    chars = sorted(alphabet, key=lambda c: _byte_of(c))
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    for token in specials:  # one at a time: ids follow the list order
+        added = AddedToken(token, special=token not in MARKUP, normalized=False)
+        if token in MARKUP:
+            tokenizer.add_tokens([added])
+        else:
+            tokenizer.add_special_tokens([added])
+    return tokenizer.to_str()
+
+
+def _byte_of(char: str) -> int:
+    code = ord(char)
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    if code in printable:
+        return code
+    others = [b for b in range(256) if b not in printable]
+    return others[code - 256]
+
+
+def build_reference(family: str, seed: int = 0):  # noqa: ANN201
+    """The transformers model of a tiny `family` checkpoint (eval, float32, eager attention)."""
+    config_cls, model_cls = _classes(family)
+    specials = SPECIALS[family]
+    vocab = 256 + len(specials)
+    eos = 256 + specials.index(EOS[family])
+    extra = {"vocab_size_per_layer_input": vocab} if family == "gemma4" else {}
+    config = config_cls(vocab_size=vocab, bos_token_id=256, eos_token_id=eos, pad_token_id=eos, **TINY_CONFIGS[family], **extra)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    if family in ("step3p7", "muse_spark"):
+        model.model.config._attn_implementation = "eager"
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+            elif name.endswith(("per_expert_scale", "router.scale")):
+                param.copy_(1.0 + 0.3 * torch.randn(param.shape, generator=generator))
+            elif name.endswith(("sinks", "residual_gate.gate")) or "bias" in name:
+                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
+            elif param.dim() >= 2:
+                fan_in = param.shape[-1]
+                param.copy_(torch.randn(param.shape, generator=generator) / fan_in**0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=generator))
+            elif name.endswith("layer_scalar"):
+                buffer.copy_(1.0 + 0.3 * torch.randn(buffer.shape, generator=generator))
+    return model
+
+
+def write_family_checkpoint(folder: Path, family: str, seed: int = 0) -> tuple[Path, Any]:
+    """Write the tiny checkpoint of `family` into `folder`; return (folder, reference model)."""
+    folder = Path(folder)
+    model = build_reference(family, seed)
+    if isinstance(model, torch.nn.Module) and hasattr(model, "can_generate"):
+        # Sharded, as the real checkpoints are: model-0000N-of-0000M.safetensors + the index.
+        model.save_pretrained(folder, max_shard_size="300KB")
+    else:
+        model.save_pretrained(folder)
+    specials = SPECIALS[family]
+    (folder / "tokenizer.json").write_text(byte_tokenizer(specials))
+    tokenizer_config = {
+        "bos_token": specials[0],
+        "eos_token": EOS[family],
+        "add_bos_token": False,
+        "model_max_length": 4096,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    return folder, model

@@ -1,0 +1,342 @@
+"""The 13 seed recipes against their architectures' transformers reference implementations.
+
+For every recipe whose family the exporter compiles: a tiny random checkpoint written by
+transformers (tests/unit/family_checkpoints.py), `ignition export --recipe NAME --checkpoint DIR
+--precision fp32`, then the core's step graph through the paged cache (two rows of different
+lengths batched in each step, a shuffled non-contiguous block table, prefill in two chunks, 16
+greedy decode steps) must give the transformers model's logits within 1e-4 relative (max
+|engine - reference| / max |reference|) at every returned position. Then `helios serve` on the
+core and one chat round trip through its template and parsers.
+
+Recipes whose family is not compiled yet must be refused by the exporter with the missing
+features named (docs/recipes.md keeps the list).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from helios.engine.runner import Runner, StepRow
+from helios.manifest import Manifest
+from ignition.cli import app
+from ignition.recipes import COMPILED_FAMILIES, PLANNED_FAMILIES, available_recipes, load_recipe
+from tests.conftest import REPO, Server
+from tests.unit.family_checkpoints import write_family_checkpoint
+
+pytest.importorskip("transformers")
+
+SEED_RECIPES = ["qwen38", "qwen38_dense", "glm53", "deepseek4", "deepseek41", "mimo_v2", "kimi3", "step5",
+                "nemotron_h", "kimi31", "minimax_m3", "muse_spark", "gemma4"]  # fmt: skip
+COMPILED = [name for name in SEED_RECIPES if load_recipe(name).family in COMPILED_FAMILIES]
+PLANNED = [name for name in SEED_RECIPES if load_recipe(name).family in PLANNED_FAMILIES]
+RELATIVE = 1e-4
+DECODE_STEPS = 16
+
+
+def test_every_seed_recipe_exists_and_is_classified():
+    assert set(SEED_RECIPES) <= set(available_recipes())
+    assert sorted(COMPILED + PLANNED) == sorted(SEED_RECIPES)
+
+
+@pytest.fixture(scope="module")
+def family_env(tmp_path_factory):
+    """Every compiled recipe's tiny checkpoint and core, exported up front by `ignition export`
+    subprocesses, two families at a time (tracing is single-threaded; the machine has 2 cores).
+    Recipes of one family export in sequence through a private export cache, so the second reuses
+    the first's traced graph. Returns {recipe: (core, transformers reference)} lazily."""
+    folder = tmp_path_factory.mktemp("families")
+    env = {**os.environ, "FLARE_CACHE": str(folder / "cache")}
+    families: dict[str, list[str]] = {}
+    for recipe in COMPILED:
+        families.setdefault(load_recipe(recipe).family, []).append(recipe)
+    checkpoints = {family: write_family_checkpoint(folder / f"ckpt-{family}", family) for family in families}
+
+    def export(family: str) -> dict[str, tuple[Path, str]]:
+        done = {}
+        for recipe in families[family]:
+            out = folder / f"core-{recipe}"
+            command = [sys.executable, "-m", "ignition.cli", "export", "--recipe", recipe, "--checkpoint",
+                       str(checkpoints[family][0]), "--precision", "fp32", "--out", str(out)]  # fmt: skip
+            result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+            done[recipe] = (out, result.stdout + result.stderr if result.returncode else "")
+        return done
+
+    pool = ThreadPoolExecutor(max_workers=2)
+    futures = {family: pool.submit(export, family) for family in families}
+    try:
+        yield lambda recipe: _finished(futures, checkpoints, recipe)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _finished(futures, checkpoints, recipe: str) -> tuple[Path, object]:  # noqa: ANN001
+    family = load_recipe(recipe).family
+    core, failure = futures[family].result()[recipe]
+    assert not failure, failure
+    return core, checkpoints[family][1]
+
+
+def _core(family_env, recipe: str) -> tuple[Path, object]:
+    return family_env(recipe)
+
+
+def _relative(engine: np.ndarray, reference: np.ndarray) -> float:
+    return float(np.abs(engine.astype(np.float64) - reference).max() / np.abs(reference).max())
+
+
+@pytest.mark.parametrize("recipe", COMPILED)
+def test_engine_matches_transformers_on_prefill_and_paged_decode(family_env, recipe):
+    core, reference = _core(family_env, recipe)
+    manifest = Manifest.load(core)
+    assert manifest.architecture.family == load_recipe(recipe).family
+    assert manifest.parity is not None and manifest.parity.max_abs_logit_error < 1e-3
+    assert 0 < manifest.decode_weight_bytes
+    vocab = manifest.architecture.vocab_size
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, vocab, size=37).tolist(), rng.integers(0, vocab, size=23).tolist()]
+
+    # Greedy continuations by transformers, then its logits over each whole sequence.
+    sequences = []
+    with torch.no_grad():
+        for prompt in prompts:
+            seq = list(prompt)
+            for _ in range(DECODE_STEPS):
+                logits = reference(torch.tensor([seq])).logits[0]
+                seq.append(int(logits[-1].argmax()))
+            sequences.append((seq, reference(torch.tensor([seq])).logits[0].double().numpy()))
+
+    page = manifest.kv.page_tokens
+    pages_each = -(-max(len(s) for s, _ in sequences) // page)
+    runner = Runner(core, manifest, num_pages=2 * pages_each + 3)
+    runner.pool[...] = rng.standard_normal(runner.pool.shape, dtype=np.float32)  # stale garbage
+    order = rng.permutation(runner.num_pages).tolist()
+    tables = [order[:pages_each], order[pages_each : 2 * pages_each]]
+
+    # Prefill: row 0 in two chunks (the second reads the first through the pool), row 1 in one.
+    split = 20
+    out = runner.step([StepRow(sequences[0][0][:split], 0, tables[0]), StepRow(prompts[1], 0, tables[1])])
+    errors = [_relative(out.logits[0], sequences[0][1][split - 1]), _relative(out.logits[1], sequences[1][1][len(prompts[1]) - 1])]
+    out = runner.step([StepRow(sequences[0][0][split : len(prompts[0])], split, tables[0])])
+    errors.append(_relative(out.logits[0], sequences[0][1][len(prompts[0]) - 1]))
+    prefill_error = max(errors)
+    # Decode: both rows, one token each per step, histories of different lengths.
+    decode_errors = []
+    for step in range(DECODE_STEPS):
+        rows = []
+        for (seq, _), prompt, table in zip(sequences, prompts, tables):
+            position = len(prompt) + step
+            rows.append(StepRow([seq[position]], position, table))
+        out = runner.step(rows)
+        for b, ((seq, logits), prompt) in enumerate(zip(sequences, prompts)):
+            decode_errors.append(_relative(out.logits[b], logits[len(prompt) + step]))
+    assert prefill_error <= RELATIVE, f"prefill logits differ by {prefill_error:.3g} relative"
+    assert len(decode_errors) == 2 * DECODE_STEPS
+    assert max(decode_errors) <= RELATIVE, f"decode logits differ by {max(decode_errors):.3g} relative"
+
+
+CHAT = {
+    "messages": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": "", "reasoning_content": "Use the tool.",
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "user", "content": "Thanks. And tomorrow?"},
+    ],
+    "tools": [{"type": "function", "function": {"name": "weather", "description": "Weather by city",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}],
+    "max_tokens": 6,
+    "seed": 1,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", COMPILED)
+def test_helios_serves_a_chat_round_trip(family_env, recipe):
+    core, _ = _core(family_env, recipe)
+    manifest = Manifest.load(core)
+    loaded = load_recipe(recipe)
+    assert (manifest.parsers.tool, manifest.parsers.reasoning) == (loaded.tool_parser, loaded.reasoning_parser)
+    server = Server(core)
+    try:
+        response = httpx.post(server.url + "/v1/chat/completions", json={"model": manifest.model_id, **CHAT}, timeout=120)
+        assert response.status_code == 200, response.text
+        body = response.json()
+        choice = body["choices"][0]
+        assert choice["finish_reason"] in ("length", "stop", "tool_calls")
+        assert body["usage"]["completion_tokens"] >= 1
+        assert body["usage"]["prompt_tokens"] > 40  # system, tools, history and tool result all rendered
+        counted = httpx.post(
+            server.url + "/v1/messages/count_tokens",
+            headers={"anthropic-version": "2023-06-01"},
+            json={"model": manifest.model_id, "messages": [{"role": "user", "content": "hi"}]},
+            timeout=60,
+        )
+        assert counted.status_code == 200, counted.text
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("recipe", PLANNED)
+def test_exporter_refuses_families_it_cannot_compile(tmp_path, recipe):
+    family = load_recipe(recipe).family
+    out = tmp_path / "core"
+    result = CliRunner().invoke(app, ["export", "--recipe", recipe, "--checkpoint", str(tmp_path), "--out", str(out)])
+    assert result.exit_code != 0
+    text = " ".join(result.output.split())
+    assert f"the '{family}' family, which cannot be compiled yet: missing" in text, text
+    assert not out.exists()
+
+
+def test_recipe_sampling_follows_the_api_table():
+    table = {  # api.md "Reasoning, sampling, and usage": temperature, top_p, top_k (-1 = disabled)
+        "qwen38": (1, 0.95, 20), "qwen38_dense": (1, 0.95, 20), "glm53": (1, 0.95, -1), "deepseek4": (1, 0.95, -1),
+        "deepseek41": (1, 1, -1), "mimo_v2": (1, 0.95, -1), "kimi3": (1, 1, -1), "step5": (1, 0.95, -1),
+        "nemotron_h": (1, 0.95, -1), "kimi31": (1, 0.95, -1), "minimax_m3": (1, 0.95, -1), "muse_spark": (1, 1, -1),
+        "gemma4": (1, 0.95, 64),
+    }  # fmt: skip
+    intervals = {
+        "qwen38": {"temperature": (0.7, 1), "top_p": (0.8, 0.95), "presence_penalty": (0, 2)},
+        "qwen38_dense": {"temperature": (0.7, 1), "top_p": (0.8, 0.95), "presence_penalty": (0, 2)},
+        "glm53": {"temperature": (0.95, 1), "top_p": (0.95, 1)},
+        "deepseek41": {"repetition_penalty": (1, 1.1)},
+        "kimi3": {"top_p": (0.95, 1)},
+    }
+    for name, (temperature, top_p, top_k) in table.items():
+        recipe = load_recipe(name)
+        d = recipe.sampling_defaults
+        assert (d.temperature, d.top_p, d.top_k) == (temperature, top_p, top_k), name
+        assert (d.min_p, d.repetition_penalty, d.presence_penalty, d.frequency_penalty) == (0, 1, 0, 0), name
+        got = {k: (r.min, r.max) for k, r in recipe.sampling_ranges.items()}
+        assert got == intervals.get(name, {}), name
+
+
+def test_recipe_reasoning_declarations():
+    qwen = load_recipe("qwen38").reasoning
+    assert qwen.effort_levels == ["low", "medium", "xhigh"] and qwen.starts_in_reasoning
+    for name in ("deepseek4", "deepseek41"):
+        recipe = load_recipe(name)
+        assert recipe.reasoning.effort_levels == ["low", "high", "xhigh", "max"]
+        assert recipe.reasoning.default_effort == "high"
+        assert recipe.template_rejects == ["drop_thinking", "continuation", "add_generation_prompt_false"]
+        assert (recipe.tool_parser, recipe.reasoning_parser) == ("deepseek_dsml", "deepseek")
+    assert load_recipe("deepseek4").reasoning.numeric_effort is None
+    assert load_recipe("deepseek41").reasoning.numeric_effort == (1, 100)
+    kimi = load_recipe("kimi3").reasoning
+    assert kimi.always and kimi.effort_levels == ["low", "high", "max"] and kimi.default_effort == "max"
+    assert load_recipe("gemma4").reasoning.open == "<|channel>thought"
+
+
+def _render(template: str, **kwargs) -> str:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise ValueError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    source = (load_recipe("deepseek4").path.parent / template).read_text()
+    return env.from_string(source).render(**kwargs)
+
+
+def test_deepseek_templates_follow_the_native_encoder_rules():
+    user = [{"role": "user", "content": "hi"}]
+    for template in ("templates/deepseek_v4.jinja", "templates/deepseek_v41.jinja"):
+        assert _render(template, messages=user, add_generation_prompt=True).endswith("<reasoning_effort>" + (
+            "75" if "41" in template else "high") + "</reasoning_effort><think>")
+        assert _render(template, messages=user, add_generation_prompt=True, enable_thinking=False).endswith("</think>")
+        for kwargs in ({"drop_thinking": True}, {"add_generation_prompt": False}):
+            with pytest.raises(ValueError):
+                _render(template, messages=user, **kwargs)
+        with pytest.raises(ValueError, match="continuation"):
+            _render(template, messages=user + [{"role": "assistant", "content": "par"}], add_generation_prompt=True)
+    v41 = "templates/deepseek_v41.jinja"
+    assert "<reasoning_effort>80</reasoning_effort>" in _render(v41, messages=user, reasoning_effort=80)
+    assert "<reasoning_effort>100</reasoning_effort>" in _render(v41, messages=user, reasoning_effort="max")
+    for bad in (0, 101, 80.0, True, "80"):
+        with pytest.raises(ValueError):
+            _render(v41, messages=user, reasoning_effort=bad)
+    with pytest.raises(ValueError):
+        _render("templates/deepseek_v4.jinja", messages=user, reasoning_effort=80)
+
+
+def test_kimi3_template_always_thinks():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    source = (load_recipe("kimi3").path.parent / "templates/kimi_k3.jinja").read_text()
+    template = ImmutableSandboxedEnvironment().from_string(source)
+    user = [{"role": "user", "content": "hi"}]
+    on = template.render(messages=user, add_generation_prompt=True)
+    assert on.endswith("<|im_middle|>max<|im_end|><|im_assistant|>assistant<|im_middle|><think>")
+    assert template.render(messages=user, add_generation_prompt=True, enable_thinking=False, thinking=False) == on
+    assert "<|im_middle|>low<|im_end|>" in template.render(messages=user, add_generation_prompt=True, reasoning_effort="low")
+    history = [*user, {"role": "assistant", "content": "ok", "reasoning_content": "because"}]
+    assert "<think>because</think>ok" in template.render(messages=history)
+
+
+def test_mtp_tensors_are_kept_aside(tmp_path):
+    """MTP layers (model.layers.N for N >= num_hidden_layers) are not in the step graph but are
+    kept for later speculative decoding rather than rejected as unknown tensors."""
+    from safetensors.torch import save_file
+
+    from ignition.checkpoints.safetensors_dir import read_safetensors_dir
+    from ignition.models import build_model
+
+    folder, _ = write_family_checkpoint(tmp_path / "ckpt", "deepseek_v3")
+    layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    extra = {f"model.layers.{layers}.eh_proj.weight": torch.zeros(64, 128),
+             f"model.layers.{layers}.enorm.weight": torch.ones(64)}  # fmt: skip
+    save_file(extra, folder / "model-mtp.safetensors", metadata={"format": "pt"})  # a shard of its own
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({name: "model-mtp.safetensors" for name in extra})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    model = build_model(read_safetensors_dir(folder))
+    assert set(model.mtp_tensors) == set(extra)
+
+
+def _family_tokenizer(family: str):  # noqa: ANN202
+    from helios.frontend.tokenizer import Tokenizer
+    from helios.manifest import TokenizerSpec
+    from tests.unit.family_checkpoints import MARKUP, SPECIALS, byte_tokenizer
+
+    specials = SPECIALS[family]
+    spec = TokenizerSpec(file="tokenizer.json", bos_token_id=256, eos_token_ids=[], pad_token_id=None, add_bos=False,
+                         special_tokens={t: 256 + i for i, t in enumerate(specials) if t not in MARKUP})  # fmt: skip
+    return Tokenizer(byte_tokenizer(specials), spec, 256 + len(specials))
+
+
+def test_kimi_k2_tool_sections_stream_token_by_token():
+    from tests.unit.test_parsers import merged, run, spec
+
+    tok = _family_tokenizer("deepseek_v3")
+    section = ("Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.lookup:0<|tool_call_argument_begin|>"
+               '{"query": "alpha"}<|tool_call_end|><|tool_call_begin|>functions.lookup:1<|tool_call_argument_begin|>'
+               '{"limit": 3}<|tool_call_end|><|tool_calls_section_end|>')  # fmt: skip
+    assert merged(run(section, spec("kimi_k2"), tokenizer=tok)) == [
+        ("text", "Checking."), ("call", "lookup", {"query": "alpha"}), ("call", "lookup", {"limit": 3})]
+    assert merged(run("No tools here.", spec("kimi_k2"), tokenizer=tok)) == [("text", "No tools here.")]
+    from helios.frontend.parsers import ToolParseError
+
+    with pytest.raises(ToolParseError):
+        run("<|tool_calls_section_begin|><|tool_call_begin|>functions.lookup:0<|tool_call_argument_begin|>{oops}"
+            "<|tool_call_end|><|tool_calls_section_end|>", spec("kimi_k2"), tokenizer=tok)
+
+
+def test_mimo_function_tags_keep_values_verbatim():
+    from tests.unit.test_parsers import merged, run, spec
+
+    tok = _family_tokenizer("mimo_v2_flash")
+    call = "<tool_call>\n<function=run>\n<parameter=code>\n    x = 1\n</parameter>\n</function>\n</tool_call>"
+    assert merged(run(call, spec("mimo"), tokenizer=tok)) == [("call", "run", {"code": "\n    x = 1\n"})]
+    assert merged(run(call, spec("qwen3_coder"), tokenizer=tok)) == [("call", "run", {"code": "    x = 1"})]
