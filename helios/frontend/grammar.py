@@ -99,7 +99,7 @@ class Envelope:
 
     open: str  # Lark expression of the opener (a special-token reference or a quoted literal)
     close: str
-    bare: bool  # the whole answer may be a bare call object (qwen25_coder_json)
+    bare: bool  # the whole answer may be bare or ```json-fenced call objects (qwen25_coder_json)
 
 
 def envelope_for(tool_syntax: str | None, special: set[str]) -> Envelope | None:
@@ -135,7 +135,13 @@ def structured_grammar(fmt: OutputFormat, envelope: Envelope | None, tools: dict
     conversation ends in tool results, `bare_calls` is False and only the template's tagged
     envelope remains for further calls, so a bare object is the answer. (Qwen2.5-Coder otherwise
     repeats its call with the result merged into the arguments instead of answering; see
-    shared/models.md and docs/conformance.md.)"""
+    shared/models.md and docs/conformance.md.)
+
+    The ```json fence is part of that syntax too (Qwen2.5-Coder's usual way to write a call), so
+    where bare calls are allowed a fence holds one or more call objects; a fence never holds the
+    answer, which is the bare JSON value the format asks for. So does the template's doubled-brace
+    spelling `{{...}}` of a call object (helios.frontend.parsers.json_calls), which no JSON answer
+    can start with."""
     answer = answer_entry(fmt)
     if envelope is None or not tools:
         top = "start: @answer"
@@ -148,7 +154,9 @@ def structured_grammar(fmt: OutputFormat, envelope: Envelope | None, tools: dict
     bare = envelope.bare and bare_calls
     alternatives = ["@answer", "calls"]
     if bare:
-        alternatives.append("@bare")
+        alternatives += ["@bare", "fenced", "doubled"]
+        rules.append('fenced: "```json\\n" @bare ("\\n" @bare)* "\\n```"')
+        rules.append('doubled: "{" @bare "}"')
     top = "start: " + " | ".join(alternatives) + "\n" + "\n".join(rules)
     grammars = [{"lark_grammar": top}, answer]
     if bare:

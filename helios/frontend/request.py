@@ -13,6 +13,7 @@ so tool choice, structured output and reasoning behave identically on every prot
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,8 @@ from helios.frontend.thinking import Budget
 from helios.frontend.tokenizer import Tokenizer
 from helios.frontend.tools import ToolChoice, presented, require_tools, with_required_instruction
 from helios.manifest import Manifest
+
+log = logging.getLogger("helios.output")
 
 
 @dataclass
@@ -101,6 +104,7 @@ def lower(conversation: Conversation, options: ChatOptions, *, manifest: Manifes
     )
     # The template writes its own BOS/control tokens (HF and vLLM encode without extras).
     prompt_ids = tokenizer.encode(prompt_text, add_bos=False)
+    log.debug("rendered prompt: %r", prompt_text)
 
     reasoning = resolve_reasoning(manifest.parsers.reasoning, tokenizer)
     start = start_state(reasoning, prompt_text)

@@ -93,6 +93,9 @@ class Answer:
             log.warning("%s; generated text: %r", message, self.state.full_text[-2000:])
             raise server_error(message) from None
         if event.finished:
+            # The raw model output, for conformance write-ups (scripts/conformance.sh logs it).
+            log.debug("finished (%s, last token %s); generated text: %r", event.finish_reason,
+                      self.state.token_ids[-1:], self.state.full_text)
             events += self.output.finish()
         return events
 

@@ -106,6 +106,22 @@ def test_qwen25_coder_several_calls_and_arrays():
     assert merged(run("```json\n" + two[0] + "\n```\n```json\n" + two[1] + "\n```", spec("qwen25_coder_json"))) == expected
 
 
+def test_qwen25_coder_template_doubled_braces():
+    # Recorded from Qwen2.5-Coder-1.5B under tool_choice "required" (docs/conformance.md): the
+    # template's instructions show `{{"name": <function-name>, ...}}` and the model copies it.
+    doubled = '{{"name": "lookup", "arguments": {"query": "alpha"}}}'
+    assert merged(run(doubled, spec("qwen25_coder_json"))) == [LOOKUP]
+    assert merged(run("<tool_call>\n" + doubled + "\n</tool_call>", spec("qwen25_coder_json"))) == [LOOKUP]
+    assert merged(run("<tool_call>\n" + doubled + "\n</tool_call>", spec("hermes"))) == [LOOKUP]
+    assert merged(run("```json\n{{\n  \"name\": \"lookup\",\n  \"arguments\": {\"query\": \"alpha\"}\n}}\n```",
+                      spec("qwen25_coder_json"))) == [LOOKUP]
+    # Doubled braces around anything but a whole call object stay text, as does an unbalanced
+    # doubled call (also recorded from the 1.5B, after a tool result).
+    for text in ('{{"value": 7391}}', '{{"name": "lookup"}} and more', "{{x}}",
+                 '{{"name": "record", "arguments": {"input": "ID-42"}}', '{{"response": "Recorded successfully."}}'):
+        assert merged(run(text, spec("qwen25_coder_json"))) == [("text", text)]
+
+
 def test_qwen25_coder_json_answers_and_prose_stay_text():
     for text in ('{"value": 7391}', '{"name": "Ada"}', "OK", "The call is " + CALL, CALL + " and more"):
         assert merged(run(text, spec("qwen25_coder_json"))) == [("text", text)]

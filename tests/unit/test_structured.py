@@ -127,6 +127,42 @@ def test_constraint_rules_are_400(http, path, body):
     assert response.status_code == 400, response.text
 
 
+def test_qwen25_coder_call_envelopes_under_a_json_answer(tiny_core):
+    """Under a JSON answer format the grammar permits every call spelling the qwen25_coder_json
+    parser accepts (tagged, bare, ```json-fenced, the template's doubled braces) until the
+    conversation ends in tool results; then only the tagged envelope, and never a fenced or
+    doubled answer. (Qwen2.5-Coder-1.5B starts with a fence about as often as with a bare
+    object: docs/conformance.md.)"""
+    import llguidance
+
+    from helios.engine.constraints import parser_limits
+
+    manifest = Manifest.load(tiny_core, verify_files=False)
+    compiler = compiler_for(Tokenizer.from_core(tiny_core, manifest), manifest)
+    tools = {"lookup": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}
+    call = '{"name": "lookup", "arguments": {"query": "alpha"}}'
+
+    def accepts(grammar: str, text: str) -> bool:
+        matcher = llguidance.LLMatcher(compiler.llg, grammar, log_level=0, limits=parser_limits())
+        return matcher.consume_tokens(compiler.llg.tokenize_str(text, parse_special=True)) and matcher.is_accepting()
+
+    texts = {
+        '{"value": 7}': (True, True),
+        "<tool_call>\n" + call + "\n</tool_call>": (True, True),
+        call: (True, False),
+        "```json\n" + call + "\n```": (True, False),
+        "```json\n" + call + "\n" + call + "\n```": (True, False),
+        "{" + call + "}": (True, False),
+        '```json\n{"value": 7}\n```': (False, False),
+        '{{"value": 7}}': (False, False),
+    }
+    for bare_calls, column in ((True, 0), (False, 1)):
+        grammar = compiler.output_grammar(OutputFormat("json_schema", SMALL), "qwen25_coder_json", tools, "x",
+                                          bare_calls=bare_calls)
+        for text, expected in texts.items():
+            assert accepts(grammar, text) == expected[column], (bare_calls, text)
+
+
 def test_invalid_schema_names_the_grammar(http):
     response = http.post("/v1/chat/completions", json={"messages": USER, "guided_grammar": "start: missing_rule"})
     assert "grammar" in response.json()["error"]["message"]

@@ -14,6 +14,11 @@ qwen25_coder_json (Qwen2.5-Coder, see shared/models.md): the hermes form, plus a
 that is one or more call objects, bare or in ```json fences, or a JSON array of them. Such an
 answer is only known to be calls when it ends, so it is held until then; an answer that turns
 out to be anything else (a structured JSON answer, prose) is released unchanged as text.
+
+Both accept a call object in doubled braces, `{{"name": ..., "arguments": {...}}}`: the Qwen2.5
+chat template's tool instructions literally show `{{"name": <function-name>, "arguments":
+<args-json-object>}}`, and the models copy it (docs/conformance.md). That spelling is not JSON,
+so no JSON answer is ever taken for it.
 """
 
 from __future__ import annotations
@@ -37,6 +42,23 @@ OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
 CALL_KEYS = frozenset({"name", "arguments", "parameters", "id", "type"})
 _FENCE_OPEN = re.compile(r"```[A-Za-z]*[ \t]*\n?")
+
+
+def loads_call_value(text: str) -> Any:
+    """A JSON value, or the inner object of the template's doubled-brace call spelling
+    `{{...}}` (see the module docstring). Raises ValueError for anything else."""
+    try:
+        return loads_strict(text)
+    except ValueError:
+        if not (text.startswith("{") and text.endswith("}")):
+            raise
+        inner = text[1:-1].strip()
+        if not (inner.startswith("{") and inner.endswith("}")) or json_end(inner, 0) != len(inner):
+            raise
+        value = loads_strict(inner)
+        if not isinstance(value, dict) or "name" not in value:
+            raise
+        return value
 
 
 def call_objects(value: Any, bare: bool = False) -> list[tuple[str, Any]] | None:
@@ -82,7 +104,7 @@ class HermesParser(TaggedParser):
         if end is None:
             return MORE
         try:
-            value = loads_strict(buf[i:end])
+            value = loads_call_value(buf[i:end])
         except ValueError as exc:
             raise ToolParseError(f"the model's <tool_call> holds invalid JSON: {exc}") from None
         pairs = call_objects(value)
@@ -168,6 +190,8 @@ class Qwen25CoderJsonParser(HermesParser):
         return out + super().finish(truncated)
 
 
+# Doubled braces are not a call start: only a complete, balanced `{{...}}` call is taken for one
+# (the 1.5B also writes `{{"name": ..., "arguments": {...}}` with one closing brace short).
 _CALL_START = re.compile(r'\s*(?:```[A-Za-z]*\s*)?\[?\s*\{\s*"name"\s*:')
 
 
@@ -194,7 +218,7 @@ class _WholeScan:
                 if not self._scan_value(text):
                     return None
                 try:
-                    if call_objects(loads_strict(text[self.value_start:self.pos]), bare=True) is None:
+                    if call_objects(loads_call_value(text[self.value_start:self.pos]), bare=True) is None:
                         return False
                 except ValueError:
                     return False
@@ -264,7 +288,7 @@ def _leading_values(text: str) -> tuple[list[Any], int]:
         if end is None:
             return values, done
         try:
-            values.append(loads_strict(text[i:end]))
+            values.append(loads_call_value(text[i:end]))
         except ValueError:
             return values, done
         i = done = end
@@ -294,3 +318,48 @@ def _whole_calls(text: str) -> list[tuple[str, Any]] | None:
 
 def _complete_json_sequence(text: str) -> bool:
     return _split_values(text) is not None
+
+
+class KimiK2Parser(TaggedParser):
+    """kimi_k2 (Kimi K2 / K2.5 / K3 templates): special-token sections of JSON-argument calls::
+
+        <|tool_calls_section_begin|><|tool_call_begin|>functions.lookup:0<|tool_call_argument_begin|>
+        {"query": "alpha"}<|tool_call_end|><|tool_calls_section_end|>
+
+    The section opener is a control token, so it always starts calls. Call ids have the form
+    `functions.NAME:INDEX` (a bare `NAME:INDEX` is accepted too); the section end completes the
+    envelope."""
+
+    SECTION_OPEN, SECTION_CLOSE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+    CALL_OPEN, ARGS, CALL_CLOSE = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+    openers = (SECTION_OPEN,)
+
+    def decide(self, buf: str, final: bool) -> Decision:
+        pos = len(self.SECTION_OPEN)
+        calls: list[tuple[str, dict]] = []
+        while True:
+            pos = _skip_space(buf, pos)
+            rest = buf[pos:]
+            if rest.startswith(self.SECTION_CLOSE):
+                return Complete(calls, pos + len(self.SECTION_CLOSE))
+            if not rest.startswith(self.CALL_OPEN):
+                if not rest or self.SECTION_CLOSE.startswith(rest) or self.CALL_OPEN.startswith(rest):
+                    return MORE
+                raise ToolParseError("a Kimi tool-call section holds text outside <|tool_call_begin|> entries")
+            head = pos + len(self.CALL_OPEN)
+            args_at = buf.find(self.ARGS, head)
+            if args_at < 0:
+                return MORE
+            call_id = buf[head:args_at].strip()
+            name = call_id.removeprefix("functions.").rsplit(":", 1)[0].strip()
+            end_at = buf.find(self.CALL_CLOSE, args_at)
+            if end_at < 0:
+                return MORE
+            try:
+                arguments = loads_strict(buf[args_at + len(self.ARGS) : end_at].strip())
+            except ValueError as exc:
+                raise ToolParseError(f"a Kimi tool call holds invalid JSON arguments: {exc}") from None
+            if not name or not isinstance(arguments, dict):
+                raise ToolParseError("a Kimi tool call needs a function name and a JSON object of arguments")
+            calls.append((name, arguments))
+            pos = end_at + len(self.CALL_CLOSE)
