@@ -101,7 +101,9 @@ def _summary(out: Path, manifest, seconds: float) -> None:
         table.add_row(
             "parity",
             f"max |Δlogit| {p.max_abs_logit_error:.2e} (tolerance {p.tolerance:g}), "
-            f"top-1 agreement {p.top1_agreement:.0%} over {p.prompt_tokens}+{p.decode_steps} positions",
+            f"top-1 agreement {p.top1_agreement:.0%}"
+            + (f", mean KL {p.mean_kl:.2g} nats" if p.mean_kl is not None else "")
+            + f" over {p.prompt_tokens}+{p.decode_steps} positions",
         )
     lim = manifest.limits
     table.add_row(

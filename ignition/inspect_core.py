@@ -119,7 +119,9 @@ def render_inspect(data: dict[str, Any]) -> Table:
         table.add_row(
             "parity",
             f"max |Δlogit| {parity['max_abs_logit_error']:.3g} (tolerance {_num(parity['tolerance'])}), top-1 agreement "
-            f"{parity['top1_agreement']:.0%} over {parity['prompt_tokens']} prompt + {parity['decode_steps']} decode positions",
+            f"{parity['top1_agreement']:.0%}"
+            + (f", mean KL {parity['mean_kl']:.2g} nats" if parity.get("mean_kl") is not None else "")
+            + f" over {parity['prompt_tokens']} prompt + {parity['decode_steps']} decode positions",
         )
     else:
         table.add_row("parity", Text("not measured", style="yellow"))

@@ -157,6 +157,10 @@ class FlareCollector:
             ("flare_engine_steps_total", "Engine steps (graph launches)", s.steps_total),
             ("flare_engine_step_seconds_total", "Seconds spent running engine steps", s.step_seconds_total),
             ("flare_engine_schedule_seconds_total", "Seconds spent scheduling engine steps", s.schedule_seconds_total),
+            ("flare_engine_graph_seconds_total", "Seconds of engine steps spent inside the step graph",
+             getattr(s, "graph_seconds_total", 0.0)),
+            ("flare_grammar_mask_seconds_total", "Seconds spent computing grammar masks",
+             getattr(s, "grammar_mask_seconds_total", 0.0)),
             ("flare_cache_reused_tokens_total", "Tokens covered by GPU prefix-cache hits", f["reused_tokens"]),
             ("flare_reasoning_budget_cuts_total", "Requests whose reasoning was closed by their token budget",
              f["reasoning_budget_cuts"]),
@@ -260,6 +264,13 @@ def json_snapshot(collector: FlareCollector) -> dict[str, Any]:
         "http_admission_slots": collector.admission.slots,
         "http_admission_slots_used": collector.admission.used,
         "uptime_seconds": int(time.monotonic() - collector.http.started_monotonic),
+        # Engine time split (scripts/bench.py): step wall time, the part inside the step graph,
+        # the part spent scheduling, and grammar-mask time (computed beside the graph run).
+        "engine_steps": s.steps_total,
+        "engine_step_ns": int(s.step_seconds_total * 1e9),
+        "engine_graph_ns": int(getattr(s, "graph_seconds_total", 0.0) * 1e9),
+        "engine_schedule_ns": int(s.schedule_seconds_total * 1e9),
+        "grammar_mask_ns": int(getattr(s, "grammar_mask_seconds_total", 0.0) * 1e9),
     }
 
 

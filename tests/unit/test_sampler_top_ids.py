@@ -1,0 +1,116 @@
+"""The sampler's top-k fast path (candidates from the step graph's top ids) must draw exactly
+what the full-vocabulary path draws, and fall back whenever the K candidates might not hold
+every top-k survivor."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helios.engine import sampler
+from helios.engine.api import SamplingParams
+from helios.engine.sampler import sample
+
+K = 20
+
+
+class Row:
+    def __init__(self, seed, prompt=(), output=(), **params):
+        self.sampling = SamplingParams(seed=seed, **params)
+        self.rng = np.random.default_rng(seed)
+        self.prompt_unique_ids = np.unique(np.asarray(prompt, dtype=np.int64))
+        self.output_ids = list(output)
+
+
+def top_ids(logits: np.ndarray) -> np.ndarray:
+    # ONNX TopK order: decreasing value, ties by lower index.
+    return np.stack([np.lexsort((np.arange(row.size), -row))[:K] for row in logits])
+
+
+def draws(logits: np.ndarray, make_rows, use_top_ids: bool, steps: int = 30) -> list[list[int]]:
+    rows = make_rows()
+    ids = top_ids(logits) if use_top_ids else None
+    return [sample(logits, rows, top_ids=ids).tolist() for _ in range(steps)]
+
+
+def batch_rows(top):
+    return [
+        Row(1, prompt=top[0][:3], output=[int(top[0][3])] * 2, top_k=20, temperature=0.7, top_p=0.8,
+            repetition_penalty=1.05),
+        Row(2, output=[int(top[1][0])], top_k=5, temperature=1.0, presence_penalty=0.4, frequency_penalty=0.3),
+        Row(3, top_k=1, temperature=0.5),
+        Row(4, top_k=10, temperature=1.3, min_p=0.05, top_p=0.95),
+        # Not eligible: no top-k, top-k above K, greedy, a penalty that can raise a logit.
+        Row(5, top_p=0.9),
+        Row(6, top_k=50),
+        Row(7, top_k=10, temperature=1e-7),
+        Row(8, top_k=10, presence_penalty=-0.5, output=[5, 6]),
+    ]
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])
+def test_fast_path_draws_exactly_what_the_full_path_draws(scale):
+    rng = np.random.default_rng(int(scale * 10))
+    logits = (rng.standard_normal((8, 3000)) * scale).astype(np.float32)
+    top = top_ids(logits)
+    full = draws(logits, lambda: batch_rows(top), use_top_ids=False)
+    fast = draws(logits, lambda: batch_rows(top), use_top_ids=True)
+    assert fast == full
+
+
+def test_fast_path_is_taken_for_eligible_rows_and_skipped_otherwise(monkeypatch):
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((8, 3000)) * 3).astype(np.float32)
+    top = top_ids(logits)
+    taken = []
+    original = sampler._top_k_fast
+
+    def spy(row_logits, row_top, row):
+        result = original(row_logits, row_top, row)
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(sampler, "_top_k_fast", spy)
+    sample(logits, batch_rows(top), top_ids=top)
+    assert taken == [True, True, True, True, False, False, False, False]
+
+
+def test_heavily_penalized_candidates_widen_the_candidate_set():
+    # The 20 best tokens are all repeated with a huge penalty: the survivors lie outside them,
+    # so the set widens to every token whose raw logit reaches the k-th penalized value.
+    rng = np.random.default_rng(5)
+    logits = (rng.standard_normal((1, 2000)) * 0.1).astype(np.float32)
+    logits[0, :K] = 5.0 + np.arange(K, dtype=np.float32) * 0.01
+    top = top_ids(logits)
+
+    def rows():
+        return [Row(9, prompt=list(range(K)), top_k=5, repetition_penalty=1000.0, temperature=1.0)]
+
+    ids, _ = sampler._top_k_fast(logits[0], top[0], rows()[0])
+    assert ids.size > K and set(range(K)) <= set(ids.tolist())
+    fast = draws(logits, rows, use_top_ids=True)
+    assert fast == draws(logits, rows, use_top_ids=False)
+    assert all(token[0] >= K for token in fast)
+
+
+def test_ties_with_the_kth_logit_outside_the_candidates_are_kept():
+    # Token 500 ties the 20th-best raw logit but is not among the K ids: top_k=20 keeps it.
+    logits = np.zeros((1, 1000), dtype=np.float32)
+    logits[0, :K] = np.linspace(3.0, 1.0, K, dtype=np.float32)
+    logits[0, 500] = logits[0, K - 1]
+    top = top_ids(logits)
+    assert 500 not in top[0]
+    ids, _ = sampler._top_k_fast(logits[0], top[0], Row(3, top_k=K, temperature=1.0))
+    assert 500 in ids
+    assert draws(logits, lambda: [Row(3, top_k=K, temperature=1.0)], True, 200) == draws(
+        logits, lambda: [Row(3, top_k=K, temperature=1.0)], False, 200
+    )
+
+
+def test_non_finite_logits_still_fail_the_row():
+    logits = np.zeros((2, 100), dtype=np.float32)
+    logits[0, 7] = np.nan
+    logits[1, :K] = np.arange(K, dtype=np.float32)
+    rows = [Row(1, top_k=5), Row(2, top_k=5)]
+    out = sample(logits, rows, top_ids=top_ids(np.nan_to_num(logits, nan=-1.0)))
+    assert out[0] == -1 and out[1] >= 0
