@@ -16,7 +16,9 @@ from typing import Any, get_type_hints
 # major.minor: helios refuses a core whose major version it does not know; a minor version only
 # adds optional fields (an older 1.x helios ignores them, a newer one defaults them for older 1.x).
 # 1.1: `digest` (sha256 of the `files` listing).
-FORMAT_VERSION = "1.1"
+# 1.2: `logprobs.max_explicit_token_ids`; the step graph's `logprob_token_ids` input with its
+#      `token_logprobs` output and the `hidden` output; the optional "score" engine; `parity.mean_kl`.
+FORMAT_VERSION = "1.2"
 MANIFEST_NAME = "core.json"
 
 
@@ -142,7 +144,9 @@ class Parsers:
 class Logprobs:
     max_top_logprobs: int  # natural alternatives the graph returns (0..20)
     explicit_token_ids: bool  # whether full-vocabulary gathers of caller ids are possible
-    prompt_logprobs: bool  # scored prefill graphs present (--prompt-logprobs)
+    prompt_logprobs: bool  # scored prefill graphs present (--prompt-logprobs): the "score" engine
+    # Caller ids one request may name (api.md: 128; the step graph takes one more, the sampled id).
+    max_explicit_token_ids: int = 0
 
 
 @dataclass
@@ -154,6 +158,8 @@ class Parity:
     prompt_tokens: int
     decode_steps: int
     top1_agreement: float  # fraction of positions where argmax agrees
+    # Mean KL(reference || engine) of the next-token distributions, nats (None: older cores).
+    mean_kl: float | None = None
 
 
 @dataclass

@@ -31,12 +31,14 @@ def code_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def export(recipe: str, checkpoint: str, out: Path, precision: str, force: bool = False) -> Path:
+def export(recipe: str, checkpoint: str, out: Path, precision: str, force: bool = False,
+           prompt_logprobs: bool = False) -> Path:
     from ignition.export.pipeline import ExportOptions, export_core
     from ignition.recipes import load_recipe
 
     export_core(
-        ExportOptions(recipe=load_recipe(recipe), checkpoint=checkpoint, out=out, precision=precision, force=force)
+        ExportOptions(recipe=load_recipe(recipe), checkpoint=checkpoint, out=out, precision=precision, force=force,
+                      prompt_logprobs=prompt_logprobs)
     )
     return out
 
@@ -50,8 +52,10 @@ def tiny_checkpoint_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_core(tmp_path_factory, tiny_checkpoint_dir) -> Path:
-    """A real fp32 core exported from a tiny random qwen2 checkpoint with the real Qwen tokenizer."""
-    return export("qwen25_coder", str(tiny_checkpoint_dir), tmp_path_factory.mktemp("cores") / "tiny", "fp32")
+    """A real fp32 core exported from a tiny random qwen2 checkpoint with the real Qwen tokenizer,
+    with the prompt-scoring graph (--prompt-logprobs)."""
+    return export("qwen25_coder", str(tiny_checkpoint_dir), tmp_path_factory.mktemp("cores") / "tiny", "fp32",
+                  prompt_logprobs=True)
 
 
 THINK_TOKENS = {151667: "<think>", 151668: "</think>"}  # Qwen3's ids for its reasoning delimiters

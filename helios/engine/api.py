@@ -23,11 +23,13 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None  # None: nondeterministic
-    max_tokens: int = 16  # generated-token budget; 0 is handled by the frontend (never submitted)
+    max_tokens: int = 16  # generated-token budget; 0 only with prompt scoring (else never submitted)
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)  # string stops, matched across token boundaries
     stop_token_ids: list[int] = field(default_factory=list)  # ids that end generation (no entry)
     logprobs: int | None = None  # None: no logprobs; k in 0..20: chosen token plus k alternatives
+    # Explicit ids (deduplicated, caller order) reported instead of natural alternatives.
+    logprob_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
 
 
@@ -73,6 +75,9 @@ class GenerationRequest:
     grammar: str | None = None
     # Reasoning delimiters and budget (helios.engine.constraints). None: no reasoning syntax.
     reasoning: "ReasoningControl | None" = None
+    # Prompt scoring (api.md "Prompt log probabilities"): None, or the natural alternatives
+    # (0..20) per prompt position. Scoring starts from an uncached prompt.
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -94,7 +99,21 @@ class ReasoningControl:
 class TokenLogprob:
     token_id: int
     logprob: float
-    top: list[tuple[int, float]]  # (token_id, logprob) natural alternatives, best first
+    # (token_id, logprob): natural alternatives best first, or, when `explicit`, the caller's
+    # logprob_token_ids in caller order (+ the chosen token when absent), never truncated.
+    top: list[tuple[int, float]]
+    explicit: bool = False
+
+
+@dataclass
+class PromptLogprob:
+    """One scored prompt position: the actual token and up to k natural alternatives, each as
+    (token_id, logprob, rank); rank = 1 + count of vocabulary entries with a greater logprob."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float, int]]
 
 
 @dataclass
@@ -109,6 +128,9 @@ class GenerationEvent:
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprob] | None = None
+    # Prompt scores of the positions completed since the last event (position 0 is None), in
+    # prompt order; every scored prompt's entries arrive before its first generated token.
+    prompt_logprobs: list[PromptLogprob | None] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the matched stop string or stop token id

@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from helios.engine.api import FinishReason, GenerationEvent, GenerationRequest, TokenLogprob
+from helios.engine.api import FinishReason, GenerationEvent, GenerationRequest, PromptLogprob, TokenLogprob
 from helios.engine.block_manager import BlockManager
 from helios.engine.constraints import ConstraintError, Constraints
 from helios.engine.prefix_cache import PrefixCache, PrefixCacheConfig
-from helios.engine.runner import Runner, StepOutput, StepRow
-from helios.engine.sampler import sample, token_logprob
+from helios.engine.runner import PromptScores, Runner, StepOutput, StepRow
+from helios.engine.sampler import explicit_logprob, prompt_logprob_entries, sample, token_logprob
 from helios.engine.scheduler import Batch, Scheduler
 from helios.engine.sequence import Sequence
 from helios.manifest import Manifest
@@ -63,6 +63,9 @@ class EngineStats:
     # Output constraints (helios.engine.constraints).
     reasoning_budget_cuts_total: int = 0  # requests whose reasoning was closed by their budget
     grammar_mask_seconds_total: float = 0.0  # time computing grammar masks (beside the forward pass)
+    # Seconds inside onnxruntime's graph runs (part of step_seconds_total): the rest of the step
+    # time is host work (scheduling, packing inputs, KV scatter, sampling, detokenizing).
+    graph_seconds_total: float = 0.0
 
 
 class Engine:
@@ -184,11 +187,25 @@ class Engine:
         if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self.vocab_size:
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         s = request.sampling
-        if s.max_tokens < 1:
+        scoring = request.prompt_logprobs is not None
+        if s.max_tokens < (0 if scoring else 1):
             raise ValueError("max_tokens must be at least 1")
-        top = self.manifest.logprobs.max_top_logprobs
+        caps = self.manifest.logprobs
+        top = caps.max_top_logprobs
         if s.logprobs is not None and not 0 <= s.logprobs <= top:
             raise ValueError(f"logprobs must be between 0 and {top} for this core")
+        if s.logprob_token_ids:
+            if not caps.explicit_token_ids or s.logprobs is None:
+                raise ValueError("explicit logprob token ids need a core with explicit-ID logprob inputs and logprobs on")
+            if len(s.logprob_token_ids) > caps.max_explicit_token_ids:
+                raise ValueError(f"at most {caps.max_explicit_token_ids} logprob token ids")
+            if min(s.logprob_token_ids) < 0 or max(s.logprob_token_ids) >= self.vocab_size:
+                raise ValueError(f"logprob token ids must be in [0, {self.vocab_size})")
+        if scoring:
+            if not getattr(self.runner, "can_score_prompts", False):
+                raise ValueError("prompt logprobs are not available in this model core; re-export it with --prompt-logprobs")
+            if not 0 <= request.prompt_logprobs <= top:
+                raise ValueError(f"prompt_logprobs must be between 0 and {top}")
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request at the next step boundary (final event: ABORT). False if not live."""
@@ -230,6 +247,7 @@ class Engine:
             checkpoint_extra_work_ns_total=cache.extra_work_ns,
             reasoning_budget_cuts_total=self.constraints.budget_cuts,
             grammar_mask_seconds_total=self.constraints.mask_seconds,
+            graph_seconds_total=getattr(self.runner, "graph_seconds", 0.0),
         )
 
     def generate(self, request: GenerationRequest, timeout: float | None = None) -> list[GenerationEvent]:
@@ -318,7 +336,13 @@ class Engine:
 
     def _run_batch(self, batch: Batch, emitted: list[tuple[Sequence, GenerationEvent]]) -> None:
         rows = [
-            StepRow(token_ids=r.token_ids, history_len=r.start, block_table=list(r.seq.page_table))
+            StepRow(
+                token_ids=r.token_ids,
+                history_len=r.start,
+                block_table=list(r.seq.page_table),
+                logprob_ids=r.seq.sampling.logprob_token_ids if r.samples else None,
+                score_targets=_score_targets(r.seq, r.start, r.num_tokens),
+            )
             for r in batch.rows
         ]
         # Grammar masks and forced tokens of the rows that sample, computed beside the forward pass.
@@ -333,8 +357,18 @@ class Engine:
             return
         self.scheduler.commit(batch)
         self._prefill_tokens += sum(r.num_tokens for r in batch.rows if not r.is_decode)
+        if out.prompt_scores is not None:
+            for r, scores in zip(batch.rows, out.prompt_scores):
+                if scores is not None:
+                    emitted.append((r.seq, self._prompt_event(r.seq, scores)))
 
         idx = [i for i, r in enumerate(batch.rows) if r.samples]
+        # A scoring-only request (max_tokens 0) ends once its prompt is computed: no sampling.
+        for i in [i for i in idx if batch.rows[i].seq.sampling.max_tokens == 0]:
+            seq = batch.rows[i].seq
+            self.scheduler.finish(seq, FinishReason.LENGTH)
+            emitted.append((seq, self._final_event(seq, [], "", None)))
+        idx = [i for i in idx if not batch.rows[i].seq.is_finished]
         if not idx:
             return
         seqs = [batch.rows[i].seq for i in idx]
@@ -350,7 +384,8 @@ class Engine:
                 return
         row_masks = [masks.get(j) for j in range(len(seqs))] if masks else None
         try:
-            tokens = sample(out.logits[idx], seqs, row_masks)
+            # The step graph's top ids let top-k rows sample without a vocabulary pass (sampler).
+            tokens = sample(out.logits[idx], seqs, row_masks, top_ids=out.top_ids[idx])
         except Exception as exc:
             log.exception("sampling failed")
             for seq in seqs:
@@ -381,13 +416,29 @@ class Engine:
         if k is not None:
             logprobs = []
             if outcome.has_logprob_entry and not forced:  # forced tokens have no entry (api.md)
-                logprobs.append(
-                    token_logprob(token, out.logits[i], out.logsumexp[i], out.top_logprobs[i], out.top_ids[i], k)
-                )
+                explicit = seq.sampling.logprob_token_ids
+                if explicit:
+                    assert out.token_logprobs is not None
+                    entry = explicit_logprob(
+                        token, out.logits[i], out.logsumexp[i], explicit, out.token_logprobs[i, : len(explicit)]
+                    )
+                else:
+                    entry = token_logprob(token, out.logits[i], out.logsumexp[i], out.top_logprobs[i], out.top_ids[i], k)
+                logprobs.append(entry)
         if outcome.finished:
             self.scheduler.finish(seq, outcome.finish_reason, outcome.stop_reason)
             return self._final_event(seq, [token], outcome.text, logprobs)
         return self._event(seq, [token], outcome.text, logprobs)
+
+    def _prompt_event(self, seq: Sequence, scores: PromptScores) -> GenerationEvent:
+        """The prompt entries this step completed (position 0's null entry comes first)."""
+        entries: list[PromptLogprob | None] = [None] if seq.prompt_scored == 0 else []
+        first, n = max(seq.prompt_scored, 1), len(scores.target_logprobs)
+        entries += prompt_logprob_entries(scores, seq.token_ids[first : first + n], seq.request.prompt_logprobs or 0)
+        seq.prompt_scored = first + n
+        event = self._event(seq, [], "", None)
+        event.prompt_logprobs = entries
+        return event
 
     # -- events and bookkeeping ----------------------------------------------------------------
 
@@ -448,3 +499,18 @@ class Engine:
                 log.exception("event sink failed for %s; aborting it", seq.request_id)
                 if not event.finished:
                     self.abort(seq.request_id)
+
+
+def _score_targets(seq: Sequence, start: int, num_tokens: int) -> list[int] | None:
+    """Per fed position, the prompt token that follows it when that prompt position still needs
+    its score (api.md: entry j scores token j from position j - 1), else -1."""
+    if not seq.scores_prompt or start >= seq.prompt_len:
+        return None
+    first = max(seq.prompt_scored, 1)  # the first entry still owed (entry 0 is always null)
+    targets = [
+        seq.token_ids[p + 1] if first <= p + 1 < seq.prompt_len else -1 for p in range(start, start + num_tokens)
+    ]
+    if all(t < 0 for t in targets):
+        # Nothing to score in this chunk; a 1-token prompt still owes its null entry.
+        return targets if seq.prompt_scored == 0 and start + num_tokens >= seq.prompt_len else None
+    return targets

@@ -12,6 +12,7 @@ with one row of logits/logprob stats per input row comes out. No torch, no sched
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,11 +29,31 @@ from helios.manifest import KVLayout, Manifest
 PAD_WASTE_TOKENS = 16
 
 
+# Prompt positions the score graph takes per call: its [N, V] logits and log-softmax are
+# ~1.2 MB per position on a 152k vocabulary, so a 512-token chunk is scored in 4 slices.
+SCORE_POSITIONS_PER_CALL = 128
+
+
 @dataclass
 class StepRow:
     token_ids: list[int]  # new tokens of this row (a prefill chunk, or 1 for decode)
     history_len: int  # tokens of this row already in the pool
     block_table: list[int]  # pool pages covering history_len + len(token_ids), in order
+    # Explicit ids whose full-vocabulary logprobs the row's last position reports (<= 129).
+    logprob_ids: list[int] | None = None
+    # Prompt scoring: per new token, the id that follows it (scored at that position), or -1
+    # for a position not to score. Needs a core exported with --prompt-logprobs.
+    score_targets: list[int] | None = None
+
+
+@dataclass
+class PromptScores:
+    """Scores of a row's scored positions, in position order (api.md prompt logprobs)."""
+
+    target_logprobs: np.ndarray  # [n] float32: logprob of the token that follows
+    target_ranks: np.ndarray  # [n] int64: 1 + count of strictly greater logprobs
+    top_logprobs: np.ndarray  # [n, K] float32, decreasing
+    top_ids: np.ndarray  # [n, K] int64
 
 
 @dataclass
@@ -41,20 +62,28 @@ class StepOutput:
     logsumexp: np.ndarray  # [B] float32
     top_logprobs: np.ndarray  # [B, K] float32, decreasing
     top_ids: np.ndarray  # [B, K] int64
+    # [B, E] float32: logprobs of each row's logprob_ids (padded columns are meaningless).
+    token_logprobs: np.ndarray | None = None
+    prompt_scores: list[PromptScores | None] | None = None  # per row, for rows with score_targets
 
 
 class Runner:
     def __init__(self, core_dir: Path, manifest: Manifest, num_pages: int, threads: int | None = None) -> None:
         engine = manifest.engine("step")
         self._setup(Path(core_dir) / engine.file, manifest.kv, num_pages, threads)
+        score = next((e for e in manifest.engines if e.name == "score"), None)
+        self._score_path = Path(core_dir) / score.file if score is not None else None
         # Positions past the graph's rotary tables would read out of range.
         self.max_positions = manifest.architecture.max_position_embeddings
 
     @classmethod
-    def from_graph(cls, graph_path: Path, kv: KVLayout, num_pages: int, threads: int | None = None) -> "Runner":
+    def from_graph(
+        cls, graph_path: Path, kv: KVLayout, num_pages: int, threads: int | None = None, score_graph: Path | None = None
+    ) -> "Runner":
         """A runner over a bare step graph (export validation has no core.json yet)."""
         runner = cls.__new__(cls)
         runner._setup(Path(graph_path), kv, num_pages, threads)
+        runner._score_path = Path(score_graph) if score_graph is not None else None
         return runner
 
     def _setup(self, graph_path: Path, kv: KVLayout, num_pages: int, threads: int | None) -> None:
@@ -64,19 +93,13 @@ class Runner:
             raise ValueError(f"this runner supports a float32 KV pool, not {kv.dtype}")
         self.kv = kv
         self.num_pages = num_pages
+        self.threads = threads
+        self._score_path: Path | None = None  # the core's score graph, when it has one
+        self._score_session: ort.InferenceSession | None = None  # loaded on first use
         self.max_positions: int | None = None
         self.split_mixed = True  # False: one graph call per step whatever the padding (tests)
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads or os.cpu_count() or 1
-        opts.inter_op_num_threads = 1
-        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        # Shapes change every step (B, L, and M every page_tokens tokens). onnxruntime caches
-        # a memory pattern per distinct input-shape set, which would only grow here; the arena
-        # still reuses buffers. For the same reason the runner does not pad B/L to buckets: the
-        # CPU provider compiles nothing per shape, so padding would only add work.
-        opts.enable_mem_pattern = False
-        self.session = ort.InferenceSession(str(graph_path), opts, providers=["CPUExecutionProvider"])
+        self.graph_seconds = 0.0  # time inside the step graph's runs (EngineStats.graph_seconds_total)
+        self.session = ort.InferenceSession(str(graph_path), self._session_options(), providers=["CPUExecutionProvider"])
         self.pool = np.zeros(
             (kv.num_layers * 2 * num_pages, kv.page_tokens, kv.kv_heads, kv.head_dim), dtype=np.float32
         )
@@ -85,6 +108,20 @@ class Runner:
         # The same memory as [layers, 2, pages, tokens, kvh, D]: the scatter/copy view.
         self._pages = self.pool.reshape(kv.num_layers, 2, num_pages, kv.page_tokens, kv.kv_heads, kv.head_dim)
         self._output_names = [o.name for o in self.session.get_outputs()]
+        self._input_names = {i.name for i in self.session.get_inputs()}
+
+    def _session_options(self) -> ort.SessionOptions:
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = self.threads or os.cpu_count() or 1
+        opts.inter_op_num_threads = 1
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # Shapes change every step (B, L, and M every page_tokens tokens). onnxruntime caches
+        # a memory pattern per distinct input-shape set, which would only grow here; the arena
+        # still reuses buffers. For the same reason the runner does not pad B/L to buckets: the
+        # CPU provider compiles nothing per shape, so padding would only add work.
+        opts.enable_mem_pattern = False
+        return opts
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -100,9 +137,28 @@ class Runner:
             return self._run(rows)
         parts = [(g, self._run([rows[i] for i in g])) for g in groups]
         order = np.argsort(np.concatenate([np.asarray(g) for g, _ in parts]), kind="stable")
-        return StepOutput(
-            *(np.concatenate([getattr(out, f) for _, out in parts])[order] for f in StepOutput.__dataclass_fields__)
-        )
+        arrays = {
+            f: np.concatenate([getattr(out, f) for _, out in parts])[order]
+            for f in ("logits", "logsumexp", "top_logprobs", "top_ids")
+        }
+        explicit = None
+        if any(out.token_logprobs is not None for _, out in parts):
+            width = max(out.token_logprobs.shape[1] for _, out in parts if out.token_logprobs is not None)
+            explicit = np.zeros((len(rows), width), dtype=np.float32)
+            for g, out in parts:
+                if out.token_logprobs is not None:
+                    explicit[g, : out.token_logprobs.shape[1]] = out.token_logprobs
+        scores = None
+        if any(out.prompt_scores is not None for _, out in parts):
+            scores = [None] * len(rows)
+            for g, out in parts:
+                for i, score in zip(g, out.prompt_scores or [None] * len(g)):
+                    scores[i] = score
+        return StepOutput(**arrays, token_logprobs=explicit, prompt_scores=scores)
+
+    @property
+    def can_score_prompts(self) -> bool:
+        return self._score_path is not None
 
     def copy_page(self, src: int, dst: int) -> None:
         """Copy one page (every layer's K and V) onto another: copy-on-write for shared prefixes."""
@@ -148,18 +204,72 @@ class Runner:
     def _run(self, rows: list[StepRow]) -> StepOutput:
         binding = self.session.io_binding()
         for name, value in pack_rows(rows, self.kv.page_tokens).items():
-            binding.bind_cpu_input(name, value)
+            if name in self._input_names:  # a 1.1 core's graph has no logprob_token_ids
+                binding.bind_cpu_input(name, value)
         binding.bind_ortvalue_input("kv_pool", self._pool_value)
         for name in self._output_names:
             binding.bind_output(name, "cpu")
+        start = time.perf_counter()
         self.session.run_with_iobinding(binding)
-        out = dict(zip(self._output_names, binding.copy_outputs_to_cpu()))
-        scatter_new_kv(self._pages, rows, out["new_kv"])
-        return StepOutput(out["logits"], out["logsumexp"], out["top_logprobs"], out["top_ids"])
+        self.graph_seconds += time.perf_counter() - start
+        # OrtValues stay in onnxruntime's memory; only the outputs used are turned into arrays.
+        values = dict(zip(self._output_names, binding.get_outputs()))
+        out = {name: values[name].numpy() for name in ("logits", "logsumexp", "top_logprobs", "top_ids")}
+        scatter_new_kv(self._pages, rows, values["new_kv"].numpy())
+        explicit = None
+        if any(r.logprob_ids for r in rows):
+            if "token_logprobs" not in values:
+                raise ValueError("this core's step graph has no explicit logprob ids (re-export it)")
+            explicit = values["token_logprobs"].numpy()
+        scores = None
+        if any(r.score_targets is not None for r in rows):
+            scores = self._score(rows, values["hidden"].numpy())
+        return StepOutput(**out, token_logprobs=explicit, prompt_scores=scores)
+
+    def _score(self, rows: list[StepRow], hidden: np.ndarray) -> list[PromptScores | None]:
+        """Run the score graph over every scored position of `rows` (hidden: [B, L, H])."""
+        picked, targets, owners = [], [], []
+        for b, row in enumerate(rows):
+            if row.score_targets is None:
+                continue
+            t = np.asarray(row.score_targets, dtype=np.int64)
+            if t.shape != (len(row.token_ids),):
+                raise ValueError("score_targets needs one entry per new token")
+            keep = np.nonzero(t >= 0)[0]
+            picked.append(hidden[b, keep])
+            targets.append(t[keep])
+            owners.append((b, len(keep)))
+        flat_hidden = np.ascontiguousarray(np.concatenate(picked), dtype=np.float32)
+        flat_targets = np.concatenate(targets)
+        results = []
+        for lo in range(0, len(flat_targets), SCORE_POSITIONS_PER_CALL):
+            hi = lo + SCORE_POSITIONS_PER_CALL
+            results.append(self.score_session.run(None, {"hidden": flat_hidden[lo:hi], "targets": flat_targets[lo:hi]}))
+        if results:
+            merged = [np.concatenate(parts) for parts in zip(*results)]
+        else:
+            merged = [np.zeros((0,), np.float32), np.zeros((0,), np.int64),
+                      np.zeros((0, 0), np.float32), np.zeros((0, 0), np.int64)]
+        scores: list[PromptScores | None] = [None] * len(rows)
+        at = 0
+        for b, n in owners:
+            scores[b] = PromptScores(*(m[at : at + n] for m in merged))
+            at += n
+        return scores
+
+    @property
+    def score_session(self) -> ort.InferenceSession:
+        if self._score_session is None:
+            if self._score_path is None:
+                raise ValueError("this core has no prompt-scoring graph (export it with --prompt-logprobs)")
+            self._score_session = ort.InferenceSession(
+                str(self._score_path), self._session_options(), providers=["CPUExecutionProvider"]
+            )
+        return self._score_session
 
 
 def pack_rows(rows: list[StepRow], page_tokens: int) -> dict[str, np.ndarray]:
-    """The step graph's inputs (all but kv_pool) for `rows`, right-padded to [B, L] and [B, M]."""
+    """The step graph's inputs (all but kv_pool) for `rows`, right-padded to [B, L], [B, M], [B, E]."""
     batch = len(rows)
     length = max(len(r.token_ids) for r in rows)
     hist_pages = [-(-r.history_len // page_tokens) for r in rows]
@@ -172,12 +282,18 @@ def pack_rows(rows: list[StepRow], page_tokens: int) -> dict[str, np.ndarray]:
         input_ids[b, :n] = row.token_ids
         positions[b, :n] = np.arange(row.history_len, row.history_len + n)
         block_tables[b, : hist_pages[b]] = row.block_table[: hist_pages[b]]
+    width = max(1, max(len(r.logprob_ids or ()) for r in rows))  # E >= 1; padding reads id 0
+    logprob_ids = np.zeros((batch, width), dtype=np.int64)
+    for b, row in enumerate(rows):
+        if row.logprob_ids:
+            logprob_ids[b, : len(row.logprob_ids)] = row.logprob_ids
     return {
         "input_ids": input_ids,
         "positions": positions,
         "history_lens": np.array([r.history_len for r in rows], dtype=np.int64),
         "query_lens": np.array([len(r.token_ids) for r in rows], dtype=np.int64),
         "block_tables": block_tables,
+        "logprob_token_ids": logprob_ids,
     }
 
 

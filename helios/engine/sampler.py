@@ -11,11 +11,14 @@ raw full-vocabulary logsumexp and top-k (see `token_logprob`).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from helios.engine.api import SamplingParams, TokenLogprob
+from helios.engine.api import PromptLogprob, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from helios.engine.runner import PromptScores
 
 # Temperatures below this are greedy (argmax); the frontend clamps to a positive minimum, but a
 # core may allow tiny values and 1/T would then only amplify float noise.
@@ -41,7 +44,7 @@ class SampleRow(Protocol):
     rng: np.random.Generator
 
     @property
-    def prompt_unique_ids(self) -> np.ndarray: ...
+    def prompt_unique_ids(self) -> np.ndarray: ...  # distinct prompt ids, increasing (np.unique)
 
     @property
     def output_ids(self) -> list[int]: ...
@@ -54,7 +57,12 @@ class TokenMask(Protocol):
     allowed: np.ndarray | None  # bool [V]: tokens the row's grammar allows; None: all
 
 
-def sample(logits: np.ndarray, rows: list[SampleRow], masks: list[TokenMask | None] | None = None) -> np.ndarray:
+def sample(
+    logits: np.ndarray,
+    rows: list[SampleRow],
+    masks: list[TokenMask | None] | None = None,
+    top_ids: np.ndarray | None = None,
+) -> np.ndarray:
     """Sample one token per row of `logits` [B, V]; returns int64 [B]. `logits` is not modified.
 
     Penalties are applied to the whole batch at once; the filters then run per row on that row's
@@ -64,22 +72,35 @@ def sample(logits: np.ndarray, rows: list[SampleRow], masks: list[TokenMask | No
     `masks[b]`, when given, constrains row b: a forced token is returned as is; otherwise tokens
     outside `allowed` get -inf before temperature and the filters (a grammar decides what may
     follow, the distribution only ranks what it allows).
+
+    `top_ids` [B, K], when given, are the ids of each row's K largest raw logits (the step graph's
+    top_ids). A row with 0 < top_k <= K, no grammar mask and penalties that can only lower logits
+    then samples from those K candidates without touching the vocabulary, whenever its top_k
+    survivors provably lie among them (see `_top_k_fast`); the result is bit-identical to the
+    full path, which every other row takes.
     """
     B, V = logits.shape
     # One uniform per row, always drawn, so a generator's stream advances by exactly one per token.
     u = [row.rng.random() for row in rows]
-    z = np.array(logits, dtype=np.float32, copy=True)
-    apply_penalties(z, rows)
+    z: np.ndarray | None = None  # the penalized full-vocabulary copy, made only when a row needs it
     out = np.empty(B, dtype=np.int64)
     for b, row in enumerate(rows):
         s = row.sampling
         mask = masks[b] if masks is not None else None
-        if mask is not None:
-            if mask.forced is not None:
-                out[b] = mask.forced
+        if mask is not None and mask.forced is not None:
+            out[b] = mask.forced
+            continue
+        if top_ids is not None and (mask is None or mask.allowed is None):
+            fast = _top_k_fast(logits[b], top_ids[b], row)
+            if fast is not None:
+                ids, vals = candidates(fast[1], s, fast[0])
+                out[b] = ids[_inverse_cdf(vals, u[b])]
                 continue
-            if mask.allowed is not None:
-                apply_mask(z[b], mask.allowed)
+        if z is None:
+            z = np.array(logits, dtype=np.float32, copy=True)
+            apply_penalties(z, rows)
+        if mask is not None and mask.allowed is not None:
+            apply_mask(z[b], mask.allowed)
         if not np.isfinite(z[b].max()):  # max propagates NaN; -inf alone is a masked token
             out[b] = -1
             continue
@@ -137,17 +158,21 @@ def apply_penalties(z: np.ndarray, rows: list[SampleRow]) -> None:
         z[r, i] -= np.concatenate(freq) * c + np.concatenate(pres)
 
 
-def candidates(z: np.ndarray, s: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+def candidates(z: np.ndarray, s: SamplingParams, ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Token ids a row may sample and their temperature-scaled logits: temperature, top-k,
-    top-p, min-p in that order (HF semantics: each stage sees the previous stage's survivors)."""
+    top-p, min-p in that order (HF semantics: each stage sees the previous stage's survivors).
+
+    z: the row's penalized logits [V]; or, with `ids` (increasing token ids), only those tokens'
+    logits, when they are known to hold every top-k survivor (`_top_k_fast`)."""
     vals = z / np.float32(s.temperature)
     mx = vals.max()
     near = vals >= mx - np.float32(CANDIDATE_CUTOFF)
     if near.all():
-        ids = _arange(vals.size)
+        ids = _arange(vals.size) if ids is None else ids
     else:
-        ids = np.flatnonzero(near)
-        vals = vals[ids]
+        keep = np.flatnonzero(near)
+        ids = keep if ids is None else ids[keep]
+        vals = vals[keep]
     if 0 < s.top_k < ids.size:
         keep = _top_k(vals, mx, s.top_k)
         ids, vals = ids[keep], vals[keep]
@@ -159,6 +184,67 @@ def candidates(z: np.ndarray, s: SamplingParams) -> tuple[np.ndarray, np.ndarray
         keep = np.flatnonzero(vals >= mx + np.float32(np.log(s.min_p)))
         ids, vals = ids[keep], vals[keep]
     return ids, vals
+
+
+def _top_k_fast(logits: np.ndarray, top_ids: np.ndarray, row: SampleRow) -> tuple[np.ndarray, np.ndarray] | None:
+    """(ids, penalized logits) of a small token set that holds every top-k survivor of the row,
+    found without a full-vocabulary pass when possible; None when the row is not eligible (the
+    caller takes the full path): top_k outside 1..K, greedy, non-finite logits, or a penalty that
+    can raise a logit (repetition < 1, presence or frequency < 0).
+
+    Every token's penalized logit is at most its raw logit. Let kth be the k-th largest penalized
+    value among the K raw-best tokens: a token outside them survives top-k only if its raw logit
+    reaches kth, and that cannot happen when kth is above the K-th raw logit (the usual case:
+    the K ids are the set). Otherwise (a penalized token fell below it, or ties) the set is every
+    token whose raw logit is >= kth: one comparison over the vocabulary, and the k-th largest over
+    that superset is >= kth, so every token left out is strictly below it. Penalties use the same
+    float32 operations as `apply_penalties`, so values and draws are bit-identical to the full
+    path's."""
+    s = row.sampling
+    k = s.top_k
+    if not (0 < k <= top_ids.size) or s.temperature < GREEDY_TEMPERATURE:
+        return None
+    if s.repetition_penalty < 1.0 or s.presence_penalty < 0.0 or s.frequency_penalty < 0.0:
+        return None
+    if not np.isfinite(logits.max()):  # NaN/inf anywhere: the full path reports the row
+        return None
+    ids = np.sort(np.asarray(top_ids, dtype=np.int64))
+    vals = _penalized(logits, ids, row)
+    floor = logits[ids].min()  # the K-th raw logit: bounds every raw logit outside `ids`
+    kth = np.partition(vals, vals.size - k)[vals.size - k]
+    if kth > floor:
+        return ids, vals
+    ids = np.flatnonzero(logits >= kth)
+    return ids, _penalized(logits, ids, row)
+
+
+def _penalized(logits: np.ndarray, ids: np.ndarray, row: SampleRow) -> np.ndarray:
+    """float32 logits of `ids` (increasing) with the row's penalties, as `apply_penalties` would
+    leave them."""
+    s = row.sampling
+    vals = logits[ids].astype(np.float32)
+    out_ids, counts = np.unique(np.asarray(row.output_ids, dtype=np.int64), return_counts=True)
+    if s.repetition_penalty != 1.0:
+        seen = _members(ids, row.prompt_unique_ids) | _members(ids, out_ids)
+        if seen.any():
+            pen = np.float32(s.repetition_penalty)
+            v = vals[seen]
+            vals[seen] = np.where(v > 0, v / pen, v * pen)
+    if (s.presence_penalty != 0.0 or s.frequency_penalty != 0.0) and out_ids.size:
+        hit = _members(ids, out_ids)
+        if hit.any():
+            c = counts[np.searchsorted(out_ids, ids[hit])].astype(np.float32)
+            vals[hit] -= np.float32(s.frequency_penalty) * c + np.float32(s.presence_penalty)
+    return vals
+
+
+def _members(ids: np.ndarray, sorted_unique: np.ndarray) -> np.ndarray:
+    """Whether each of `ids` is in `sorted_unique` (increasing, as np.unique returns): a binary
+    search per id instead of np.isin's sort of both arrays."""
+    if sorted_unique.size == 0:
+        return np.zeros(ids.size, dtype=bool)
+    at = np.minimum(np.searchsorted(sorted_unique, ids), sorted_unique.size - 1)
+    return sorted_unique[at] == ids
 
 
 _ARANGE = np.arange(0, dtype=np.int64)
@@ -257,3 +343,41 @@ def token_logprob(
     chosen = float(top_lp[hit[0]]) if hit.size else float(logits[token_id]) - float(logsumexp)
     top = [(int(i), float(v)) for i, v in zip(top_ids[:k], top_lp[:k])]
     return TokenLogprob(token_id=int(token_id), logprob=chosen, top=top)
+
+
+def explicit_logprob(
+    token_id: int, logits: np.ndarray, logsumexp: float, ids: list[int], values: np.ndarray
+) -> TokenLogprob:
+    """The chosen token plus caller-chosen ids (api.md logprob_token_ids): `values` are the step
+    graph's full-vocabulary logprobs of `ids`, reported in caller order; the chosen token is
+    appended when absent."""
+    top = [(int(i), float(v)) for i, v in zip(ids, values)]
+    chosen = next((v for i, v in top if i == token_id), None)
+    if chosen is None:
+        chosen = float(logits[token_id]) - float(logsumexp)
+        top.append((int(token_id), chosen))
+    return TokenLogprob(token_id=int(token_id), logprob=chosen, top=top, explicit=True)
+
+
+NON_FINITE_LOGPROB = -9999.0  # api.md: how prompt scores report -inf / NaN
+
+
+def _finite(value: float) -> float:
+    return value if np.isfinite(value) else NON_FINITE_LOGPROB
+
+
+def prompt_logprob_entries(scores: "PromptScores", token_ids: list[int], k: int) -> list[PromptLogprob]:
+    """api.md prompt entries from the score graph's output: the actual token (`token_ids`, one
+    per scored position) with its rank and the k best natural alternatives (decreasing logprob,
+    ties by increasing id) with theirs."""
+    entries = []
+    for token_id, target_lp, rank, top_lp, top_ids in zip(
+        token_ids, scores.target_logprobs, scores.target_ranks, scores.top_logprobs, scores.top_ids
+    ):
+        order = np.lexsort((top_ids, -top_lp))
+        top_ids, top_lp = top_ids[order], top_lp[order]
+        # Every logprob strictly greater than an alternative's is itself among the alternatives.
+        ranks = 1 + np.searchsorted(-top_lp, -top_lp, side="left")
+        top = [(int(i), _finite(float(v)), int(r)) for i, v, r in zip(top_ids[:k], top_lp[:k], ranks[:k])]
+        entries.append(PromptLogprob(token_id=int(token_id), logprob=_finite(float(target_lp)), rank=int(rank), top=top))
+    return entries

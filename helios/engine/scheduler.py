@@ -207,7 +207,9 @@ class Scheduler:
                 self.finish(seq, FinishReason.LENGTH)
                 batch.finished.append(seq)
                 continue
-            ckpt, restored = self.cache.match(seq.token_ids) if self.cache else (None, 0)
+            # A scored prompt is computed from its start (api.md: scoring is never restored).
+            reuse = self.cache is not None and not seq.scores_prompt
+            ckpt, restored = self.cache.match(seq.token_ids) if reuse else (None, 0)
             # Pages a restore shares need no free page (its copied tail page does).
             need = total - (self.cache.shared_pages(restored) if ckpt else 0)
             promised = self._promised_pages()

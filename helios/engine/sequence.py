@@ -55,6 +55,9 @@ class Sequence:
         # until the first admission selects them).
         self.cached_tokens = 0
         self.checkpoint_plan: list[CheckpointCandidate] | None = None
+        # Prompt scoring: prompt positions whose entries were emitted (a recompute after
+        # preemption scores nothing twice).
+        self.prompt_scored = 0
 
     @classmethod
     def create(
@@ -96,6 +99,11 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.prompt_len :]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Prompt scoring was requested and some prompt position is still unscored."""
+        return self.request.prompt_logprobs is not None and self.prompt_scored < self.prompt_len
 
     @property
     def is_finished(self) -> bool:

@@ -64,6 +64,7 @@ class ChatPlan:
     return_timestamps: bool
     base: SamplingParams
     output: OutputPlan
+    prompt_logprobs: int | None = None  # alternatives of the top-level prompt_logprobs; None: omitted
 
 
 # -- decoding --------------------------------------------------------------------------------------
@@ -211,9 +212,8 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> ChatPlan
     if top and not logprobs_on:
         raise RequestError("top_logprobs requires logprobs: true", param="top_logprobs")
     k = check_top_logprobs(top or 0, "top_logprobs", m.logprobs) if logprobs_on else None
-    common.check_logprob_token_ids(body, logprobs_on)
-    common.check_prompt_logprobs(body.get("prompt_logprobs"), streaming=stream,
-                                 core_has_prompt_logprobs=m.logprobs.prompt_logprobs)
+    explicit = common.logprob_token_ids(body, logprobs_on, m)
+    prompt_k = common.prompt_logprobs_count(body.get("prompt_logprobs"), streaming=stream, manifest=m)
 
     add_generation_prompt = common.opt_bool(body, "add_generation_prompt", True)
     continue_final = common.opt_bool(body, "continue_final_message", False)
@@ -221,6 +221,7 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> ChatPlan
     kwargs = template_kwargs(kwargs, enabled=common.reasoning_switch(body, kwargs), effort=effort,
                              template_source=ctx.template.source if ctx.template else None)
     base = common.request_sampling(body, m, logprobs=k)
+    base.logprob_token_ids = explicit
     chat_options = ChatOptions(
         tools=tools, choice=choice, output_format=fmt, output_format_param=fmt_param, template_kwargs=kwargs,
         add_generation_prompt=add_generation_prompt, continue_final=continue_final,
@@ -248,6 +249,8 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> ChatPlan
             checkpoints=checkpoints,
             grammar=lowered.grammar,
             reasoning=lowered.reasoning,
+            # The top-level field reports one scoring of the shared prompt: the first choice's.
+            prompt_logprobs=prompt_k if i == 0 else None,
         )
         for i in range(n)
     ]
@@ -263,6 +266,7 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> ChatPlan
         return_timestamps=common.opt_bool(body, "return_token_timestamps", False),
         base=base,
         output=lowered.output,
+        prompt_logprobs=prompt_k,
     )
 
 
@@ -350,7 +354,8 @@ async def _buffered(ctx: ServerContext, p: ChatPlan, group: GenerationGroup,
         "choices": choices,
         "usage": _usage(p, answers),
         "system_fingerprint": None,
-        "prompt_logprobs": None,
+        "prompt_logprobs": (common.prompt_logprobs_field(ctx.tokenizer, answers[0].state.prompt_logprobs, p.prompt_logprobs)
+                            if p.prompt_logprobs is not None else None),
     }
     if p.return_token_ids:
         out["prompt_token_ids"] = p.prompt_ids

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from helios.engine.api import FinishReason, GenerationEvent, SamplingParams, TokenLogprob
+from helios.engine.api import FinishReason, GenerationEvent, PromptLogprob, SamplingParams, TokenLogprob
 from helios.frontend.errors import RequestError
 from helios.frontend.grammar import OutputFormat
 from helios.frontend.sampling import DISTRIBUTION_FIELDS, SamplingFields, require_bool, require_int, resolve_sampling
@@ -189,35 +189,48 @@ def reasoning_switch(body: dict[str, Any], kwargs: dict[str, Any]) -> bool | Non
     return None if value is None else require_bool(value, "enable_thinking")
 
 
-def check_logprob_token_ids(body: dict[str, Any], logprobs_enabled: bool) -> None:
-    """Explicit-ID alternatives need an engine input the engine does not have yet."""
+MAX_LOGPROB_TOKEN_IDS = 128  # api.md: elements before deduplication
+
+
+def logprob_token_ids(body: dict[str, Any], logprobs_enabled: bool, manifest: Manifest) -> list[int] | None:
+    """api.md logprob_token_ids: validated, deduplicated in first-occurrence order; None when
+    omitted, null or empty."""
     ids = body.get("logprob_token_ids")
     if ids is None or ids == []:
-        return
+        return None
+    name = "logprob_token_ids"
     if not isinstance(ids, list):
-        raise RequestError("logprob_token_ids must be an array of token ids", param="logprob_token_ids")
+        raise RequestError("logprob_token_ids must be an array of token ids", param=name)
+    if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+        raise RequestError(f"logprob_token_ids accepts at most {MAX_LOGPROB_TOKEN_IDS} ids", param=name)
+    vocab = manifest.architecture.vocab_size
+    for value in ids:
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < vocab:
+            raise RequestError(f"logprob_token_ids must be integers in [0, {vocab})", param=name)
     if not logprobs_enabled:
-        raise RequestError("logprob_token_ids requires generation logprobs to be enabled", param="logprob_token_ids")
-    raise RequestError(
-        "logprob_token_ids is not available in this server yet (explicit-ID logprobs need engine support)",
-        param="logprob_token_ids",
-    )
-
-
-def check_prompt_logprobs(value: Any, *, streaming: bool, core_has_prompt_logprobs: bool) -> None:
-    if value is None:
-        return
-    k = require_int(value, "prompt_logprobs")
-    if streaming:
-        raise RequestError("prompt_logprobs cannot be used with stream: true", param="prompt_logprobs")
-    if not 0 <= k <= 20:
-        raise RequestError("prompt_logprobs must be between 0 and 20", param="prompt_logprobs")
-    if not core_has_prompt_logprobs:
+        raise RequestError("logprob_token_ids requires generation logprobs to be enabled", param=name)
+    if not manifest.logprobs.explicit_token_ids:
         raise RequestError(
-            "prompt logprobs are not available in this model core; re-export it with --prompt-logprobs",
-            param="prompt_logprobs",
+            "explicit logprob token ids are not available in this model core; re-export it with a current ignition",
+            param=name,
         )
-    raise RequestError("prompt logprobs are not available in this server yet", param="prompt_logprobs")
+    return list(dict.fromkeys(ids))
+
+
+def prompt_logprobs_count(value: Any, *, streaming: bool, manifest: Manifest, name: str = "prompt_logprobs") -> int | None:
+    """A prompt-scoring request's alternatives count (0..20), or None when not requested."""
+    if value is None:
+        return None
+    k = require_int(value, name)
+    if streaming and name == "prompt_logprobs":
+        raise RequestError("prompt_logprobs cannot be used with stream: true", param=name)
+    if not 0 <= k <= 20:
+        raise RequestError(f"{name} must be between 0 and 20", param=name)
+    if not manifest.logprobs.prompt_logprobs:
+        raise RequestError(
+            "prompt logprobs are not available in this model core; re-export it with --prompt-logprobs", param=name
+        )
+    return k
 
 
 # -- usage and errors ------------------------------------------------------------------------------
@@ -267,6 +280,7 @@ class Delta:
     logprobs: list[TokenLogprob]
     offsets: list[int]  # text_offset of each logprob entry (characters from completion start)
     timestamps_ns: list[int]
+    prompt_logprobs: list[PromptLogprob | None] = field(default_factory=list)  # scored prompt positions
 
 
 @dataclass
@@ -280,6 +294,7 @@ class ChoiceState:
     timestamps_ns: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob | None] = field(default_factory=list)
     finished: bool = False
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
@@ -304,6 +319,7 @@ class ChoiceState:
         self.timestamps_ns.extend(stamps)
         self.logprobs.extend(entries)
         self.offsets.extend(offsets)
+        self.prompt_logprobs.extend(event.prompt_logprobs or [])
         self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
         self.completion_tokens = max(self.completion_tokens, event.completion_tokens)
         if event.finished:
@@ -311,7 +327,7 @@ class ChoiceState:
             self.finish_reason = event.finish_reason
             self.stop_reason = event.stop_reason
             self.error = event.error
-        return Delta(event.text, list(event.token_ids), entries, offsets, stamps)
+        return Delta(event.text, list(event.token_ids), entries, offsets, stamps, list(event.prompt_logprobs or []))
 
     @property
     def full_text(self) -> str:
@@ -325,7 +341,9 @@ def token_label(tokenizer: Tokenizer, token_id: int, as_ids: bool) -> str:
 
 
 def natural_top(entry: TokenLogprob, k: int) -> list[tuple[int, float]]:
-    """k alternatives by decreasing logprob, increasing id on ties."""
+    """k alternatives by decreasing logprob, increasing id on ties; explicit ids as requested."""
+    if entry.explicit:
+        return entry.top
     return sorted(entry.top, key=lambda t: (-t[1], t[0]))[:k]
 
 
@@ -359,6 +377,54 @@ def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob], offse
         "top_logprobs": tops,
         "text_offset": [offset_base + o for o in offsets],
     }
+
+
+def prompt_logprobs_field(tokenizer: Tokenizer, entries: list[PromptLogprob | None], k: int) -> list[Any]:
+    """vLLM's prompt_logprobs: per prompt position null or {id: {logprob, rank, decoded_token}},
+    the actual token first, then up to k natural alternatives."""
+    out: list[Any] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        scored = {str(entry.token_id): _scored(tokenizer, entry.token_id, entry.logprob, entry.rank)}
+        for token_id, lp, rank in entry.top[:k]:
+            scored.setdefault(str(token_id), _scored(tokenizer, token_id, lp, rank))
+        out.append(scored)
+    return out
+
+
+def _scored(tokenizer: Tokenizer, token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+    return {"logprob": logprob_value(logprob), "rank": rank, "decoded_token": tokenizer.token_string(token_id)}
+
+
+def echo_logprobs(tokenizer: Tokenizer, prompt_ids: list[int], entries: list[PromptLogprob | None], k: int,
+                  as_ids: bool, first: int = 0, offset_base: int = 0) -> dict[str, Any]:
+    """Completions arrays for echoed prompt positions first..first+len(entries): position zero has
+    null token_logprobs and top_logprobs; text_offset counts the preceding decoded token strings
+    (offset_base: the characters of the positions before `first`)."""
+    tokens, values, tops, offsets = [], [], [], []
+    chars = offset_base
+    for position, entry in enumerate(entries, start=first):
+        token_id = prompt_ids[position]
+        tokens.append(token_label(tokenizer, token_id, as_ids))
+        offsets.append(chars)
+        chars += len(tokenizer.token_string(token_id))
+        if entry is None:
+            values.append(None)
+            tops.append(None)
+            continue
+        values.append(logprob_value(entry.logprob))
+        top: dict[str, float] = {}
+        for alt_id, lp, _ in entry.top[:k]:
+            top.setdefault(token_label(tokenizer, alt_id, as_ids), logprob_value(lp))
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def echo_chars(tokenizer: Tokenizer, prompt_ids: list[int]) -> int:
+    """Characters of the decoded token strings of `prompt_ids` (where generated offsets start)."""
+    return sum(len(tokenizer.token_string(t)) for t in prompt_ids)
 
 
 async def try_send_stream_error(writer: Any, error: ApiError) -> None:

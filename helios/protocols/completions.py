@@ -2,7 +2,8 @@
 
 Choice index = prompt_index * n + choice_index. Usage counts each prompt once; cached usage is
 each prompt's first choice's admission count; completion usage sums every choice. max_tokens 0
-tokenizes (and echoes) without submitting anything.
+tokenizes (and echoes) without submitting anything, unless the prompt is scored (echo with
+logprobs, or prompt_logprobs): then the prompt is submitted and nothing is generated.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class CompletionPlan:
     logprobs: int | None
     as_token_ids: bool
     base: SamplingParams
+    echo_scores: bool = False  # echo with logprobs: prompt entries lead the logprobs arrays
+    prompt_logprobs: int | None = None  # alternatives of choices[i].prompt_logprobs; None: omitted
 
     def prompt_of(self, choice_index: int) -> int:
         return choice_index // self.n
@@ -102,14 +105,16 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Completi
     raw_logprobs = common.opt_int(body, "logprobs", None)
     if raw_logprobs is not None and not 0 <= raw_logprobs <= 20:
         raise RequestError("logprobs must be between 0 and 20", param="logprobs")
-    if echo and raw_logprobs is not None:
-        # echo with logprobs scores the prompt too.
-        common.check_prompt_logprobs(raw_logprobs, streaming=False,
-                                     core_has_prompt_logprobs=m.logprobs.prompt_logprobs)
+    # echo with logprobs scores the prompt too (its entries lead the arrays, api.md).
+    echo_scores = echo and raw_logprobs is not None
+    if echo_scores:
+        common.prompt_logprobs_count(raw_logprobs, streaming=stream, manifest=m, name="logprobs")
     k = check_top_logprobs(raw_logprobs, "logprobs", m.logprobs) if raw_logprobs is not None else None
-    common.check_logprob_token_ids(body, k is not None)
-    common.check_prompt_logprobs(body.get("prompt_logprobs"), streaming=stream,
-                                 core_has_prompt_logprobs=m.logprobs.prompt_logprobs)
+    explicit = common.logprob_token_ids(body, k is not None, m)
+    field = common.prompt_logprobs_count(body.get("prompt_logprobs"), streaming=stream, manifest=m)
+    # An explicit prompt_logprobs wins for that field; echo infers it from logprobs.
+    prompt_k = field if field is not None else (k if echo_scores else None)
+    scoring = max(k or 0, prompt_k or 0) if (echo_scores or prompt_k is not None) else None
 
     if "prompt" not in body:
         raise RequestError("prompt is required", param="prompt")
@@ -122,11 +127,13 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Completi
             param="n",
         )
     base = common.request_sampling(body, m, logprobs=k)
+    base.logprob_token_ids = explicit
     prompts = decode_prompts(raw, ctx.tokenizer, m.architecture.vocab_size)
     budgets = [resolve_max_tokens(body.get("max_tokens"), len(p.token_ids), m.limits, allow_zero=True)
                for p in prompts]
     requests: list[GenerationRequest] = []
-    if any(budgets):
+    # max_tokens 0 reaches the model only to score the prompt (api.md).
+    if any(budgets) or scoring is not None:
         for pi, (prompt, budget) in enumerate(zip(prompts, budgets)):
             for j in range(n):
                 requests.append(GenerationRequest(
@@ -134,6 +141,7 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Completi
                     prompt_token_ids=prompt.token_ids,
                     sampling=dataclasses.replace(base, max_tokens=budget, seed=child_seed(base.seed, j)),
                     checkpoints=endpoint(prompt.token_ids),  # raw prompts: the exact endpoint only
+                    prompt_logprobs=scoring,
                 ))
     return CompletionPlan(
         response_id=response_id,
@@ -146,6 +154,8 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Completi
         logprobs=k,
         as_token_ids=common.opt_bool(body, "return_tokens_as_token_ids", False),
         base=base,
+        echo_scores=echo_scores,
+        prompt_logprobs=prompt_k,
     )
 
 
@@ -221,16 +231,24 @@ async def _buffered(ctx: ServerContext, p: CompletionPlan, group: GenerationGrou
             raise failure.with_headers(headers)
     choices = []
     for s in states:
-        prefix = p.prompts[p.prompt_of(s.index)].echo_text if p.echo else ""
+        prompt = p.prompts[p.prompt_of(s.index)]
+        prefix = prompt.echo_text if p.echo else ""
+        logprobs = None
+        if p.logprobs is not None:
+            logprobs = common.completion_logprobs(ctx.tokenizer, s.logprobs, s.offsets, p.logprobs,
+                                                  p.as_token_ids, offset_base=len(prefix))
+            if p.echo_scores:
+                echoed = common.echo_logprobs(ctx.tokenizer, prompt.token_ids, s.prompt_logprobs, p.logprobs,
+                                              p.as_token_ids)
+                logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
         choices.append({
             "index": s.index,
             "text": prefix + s.full_text,
-            "logprobs": (common.completion_logprobs(ctx.tokenizer, s.logprobs, s.offsets, p.logprobs,
-                                                    p.as_token_ids)
-                         if p.logprobs is not None else None),
+            "logprobs": logprobs,
             "finish_reason": common.finish_reason_name(s.finish_reason),
             "stop_reason": s.stop_reason,
-            "prompt_logprobs": None,
+            "prompt_logprobs": (common.prompt_logprobs_field(ctx.tokenizer, s.prompt_logprobs, p.prompt_logprobs)
+                                if p.prompt_logprobs is not None else None),
         })
     return json_response(_response(ctx, p, choices, _usage(p, states)), headers=headers)
 
@@ -241,6 +259,7 @@ async def _stream(request: web.Request, ctx: ServerContext, p: CompletionPlan, g
     states = _states(ctx, p)
     created = common.now()
     echoed = [not p.echo] * len(states)
+    scored = [0] * len(states)  # prompt entries streamed per choice
 
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
         out = {"id": p.response_id, "object": "text_completion", "created": created, "model": ctx.model_id,
@@ -262,19 +281,31 @@ async def _stream(request: web.Request, ctx: ServerContext, p: CompletionPlan, g
                 await writer.send(common.stream_error(failure))
                 await writer.close()
                 return writer.response
+            prompt = p.prompts[p.prompt_of(index)]
             text = delta.text
             if not echoed[index]:
                 echoed[index] = True
-                text = p.prompts[p.prompt_of(index)].echo_text + text
+                text = prompt.echo_text + text
             entries = delta.logprobs if p.logprobs is not None else []
-            if not (text or entries or event.finished):
+            logprobs = None
+            if entries:
+                logprobs = common.completion_logprobs(ctx.tokenizer, entries, delta.offsets, p.logprobs or 0,
+                                                      p.as_token_ids,
+                                                      offset_base=len(prompt.echo_text) if p.echo else 0)
+            if p.echo_scores and delta.prompt_logprobs:
+                # One logprob frame per completed prompt chunk, before generated entries.
+                first = scored[index]
+                scored[index] += len(delta.prompt_logprobs)
+                logprobs = common.echo_logprobs(
+                    ctx.tokenizer, prompt.token_ids, delta.prompt_logprobs, p.logprobs or 0, p.as_token_ids,
+                    first=first, offset_base=common.echo_chars(ctx.tokenizer, prompt.token_ids[:first]),
+                )
+            if not (text or logprobs or event.finished):
                 continue
             await writer.send(chunk([{
                 "index": index,
                 "text": text,
-                "logprobs": (common.completion_logprobs(ctx.tokenizer, entries, delta.offsets, p.logprobs or 0,
-                                                        p.as_token_ids)
-                             if entries else None),
+                "logprobs": logprobs,
                 "finish_reason": common.finish_reason_name(state.finish_reason) if event.finished else None,
                 "stop_reason": state.stop_reason if event.finished else None,
             }]))

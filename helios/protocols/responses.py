@@ -274,7 +274,8 @@ def _reject_stateful(body: dict[str, Any]) -> None:
         raise _bad("prompt_logprobs is not supported by /v1/responses", "prompt_logprobs")
 
 
-def _logprobs(body: dict[str, Any], ctx: ServerContext) -> int | None:
+def _logprobs(body: dict[str, Any], ctx: ServerContext) -> tuple[int | None, list[int] | None]:
+    """(natural alternatives per output_text entry or None when not included, explicit ids)."""
     include = body.get("include") or []
     if not isinstance(include, list) or not all(isinstance(i, str) for i in include):
         raise _bad("include must be an array of strings", "include")
@@ -284,8 +285,9 @@ def _logprobs(body: dict[str, Any], ctx: ServerContext) -> int | None:
     enabled = LOGPROBS_INCLUDE in include  # other include values are ignored (api.md)
     if top and not enabled:
         raise _bad(f'top_logprobs requires include: ["{LOGPROBS_INCLUDE}"]', "top_logprobs")
-    common.check_logprob_token_ids(body, enabled)
-    return check_top_logprobs(top or 0, "top_logprobs", ctx.manifest.logprobs) if enabled else None
+    explicit = common.logprob_token_ids(body, enabled, ctx.manifest)
+    k = check_top_logprobs(top or 0, "top_logprobs", ctx.manifest.logprobs) if enabled else None
+    return k, explicit
 
 
 @dataclass
@@ -329,7 +331,7 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Response
     m = ctx.manifest
     _reject_stateful(body)
     controls = _check_controls(body)
-    k = _logprobs(body, ctx)
+    k, explicit = _logprobs(body, ctx)
     if "input" not in body:
         raise _bad("input is required")
     messages = decode_input(body["input"], body.get("instructions"))
@@ -338,6 +340,7 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Response
     kwargs = template_kwargs(kwargs, enabled=common.reasoning_switch(body, kwargs), effort=controls.effort,
                              template_source=ctx.template.source if ctx.template else None)
     sampling = common.request_sampling(body, m, logprobs=k)
+    sampling.logprob_token_ids = explicit
     options = ChatOptions(
         tools=tools, choice=choice, output_format=controls.output_format, output_format_param="text",
         template_kwargs=kwargs, budget=Budget(controls.budget, explicit=controls.budget is not None),

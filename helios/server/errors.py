@@ -26,6 +26,7 @@ class ApiError(Exception):
         self.type = type_
         self.message = message
         self.code = code
+        self.param: str | None = None  # the offending request field, when one is known
         self.headers: dict[str, str] = {}  # e.g. x-request-id once the request reached the model
 
     def with_headers(self, headers: dict[str, str]) -> "ApiError":
@@ -34,7 +35,9 @@ class ApiError(Exception):
 
     @classmethod
     def from_request_error(cls, exc: RequestError) -> "ApiError":
-        return bad_request(exc.message, code=exc.code)
+        error = bad_request(exc.message, code=exc.code)
+        error.param = exc.param
+        return error
 
 
 # One constructor per row of the status table.
@@ -79,7 +82,7 @@ def server_error(message: str) -> ApiError:
 
 
 def openai_error_body(error: ApiError) -> dict[str, Any]:
-    return {"error": {"type": error.type, "message": error.message, "param": None, "code": error.code}}
+    return {"error": {"type": error.type, "message": error.message, "param": error.param, "code": error.code}}
 
 
 def dumps(data: Any) -> str:

@@ -23,13 +23,15 @@ from ignition.models.common import TOP_K, DecoderLM
 # The exporter logs a warning per missing torchvision op it would have registered.
 logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
 
-INPUT_NAMES = ["input_ids", "positions", "history_lens", "query_lens", "block_tables", "kv_pool"]
-OUTPUT_NAMES = ["logits", "logsumexp", "top_logprobs", "top_ids", "new_kv"]
+INPUT_NAMES = ["input_ids", "positions", "history_lens", "query_lens", "block_tables", "kv_pool", "logprob_token_ids"]
+OUTPUT_NAMES = ["logits", "logsumexp", "top_logprobs", "top_ids", "token_logprobs", "new_kv", "hidden"]
+# Explicit logprob ids one step can score per row (api.md: at most 128 caller ids + the sampled one).
+MAX_LOGPROB_TOKEN_IDS = 129
 OPSET = 18
 
 
 def step_signature(arch: Architecture, kv: KVLayout) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """The contract's I/O specs; symbolic dims are B, L, M and pool_rows (= layers*2*P)."""
+    """The contract's I/O specs; symbolic dims are B, L, M, E and pool_rows (= layers*2*P)."""
     t, h, d = kv.page_tokens, kv.kv_heads, kv.head_dim
     inputs = [
         TensorSpec("input_ids", "int64", ["B", "L"]),
@@ -38,19 +40,22 @@ def step_signature(arch: Architecture, kv: KVLayout) -> tuple[list[TensorSpec], 
         TensorSpec("query_lens", "int64", ["B"]),
         TensorSpec("block_tables", "int64", ["B", "M"]),
         TensorSpec("kv_pool", kv.dtype, ["pool_rows", t, h, d]),
+        TensorSpec("logprob_token_ids", "int64", ["B", "E"]),
     ]
     outputs = [
         TensorSpec("logits", "float32", ["B", arch.vocab_size]),
         TensorSpec("logsumexp", "float32", ["B"]),
         TensorSpec("top_logprobs", "float32", ["B", TOP_K]),
         TensorSpec("top_ids", "int64", ["B", TOP_K]),
+        TensorSpec("token_logprobs", "float32", ["B", "E"]),
         TensorSpec("new_kv", kv.dtype, [kv.num_layers, 2, "B", "L", h, d]),
+        TensorSpec("hidden", "float32", ["B", "L", arch.hidden_size]),
     ]
     return inputs, outputs
 
 
 def sample_inputs(kv: KVLayout) -> tuple[torch.Tensor, ...]:
-    """Trace inputs with pairwise-distinct sizes (B=2, L=3, M=4, P=5) so the exporter cannot
+    """Trace inputs with pairwise-distinct sizes (B=2, L=3, M=4, P=5, E=7) so the exporter cannot
     mistake one dynamic dim for another or specialize a 0/1-sized one."""
     batch, length, pages, pool_pages = 2, 3, 4, 5
     history = torch.tensor([5, 17])
@@ -62,6 +67,7 @@ def sample_inputs(kv: KVLayout) -> tuple[torch.Tensor, ...]:
         torch.tensor([length, 1]),
         torch.tensor([[0, 1, 2, 3], [4, 3, 2, 1]]),
         torch.zeros(kv.num_layers * 2 * pool_pages, kv.page_tokens, kv.kv_heads, kv.head_dim),
+        torch.zeros(batch, 7, dtype=torch.int64),
     )
 
 
@@ -85,6 +91,7 @@ def export_step_graph(
     data_name = file_name + ".data"
     batch, length, pages = (torch.export.Dim(n, min=1) for n in ("B", "L", "M"))
     pool_rows = torch.export.Dim("pool_rows", min=1)
+    explicit = torch.export.Dim("E", min=1, max=MAX_LOGPROB_TOKEN_IDS)
     dynamic_shapes = (
         {0: batch, 1: length},
         {0: batch, 1: length},
@@ -92,6 +99,7 @@ def export_step_graph(
         {0: batch},
         {0: batch, 1: pages},
         {0: pool_rows},
+        {0: batch, 1: explicit},
     )
     # The dynamo exporter: ~3x fewer nodes than the legacy tracer, no tracer warnings, and
     # dynamic shapes are checked symbolically rather than guessed from one trace.

@@ -52,6 +52,7 @@ VALIDATION_PROMPT = (
     "<|im_start|>assistant\n"
 )
 TOP_LOGPROBS = 20
+MAX_EXPLICIT_TOKEN_IDS = 128  # api.md: logprob_token_ids takes at most 128 ids
 GRAPH_FILE = "step.onnx"
 # Graph metadata the exporter adds that is not part of the model: source file paths and line
 # numbers (they differ between checkouts and virtual environments of the same code).
@@ -80,14 +81,21 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
     from ignition.checkpoints.load import load_checkpoint, peek_family
     from ignition.export.graph import export_step_graph
     from ignition.export.quantize import quantize
-    from ignition.export.validate import ParityError
+    from ignition.export.validate import ParityError, validate_scores
     from ignition.models import build_model
 
     recipe, out = options.recipe, Path(options.out)
     if options.precision not in PRECISIONS:
         raise ExportError(f"unknown precision {options.precision!r} (choose {', '.join(PRECISIONS)})")
-    if options.prompt_logprobs:
-        raise ExportError("--prompt-logprobs (scored prefill graphs) is not implemented yet")
+    from ignition.models import PLANNED
+
+    if recipe.family in PLANNED:
+        raise ExportError(
+            f"recipe {recipe.name!r} compiles the {recipe.family!r} family, which cannot be compiled yet: "
+            f"missing {PLANNED[recipe.family]} (docs/recipes.md)"
+        )
+    if not options.checkpoint:
+        raise ExportError(f"recipe {recipe.name!r} has no default checkpoint: pass --checkpoint")
     check_out(out, options.force)
     family = peek_family(options.checkpoint)
     if family != recipe.family:
@@ -156,9 +164,13 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
         engine_dir.mkdir()
         quantize(fp32_graph, engine_dir / engine.file, options.precision)
         canonicalize_graph(engine_dir / engine.file)
+        engine.data_files = sorted(p.name for p in engine_dir.iterdir() if p.name != engine.file)
+        engines = [engine]
+        if options.prompt_logprobs:
+            progress("export", "building the prompt-scoring graph (--prompt-logprobs)")
+            engines.append(_score_engine(fp32_graph, checkpoint.architecture, work / "score-fp32", engine_dir, options.precision))
         if staging is None and entry is None:
             shutil.rmtree(work / "fp32")  # free the disk before validation
-        engine.data_files = sorted(p.name for p in engine_dir.iterdir() if p.name != engine.file)
 
         tokenizer_spec = _write_tokenizer(checkpoint, recipe, engine_dir)
         template_spec = _write_template(checkpoint, recipe, engine_dir)
@@ -173,12 +185,17 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
             precision=options.precision,
             limits=_limits(recipe, checkpoint),
             kv=kv,
-            engines=[engine],
+            engines=engines,
             tokenizer=tokenizer_spec,
             template=template_spec,
             sampling=Sampling(defaults=recipe.sampling_defaults, ranges=dict(recipe.sampling_ranges)),
             parsers=Parsers(tool=recipe.tool_parser, reasoning=recipe.reasoning_parser),
-            logprobs=Logprobs(max_top_logprobs=TOP_LOGPROBS, explicit_token_ids=False, prompt_logprobs=False),
+            logprobs=Logprobs(
+                max_top_logprobs=TOP_LOGPROBS,
+                explicit_token_ids=True,
+                prompt_logprobs=options.prompt_logprobs,
+                max_explicit_token_ids=MAX_EXPLICIT_TOKEN_IDS,
+            ),
             decode_weight_bytes=decode_weight_bytes(engine_dir / engine.file),
             toolchain=export_cache.toolchain(),
         )
@@ -200,6 +217,9 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
                 progress("validate", "cached reference does not apply: reading the checkpoint for the reference")
                 model = build_model(load_checkpoint(options.checkpoint))
                 parity = _validate(engine_dir / engine.file, model, kv, prompt_ids, options.precision)
+            if options.prompt_logprobs:
+                progress("validate", "checking prompt scores against the step graph's logprobs")
+                validate_scores(engine_dir / engine.file, engine_dir / engines[1].file, kv, prompt_ids)
         except ParityError as exc:
             _commit(staging, checkpoint, exported, seconds, reference)
             raise ExportError(str(exc)) from None
@@ -218,6 +238,25 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
         if staging is not None:
             staging.discard()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _score_engine(fp32_step: Path, arch, fp32_dir: Path, engine_dir: Path, precision: str):  # noqa: ANN001, ANN202
+    """Export the prompt-scoring head from the fp32 step graph's lm_head, quantized like it."""
+    from ignition.export.quantize import quantize_score
+    from ignition.export.score import export_score_graph, lm_head_from_step_graph
+
+    try:
+        head = lm_head_from_step_graph(fp32_step)
+    except ValueError as exc:
+        # e.g. Gemma 4 / Muse Spark soft-cap their logits after the lm_head: the score graph
+        # would report other numbers than the step graph, so it is refused rather than wrong.
+        raise ExportError(f"--prompt-logprobs is not supported for this family yet: {exc}") from None
+    score = export_score_graph(head, arch, fp32_dir)
+    quantize_score(fp32_dir / score.file, engine_dir / score.file, precision)
+    canonicalize_graph(engine_dir / score.file)
+    score.data_files = [score.file + ".data"]
+    shutil.rmtree(fp32_dir)
+    return score
 
 
 def _kv_layout(recipe: Recipe, checkpoint: Checkpoint) -> KVLayout:
@@ -367,6 +406,8 @@ def _write_tokenizer(checkpoint: Checkpoint, recipe: Recipe, folder: Path) -> To
 def _write_template(checkpoint: Checkpoint, recipe: Recipe, folder: Path) -> TemplateSpec:
     if recipe.template_source == "checkpoint":
         source = checkpoint.chat_template
+        if not source and recipe.template_fallback:  # e.g. tiny test checkpoints (docs/recipes.md)
+            source = (recipe.path.parent / recipe.template_fallback).read_text()
     else:
         source = (recipe.path.parent / recipe.template_source).read_text()
     if not source:

@@ -49,14 +49,26 @@ class QuantSettings:
 #
 # int4: block 32 keeps the best int4 quality (64: +12% KL for ~9% speed; 128: +50% KL and twice
 #   the worst-case KL for ~20%), and matches the source Q4_K's 32-weight scale granularity. The
-#   lm_head stays 8-bit (as llama.cpp's Q4_K_M keeps it): 4-bit there adds 35% KL, fp32 doubles
-#   b=1 time for no gain. The 4-bit embedding table halves the core (0.93 -> 0.46 GB) for +6% KL
-#   and no speed cost (it is gathered, not multiplied).
+#   4-bit embedding table halves the core (0.93 -> 0.46 GB) for +6% KL and no speed cost (it is
+#   gathered, not multiplied).
+# int4 lm_head (engine-speed issue): the lm_head is the largest matmul (151936 x 896); at 8 bits it
+#   is ~140 of the ~365 MB a decode step reads. Re-measured on the validation sequence (64-token
+#   prompt + 8 decode steps, 10 positions; reference = cached fp32 torch logits), lm_head variants
+#   over the same int4 b32 layers, interleaved runs, process CPU-ms per b=1 step on a loaded host:
+#
+#     lm_head     data MB  b=1 cpu-ms (median/min)  mean KL   max KL   top-1
+#     int8 b128   458      59-68 / 49-60            0.00167   0.0130   1.0
+#     int4 b32    402      59-61 / 55-56            0.00251   0.0163   1.0
+#     int4 b64    394      54 / 48                  0.00311   0.0149   1.0
+#     int4 b128   390      51-53 / 45-50            0.00303   0.0191   1.0
+#
+#   int4 block 128 is the fastest (fewest scales to read) at a KL still ~7x below honest int4
+#   layers' worst case and >100x inside the int4 tolerance, so the lm_head is 4-bit block 128.
 # int8: block 128, ~15% faster than 32 at negligible KL either way. It decodes about as fast as
 #   int4 on 2 cores (unpacking nibbles costs what the halved bandwidth saves) at ~40x lower KL.
 #   8-bit Gather is unsupported, so its embedding stays fp32 (core ~1.06 GB).
 SETTINGS = {
-    "int4": QuantSettings(bits=4, block_size=32, accuracy_level=4, lm_head_bits=8, embedding_bits=4),
+    "int4": QuantSettings(bits=4, block_size=32, accuracy_level=4, lm_head_bits=4, embedding_bits=4),
     "int8": QuantSettings(bits=8, block_size=128, accuracy_level=4, lm_head_bits=8, embedding_bits=None),
 }
 
@@ -76,38 +88,62 @@ def quantize(onnx_in: Path, onnx_out: Path, precision: str, settings: QuantSetti
 
 
 def quantize_weights(model: onnx.ModelProto, s: QuantSettings) -> None:
+    _name_nodes(model)
+    lm_head = [n.name for n in model.graph.node if LM_HEAD_OUTPUT in n.output and n.op_type == "MatMul"]
+    _matmul_nbits(model, s, s.bits, None, lm_head, ("MatMul",), s.block_size)
+    if s.lm_head_bits is not None and lm_head:
+        _matmul_nbits(model, s, s.lm_head_bits, lm_head, [], ("MatMul",), s.lm_head_block_size)
+    if s.embedding_bits is not None:
+        if s.embedding_bits != 4:
+            raise ValueError("onnxruntime quantizes Gather to 4 bits only")
+        embeds = [n.name for n in model.graph.node if n.op_type == "Gather" and n.input[1] == "input_ids"]
+        _matmul_nbits(model, s, s.embedding_bits, embeds, [], ("Gather",), s.block_size)
+    fold_bias_adds(model)
+
+
+def quantize_score(onnx_in: Path, onnx_out: Path, precision: str) -> None:
+    """The prompt-scoring head (ignition.export.score) at `precision`: its only matmul is the
+    lm_head, quantized exactly as quantize_weights quantizes the step graph's, so both graphs
+    compute the same logits."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r} (choose {', '.join(PRECISIONS)})")
+    model = onnx.load(str(onnx_in))
+    s = SETTINGS.get(precision)
+    if s is not None and s.lm_head_bits is not None:
+        gemm_to_matmul(model)
+        _name_nodes(model)
+        _matmul_nbits(model, s, s.lm_head_bits, None, [], ("MatMul",), s.lm_head_block_size)
+    out = Path(onnx_out)
+    save_with_external_data(model, out, out.name + ".data")
+
+
+def _matmul_nbits(
+    model: onnx.ModelProto,
+    s: QuantSettings,
+    bits: int,
+    include: list[str] | None,
+    exclude: list[str],
+    op_types: tuple[str, ...],
+    block: int,
+) -> None:
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     # The quantizer logs one line per node at INFO, and warns that a 4-bit Gather lifts the
     # opset to 21 (onnxruntime runs the result; validation checks it).
     logging.getLogger("onnxruntime.quantization").setLevel(logging.ERROR)
-    _name_nodes(model)
-    lm_head = [n.name for n in model.graph.node if LM_HEAD_OUTPUT in n.output and n.op_type == "MatMul"]
-
-    def run(bits: int, include: list[str] | None, exclude: list[str], op_types: tuple[str, ...], block: int) -> None:
-        quantizer = MatMulNBitsQuantizer(
-            model,
-            bits=bits,
-            block_size=block,
-            is_symmetric=True,  # no zero points: less to read, and MLAS's fastest int4 path
-            accuracy_level=s.accuracy_level,
-            nodes_to_include=include,
-            nodes_to_exclude=exclude,
-            op_types_to_quantize=op_types,
-            quant_axes=(("MatMul", 0), ("Gather", 1)),
-        )
-        quantizer.process()
-        model.CopyFrom(quantizer.model.model)
-
-    run(s.bits, None, lm_head, ("MatMul",), s.block_size)
-    if s.lm_head_bits is not None and lm_head:
-        run(s.lm_head_bits, lm_head, [], ("MatMul",), s.lm_head_block_size)
-    if s.embedding_bits is not None:
-        if s.embedding_bits != 4:
-            raise ValueError("onnxruntime quantizes Gather to 4 bits only")
-        embeds = [n.name for n in model.graph.node if n.op_type == "Gather" and n.input[1] == "input_ids"]
-        run(s.embedding_bits, embeds, [], ("Gather",), s.block_size)
-    fold_bias_adds(model)
+    quantizer = MatMulNBitsQuantizer(
+        model,
+        bits=bits,
+        block_size=block,
+        is_symmetric=True,  # no zero points: less to read, and MLAS's fastest int4 path
+        accuracy_level=s.accuracy_level,
+        nodes_to_include=include,
+        nodes_to_exclude=exclude,
+        op_types_to_quantize=op_types,
+        quant_axes=(("MatMul", 0), ("Gather", 1)),
+    )
+    quantizer.process()
+    model.CopyFrom(quantizer.model.model)
 
 
 def fold_bias_adds(model: onnx.ModelProto) -> None:

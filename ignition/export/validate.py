@@ -21,6 +21,7 @@ decode steps = 10 positions; KL is the mean KL(reference || engine) of next-toke
   fp32 (the shipped graph)                 2e-5..5e-5  1.0     0
   int8 (block 128)                         0.51..0.63  1.0     <= 0.0012
   int4 (block 32, int8 lm_head, 4-bit emb) 2.9..5.0    1.0     0.002..0.022  (0.08 unrepeated)
+  int4 as shipped (int4 block-128 lm_head) 3.3         1.0     0.003 (one prompt; int8 head: 0.0017)
   int4 block 128 (honest, not shipped)     3.7..7.5    0.9..1  0.006..0.45
   broken: rotate-half vs interleaved       22..33      0..0.1  8.7..10.5
   broken: q/k/v bias dropped (unrepeated)  27..38      0       15..16
@@ -103,6 +104,7 @@ def validate(
         prompt_tokens=len(prompt),
         decode_steps=decode_steps,
         top1_agreement=top1,
+        mean_kl=kl,
     )
     if not (np.isfinite(engine).all() and error <= tolerance.max_abs and top1 >= tolerance.min_top1 and kl <= tolerance.max_kl):
         raise ParityError(
@@ -164,3 +166,43 @@ def _engine(
         logits.append(out.logits[0])
         positions.append(end - 1)
     return np.stack(logits), positions
+
+
+SCORE_TOLERANCE = 1e-3  # |score-graph logprob - step-graph logprob| at the same position
+
+
+def validate_scores(step_graph: Path, score_graph: Path, kv: KVLayout, prompt_ids: list[int]) -> None:
+    """The score graph must report what the step graph reports at the same position.
+
+    The prompt is prefilled once with every position scored; the step graph then computes the
+    last scored position's distribution as an ordinary generation step (the prompt minus its last
+    token). Target logprob, the natural alternatives and the rank must agree. Raises ParityError.
+    """
+    prompt = list(prompt_ids)
+    if len(prompt) < 2:
+        raise ValueError("score validation needs a prompt of at least 2 tokens")
+    pages = -(-len(prompt) // kv.page_tokens)
+    table = list(range(pages))
+    try:
+        runner = Runner.from_graph(step_graph, kv, num_pages=pages, score_graph=score_graph)
+        scored = runner.step([StepRow(prompt, 0, table, score_targets=prompt[1:] + [-1])]).prompt_scores[0]
+        runner = Runner.from_graph(step_graph, kv, num_pages=pages)
+        step = runner.step([StepRow(prompt[:-1], 0, table)])
+    except Exception as exc:  # noqa: BLE001 - a score graph that cannot run is broken
+        raise ParityError(f"the prompt-scoring graph failed on the validation prompt: {exc}") from exc
+    if scored is None or len(scored.target_logprobs) != len(prompt) - 1:
+        raise ParityError("the prompt-scoring graph did not score every prompt position")
+    logits = step.logits[0].astype(np.float64)
+    logprobs = logits - (logits.max() + np.log(np.exp(logits - logits.max()).sum()))
+    target = prompt[-1]
+    got = float(scored.target_logprobs[-1])
+    errors = [abs(got - logprobs[target])]
+    errors += list(np.abs(scored.top_logprobs[-1] - logprobs[scored.top_ids[-1]]))
+    lowest = 1 + int((logprobs > logprobs[target] + SCORE_TOLERANCE).sum())
+    highest = 1 + int((logprobs > logprobs[target] - SCORE_TOLERANCE).sum())
+    rank = int(scored.target_ranks[-1])
+    if not (max(errors) <= SCORE_TOLERANCE and lowest <= rank <= highest and np.isfinite(scored.target_logprobs).all()):
+        raise ParityError(
+            f"prompt scores disagree with the step graph: max |logprob error| {max(errors):.4g} "
+            f"(tolerance {SCORE_TOLERANCE:g}), rank {rank} (expected {lowest}..{highest})"
+        )

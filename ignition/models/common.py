@@ -28,6 +28,18 @@ from ignition.models import ops
 TOP_K = 20  # natural alternatives the step graph returns (manifest Logprobs.max_top_logprobs)
 
 
+def logprob_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw-distribution statistics of logits [N, V] in fp32: (log-softmax [N, V], logsumexp [N],
+    the TOP_K best logprobs [N, K] (decreasing; ONNX TopK breaks ties by lower id) and their ids).
+    Shared by the step graph and the prompt-scoring head so both report identical numbers."""
+    # onnxruntime's LogSoftmax is vectorized; its ReduceLogSumExp over a 152k vocabulary is
+    # ~6x slower. logsumexp = max logit - max logprob (both at the top-1 id): exact to fp32.
+    logprobs = torch.log_softmax(logits, dim=-1)
+    top_logprobs, top_ids = torch.topk(logprobs, TOP_K, dim=-1)
+    lse = torch.gather(logits, 1, top_ids[:, :1]).squeeze(1) - top_logprobs[:, 0]
+    return logprobs, lse, top_logprobs, top_ids
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -217,31 +229,31 @@ class DecoderLM(nn.Module):
         query_lens: torch.Tensor,  # [B] int64
         block_tables: torch.Tensor,  # [B, M] int64
         kv_pool: torch.Tensor,  # [layers*2*P, page_tokens, kvh, D] float32
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        logprob_token_ids: torch.Tensor,  # [B, E] int64: caller-chosen ids to score
+    ) -> tuple[torch.Tensor, ...]:
         """The step graph: (logits [B,V], logsumexp [B], top_logprobs [B,K], top_ids [B,K],
-        new_kv [layers, 2, B, L, kvh, D])."""
+        token_logprobs [B,E], new_kv [layers, 2, B, L, kvh, D], hidden [B, L, H])."""
         ctx = StepContext(self.arch.num_layers, positions, history_lens, query_lens, block_tables, kv_pool)
         x, residual = self.embed_tokens(input_ids), None
         new_kv = []
         for layer in self.layers:
             x, residual, k, v = layer(x, residual, ctx, self.rotary)
             new_kv += [k, v]
-        # Only each row's last valid token needs the final norm and the lm_head.
+        # The final norm runs on every position (it is per-token and cheap): `hidden` is what
+        # the prompt-scoring head (ignition.export.score) multiplies by the lm_head. Only each
+        # row's last valid token goes through the lm_head here.
         batch, length, hidden = x.shape
+        normed, _ = ops.add_rms_norm(x, residual, self.norm.weight, self.arch.rms_norm_eps)
         last = (query_lens - 1).view(-1, 1, 1).expand(-1, 1, hidden)
-        x, residual = torch.gather(x, 1, last), torch.gather(residual, 1, last)
-        h, _ = ops.add_rms_norm(x, residual, self.norm.weight, self.arch.rms_norm_eps)
-        logits = self.lm_head(h.squeeze(1))
-        # onnxruntime's LogSoftmax is vectorized; its ReduceLogSumExp over a 152k vocabulary is
-        # ~6x slower. logsumexp = max logit - max logprob (both at the top-1 id): exact to fp32.
-        logprobs = torch.log_softmax(logits, dim=-1)
-        top_logprobs, top_ids = torch.topk(logprobs, TOP_K, dim=-1)
-        lse = torch.gather(logits, 1, top_ids[:, :1]).squeeze(1) - top_logprobs[:, 0]
+        logits = self.lm_head(torch.gather(normed, 1, last).squeeze(1))
+        logprobs, lse, top_logprobs, top_ids = logprob_stats(logits)
+        # Explicit ids: gathered from the full-vocabulary log-softmax (api.md logprob_token_ids).
+        token_logprobs = torch.gather(logprobs, 1, logprob_token_ids)
         # One concat for every layer's K/V, then one small transpose into the contract layout.
         kv = torch.cat(new_kv, dim=-1).reshape(
             batch, length, self.arch.num_layers, 2, self.arch.num_kv_heads, self.arch.head_dim
         )
-        return logits, lse, top_logprobs, top_ids, kv.permute(2, 3, 0, 1, 4, 5)
+        return logits, lse, top_logprobs, top_ids, token_logprobs, kv.permute(2, 3, 0, 1, 4, 5), normed
 
     @torch.no_grad()
     def reference(self, ids: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from helios.manifest import MANIFEST_NAME, Manifest, ManifestError, file_sha256
+from helios.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, ManifestError, file_sha256
 from ignition.cli import app
 from ignition.export import cache as export_cache
 from ignition.export.pipeline import ExportError, ExportOptions, export_core
@@ -105,7 +105,7 @@ def cached_export(tmp_path_factory, tiny_checkpoint_dir, cache_dir: Path):
     os.environ["FLARE_CACHE"] = str(cache_dir)
     try:
         out = tmp_path_factory.mktemp("cached") / "core"
-        manifest, events = export(tiny_checkpoint_dir, out)
+        manifest, events = export(tiny_checkpoint_dir, out, prompt_logprobs=True)  # as tiny_core
     finally:
         if old is None:
             os.environ.pop("FLARE_CACHE", None)
@@ -134,7 +134,7 @@ def test_exports_are_byte_identical_with_and_without_the_cache(
     env = {**os.environ, "PYTHONHASHSEED": "12345", **WIDE}
     run = subprocess.run(
         [sys.executable, "-m", "ignition.cli", "export", "--recipe", RECIPE, "--checkpoint", str(tiny_checkpoint_dir),
-         "--out", str(fresh), "--precision", "fp32", "--no-cache"],
+         "--out", str(fresh), "--precision", "fp32", "--no-cache", "--prompt-logprobs"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
@@ -148,7 +148,7 @@ def test_exports_are_byte_identical_with_and_without_the_cache(
     monkeypatch.setattr("ignition.checkpoints.load.load_checkpoint", forbidden)
     monkeypatch.setattr("ignition.models.build_model", forbidden)
     monkeypatch.setattr("ignition.export.graph.export_step_graph", forbidden)
-    hit, hit_events = export(tiny_checkpoint_dir, tmp_path / "hit")
+    hit, hit_events = export(tiny_checkpoint_dir, tmp_path / "hit", prompt_logprobs=True)
     assert "export cache hit" in stage_details(hit_events, "read")
     assert "skipped" in stage_details(hit_events, "convert")
     assert "skipped" in stage_details(hit_events, "export")
@@ -156,7 +156,8 @@ def test_exports_are_byte_identical_with_and_without_the_cache(
 
     # tiny_core (conftest), the cache-filling export, the --no-cache process and the cache hit.
     expected = digests(tiny_core)
-    assert set(expected) == {MANIFEST_NAME, "step.onnx", "step.onnx.data", "tokenizer.json", "chat_template.jinja"}
+    assert set(expected) == {MANIFEST_NAME, "step.onnx", "step.onnx.data", "score.onnx", "score.onnx.data",
+                             "tokenizer.json", "chat_template.jinja"}
     for core in (cached_core, fresh, tmp_path / "hit"):
         assert digests(core) == expected, core
     assert hit.digest == manifest.digest == Manifest.load(tiny_core).digest
@@ -171,8 +172,9 @@ def test_manifest_records_toolchain_and_digest(tiny_core):
     chain = manifest.toolchain
     assert {"flare", "flare-exporter", "torch", "onnx", "onnxscript", "onnxruntime", "numpy"} <= set(chain)
     assert chain["flare-exporter"] == export_cache.exporter_version()
-    assert manifest.format_version == "1.1"
-    assert set(manifest.files) == {"step.onnx", "step.onnx.data", "tokenizer.json", "chat_template.jinja"}
+    assert manifest.format_version == FORMAT_VERSION
+    assert set(manifest.files) == {"step.onnx", "step.onnx.data", "score.onnx", "score.onnx.data", "tokenizer.json",
+                                   "chat_template.jinja"}
     for rel, digest in manifest.files.items():
         assert file_sha256(tiny_core / rel) == digest
     # The digest is the sha256 of the listing in sha256sum format: `sha256sum -c` checks a core.

@@ -23,6 +23,7 @@ from helios.engine.api import FinishReason, GenerationEvent, GenerationRequest, 
 from helios.engine.block_manager import BlockManager, OutOfPages
 from helios.engine.detokenizer import IncrementalDetokenizer
 from helios.engine.engine import Engine
+from helios.engine.runner import StepOutput
 from helios.engine.sampler import apply_penalties, candidates, sample, token_logprob
 from helios.engine.scheduler import Scheduler
 from helios.engine.sequence import Sequence, SequenceStatus
@@ -168,8 +169,16 @@ class FakeRunner:
         lp = logits - lse[:, None]
         ids = np.arange(VOCAB)
         order = np.stack([np.lexsort((ids, -row)) for row in lp])[:, :20]
-        return SimpleNamespace(
-            logits=logits, logsumexp=lse, top_logprobs=np.take_along_axis(lp, order, axis=1), top_ids=order
+        explicit = None
+        if any(r.logprob_ids for r in rows):
+            width = max(len(r.logprob_ids or ()) for r in rows)
+            explicit = np.zeros((len(rows), width), dtype=np.float32)
+            for b, row in enumerate(rows):
+                if row.logprob_ids:
+                    explicit[b, : len(row.logprob_ids)] = lp[b, row.logprob_ids]
+        return StepOutput(
+            logits=logits, logsumexp=lse, top_logprobs=np.take_along_axis(lp, order, axis=1), top_ids=order,
+            token_logprobs=explicit,
         )
 
     def _logits(self, ctx: list[int]) -> np.ndarray:

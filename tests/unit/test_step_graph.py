@@ -119,7 +119,7 @@ class TorchEngine:
     @torch.no_grad()
     def step(self, rows: list[StepRow]) -> np.ndarray:
         feeds = {k: torch.from_numpy(v) for k, v in pack_rows(rows, PAGE).items()}
-        logits, _, _, _, new_kv = self.model(**feeds, kv_pool=torch.from_numpy(self.pool))
+        logits, _, _, _, _, new_kv, _ = self.model(**feeds, kv_pool=torch.from_numpy(self.pool))
         pages = self.pool.reshape(LAYERS, 2, -1, PAGE, KV_HEADS, HEAD_DIM)
         scatter_new_kv(pages, rows, new_kv.numpy())
         return logits.numpy()
