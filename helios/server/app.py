@@ -23,7 +23,7 @@ from helios.frontend.grammar import compiler_for
 from helios.frontend.template import ChatTemplate
 from helios.frontend.tokenizer import Tokenizer
 from helios.manifest import Manifest
-from helios.protocols import chat, completions, messages, models, ollama, responses
+from helios.protocols import chat, completions, decisions, messages, models, ollama, responses, systemone
 from helios.server import metrics
 from helios.server.admission import Admission
 from helios.server.config import ConfigError, ServerConfig
@@ -124,6 +124,8 @@ def create_app(manifest: Manifest, core_dir: Path, engine: Any, config: ServerCo
     app.router.add_post("/v1/messages", route(messages.handle, generation=True))
     app.router.add_post("/v1/messages/count_tokens", route(messages.handle_count))
     app.router.add_post("/v1/responses", route(responses.handle, generation=True))
+    app.router.add_post("/v1/systemone", route(systemone.handle, generation=True))
+    app.router.add_post("/v1/decisions", route(decisions.handle, generation=True))
     app.router.add_get("/api/tags", route(ollama.tags))
     app.router.add_post("/api/show", route(ollama.show))
 

@@ -1,0 +1,140 @@
+"""POST /v1/systemone: the TypeSafe System One schema (noul / choice / score) over the scorer.
+
+Schema failures answer HTTP 422 with Jev-style `detail` entries ({type, loc, msg, input});
+malformed JSON, unsupported cores and templates answer 400 in the Chat Completions error shape.
+Image assets need a vision core, so any are refused with 400 here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from helios.frontend import decisions as d
+from helios.protocols.scoring import score_questions, scorer
+from helios.server.context import ServerContext, new_response_id
+from helios.server.errors import bad_request, json_response
+
+QUESTION_KEYS = {"type", "instructions", "criteria"}
+MAX_CHOICE_CRITERIA = 128
+MAX_SCORE_LEVELS = 10
+NOUL_OPTIONS = [d.Option("Yes / true"), d.Option("No / false")]  # label order: true, false
+
+
+class SchemaErrors(Exception):
+    def __init__(self, details: list[dict[str, Any]]):
+        super().__init__(f"{len(details)} schema error(s)")
+        self.details = details
+
+
+def _detail(kind: str, loc: list[Any], msg: str, value: Any = None) -> dict[str, Any]:
+    return {"type": kind, "loc": ["body", *loc], "msg": msg, "input": value}
+
+
+def decode(body: dict[str, Any], max_options: int) -> tuple[str, list[tuple[str, dict[str, Any], d.Question]]]:
+    """(state text, [(name, question JSON, neutral question)]) or SchemaErrors."""
+    errors: list[dict[str, Any]] = []
+    if not isinstance(body.get("model"), str):
+        errors.append(_detail("missing" if "model" not in body else "string_type", ["model"],
+                              "model must be a string", body.get("model")))
+    state = body.get("state")
+    if not isinstance(state, (str, dict, list)):
+        errors.append(_detail("missing" if "state" not in body else "model_attributes_type", ["state"],
+                              "state must be a string, an object or an array", state))
+    questions = body.get("questions")
+    decoded: list[tuple[str, dict[str, Any], d.Question]] = []
+    if not isinstance(questions, dict):
+        errors.append(_detail("missing" if "questions" not in body else "dict_type", ["questions"],
+                              "questions must be an object of named questions", questions))
+    elif not 1 <= len(questions) <= d.MAX_QUESTIONS:
+        errors.append(_detail("too_short" if not questions else "too_long", ["questions"],
+                              f"questions must have 1 to {d.MAX_QUESTIONS} entries", len(questions)))
+    else:
+        for name, raw in questions.items():
+            question = _question(name, raw, errors, max_options)
+            if question is not None:
+                decoded.append((name, raw, question))
+    if errors:
+        raise SchemaErrors(errors)
+    return d.as_text(state), decoded
+
+
+def _question(name: str, raw: Any, errors: list[dict[str, Any]], max_options: int) -> d.Question | None:
+    loc = ["questions", name]
+    if not isinstance(raw, dict):
+        errors.append(_detail("model_type", loc, "a question must be an object", raw))
+        return None
+    before = len(errors)
+    for key in raw:
+        if key not in QUESTION_KEYS:
+            errors.append(_detail("extra_forbidden", [*loc, key], "extra fields are not permitted", raw[key]))
+    kind = raw.get("type")
+    instructions = raw.get("instructions")
+    text = d.as_text(instructions) if instructions is not None else name
+    criteria = raw.get("criteria")
+    question = None
+    if kind == "noul":
+        question = d.Question("binary", text, list(NOUL_OPTIONS))
+    elif kind == "choice":
+        limit = min(MAX_CHOICE_CRITERIA, max_options)
+        if not isinstance(criteria, dict) or not 1 <= len(criteria) <= limit:
+            errors.append(_detail("value_error", [*loc, "criteria"],
+                                  f"choice criteria must be an object with 1 to {limit} labels", criteria))
+        else:
+            options = [d.Option(label, d.as_text(desc) if desc is not None else None) for label, desc in criteria.items()]
+            question = d.Question("choice", text, options)
+    elif kind == "score":
+        limit = min(MAX_SCORE_LEVELS, max_options)
+        if not isinstance(criteria, list) or not 1 <= len(criteria) <= limit or any(c is None for c in criteria):
+            errors.append(_detail("value_error", [*loc, "criteria"],
+                                  f"score criteria must be an array of 1 to {limit} nonnull levels", criteria))
+        else:
+            question = d.Question("score", text, [d.Option(d.as_text(level)) for level in criteria])
+    else:
+        errors.append(_detail("literal_error", [*loc, "type"], "type must be 'noul', 'choice' or 'score'", kind))
+    return question if len(errors) == before else None
+
+
+def encode_answer(raw: dict[str, Any], question: d.Question, scored: d.Scored) -> dict[str, Any]:
+    probs = scored.probabilities
+    if question.kind == "binary":
+        return {"type": "noul", "noul": probs[0]}
+    if question.kind == "choice":
+        labels = list(raw["criteria"])
+        return {
+            "type": "choice",
+            "choice": labels[d.winner(probs)],
+            "probabilities": dict(zip(labels, probs)),
+            "confidence": d.choice_confidence(probs),
+        }
+    return {
+        "type": "score",
+        "score": d.expected_score(probs),
+        "legend": list(raw["criteria"]),
+        "probabilities": {str(i): p for i, p in enumerate(probs)},
+        "confidence": d.score_confidence(probs),
+    }
+
+
+async def handle(request: web.Request, ctx: ServerContext) -> web.StreamResponse:
+    if request.content_type.startswith("multipart/"):
+        raise bad_request("image assets need a vision model core; this core is text-only")
+    body = await ctx.read_json_object(request)
+    if body.get("assets") or request.headers.get("TypeSafe-Danger-Zone-Images"):
+        raise bad_request("image assets need a vision model core; this core is text-only")
+    try:
+        state, questions = decode(body, scorer(ctx).max_options())
+    except SchemaErrors as exc:
+        return json_response({"detail": exc.details}, status=422)
+    results = await score_questions(ctx, state, [q for _, _, q in questions], new_response_id("sysone"))
+    usage = d.Usage()
+    answers = {}
+    for (name, raw, question), scored in zip(questions, results):
+        usage.add(scored)
+        answers[name] = encode_answer(raw, question, scored)
+    return json_response({
+        "model": ctx.model_id,
+        "answers": answers,
+        "usage": {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens},
+    })
