@@ -12,54 +12,12 @@ set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CORE="${1:-$REPO/cores/default}"
 shift $(( $# > 0 ? 1 : 0 ))
-SPEC="${FLARE_SPEC:-$REPO/../shared/spec/test_protocols.py}"
-PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
-[ -x "$PYTHON" ] || PYTHON=python3
-
-if [ ! -f "$CORE/core.json" ]; then
-  echo "acceptance: $CORE is not a core (no core.json); export one with" >&2
-  echo "  ignition export --recipe qwen25_coder --out cores/default" >&2
-  exit 2
-fi
-if [ ! -f "$SPEC" ]; then
-  echo "acceptance: the suite $SPEC does not exist (set FLARE_SPEC)" >&2
-  exit 2
-fi
+NAME=acceptance
+source "$REPO/scripts/lib/suite.sh"
 
 WORK="$(mktemp -d)"
-SERVER_PID=""
-cleanup() {
-  if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
-    kill "$SERVER_PID" 2>/dev/null
-    wait "$SERVER_PID" 2>/dev/null
-  fi
-  SERVER_PID=""
-}
 trap 'cleanup; rm -rf "$WORK"' EXIT
 trap 'exit 130' INT TERM
-
-free_port() {
-  "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
-
-# start_server LOG [serve args...]: launch helios and wait until /health answers.
-start_server() {
-  local log="$1"; shift
-  PORT="$(free_port)"
-  URL="http://127.0.0.1:$PORT"
-  (cd "$REPO" && exec "$PYTHON" -m helios.cli serve "$CORE" --port "$PORT" "$@") >"$log" 2>&1 &
-  SERVER_PID=$!
-  for _ in $(seq 1 600); do
-    if ! kill -0 "$SERVER_PID" 2>/dev/null; then
-      echo "acceptance: helios exited during startup:" >&2; tail -n 40 "$log" >&2; return 1
-    fi
-    if "$PYTHON" -c "import httpx, sys; sys.exit(httpx.get('$URL/health', timeout=2).status_code != 200)" 2>/dev/null; then
-      return 0
-    fi
-    sleep 0.5
-  done
-  echo "acceptance: helios did not become healthy:" >&2; tail -n 40 "$log" >&2; return 1
-}
 
 # run_suite NAME KEY [pytest args...]: one server, one pytest run.
 run_suite() {

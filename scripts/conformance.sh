@@ -26,54 +26,22 @@ OUT=""
 if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then OUT="$1"; shift; fi
 OUT="${OUT:-$(mktemp -d -t flare-conformance.XXXXXX)}"
 mkdir -p "$OUT"
-SPEC="${FLARE_SPEC:-$REPO/../shared/spec/test_protocols.py}"
-PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
-[ -x "$PYTHON" ] || PYTHON=python3
 SUBSET="tool or structured or reasoning or custom or required or parallel"
 RUNS="${FLARE_CONFORMANCE_RUNS:-subset full}"
-
-if [ ! -f "$CORE/core.json" ]; then
-  echo "conformance: $CORE is not a core (no core.json); export one with" >&2
-  echo "  ignition export --recipe qwen25_coder --checkpoint qwen2.5-coder-1.5b --out cores/quality" >&2
-  exit 2
-fi
-if [ ! -f "$SPEC" ]; then
-  echo "conformance: the suite $SPEC does not exist (set FLARE_SPEC)" >&2
-  exit 2
-fi
-
-SERVER_PID=""
-cleanup() {
-  if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
-    kill "$SERVER_PID" 2>/dev/null
-    wait "$SERVER_PID" 2>/dev/null
-  fi
-  SERVER_PID=""
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-PORT="$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-URL="http://127.0.0.1:$PORT"
+NAME=conformance
 # helios' own basicConfig is a no-op once this one ran; only helios.output is made verbose.
-(cd "$REPO" && exec "$PYTHON" -c '
+LAUNCH=(-c '
 import logging
 logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 logging.getLogger("helios.output").setLevel(logging.DEBUG)
 from helios.cli import app
 app()
-' serve "$CORE" --port "$PORT") >"$OUT/helios.log" 2>&1 &
-SERVER_PID=$!
-for _ in $(seq 1 1200); do
-  if ! kill -0 "$SERVER_PID" 2>/dev/null; then
-    echo "conformance: helios exited during startup:" >&2; tail -n 40 "$OUT/helios.log" >&2; exit 1
-  fi
-  if "$PYTHON" -c "import httpx, sys; sys.exit(httpx.get('$URL/health', timeout=2).status_code != 200)" 2>/dev/null; then
-    break
-  fi
-  sleep 0.5
-done
+')
+source "$REPO/scripts/lib/suite.sh"
+trap cleanup EXIT
+trap 'exit 130' INT TERM
 
+start_server "$OUT/helios.log" || exit 1
 echo "== conformance: $CORE at $URL (results in $OUT)"
 status=0
 run() {
