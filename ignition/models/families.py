@@ -139,6 +139,23 @@ def _mla_rope(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"rope_theta": theta, "scale": scale, "rope_kind": "yarn", "rope_yarn": yarn, "rope_attention": float(attention)}
 
 
+def _grouped_sigmoid_moe(cfg: dict[str, Any], experts: int, shared_intermediate: int = 0) -> MoEPlan:
+    """DeepSeek-V3-style routing (sigmoid scores, correction bias, grouped top-k), which the
+    DeepSeek V3 / Kimi and MiMo configs spell with the same keys."""
+    return MoEPlan(
+        num_experts=experts,
+        top_k=int(cfg["num_experts_per_tok"]),
+        intermediate=int(cfg["moe_intermediate_size"]),
+        scoring="sigmoid",
+        correction_bias=True,
+        n_group=int(cfg.get("n_group") or 1),
+        topk_group=int(cfg.get("topk_group") or 1),
+        norm_topk=bool(cfg.get("norm_topk_prob", True)),
+        scaling=float(cfg.get("routed_scaling_factor") or 1.0),
+        shared_intermediate=shared_intermediate,
+    )
+
+
 def plan_deepseek_v3(cfg: dict[str, Any]) -> ModelPlan:
     rope = _mla_rope(cfg)
     if cfg.get("num_key_value_heads", cfg["num_attention_heads"]) != cfg["num_attention_heads"]:
@@ -150,17 +167,8 @@ def plan_deepseek_v3(cfg: dict[str, Any]) -> ModelPlan:
     for i in range(int(cfg["num_hidden_layers"])):
         moe = None
         if i >= int(cfg.get("first_k_dense_replace", 0)) and experts:
-            moe = MoEPlan(
-                num_experts=experts,
-                top_k=int(cfg["num_experts_per_tok"]),
-                intermediate=int(cfg["moe_intermediate_size"]),
-                scoring="sigmoid",
-                correction_bias=True,
-                n_group=int(cfg.get("n_group") or 1),
-                topk_group=int(cfg.get("topk_group") or 1),
-                norm_topk=bool(cfg.get("norm_topk_prob", True)),
-                scaling=float(cfg.get("routed_scaling_factor", 1.0)),
-                shared_intermediate=int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0),
+            moe = _grouped_sigmoid_moe(
+                cfg, experts, shared_intermediate=int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0)
             )
         layers.append(
             LayerPlan(
@@ -204,17 +212,7 @@ def plan_mimo_v2_flash(cfg: dict[str, Any]) -> ModelPlan:
         theta, partial = _rope_theta(cfg, layer_types[i])
         moe = None
         if mlp_types[i] == "sparse":
-            moe = MoEPlan(
-                num_experts=int(cfg["n_routed_experts"]),
-                top_k=int(cfg["num_experts_per_tok"]),
-                intermediate=int(cfg["moe_intermediate_size"]),
-                scoring="sigmoid",
-                correction_bias=True,
-                n_group=int(cfg.get("n_group") or 1),
-                topk_group=int(cfg.get("topk_group") or 1),
-                norm_topk=bool(cfg.get("norm_topk_prob", True)),
-                scaling=float(cfg.get("routed_scaling_factor") or 1.0),
-            )
+            moe = _grouped_sigmoid_moe(cfg, int(cfg["n_routed_experts"]))
         kv_heads = int(cfg["num_key_value_heads"]) * (2 if swa else 1)
         layers.append(
             LayerPlan(
