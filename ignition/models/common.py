@@ -304,12 +304,7 @@ class DecoderLM(nn.Module):
             put(layer.input_layernorm, "weight", take(p + "input_layernorm.weight"))
             put(layer.post_attention_layernorm, "weight", take(p + "post_attention_layernorm.weight"))
         put(self.norm, "weight", take("model.norm.weight"))
-        if "lm_head.weight" in tensors:
-            put(self.lm_head, "weight", take("lm_head.weight"))
-        elif self.arch.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        else:
-            raise KeyError("checkpoint has no lm_head.weight and the architecture is not tied")
+        load_lm_head(self, tensors, take, put)
         # Precomputed rotary tables some writers store are recomputed in-graph, never loaded.
         leftover = sorted(n for n in set(tensors) - used if not n.endswith("rotary_emb.inv_freq"))
         if leftover:
@@ -317,3 +312,13 @@ class DecoderLM(nn.Module):
         meta = [n for n, t in self.state_dict().items() if t.is_meta]
         if meta:
             raise ValueError(f"parameters not set from the checkpoint: {meta[:5]}")
+
+
+def load_lm_head(model: nn.Module, tensors: dict[str, np.ndarray], take, put) -> None:  # noqa: ANN001
+    """The checkpoint's lm_head.weight, or the token embedding when the architecture ties them."""
+    if "lm_head.weight" in tensors:
+        put(model.lm_head, "weight", take("lm_head.weight"))
+    elif model.arch.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    else:
+        raise KeyError("checkpoint has no lm_head.weight and the architecture is not tied")

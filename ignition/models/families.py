@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from helios.manifest import Architecture
+from ignition.models.common import load_lm_head
 from ignition.models.configured import ConfiguredLM, LayerPlan, ModelPlan, MoEPlan, plan_cache_dims
 
 # Hugging Face model_type -> flare family. Multimodal wrappers compile their text model
@@ -597,12 +598,7 @@ def load_configured(model: ConfiguredLM, tensors: dict[str, np.ndarray]) -> None
         put(model.per_layer_model_projection, "weight", take("model.per_layer_model_projection.weight"))
         put(model.per_layer_projection_norm, "weight", take("model.per_layer_projection_norm.weight"))
     put(model.norm, "weight", take("model.norm.weight"))
-    if "lm_head.weight" in tensors:
-        put(model.lm_head, "weight", take("lm_head.weight"))
-    elif model.arch.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    else:
-        raise KeyError("checkpoint has no lm_head.weight and the architecture is not tied")
+    load_lm_head(model, tensors, take, put)
     n = model.arch.num_layers
     mtp = re.compile(r"^model\.(layers\.(\d+)\.|mtp\.)")
     for name in set(tensors) - used:
