@@ -41,6 +41,10 @@ class Option:
     description: str | None = None
 
 
+# A yes/no question's options, true first (System One noul, Decisions predicate).
+BINARY_OPTIONS = (Option("Yes / true"), Option("No / false"))
+
+
 @dataclass
 class Question:
     kind: str  # "binary" (true first, false second), "choice" or "score" (levels in order)

@@ -23,7 +23,6 @@ QUESTION_KEYS = {
     "choice": {"type", "name", "instructions", "choices"},
     "score": {"type", "name", "instructions", "levels"},
 }
-PREDICATE_OPTIONS = [d.Option("Yes / true"), d.Option("No / false")]  # label order: true, false
 
 
 def _bad(message: str, param: str) -> RequestError:
@@ -92,7 +91,7 @@ def _question(raw: Any, index: int, max_options: int) -> d.Question:
     if not isinstance(instructions, str):
         raise _bad("instructions must be a string", f"{param}.instructions")
     if kind == "predicate":
-        return d.Question("binary", instructions, list(PREDICATE_OPTIONS))
+        return d.Question("binary", instructions, list(d.BINARY_OPTIONS))
     if kind == "choice":
         limit = min(128, max_options)
         choices = raw.get("choices")

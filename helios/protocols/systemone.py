@@ -19,7 +19,6 @@ from helios.server.errors import bad_request, json_response
 QUESTION_KEYS = {"type", "instructions", "criteria"}
 MAX_CHOICE_CRITERIA = 128
 MAX_SCORE_LEVELS = 10
-NOUL_OPTIONS = [d.Option("Yes / true"), d.Option("No / false")]  # label order: true, false
 
 
 class SchemaErrors(Exception):
@@ -75,7 +74,7 @@ def _question(name: str, raw: Any, errors: list[dict[str, Any]], max_options: in
     criteria = raw.get("criteria")
     question = None
     if kind == "noul":
-        question = d.Question("binary", text, list(NOUL_OPTIONS))
+        question = d.Question("binary", text, list(d.BINARY_OPTIONS))
     elif kind == "choice":
         limit = min(MAX_CHOICE_CRITERIA, max_options)
         if not isinstance(criteria, dict) or not 1 <= len(criteria) <= limit:

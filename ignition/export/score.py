@@ -67,12 +67,13 @@ def lm_head_from_step_graph(graph_path: Path) -> nn.Linear:
 
     Taken from the graph rather than the checkpoint so an export-cache hit, which has no
     checkpoint tensors, builds the same head."""
-    proto = onnx.load(str(graph_path))
+    # Only the graph structure is read, then the one weight: a 0.5B fp32 graph holds ~2 GB.
+    proto = onnx.load(str(graph_path), load_external_data=False)
     inits = {t.name: t for t in proto.graph.initializer}
     node = next((n for n in proto.graph.node if "logits" in n.output), None)
     if node is None or node.op_type not in ("MatMul", "Gemm") or node.input[1] not in inits:
         raise ValueError(f"{graph_path}: no constant lm_head matmul produces 'logits'")
-    weight = numpy_helper.to_array(inits[node.input[1]]).astype(np.float32)
+    weight = numpy_helper.to_array(inits[node.input[1]], base_dir=str(Path(graph_path).parent)).astype(np.float32)
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     if node.op_type == "MatMul" or not attrs.get("transB", 0):
         weight = weight.T  # MatMul(x, W) holds W as [H, V]; a Linear holds [V, H]

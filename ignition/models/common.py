@@ -305,13 +305,7 @@ class DecoderLM(nn.Module):
             put(layer.post_attention_layernorm, "weight", take(p + "post_attention_layernorm.weight"))
         put(self.norm, "weight", take("model.norm.weight"))
         load_lm_head(self, tensors, take, put)
-        # Precomputed rotary tables some writers store are recomputed in-graph, never loaded.
-        leftover = sorted(n for n in set(tensors) - used if not n.endswith("rotary_emb.inv_freq"))
-        if leftover:
-            raise ValueError(f"checkpoint tensors not used by the {self.arch.family} model: {leftover[:5]}")
-        meta = [n for n, t in self.state_dict().items() if t.is_meta]
-        if meta:
-            raise ValueError(f"parameters not set from the checkpoint: {meta[:5]}")
+        check_fully_loaded(self, tensors, used)
 
 
 def load_lm_head(model: nn.Module, tensors: dict[str, np.ndarray], take, put) -> None:  # noqa: ANN001
@@ -322,3 +316,14 @@ def load_lm_head(model: nn.Module, tensors: dict[str, np.ndarray], take, put) ->
         model.lm_head.weight = model.embed_tokens.weight
     else:
         raise KeyError("checkpoint has no lm_head.weight and the architecture is not tied")
+
+
+def check_fully_loaded(model: nn.Module, tensors: dict[str, np.ndarray], used: set[str]) -> None:
+    """Every checkpoint tensor used and every parameter set: a silent leftover is a naming bug.
+    Precomputed rotary tables some writers store are recomputed in-graph, never loaded."""
+    leftover = sorted(n for n in set(tensors) - used if not n.endswith("rotary_emb.inv_freq"))
+    if leftover:
+        raise ValueError(f"checkpoint tensors not used by the {model.arch.family} model: {leftover[:5]}")
+    meta = [n for n, t in model.state_dict().items() if t.is_meta]
+    if meta:
+        raise ValueError(f"parameters not set from the checkpoint: {meta[:5]}")

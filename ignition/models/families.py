@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from helios.manifest import Architecture
-from ignition.models.common import load_lm_head
+from ignition.models.common import check_fully_loaded, load_lm_head
 from ignition.models.configured import ConfiguredLM, LayerPlan, ModelPlan, MoEPlan, plan_cache_dims
 
 # Hugging Face model_type -> flare family. Multimodal wrappers compile their text model
@@ -606,12 +606,7 @@ def load_configured(model: ConfiguredLM, tensors: dict[str, np.ndarray]) -> None
         if match and (match.group(1) == "mtp." or int(match.group(2)) >= n):
             model.mtp_tensors[name] = np.asarray(tensors[name])
             used.add(name)
-    leftover = sorted(n for n in set(tensors) - used if not n.endswith("rotary_emb.inv_freq"))
-    if leftover:
-        raise ValueError(f"checkpoint tensors not used by the {model.arch.family} model: {leftover[:5]}")
-    meta = [name for name, t in model.state_dict().items() if t.is_meta]
-    if meta:
-        raise ValueError(f"parameters not set from the checkpoint: {meta[:5]}")
+    check_fully_loaded(model, tensors, used)
 
 
 def _load_moe(mlp, moe: MoEPlan, p: str, take, put, linear, tensors) -> None:  # noqa: ANN001
