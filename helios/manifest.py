@@ -18,7 +18,10 @@ from typing import Any, get_type_hints
 # 1.1: `digest` (sha256 of the `files` listing).
 # 1.2: `logprobs.max_explicit_token_ids`; the step graph's `logprob_token_ids` input with its
 #      `token_logprobs` output and the `hidden` output; the optional "score" engine; `parity.mean_kl`.
-FORMAT_VERSION = "1.2"
+# 1.3: optional `state` (per-sequence recurrent state layout); a state-bearing step graph's
+#      `state_pool` / `state_slots` inputs and `new_state` output; `kv.num_layers` counts the
+#      layers with K/V rows (attention layers), which may be fewer than `architecture.num_layers`.
+FORMAT_VERSION = "1.3"
 MANIFEST_NAME = "core.json"
 
 
@@ -74,6 +77,47 @@ class KVLayout:
     kv_heads: int
     head_dim: int
     dtype: str = "float32"
+
+
+@dataclass
+class StateLayer:
+    """One recurrent layer's slice of a sequence's state row."""
+
+    layer: int  # model layer index
+    kind: str  # the mixer: "gated_deltanet", "mamba2", ...
+    offset: int  # first float of the slice in the row
+    size: int  # floats
+
+
+@dataclass
+class StateLayout:
+    """Per-sequence recurrent state of the layers that keep one instead of K/V rows
+    (docs/architecture.md, "Recurrent state"). The runner holds a pool [slots, width] of `dtype`;
+    each running sequence owns one slot; the step graph reads `state_pool[state_slots[b]]` (zeros
+    for a row without history) and returns `new_state` [B, width]."""
+
+    width: int  # floats per sequence slot
+    layers: list[StateLayer]
+    dtype: str = "float32"
+
+    def check(self, num_layers: int) -> None:
+        """Raise ManifestError unless the slices tile [0, width) in layer order."""
+        if self.dtype != "float32":
+            raise ManifestError(f"core.state.dtype {self.dtype!r} is not supported (float32 only)")
+        if not self.layers or self.width <= 0:
+            raise ManifestError("core.state must list at least one layer and have a positive width")
+        at, previous = 0, -1
+        for i, layer in enumerate(self.layers):
+            where = f"core.state.layers[{i}]"
+            if not previous < layer.layer < num_layers:
+                raise ManifestError(f"{where}.layer {layer.layer} is out of order or not a layer (0..{num_layers - 1})")
+            if layer.offset != at or layer.size <= 0:
+                raise ManifestError(f"{where} covers [{layer.offset}, {layer.offset + layer.size}), expected to start at {at}")
+            if not layer.kind:
+                raise ManifestError(f"{where}.kind is empty")
+            at, previous = at + layer.size, layer.layer
+        if at != self.width:
+            raise ManifestError(f"core.state layers cover {at} floats, width says {self.width}")
 
 
 @dataclass
@@ -181,6 +225,7 @@ class Manifest:
     files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256, every file but core.json
     digest: str = ""  # sha256 of listing_text(files): one id for the core's content ("" before 1.1)
     format_version: str = FORMAT_VERSION
+    state: StateLayout | None = None  # recurrent per-sequence state (1.3); None: attention only
 
     @property
     def model_id(self) -> str:
@@ -219,7 +264,10 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Manifest":
-        return _build(cls, data, "core")
+        manifest = _build(cls, data, "core")
+        if manifest.state is not None:
+            manifest.state.check(manifest.architecture.num_layers)
+        return manifest
 
     @classmethod
     def load(cls, folder: Path, verify_files: bool = True) -> "Manifest":

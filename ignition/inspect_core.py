@@ -93,6 +93,14 @@ def render_inspect(data: dict[str, Any]) -> Table:
         f"{lim['kv_pages']} pages x {kv['page_tokens']} tokens ({kv['dtype']}, {kv['num_layers']} layers x "
         f"{kv['kv_heads']} heads x {kv['head_dim']})",
     )
+    state = data.get("state")
+    if state:
+        kinds = sorted({layer["kind"] for layer in state["layers"]})
+        table.add_row(
+            "recurrent state",
+            f"{state['width']} {state['dtype']} per sequence slot: {len(state['layers'])} layers "
+            f"({', '.join(kinds)}: {', '.join(str(layer['layer']) for layer in state['layers'])})",
+        )
     table.add_row("sampling", _sampling_table(data["sampling"]))
     parsers = data["parsers"]
     table.add_row("parsers", f"tool {parsers['tool'] or 'none'}, reasoning {parsers['reasoning'] or 'none'}")
@@ -274,7 +282,7 @@ def _parity(
     prompt_ids = validation_prompt(core / manifest.tokenizer.file, checkpoint)
     steps = recorded.decode_steps if recorded else 8
     try:
-        measured = validate(core, model, manifest.kv, prompt_ids, steps, precision=manifest.precision)
+        measured = validate(core, model, manifest.kv, prompt_ids, steps, precision=manifest.precision, state=manifest.state)
     except ParityError as exc:
         result.add("parity", False, str(exc), report)
         return
@@ -319,7 +327,7 @@ def _smoke(core: Path, manifest: Manifest, result: Verification, report: Callabl
         sequence, problems = list(ids), []
 
         def step(start: int, end: int):  # noqa: ANN202
-            out = runner.step([StepRow(sequence[start:end], start, table)])
+            out = runner.step([StepRow(sequence[start:end], start, table, state_slot=0)])
             problems.extend(_output_problems(out, vocab, end - 1))
             return out
 

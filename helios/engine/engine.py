@@ -23,7 +23,7 @@ from helios.engine.api import FinishReason, GenerationEvent, GenerationRequest, 
 from helios.engine.block_manager import BlockManager
 from helios.engine.constraints import ConstraintError, Constraints
 from helios.engine.prefix_cache import PrefixCache, PrefixCacheConfig
-from helios.engine.runner import PromptScores, Runner, StepOutput, StepRow
+from helios.engine.runner import SPARE_STATE_SLOTS, PromptScores, Runner, StepOutput, StepRow
 from helios.engine.sampler import explicit_logprob, prompt_logprob_entries, sample, token_logprob
 from helios.engine.scheduler import Batch, Scheduler
 from helios.engine.sequence import Sequence
@@ -57,7 +57,7 @@ class EngineStats:
     cached_pages: int = 0  # pages owned by checkpoints
     checkpoints: int = 0  # checkpoints held
     checkpoint_captures: dict[str, int] = field(default_factory=dict)  # by role: anchor/message/endpoint
-    checkpoint_skips: dict[str, int] = field(default_factory=dict)  # unknown_cost/work_budget/storage
+    checkpoint_skips: dict[str, int] = field(default_factory=dict)  # unknown_cost/work_budget/storage/recurrent_state
     checkpoint_evictions_total: int = 0
     checkpoint_extra_work_ns_total: int = 0  # charged predicted copy work
     # Output constraints (helios.engine.constraints).
@@ -66,6 +66,21 @@ class EngineStats:
     # Seconds inside onnxruntime's graph runs (part of step_seconds_total): the rest of the step
     # time is host work (scheduling, packing inputs, KV scatter, sampling, detokenizing).
     graph_seconds_total: float = 0.0
+
+
+def _state_snapshots(manifest: Manifest, runner: Any) -> dict[str, Any]:
+    """PrefixCache arguments for a core with recurrent state: snapshots of the runner's slots."""
+    if manifest.state is None:
+        return {}
+    pool = getattr(runner, "state_pool", None)
+    if pool is None:
+        return {"recurrent_state": True}  # no slots to snapshot: checkpoints are refused
+
+    def write(slot: int, state: np.ndarray) -> None:
+        pool[slot] = state
+
+    return {"recurrent_state": True, "read_state": lambda slot: pool[slot], "write_state": write,
+            "state_bytes": pool.shape[1] * pool.itemsize}  # fmt: skip
 
 
 class Engine:
@@ -85,7 +100,8 @@ class Engine:
         self.manifest = manifest
         limits = manifest.limits
         if runner is None:
-            runner = Runner(self.core_dir, manifest, kv_pages or limits.kv_pages, threads)
+            slots = (max_concurrency or limits.max_concurrency) + SPARE_STATE_SLOTS
+            runner = Runner(self.core_dir, manifest, kv_pages or limits.kv_pages, threads, state_slots=slots)
         elif kv_pages is not None and kv_pages != runner.num_pages:
             raise ValueError(f"kv_pages={kv_pages} but the given runner has {runner.num_pages} pages")
         self.runner = runner
@@ -101,6 +117,7 @@ class Engine:
             copy_page=getattr(runner, "copy_page", None),
             page_bytes=kv.num_layers * 2 * kv.page_tokens * kv.kv_heads * kv.head_dim * 4,
             config=prefix_cache,
+            **_state_snapshots(manifest, runner),
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -108,6 +125,7 @@ class Engine:
             max_batch_tokens=limits.max_batch_tokens,
             prefill_chunk_size=limits.prefill_chunk_size,
             prefix_cache=self.prefix_cache,
+            state_slots=getattr(runner, "num_state_slots", 0),
         )
         self.context_length = limits.context_length
         self.vocab_size = manifest.architecture.vocab_size
@@ -342,6 +360,7 @@ class Engine:
                 block_table=list(r.seq.page_table),
                 logprob_ids=r.seq.sampling.logprob_token_ids if r.samples else None,
                 score_targets=_score_targets(r.seq, r.start, r.num_tokens),
+                state_slot=r.seq.state_slot,
             )
             for r in batch.rows
         ]

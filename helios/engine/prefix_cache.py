@@ -24,6 +24,18 @@ without page copies) is skipped as `unknown_cost`. Capture checks the storage bu
 owned by checkpoints, a fraction of the pool): least recently used checkpoints are evicted to
 make room, anchors last; when that cannot make room the capture is skipped (`storage`).
 The scheduler also evicts checkpoints (LRU) before it preempts a live sequence for pages.
+
+Recurrent state. A core whose layers keep per-sequence recurrent state (manifest `state`) cannot
+resume from K/V pages alone: the state at the boundary is not in them. Such a cache
+(`recurrent_state=True`) snapshots the sequence's state slot with each capture (`read_state`) and
+writes it into the restoring sequence's slot (`write_state`). A snapshot exists only at the exact
+boundary, so: the scheduler ends prefill chunks at planned boundaries (a boundary passed inside a
+chunk counts as a `recurrent_state` skip), a restore resumes exactly at a checkpoint's length
+(never part way into it, and only below the prompt's last token), and the page holding p-1 is
+copied whenever p is not page aligned. Snapshots count against their own byte budget
+(`state_storage_bytes`, LRU eviction as for pages). Without state callbacks (or with no room for
+one snapshot) the cache neither captures nor restores; every offered candidate counts as a
+`recurrent_state` skip, and requests report no cached tokens.
 """
 
 from __future__ import annotations
@@ -47,7 +59,7 @@ ROLE_PRIORITY = {CheckpointRole.ANCHOR: 0, CheckpointRole.HINT: 1, CheckpointRol
 METRIC_ROLES = ("anchor", "message", "endpoint")
 METRIC_ROLE = {CheckpointRole.ANCHOR: "anchor", CheckpointRole.HINT: "message",
                CheckpointRole.MESSAGE: "message", CheckpointRole.ENDPOINT: "endpoint"}
-SKIP_REASONS = ("unknown_cost", "work_budget", "storage")
+SKIP_REASONS = ("unknown_cost", "work_budget", "storage", "recurrent_state")
 
 
 @dataclass
@@ -60,6 +72,8 @@ class PrefixCacheConfig:
     # Copy bandwidth that prices a page copy (a prediction: wall-clock timings of single copies
     # on a loaded CPU are too noisy to steer selection).
     copy_bytes_per_second: float = 4e9
+    # Recurrent-state snapshots (cores with manifest `state`) checkpoints may hold, in bytes.
+    state_storage_bytes: int = 1 << 30
 
     def validate(self) -> None:
         if not 0.0 <= self.storage_fraction <= 1.0:
@@ -68,18 +82,22 @@ class PrefixCacheConfig:
             raise ValueError("work_allowance_ns must be >= 0")
         if self.copy_bytes_per_second <= 0:
             raise ValueError("copy_bytes_per_second must be > 0")
+        if self.state_storage_bytes < 0:
+            raise ValueError("state_storage_bytes must be >= 0")
 
 
 class Checkpoint:
-    __slots__ = ("ids", "length", "pages", "role", "key", "uses")
+    __slots__ = ("ids", "length", "pages", "role", "key", "uses", "state")
 
-    def __init__(self, ids: np.ndarray, pages: list[int], role: CheckpointRole, key: bytes):
+    def __init__(self, ids: np.ndarray, pages: list[int], role: CheckpointRole, key: bytes,
+                 state: np.ndarray | None = None):
         self.ids = ids  # int64 [length]
         self.length = int(ids.shape[0])
         self.pages = pages  # covers `length` tokens; every page is immutable
         self.role = role
         self.key = key
         self.uses = 0  # restores served
+        self.state = state  # recurrent state after `length` tokens (cores with state), else None
 
     def __repr__(self) -> str:
         return f"Checkpoint({self.role.value}, length={self.length}, pages={self.pages})"
@@ -97,9 +115,19 @@ class PrefixCache:
     a page boundary."""
 
     def __init__(self, bm: BlockManager, *, copy_page: Callable[[int, int], None] | None,
-                 page_bytes: int, config: PrefixCacheConfig | None = None):
+                 page_bytes: int, config: PrefixCacheConfig | None = None, recurrent_state: bool = False,
+                 read_state: Callable[[int], np.ndarray] | None = None,
+                 write_state: Callable[[int, np.ndarray], None] | None = None, state_bytes: int = 0):
         self.config = config or PrefixCacheConfig()
         self.config.validate()
+        # K/V pages alone cannot resume the core (see above): checkpoints need state snapshots,
+        # read from / written to a sequence's state slot by these callbacks (the runner's pool).
+        self.recurrent_state = recurrent_state
+        self._read_state, self._write_state = read_state, write_state
+        self.max_snapshots = 0
+        if recurrent_state and read_state is not None and write_state is not None and state_bytes > 0:
+            self.max_snapshots = self.config.state_storage_bytes // state_bytes
+        self._state_ns = state_bytes / self.config.copy_bytes_per_second * 1e9  # predicted snapshot cost
         self.bm = bm
         self.pt = bm.page_tokens
         self._copy_page = copy_page
@@ -124,6 +152,11 @@ class PrefixCache:
     @property
     def enabled(self) -> bool:
         return self.config.enabled and self.storage_pages > 0
+
+    @property
+    def snapshots(self) -> bool:
+        """Checkpoints carry recurrent-state snapshots (a state core with room for at least one)."""
+        return self.max_snapshots > 0
 
     @property
     def cached_pages(self) -> int:
@@ -166,6 +199,9 @@ class PrefixCache:
 
     def restorable(self, ckpt: Checkpoint, num_tokens: int) -> int:
         """Tokens a sequence of `num_tokens` tokens may restore from `ckpt` (0: none)."""
+        if self.recurrent_state:  # the state exists only at the checkpoint's own length
+            whole = ckpt.state is not None and ckpt.length <= num_tokens - 1
+            return ckpt.length if whole and (self._copy_page is not None or ckpt.length % self.pt == 0) else 0
         r = min(ckpt.length, num_tokens - 1)  # the last token is always computed
         if self._copy_page is None:
             r -= r % self.pt
@@ -173,9 +209,10 @@ class PrefixCache:
 
     def match(self, token_ids: list[int]) -> tuple[Checkpoint | None, int]:
         """(checkpoint, tokens to restore) for a sequence holding `token_ids`."""
-        if not self.enabled or len(token_ids) < 2:
+        if not self.enabled or (self.recurrent_state and not self.snapshots) or len(token_ids) < 2:
             return None, 0
-        ckpt = self.lookup(token_ids, len(token_ids))
+        # With recurrent state only a whole checkpoint below the last token can be restored.
+        ckpt = self.lookup(token_ids, len(token_ids) - 1 if self.recurrent_state else len(token_ids))
         if ckpt is None:
             return None, 0
         r = self.restorable(ckpt, len(token_ids))
@@ -201,6 +238,9 @@ class PrefixCache:
             table.append(page)
         seq.page_table = table
         seq.num_computed_tokens = r
+        if self.recurrent_state:
+            assert ckpt.state is not None and r == ckpt.length and seq.state_slot is not None
+            self._write_state(seq.state_slot, ckpt.state)
         ckpt.uses += 1
         self._touch(ckpt)
         self.hits += 1
@@ -217,6 +257,10 @@ class PrefixCache:
         if not self.enabled:
             return []
         request = seq.request
+        if self.recurrent_state and not self.snapshots:
+            offered = {int(c.position) for c in request.checkpoints} | {int(p) for p in request.checkpoint_hints}
+            self.skips["recurrent_state"] += sum(1 for p in offered if 0 < p <= seq.prompt_len)
+            return []
         prompt_len = seq.prompt_len
         best: dict[int, CheckpointRole] = {}
         offered = list(request.checkpoints) + [CheckpointCandidate(p, CheckpointRole.HINT)
@@ -240,11 +284,18 @@ class PrefixCache:
                 self._promote(held, role)
                 self._touch(held)
                 continue
-            copies = self._needs_copy(p, seq.num_computed_tokens, seq.num_tokens, chunk_size)
+            if self.recurrent_state:
+                if p <= seq.num_computed_tokens:  # restored past it: no state snapshot there
+                    self.skips["recurrent_state"] += 1
+                    continue
+                # The prefill stops at p (scheduler), so p's page is still filling unless aligned.
+                copies = p % self.pt != 0
+            else:
+                copies = self._needs_copy(p, seq.num_computed_tokens, seq.num_tokens, chunk_size)
             if copies and self._copy_page is None:
                 self.skips["unknown_cost"] += 1
                 continue
-            cost = self._copy_ns if copies else 0.0
+            cost = (self._copy_ns if copies else 0.0) + (self._state_ns if self.recurrent_state else 0.0)
             if spent + cost > allowance:
                 self.skips["work_budget"] += 1
                 continue
@@ -277,6 +328,9 @@ class PrefixCache:
         computed = seq.num_computed_tokens
         while plan and plan[0].position <= computed:
             cand = plan.pop(0)
+            if self.recurrent_state and cand.position != computed:  # passed inside a chunk: no state
+                self.skips["recurrent_state"] += 1
+                continue
             self.capture(seq, cand.position, CheckpointRole(cand.role), free_reserve)
 
     def capture(self, seq, p: int, role: CheckpointRole, free_reserve: int = 0) -> Checkpoint | None:
@@ -316,13 +370,23 @@ class PrefixCache:
                 if not self._evict_one(protect=None, reclaimable_only=True):
                     self.skips["storage"] += 1
                     return None
+        state = None
+        if self.recurrent_state:
+            if not (self.snapshots and p == seq.num_computed_tokens and seq.state_slot is not None):
+                self.skips["recurrent_state"] += 1
+                return None
+            while len(self._lru) >= self.max_snapshots:  # every checkpoint holds one snapshot
+                if not self._evict_one(protect=None):
+                    self.skips["storage"] += 1
+                    return None
+            state = np.array(self._read_state(seq.state_slot), dtype=np.float32, copy=True)
         self.bm.share(shared)
         pages = list(shared)
         if copy:
             (page,) = self.bm.allocate(1)
             self._copy(seq.page_table[last], page)
             pages.append(page)
-        ckpt = Checkpoint(ids, pages, role, key)
+        ckpt = Checkpoint(ids, pages, role, key, state)
         self._by_length.setdefault(p, {})[key] = ckpt
         self._lru[id(ckpt)] = ckpt
         for page in pages:

@@ -7,6 +7,10 @@ the runner writes it, by scattering each step's new K/V into the rows' pages.
 
 Plain data in and out: `StepRow`s (token ids, history length, page table) go in, a `StepOutput`
 with one row of logits/logprob stats per input row comes out. No torch, no scheduler state.
+
+A core with recurrent layers (manifest `state`) also gets a state pool [slots, width] float32,
+bound the same way; each row names its sequence's slot (`StepRow.state_slot`) and the runner
+writes the row's `new_state` back into that slot after the call.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from helios.manifest import KVLayout, Manifest
+from helios.manifest import KVLayout, Manifest, StateLayout
 
 # A step mixing prefill chunks with decode rows pads every row to the longest chunk (the graph
 # is [B, L]). Past this many padded (wasted) tokens the runner splits the step into separate
@@ -33,6 +37,9 @@ PAD_WASTE_TOKENS = 16
 # ~1.2 MB per position on a 152k vocabulary, so a 512-token chunk is scored in 4 slices.
 SCORE_POSITIONS_PER_CALL = 128
 
+# State slots beyond the engine's concurrency (tests and validation use a few of their own).
+SPARE_STATE_SLOTS = 4
+
 
 @dataclass
 class StepRow:
@@ -44,6 +51,8 @@ class StepRow:
     # Prompt scoring: per new token, the id that follows it (scored at that position), or -1
     # for a position not to score. Needs a core exported with --prompt-logprobs.
     score_targets: list[int] | None = None
+    # The sequence's recurrent-state slot (cores with manifest `state`; ignored without one).
+    state_slot: int | None = None
 
 
 @dataclass
@@ -68,9 +77,15 @@ class StepOutput:
 
 
 class Runner:
-    def __init__(self, core_dir: Path, manifest: Manifest, num_pages: int, threads: int | None = None) -> None:
+    def __init__(
+        self, core_dir: Path, manifest: Manifest, num_pages: int, threads: int | None = None, state_slots: int | None = None
+    ) -> None:
+        """state_slots: recurrent-state slots (cores with `state`); default the core's concurrency
+        plus SPARE_STATE_SLOTS."""
         engine = manifest.engine("step")
-        self._setup(Path(core_dir) / engine.file, manifest.kv, num_pages, threads)
+        if state_slots is None:
+            state_slots = manifest.limits.max_concurrency + SPARE_STATE_SLOTS
+        self._setup(Path(core_dir) / engine.file, manifest.kv, num_pages, threads, manifest.state, state_slots)
         score = next((e for e in manifest.engines if e.name == "score"), None)
         self._score_path = Path(core_dir) / score.file if score is not None else None
         # Positions past the graph's rotary tables would read out of range.
@@ -78,15 +93,19 @@ class Runner:
 
     @classmethod
     def from_graph(
-        cls, graph_path: Path, kv: KVLayout, num_pages: int, threads: int | None = None, score_graph: Path | None = None
-    ) -> "Runner":
+        cls, graph_path: Path, kv: KVLayout, num_pages: int, threads: int | None = None, score_graph: Path | None = None,
+        state: StateLayout | None = None, state_slots: int = SPARE_STATE_SLOTS,
+    ) -> "Runner":  # fmt: skip
         """A runner over a bare step graph (export validation has no core.json yet)."""
         runner = cls.__new__(cls)
-        runner._setup(Path(graph_path), kv, num_pages, threads)
+        runner._setup(Path(graph_path), kv, num_pages, threads, state, state_slots)
         runner._score_path = Path(score_graph) if score_graph is not None else None
         return runner
 
-    def _setup(self, graph_path: Path, kv: KVLayout, num_pages: int, threads: int | None) -> None:
+    def _setup(
+        self, graph_path: Path, kv: KVLayout, num_pages: int, threads: int | None, state: StateLayout | None = None,
+        state_slots: int = 0,
+    ) -> None:  # fmt: skip
         if num_pages < 1:
             raise ValueError("num_pages must be >= 1")
         if kv.dtype != "float32":
@@ -109,6 +128,24 @@ class Runner:
         self._pages = self.pool.reshape(kv.num_layers, 2, num_pages, kv.page_tokens, kv.kv_heads, kv.head_dim)
         self._output_names = [o.name for o in self.session.get_outputs()]
         self._input_names = {i.name for i in self.session.get_inputs()}
+        # Recurrent state: [slots, width], zeroed; the graph ignores a slot's contents for a row
+        # without history, so a slot is reused without clearing.
+        self.state = state
+        self.state_pool: np.ndarray | None = None
+        if state is not None:
+            if state.dtype != "float32":
+                raise ValueError(f"this runner supports a float32 state pool, not {state.dtype}")
+            if state_slots < 1:
+                raise ValueError("a core with recurrent state needs state_slots >= 1")
+            if "state_pool" not in self._input_names:
+                raise ValueError("the core declares recurrent state but its step graph has no state_pool input")
+            self.state_pool = np.zeros((state_slots, state.width), dtype=np.float32)
+            self._state_value = ort.OrtValue.ortvalue_from_numpy(self.state_pool)
+
+    @property
+    def num_state_slots(self) -> int:
+        """Recurrent-state slots (0: the core keeps no per-sequence state)."""
+        return 0 if self.state_pool is None else self.state_pool.shape[0]
 
     def _session_options(self) -> ort.SessionOptions:
         opts = ort.SessionOptions()
@@ -132,6 +169,8 @@ class Runner:
             raise ValueError("step needs at least one row")
         for row in rows:
             self._check(row)
+        if self.state_pool is not None and len({r.state_slot for r in rows}) != len(rows):
+            raise ValueError("two rows of one step share a state slot")
         groups = self._groups(rows) if self.split_mixed else [list(range(len(rows)))]
         if len(groups) == 1:
             return self._run(rows)
@@ -181,6 +220,11 @@ class Runner:
         pages = row.block_table[:need]
         if min(pages) < 0 or max(pages) >= self.num_pages:
             raise ValueError(f"block table page out of range 0..{self.num_pages - 1}")
+        if self.state_pool is not None:
+            if row.state_slot is None:
+                raise ValueError("this core keeps recurrent state: every row needs a state_slot")
+            if not 0 <= row.state_slot < self.num_state_slots:
+                raise ValueError(f"state slot {row.state_slot} out of range 0..{self.num_state_slots - 1}")
 
     @staticmethod
     def _groups(rows: list[StepRow]) -> list[list[int]]:
@@ -207,6 +251,11 @@ class Runner:
             if name in self._input_names:  # a 1.1 core's graph has no logprob_token_ids
                 binding.bind_cpu_input(name, value)
         binding.bind_ortvalue_input("kv_pool", self._pool_value)
+        slots = None
+        if self.state_pool is not None:
+            slots = np.array([r.state_slot for r in rows], dtype=np.int64)
+            binding.bind_ortvalue_input("state_pool", self._state_value)
+            binding.bind_cpu_input("state_slots", slots)
         for name in self._output_names:
             binding.bind_output(name, "cpu")
         start = time.perf_counter()
@@ -216,6 +265,8 @@ class Runner:
         values = dict(zip(self._output_names, binding.get_outputs()))
         out = {name: values[name].numpy() for name in ("logits", "logsumexp", "top_logprobs", "top_ids")}
         scatter_new_kv(self._pages, rows, values["new_kv"].numpy())
+        if slots is not None:  # the state after each row's last new token
+            self.state_pool[slots] = values["new_state"].numpy()
         explicit = None
         if any(r.logprob_ids for r in rows):
             if "token_logprobs" not in values:

@@ -12,6 +12,14 @@ Each step is built in three passes over a token budget (`max_batch_tokens`):
    pool can hold the head's whole remaining prefill plus its first decode on top of what running
    sequences were already promised. The head is never skipped (no starvation of long prompts).
 
+Recurrent state (cores with manifest `state`, `state_slots` > 0): every running sequence owns one
+state slot, taken at admission and given back when it finishes, is aborted or is preempted (a
+recompute restarts from history 0, and a row without history ignores its slot's contents, so a
+slot is reused without clearing). With no free slot the head of the queue waits, as it does for
+pages.
+Prefix checkpoints of such a core hold state snapshots taken exactly at their boundary, so a
+prefill chunk never crosses a planned boundary (`_chunk` ends it there).
+
 Age is arrival order, not admission order: a preempted and re-admitted request keeps its age,
 so the oldest request always makes progress and two requests cannot preempt each other forever.
 A sequence that cannot fit in the pool even alone finishes with LENGTH.
@@ -73,6 +81,7 @@ class Scheduler:
         max_batch_tokens: int,
         prefill_chunk_size: int,
         prefix_cache: PrefixCache | None = None,
+        state_slots: int = 0,
     ):
         if min(max_concurrency, max_batch_tokens, prefill_chunk_size) < 1:
             raise ValueError("max_concurrency, max_batch_tokens and prefill_chunk_size must be >= 1")
@@ -87,6 +96,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # arrival order; the last one is preempted first
         self.num_preemptions = 0
         self.num_admissions = 0
+        # Free recurrent-state slots (None: the core keeps no per-sequence state), lowest first.
+        self.free_state_slots: list[int] | None = list(range(state_slots - 1, -1, -1)) if state_slots else None
 
     # -- queue management ----------------------------------------------------------------------
 
@@ -126,6 +137,9 @@ class Scheduler:
         self.bm.release(seq.page_table)
         seq.page_table = []
         seq.num_computed_tokens = 0
+        if seq.state_slot is not None and self.free_state_slots is not None:
+            self.free_state_slots.append(seq.state_slot)
+        seq.state_slot = None
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -199,6 +213,8 @@ class Scheduler:
 
         # 3. Admissions, FCFS.
         while self.waiting and budget > 0 and len(self.running) < self.max_concurrency:
+            if self.free_state_slots is not None and not self.free_state_slots:
+                break  # every state slot is owned by a running sequence: wait, as for pages
             seq = self.waiting[0]
             # Room for the whole (re)prefill and the first decode after it.
             total = bm.pages_for(seq.num_tokens + 1)
@@ -220,6 +236,8 @@ class Scheduler:
                     break  # wait for room; do not let later (smaller) requests overtake the head
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            if self.free_state_slots is not None:
+                seq.state_slot = self.free_state_slots.pop()
             self.running.insert(bisect.bisect([s.arrival for s in self.running], seq.arrival), seq)
             first = seq.num_preemptions == 0
             if first:
@@ -237,8 +255,15 @@ class Scheduler:
             budget -= n
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        """Tokens of `seq`'s prefill to feed now: bounded by chunk size, budget and free pages."""
+        """Tokens of `seq`'s prefill to feed now: bounded by chunk size, budget and free pages
+        (and, for recurrent-state checkpoints, by the next planned boundary: its snapshot is the
+        state right after it)."""
         n = min(seq.num_uncomputed, self.prefill_chunk_size, budget)
+        if self.cache is not None and self.cache.snapshots and seq.checkpoint_plan:
+            start = seq.num_computed_tokens
+            cut = next((c.position for c in seq.checkpoint_plan if c.position > start), None)
+            if cut is not None and cut < start + n:
+                n = cut - start
         short = self.bm.pages_to_grow(seq.page_table, seq.num_computed_tokens + n)
         if short > self.bm.num_free:
             self._reclaim(short)

@@ -41,6 +41,7 @@ class Sequence:
         self.prompt_len = len(self.token_ids)
         self.num_computed_tokens = 0
         self.page_table: list[int] = []
+        self.state_slot: int | None = None  # recurrent-state slot while running (cores with state)
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None

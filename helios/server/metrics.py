@@ -79,7 +79,7 @@ INPUT_METRICS = (
     "input_prepared_cache_misses_total",
 )
 CHECKPOINT_ROLES = ("anchor", "message", "endpoint")
-CHECKPOINT_SKIP_REASONS = ("unknown_cost", "work_budget", "storage")
+CHECKPOINT_SKIP_REASONS = ("unknown_cost", "work_budget", "storage", "recurrent_state")
 HOST_TIERS = ("dram", "nvme")
 HOST_DROP_REASONS = ("end_of_chain", "oversize", "io_error")
 HOST_HISTOGRAMS = (

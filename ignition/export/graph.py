@@ -16,7 +16,7 @@ from pathlib import Path
 import onnx
 import torch
 
-from helios.manifest import Architecture, Engine, KVLayout, TensorSpec
+from helios.manifest import Architecture, Engine, KVLayout, StateLayout, TensorSpec
 from ignition.models import ops
 from ignition.models.common import TOP_K, DecoderLM
 
@@ -25,13 +25,19 @@ logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(loggin
 
 INPUT_NAMES = ["input_ids", "positions", "history_lens", "query_lens", "block_tables", "kv_pool", "logprob_token_ids"]
 OUTPUT_NAMES = ["logits", "logsumexp", "top_logprobs", "top_ids", "token_logprobs", "new_kv", "hidden"]
+# A state-bearing graph (manifest `state`) appends these (docs/architecture.md, "Recurrent state").
+STATE_INPUT_NAMES = ["state_pool", "state_slots"]
+STATE_OUTPUT_NAMES = ["new_state"]
 # Explicit logprob ids one step can score per row (api.md: at most 128 caller ids + the sampled one).
 MAX_LOGPROB_TOKEN_IDS = 129
 OPSET = 18
 
 
-def step_signature(arch: Architecture, kv: KVLayout) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """The contract's I/O specs; symbolic dims are B, L, M, E and pool_rows (= layers*2*P)."""
+def step_signature(
+    arch: Architecture, kv: KVLayout, state: StateLayout | None = None
+) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """The contract's I/O specs; symbolic dims are B, L, M, E, pool_rows (= layers*2*P) and S
+    (state slots)."""
     t, h, d = kv.page_tokens, kv.kv_heads, kv.head_dim
     inputs = [
         TensorSpec("input_ids", "int64", ["B", "L"]),
@@ -51,15 +57,21 @@ def step_signature(arch: Architecture, kv: KVLayout) -> tuple[list[TensorSpec], 
         TensorSpec("new_kv", kv.dtype, [kv.num_layers, 2, "B", "L", h, d]),
         TensorSpec("hidden", "float32", ["B", "L", arch.hidden_size]),
     ]
+    if state is not None:
+        inputs += [TensorSpec("state_pool", state.dtype, ["S", state.width]), TensorSpec("state_slots", "int64", ["B"])]
+        outputs.append(TensorSpec("new_state", state.dtype, ["B", state.width]))
     return inputs, outputs
 
 
-def sample_inputs(kv: KVLayout) -> tuple[torch.Tensor, ...]:
-    """Trace inputs with pairwise-distinct sizes (B=2, L=3, M=4, P=5, E=7) so the exporter cannot
-    mistake one dynamic dim for another or specialize a 0/1-sized one."""
+def sample_inputs(kv: KVLayout, state: StateLayout | None = None) -> tuple[torch.Tensor, ...]:
+    """Trace inputs with pairwise-distinct sizes (B=2, L=3, M=4, P=5, E=7, S=6) so the exporter
+    cannot mistake one dynamic dim for another or specialize a 0/1-sized one."""
     batch, length, pages, pool_pages = 2, 3, 4, 5
     history = torch.tensor([5, 17])
     positions = history.unsqueeze(1) + torch.arange(length)
+    extra: tuple[torch.Tensor, ...] = ()
+    if state is not None:
+        extra = (torch.zeros(6, state.width), torch.tensor([4, 1]))
     return (
         torch.zeros(batch, length, dtype=torch.int64),
         positions,
@@ -68,6 +80,7 @@ def sample_inputs(kv: KVLayout) -> tuple[torch.Tensor, ...]:
         torch.tensor([[0, 1, 2, 3], [4, 3, 2, 1]]),
         torch.zeros(kv.num_layers * 2 * pool_pages, kv.page_tokens, kv.kv_heads, kv.head_dim),
         torch.zeros(batch, 7, dtype=torch.int64),
+        *extra,
     )
 
 
@@ -78,6 +91,7 @@ def export_step_graph(
     out_dir: Path,
     file_name: str = "step.onnx",
     fused: bool = True,
+    state: StateLayout | None = None,
 ) -> Engine:
     """Write out_dir/file_name (+ file_name.data) and return the manifest's "step" engine.
 
@@ -101,6 +115,10 @@ def export_step_graph(
         {0: pool_rows},
         {0: batch, 1: explicit},
     )
+    if state is not None:
+        if getattr(model, "state_width", 0) != state.width:
+            raise ValueError(f"the model's state width {getattr(model, 'state_width', 0)} != the layout's {state.width}")
+        dynamic_shapes += ({0: torch.export.Dim("S", min=1)}, {0: batch})
     # The dynamo exporter: ~3x fewer nodes than the legacy tracer, no tracer warnings, and
     # dynamic shapes are checked symbolically rather than guessed from one trace.
     fusion = ops.fused_export() if fused else contextlib.nullcontext()
@@ -108,9 +126,9 @@ def export_step_graph(
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             model.eval(),
-            sample_inputs(kv_layout),
-            input_names=INPUT_NAMES,
-            output_names=OUTPUT_NAMES,
+            sample_inputs(kv_layout, state),
+            input_names=INPUT_NAMES + (STATE_INPUT_NAMES if state else []),
+            output_names=OUTPUT_NAMES + (STATE_OUTPUT_NAMES if state else []),
             dynamic_shapes=dynamic_shapes,
             opset_version=OPSET,
             dynamo=True,
@@ -120,15 +138,15 @@ def export_step_graph(
         )
     proto = program.model_proto
     _trim_unused_outputs(proto)
-    _name_dims(proto, arch, kv_layout)
+    _name_dims(proto, arch, kv_layout, state)
     save_with_external_data(proto, path, data_name)
-    inputs, outputs = step_signature(arch, kv_layout)
+    inputs, outputs = step_signature(arch, kv_layout, state)
     return Engine(name="step", file=file_name, inputs=inputs, outputs=outputs, data_files=[data_name])
 
 
-def _name_dims(proto: onnx.ModelProto, arch: Architecture, kv: KVLayout) -> None:
+def _name_dims(proto: onnx.ModelProto, arch: Architecture, kv: KVLayout, state: StateLayout | None = None) -> None:
     """Give graph I/O the contract's dim names (the exporter's symbols are s0, s1, ...)."""
-    inputs, outputs = step_signature(arch, kv)
+    inputs, outputs = step_signature(arch, kv, state)
     specs = {s.name: s for s in inputs + outputs}
     for value in list(proto.graph.input) + list(proto.graph.output):
         spec = specs[value.name]

@@ -38,6 +38,7 @@ from helios.manifest import (
     Manifest,
     Parsers,
     Sampling,
+    StateLayout,
     TemplateSpec,
     TokenizerSpec,
 )
@@ -151,13 +152,15 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
             progress("export", "tracing the step graph to ONNX" + ("" if staging else " (export cache off)"))
             fp32_dir = staging.path if staging else work / "fp32"
             engine = export_step_graph(
-                model, checkpoint.architecture, _kv_layout(recipe, checkpoint), fp32_dir, file_name=GRAPH_FILE
+                model, checkpoint.architecture, _kv_layout(recipe, checkpoint), fp32_dir, file_name=GRAPH_FILE,
+                state=_state_layout(checkpoint),
             )
             fp32_graph = fp32_dir / engine.file
             seconds["export"] = time.monotonic() - started
             exported = copy.deepcopy(engine)  # as the fp32 graph has it, for the cache entry
             reference = export_cache.RecordingReference(model) if staging else model
         kv = _kv_layout(recipe, checkpoint)
+        state = _state_layout(checkpoint)
 
         progress("quantize", f"quantizing to {options.precision}")
         engine_dir = work / "core"
@@ -198,6 +201,7 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
             ),
             decode_weight_bytes=decode_weight_bytes(engine_dir / engine.file),
             toolchain=export_cache.toolchain(),
+            state=state,
         )
 
         cached_ref = entry is not None and reference is not None
@@ -211,15 +215,15 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
             try:
                 if reference is None:
                     raise export_cache.ReferenceMiss("the cache entry has no reference logits")
-                parity = _validate(engine_dir / engine.file, reference, kv, prompt_ids, options.precision)
+                parity = _validate(engine_dir / engine.file, reference, kv, prompt_ids, options.precision, state)
             except export_cache.ReferenceMiss:
                 # Only a cache hit gets here: rebuild the reference from the checkpoint itself.
                 progress("validate", "cached reference does not apply: reading the checkpoint for the reference")
                 model = build_model(load_checkpoint(options.checkpoint))
-                parity = _validate(engine_dir / engine.file, model, kv, prompt_ids, options.precision)
+                parity = _validate(engine_dir / engine.file, model, kv, prompt_ids, options.precision, state)
             if options.prompt_logprobs:
                 progress("validate", "checking prompt scores against the step graph's logprobs")
-                validate_scores(engine_dir / engine.file, engine_dir / engines[1].file, kv, prompt_ids)
+                validate_scores(engine_dir / engine.file, engine_dir / engines[1].file, kv, prompt_ids, state=state)
         except ParityError as exc:
             _commit(staging, checkpoint, exported, seconds, reference)
             raise ExportError(str(exc)) from None
@@ -260,18 +264,30 @@ def _score_engine(fp32_step: Path, arch, fp32_dir: Path, engine_dir: Path, preci
 
 
 def _kv_layout(recipe: Recipe, checkpoint: Checkpoint) -> KVLayout:
+    from ignition.models.families import cache_layout
+
+    arch = checkpoint.architecture
+    kv_layers, _ = cache_layout(arch.family, checkpoint.model_config, arch.num_layers)
     return KVLayout(
         page_tokens=recipe.limits.page_tokens,
-        num_layers=checkpoint.architecture.num_layers,
+        num_layers=kv_layers,  # recurrent layers have no K/V rows (docs/architecture.md)
         kv_heads=checkpoint.architecture.num_kv_heads,
         head_dim=checkpoint.architecture.head_dim,
     )
 
 
-def _validate(graph: Path, reference, kv: KVLayout, prompt_ids: list[int], precision: str):  # noqa: ANN001, ANN202
+def _state_layout(checkpoint: Checkpoint) -> StateLayout | None:
+    """The recurrent state layout of a checkpoint (None for attention-only families)."""
+    from ignition.models.families import cache_layout
+
+    arch = checkpoint.architecture
+    return cache_layout(arch.family, checkpoint.model_config, arch.num_layers)[1]
+
+
+def _validate(graph: Path, reference, kv: KVLayout, prompt_ids: list[int], precision: str, state=None):  # noqa: ANN001, ANN202
     from ignition.export.validate import validate
 
-    return validate(graph, reference, kv, prompt_ids, precision=precision)
+    return validate(graph, reference, kv, prompt_ids, precision=precision, state=state)
 
 
 def _commit(staging, checkpoint: Checkpoint, engine, seconds: dict[str, float], reference) -> None:  # noqa: ANN001

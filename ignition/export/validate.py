@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from helios.engine.runner import Runner, StepRow
-from helios.manifest import MANIFEST_NAME, KVLayout, Manifest, Parity
+from helios.manifest import MANIFEST_NAME, KVLayout, Manifest, Parity, StateLayout
 from ignition.models.common import DecoderLM
 
 
@@ -75,6 +75,7 @@ def validate(
     *,
     precision: str,
     seed: int = 0,
+    state: StateLayout | None = None,
 ) -> Parity:
     """Compare engine and reference logits; return Parity, or raise ParityError past tolerance.
 
@@ -90,7 +91,7 @@ def validate(
 
     sequence, reference = _reference(model, prompt, decode_steps)
     try:
-        engine, positions = _engine(graph, kv_layout, sequence, len(prompt), seed)
+        engine, positions = _engine(graph, kv_layout, sequence, len(prompt), seed, state)
     except Exception as exc:  # an engine that cannot even run these inputs is broken
         raise ParityError(f"{precision} engine failed on the validation sequence: {exc}") from exc
     expected = reference[positions].astype(np.float64)
@@ -146,13 +147,17 @@ def _reference(model: DecoderLM, prompt_ids: list[int], decode_steps: int) -> tu
 
 
 def _engine(
-    graph: Path, kv: KVLayout, sequence: list[int], prompt_len: int, seed: int
+    graph: Path, kv: KVLayout, sequence: list[int], prompt_len: int, seed: int, state: StateLayout | None = None
 ) -> tuple[np.ndarray, list[int]]:
     """Engine logits at the positions it reports, and those positions."""
     rng = np.random.default_rng(seed)
     pages = -(-len(sequence) // kv.page_tokens)
-    runner = Runner.from_graph(graph, kv, num_pages=3 * pages + 2)
+    runner = Runner.from_graph(graph, kv, num_pages=3 * pages + 2, state=state, state_slots=3)
     runner.pool[...] = rng.standard_normal(runner.pool.shape, dtype=np.float32)  # stale garbage
+    slot = None
+    if runner.state_pool is not None:  # a stale slot: the first chunk (history 0) must ignore it
+        runner.state_pool[...] = rng.standard_normal(runner.state_pool.shape, dtype=np.float32)
+        slot = 1
     table = [int(p) for p in rng.permutation(runner.num_pages)[:pages]]
     if table == sorted(table):  # make sure the order itself is exercised
         table.reverse()
@@ -162,7 +167,7 @@ def _engine(
     steps = [(0, split), (split, prompt_len)]  # two prefill chunks
     steps += [(p, p + 1) for p in range(prompt_len, len(sequence))]  # decode: one token each
     for start, end in steps:
-        out = runner.step([StepRow(sequence[start:end], start, table)])
+        out = runner.step([StepRow(sequence[start:end], start, table, state_slot=slot)])
         logits.append(out.logits[0])
         positions.append(end - 1)
     return np.stack(logits), positions
@@ -171,7 +176,9 @@ def _engine(
 SCORE_TOLERANCE = 1e-3  # |score-graph logprob - step-graph logprob| at the same position
 
 
-def validate_scores(step_graph: Path, score_graph: Path, kv: KVLayout, prompt_ids: list[int]) -> None:
+def validate_scores(
+    step_graph: Path, score_graph: Path, kv: KVLayout, prompt_ids: list[int], state: StateLayout | None = None
+) -> None:
     """The score graph must report what the step graph reports at the same position.
 
     The prompt is prefilled once with every position scored; the step graph then computes the
@@ -184,10 +191,11 @@ def validate_scores(step_graph: Path, score_graph: Path, kv: KVLayout, prompt_id
     pages = -(-len(prompt) // kv.page_tokens)
     table = list(range(pages))
     try:
-        runner = Runner.from_graph(step_graph, kv, num_pages=pages, score_graph=score_graph)
-        scored = runner.step([StepRow(prompt, 0, table, score_targets=prompt[1:] + [-1])]).prompt_scores[0]
-        runner = Runner.from_graph(step_graph, kv, num_pages=pages)
-        step = runner.step([StepRow(prompt[:-1], 0, table)])
+        slot = 0 if state is not None else None
+        runner = Runner.from_graph(step_graph, kv, num_pages=pages, score_graph=score_graph, state=state, state_slots=1)
+        scored = runner.step([StepRow(prompt, 0, table, score_targets=prompt[1:] + [-1], state_slot=slot)]).prompt_scores[0]
+        runner = Runner.from_graph(step_graph, kv, num_pages=pages, state=state, state_slots=1)
+        step = runner.step([StepRow(prompt[:-1], 0, table, state_slot=slot)])
     except Exception as exc:  # noqa: BLE001 - a score graph that cannot run is broken
         raise ParityError(f"the prompt-scoring graph failed on the validation prompt: {exc}") from exc
     if scored is None or len(scored.target_logprobs) != len(prompt) - 1:

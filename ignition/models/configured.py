@@ -34,6 +34,7 @@ from torch import nn
 
 from helios.manifest import Architecture
 from ignition.models.common import logprob_stats
+from ignition.models.recurrent import MIXERS, RecurrentMixer
 
 
 @dataclass
@@ -54,11 +55,12 @@ class MoEPlan:
     scale_after: bool = False  # routed scaling applied to the experts' sum (Step) rather than the weights
     act: str = "silu"
     glu_alpha: float = 0.0
+    shared_gate: bool = False  # sigmoid(shared_expert_gate(x)) scales the shared expert (Qwen3.5 MoE)
 
 
 @dataclass
 class LayerPlan:
-    kind: str  # "gqa" | "mla"
+    kind: str  # "gqa" | "mla" | a recurrent mixer kind (recurrent.MIXERS: "gated_deltanet", ...)
     num_heads: int
     num_kv_heads: int  # gqa; mla uses 1 latent "head"
     head_dim: int  # gqa: q/k width per head; mla: qk_nope + qk_rope
@@ -83,7 +85,9 @@ class LayerPlan:
     q_scale: float = 1.0  # multiplier on the normed query (Muse Spark's qk_scale_factor)
     v_norm: bool = False  # unscaled RMSNorm on values (Gemma 4)
     k_eq_v: bool = False  # values are the raw key projection (Gemma 4 global layers, no v_proj)
-    out_gate: str = ""  # sigmoid output gate: "" | "full" (gate_proj, Muse Spark) | "head" (g_proj, Step)
+    # sigmoid output gate: "" | "full" (gate_proj, Muse Spark) | "head" (g_proj, Step) | "query" (q_proj
+    # yields [query, gate] per head, Qwen3.5)
+    out_gate: str = ""
     norm_offset: float = 0.0  # 1.0: every RMSNorm of the layer scales by (1 + w) (Step 3.5/3.7)
     o_bias: bool = True  # o_proj carries a bias when attention_bias does (not MiMo's)
     mlp_limit: float = 0.0  # clamp of the dense SwiGLU (Step); 0: none
@@ -109,6 +113,12 @@ class LayerPlan:
     intermediate: int = 0  # dense SwiGLU width (used when moe is None)
     moe: MoEPlan | None = None
     style: str = "pre"  # "pre" (pre-norm residual) | "gemma4" (sandwich norms, PLE, parallel MoE)
+    mixer: dict = field(default_factory=dict)  # a recurrent kind's own settings (recurrent.MIXERS)
+
+    @property
+    def recurrent(self) -> bool:
+        """The layer keeps per-sequence recurrent state instead of K/V rows in the pool."""
+        return self.kind in MIXERS
 
     def cache_dims(self) -> tuple[int, int]:
         """(kv heads, head width) this layer needs in the pool."""
@@ -137,8 +147,25 @@ class ModelPlan:
 
 
 def plan_cache_dims(plan: ModelPlan) -> tuple[int, int]:
-    dims = [layer.cache_dims() for layer in plan.layers]
+    dims = [layer.cache_dims() for layer in plan.layers if not layer.recurrent]
     return max(h for h, _ in dims), max(d for _, d in dims)
+
+
+def kv_layer_indices(plan: ModelPlan) -> list[int]:
+    """The layers with K/V rows in the pool, in order: pool layer j is model layer kv[j] (recurrent
+    layers have none, so the pool of a hybrid model holds only its attention layers)."""
+    return [i for i, layer in enumerate(plan.layers) if not layer.recurrent]
+
+
+def state_layers(plan: ModelPlan, hidden: int) -> list[tuple[int, str, int, int]]:
+    """(layer, kind, offset, size) of every recurrent layer's slice of a sequence's state row."""
+    out, offset = [], 0
+    for i, layer in enumerate(plan.layers):
+        if layer.recurrent:
+            size = MIXERS[layer.kind].state_size(layer, hidden)
+            out.append((i, layer.kind, offset, size))
+            offset += size
+    return out
 
 
 class RMSNorm(nn.Module):
@@ -214,7 +241,8 @@ class GQAttention(nn.Module):
         self.plan = plan
         h, g = plan.num_heads, plan.num_kv_heads
         shared = plan.kv_source is not None
-        self.q_proj = nn.Linear(hidden, h * plan.head_dim, bias=plan.attention_bias)
+        width = 2 if plan.out_gate == "query" else 1
+        self.q_proj = nn.Linear(hidden, h * plan.head_dim * width, bias=plan.attention_bias)
         if not shared:
             self.k_proj = nn.Linear(hidden, g * plan.head_dim, bias=plan.attention_bias)
             if not plan.k_eq_v:
@@ -250,7 +278,12 @@ class GQAttention(nn.Module):
     def forward(self, x, step, past_k, past_v, shared=None):  # noqa: ANN001, ANN201
         p = self.plan
         batch, length, _ = x.shape
-        q = self.q_proj(x).reshape(batch, length, p.num_heads, p.head_dim)
+        gate = None
+        if p.out_gate == "query":  # per head: head_dim query dims, then head_dim gate dims
+            q, gate = self.q_proj(x).reshape(batch, length, p.num_heads, 2 * p.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(batch, length, -1)
+        else:
+            q = self.q_proj(x).reshape(batch, length, p.num_heads, p.head_dim)
         if p.qk_norm == "head":
             q = self.q_norm(q)
         q = self._rotate(q * p.q_scale if p.q_scale != 1.0 else q, step)
@@ -283,6 +316,8 @@ class GQAttention(nn.Module):
         out = out.reshape(batch, length, -1)
         if p.out_gate == "full":
             out = out * torch.sigmoid(self.gate_proj(x))
+        elif gate is not None:
+            out = out * torch.sigmoid(gate)
         if p.indexer == "block":  # cache the indexer key as K "head" num_kv_heads
             width = max(p.head_dim, p.index_head_dim)
             k = torch.cat([F.pad(k, (0, width - p.head_dim)), F.pad(k_index, (0, width - p.index_head_dim))], dim=2)
@@ -482,6 +517,8 @@ class MoE(nn.Module):
         self.experts_down = nn.Parameter(torch.zeros(e, hidden, i))
         if plan.shared_intermediate:
             self.shared_experts = SwiGLU(hidden, plan.shared_intermediate, plan.act, plan.shared_limit, plan.glu_alpha)
+        if plan.shared_gate:
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         p = self.plan
@@ -517,7 +554,10 @@ class MoE(nn.Module):
         idx, weights = self.route(flat)
         out = self.experts(flat, idx, weights)
         if self.plan.shared_intermediate:
-            out = out + self.shared_experts(flat)
+            shared = self.shared_experts(flat)
+            if self.plan.shared_gate:
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
         return out.reshape(shape)
 
 
@@ -554,6 +594,28 @@ class Layer(nn.Module):
         attn, k, v = self.self_attn(self.input_layernorm(x), step, past_k, past_v, shared)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), k, v
+
+
+class RecurrentLayer(nn.Module):
+    """Pre-norm residual block around a recurrent mixer (Qwen3.5 linear-attention layers), with
+    an optional MLP (none when the plan has neither experts nor an intermediate width)."""
+
+    def __init__(self, plan: LayerPlan, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.plan = plan
+        self.input_layernorm = RMSNorm(hidden, eps, offset=plan.norm_offset)
+        self.mixer: RecurrentMixer = MIXERS[plan.kind].build(plan, hidden, eps)
+        self.has_mlp = bool(plan.moe or plan.intermediate)
+        if self.has_mlp:
+            self.post_attention_layernorm = RMSNorm(hidden, eps, offset=plan.norm_offset)
+            self.mlp = MoE(plan.moe, hidden) if plan.moe else SwiGLU(hidden, plan.intermediate, plan.act, plan.mlp_limit)
+
+    def forward(self, x, state, valid):  # noqa: ANN001, ANN201
+        h, new_state = self.mixer(self.input_layernorm(x), state, valid)
+        x = x + h
+        if self.has_mlp:
+            x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, new_state
 
 
 class Gemma4Layer(nn.Module):
@@ -763,7 +825,12 @@ class StepState:
 
 
 class ConfiguredLM(nn.Module):
-    """The step graph for a `ModelPlan` (same inputs and outputs as common.DecoderLM)."""
+    """The step graph for a `ModelPlan` (same inputs and outputs as common.DecoderLM).
+
+    A plan with recurrent layers (LayerPlan.recurrent) gives a state-bearing graph: two more
+    inputs, `state_pool` [S, W] and `state_slots` [B], and one more output, `new_state` [B, W]
+    (docs/architecture.md, "Recurrent state"). The paged pool then holds only the attention
+    layers (`kv_layers`), in order."""
 
     def __init__(self, arch: Architecture, plan: ModelPlan) -> None:
         super().__init__()
@@ -771,13 +838,19 @@ class ConfiguredLM(nn.Module):
         self.plan = plan
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(
-            Gemma4Layer(p, arch.hidden_size, plan.rms_norm_eps, plan.ple_dim)
+            RecurrentLayer(p, arch.hidden_size, plan.rms_norm_eps)
+            if p.recurrent
+            else Gemma4Layer(p, arch.hidden_size, plan.rms_norm_eps, plan.ple_dim)
             if p.style == "gemma4"
             else MuseLayer(p, arch.hidden_size, plan.rms_norm_eps, plan.extra)
             if p.style == "muse"
             else Layer(p, arch.hidden_size, plan.rms_norm_eps, plan.head_norm_eps)
             for p in plan.layers
         )
+        self.kv_layers = kv_layer_indices(plan)
+        self._kv_index = {layer: j for j, layer in enumerate(self.kv_layers)}
+        self.state_layout = state_layers(plan, arch.hidden_size)
+        self.state_width = sum(size for _, _, _, size in self.state_layout)
         if plan.embed_norm:
             self.embed_norm = RMSNorm(arch.hidden_size, plan.rms_norm_eps, weighted=False)
         if plan.ple_dim:  # Gemma 4 per-layer inputs: a token table and a projection of the embedding
@@ -791,17 +864,22 @@ class ConfiguredLM(nn.Module):
 
     def _history(self, kv_pool, block_tables, layer: int):  # noqa: ANN001, ANN202
         batch, pages = block_tables.shape
-        num_pages = kv_pool.shape[0] // (2 * self.arch.num_layers)
+        num_pages = kv_pool.shape[0] // (2 * len(self.kv_layers))
         _, tokens, heads, dim = kv_pool.shape
+        j = self._kv_index[layer]
         out = []
         for kind in (0, 1):
-            rows = (2 * layer + kind) * num_pages + block_tables.reshape(-1)
+            rows = (2 * j + kind) * num_pages + block_tables.reshape(-1)
             kv = torch.index_select(kv_pool, 0, rows).reshape(batch, pages * tokens, heads, dim)
             out.append(kv.transpose(1, 2))
         return out
 
-    def hidden_states(self, input_ids, positions, history_lens, block_tables, kv_pool):  # noqa: ANN001, ANN201
-        """Final-normed hidden states [B, L, H] and every layer's new (k, v) padded to the pool."""
+    def hidden_states(self, input_ids, positions, history_lens, block_tables, kv_pool, query_lens=None, state=None):  # noqa: ANN001, ANN201
+        """Final-normed hidden states [B, L, H], the attention layers' new (k, v) padded to the pool,
+        and the recurrent layers' new state [B, W] (None without recurrent layers).
+
+        state: [B, W] each row's state after its history (zeros for none given); query_lens: valid
+        new tokens per row (all L when None)."""
         heads, dim = self.arch.num_kv_heads, self.arch.head_dim
         plan = self.plan
         x = self.embed_tokens(input_ids)
@@ -818,8 +896,23 @@ class ConfiguredLM(nn.Module):
             context = self.per_layer_projection_norm(context.reshape(*input_ids.shape, n, plan.ple_dim))
             per_layer = (context + tokens) * (2.0**-0.5)
         step = StepState(positions, history_lens)
-        new_kv, produced = [], {}
+        new_kv, produced, new_state = [], {}, []
+        valid = None
+        if self.state_width:
+            batch, length = input_ids.shape
+            if state is None:
+                state = torch.zeros(batch, self.state_width)
+            if query_lens is None:
+                valid = torch.ones(batch, length, dtype=torch.bool)
+            else:
+                valid = torch.arange(length).unsqueeze(0) < query_lens.unsqueeze(1)
+        slices = {layer: (offset, size) for layer, _, offset, size in self.state_layout}
         for i, layer in enumerate(self.layers):
+            if i in slices:
+                offset, size = slices[i]
+                x, s = layer(x, state[:, offset : offset + size], valid)
+                new_state.append(s)
+                continue
             source = layer.plan.kv_source
             past_k, past_v = self._history(kv_pool, block_tables, i if source is None else source)
             shared = produced[source] if source is not None else None
@@ -829,7 +922,7 @@ class ConfiguredLM(nn.Module):
             for t in (k, v):
                 pad = (0, dim - t.shape[-1], 0, heads - t.shape[-2])
                 new_kv.append(F.pad(t, pad) if any(pad) else t)
-        return self.norm(x), new_kv
+        return self.norm(x), new_kv, (torch.cat(new_state, dim=-1) if new_state else None)
 
     def logits_of(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(h)
@@ -839,24 +932,35 @@ class ConfiguredLM(nn.Module):
             logits = torch.tanh(logits / self.plan.final_softcap) * self.plan.final_softcap
         return logits
 
-    def forward(self, input_ids, positions, history_lens, query_lens, block_tables, kv_pool, logprob_token_ids):  # noqa: ANN001, ANN201
-        normed, new_kv = self.hidden_states(input_ids, positions, history_lens, block_tables, kv_pool)
+    def forward(self, input_ids, positions, history_lens, query_lens, block_tables, kv_pool, logprob_token_ids,  # noqa: ANN001, ANN201
+                state_pool=None, state_slots=None):  # fmt: skip
+        state = None
+        if self.state_width:
+            # Each row continues its slot's state; a row without history starts from zeros, so a
+            # fresh slot needs no zeroing (and stale contents, even non-finite ones, never leak).
+            gathered = torch.index_select(state_pool, 0, state_slots)
+            state = torch.where((history_lens > 0).unsqueeze(1), gathered, torch.zeros_like(gathered))
+        normed, new_kv, new_state = self.hidden_states(
+            input_ids, positions, history_lens, block_tables, kv_pool, query_lens, state
+        )
         batch, length, hidden = normed.shape
         last = (query_lens - 1).view(-1, 1, 1).expand(-1, 1, hidden)
         logits = self.logits_of(torch.gather(normed, 1, last).squeeze(1))
         logprobs, lse, top_logprobs, top_ids = logprob_stats(logits)
         token_logprobs = torch.gather(logprobs, 1, logprob_token_ids)
         kv = torch.stack(new_kv, dim=0).reshape(
-            self.arch.num_layers, 2, batch, length, self.arch.num_kv_heads, self.arch.head_dim
+            len(self.kv_layers), 2, batch, length, self.arch.num_kv_heads, self.arch.head_dim
         )
+        if new_state is not None:
+            return logits, lse, top_logprobs, top_ids, token_logprobs, kv, normed, new_state
         return logits, lse, top_logprobs, top_ids, token_logprobs, kv, normed
 
     @torch.no_grad()
     def reference(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits [T, V] of one whole sequence as a single prefill over an empty pool."""
         length = ids.shape[0]
-        pool = torch.zeros(2 * self.arch.num_layers, 1, self.arch.num_kv_heads, self.arch.head_dim)
-        normed, _ = self.hidden_states(
+        pool = torch.zeros(2 * len(self.kv_layers), 1, self.arch.num_kv_heads, self.arch.head_dim)
+        normed, _, _ = self.hidden_states(
             ids.unsqueeze(0), torch.arange(length).unsqueeze(0), torch.zeros(1, dtype=torch.int64),
             torch.zeros(1, 1, dtype=torch.int64), pool,
         )  # fmt: skip

@@ -16,9 +16,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from helios.manifest import Architecture
+from helios.manifest import Architecture, StateLayer, StateLayout
 from ignition.models.common import check_fully_loaded, load_lm_head
-from ignition.models.configured import ConfiguredLM, LayerPlan, ModelPlan, MoEPlan, plan_cache_dims
+from ignition.models.configured import (
+    ConfiguredLM,
+    LayerPlan,
+    ModelPlan,
+    MoEPlan,
+    kv_layer_indices,
+    plan_cache_dims,
+    state_layers,
+)
 
 # Hugging Face model_type -> flare family. Multimodal wrappers compile their text model
 # (their `text_config`); vision/audio towers are not part of the text step graph.
@@ -36,15 +44,15 @@ MODEL_TYPES: dict[str, str] = {
     "glm_moe_dsa": "glm_moe_dsa",
     "minimax_m3_vl": "minimax_m3_vl",
     "minimax_m3_vl_text": "minimax_m3_vl",
+    "qwen3_5_moe": "qwen3_5_moe",
+    "qwen3_5_moe_text": "qwen3_5_moe",
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_text": "qwen3_5",
 }
 
 # Families recipes name whose architecture the exporter cannot compile yet, with what is missing.
 # `ignition export` refuses them up front with this text (docs/recipes.md has the details).
 PLANNED: dict[str, str] = {
-    "qwen3_5_moe": "gated DeltaNet linear-attention layers (causal conv1d + delta-rule recurrent state kept in "
-    "the paged cache) and gated full attention",
-    "qwen3_5": "gated DeltaNet linear-attention layers (causal conv1d + delta-rule recurrent state kept in the "
-    "paged cache) and gated full attention",
     "deepseek_v4": "compressed sparse / heavily compressed attention with its indexer and compressor caches, "
     "hyper-connections (hc_mult streams with Sinkhorn mixing), hash-routed MoE layers and grouped low-rank "
     "output projections",
@@ -52,7 +60,6 @@ PLANNED: dict[str, str] = {
     "squared-ReLU MLP layers and the per-layer block pattern",
 }
 PLANNED_MODEL_TYPES: dict[str, str] = {
-    "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
     "deepseek_v4": "deepseek_v4", "nemotron_h": "nemotron_h",
 }  # fmt: skip
 
@@ -449,6 +456,57 @@ def plan_minimax_m3(cfg: dict[str, Any]) -> ModelPlan:
     return ModelPlan(layers=layers, rms_norm_eps=eps, head_norm_eps=eps, final_norm_offset=1.0)
 
 
+# -- qwen3_5 / qwen3_5_moe (Qwen 3.5 hybrid: gated DeltaNet + gated attention) ------------------------
+
+
+def plan_qwen3_5(cfg: dict[str, Any]) -> ModelPlan:
+    """Qwen 3.5: `linear_attention` layers (gated DeltaNet, recurrent state) and `full_attention`
+    layers (q_proj yields query and a sigmoid output gate per head, (1 + w) QK norms, partial
+    rotary), every RMSNorm of the (1 + w) form; a dense SwiGLU (qwen3_5) or softmax-routed experts
+    with a sigmoid-gated shared expert on every layer (qwen3_5_moe).
+
+    Text-only positions: transformers' interleaved multimodal rotary (mrope) gives every section
+    the same position for text, which is plain rotate-half rotary over the rotary dims."""
+    n = int(cfg["num_hidden_layers"])
+    interval = int(cfg.get("full_attention_interval") or 4)
+    layer_types = list(cfg.get("layer_types") or
+                       ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)])  # fmt: skip
+    unknown = sorted(set(layer_types) - {"linear_attention", "full_attention"})
+    if unknown or len(layer_types) != n:
+        raise FamilyError(f"qwen3_5 layer types {unknown or layer_types} are not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise FamilyError("only SiLU MLPs are supported")
+    theta, partial = _rope_theta(cfg)
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    moe = None
+    if cfg.get("num_experts"):
+        moe = MoEPlan(num_experts=int(cfg["num_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+                      intermediate=int(cfg["moe_intermediate_size"]), scoring="softmax", norm_eps=0.0,
+                      shared_intermediate=int(cfg.get("shared_expert_intermediate_size") or 0),
+                      shared_gate=bool(cfg.get("shared_expert_intermediate_size")))  # fmt: skip
+    mixer = {"key_heads": int(cfg["linear_num_key_heads"]), "value_heads": int(cfg["linear_num_value_heads"]),
+             "key_dim": int(cfg["linear_key_head_dim"]), "value_dim": int(cfg["linear_value_head_dim"]),
+             "kernel": int(cfg.get("linear_conv_kernel_dim") or 4)}  # fmt: skip
+    if mixer["value_heads"] % mixer["key_heads"]:
+        raise FamilyError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+    layers = []
+    for kind in layer_types:
+        linear = kind == "linear_attention"
+        layers.append(
+            LayerPlan(
+                kind="gated_deltanet" if linear else "gqa", num_heads=int(cfg["num_attention_heads"]),
+                num_kv_heads=int(cfg["num_key_value_heads"]), head_dim=head_dim, v_head_dim=head_dim,
+                rotary_dim=int(head_dim * partial), rope_theta=theta, qk_norm="head", norm_offset=1.0,
+                out_gate="query", attention_bias=bool(cfg.get("attention_bias", False)),
+                intermediate=0 if moe else int(cfg["intermediate_size"]), moe=moe,
+                mixer=dict(mixer) if linear else {},
+            )  # fmt: skip
+        )
+    eps = float(cfg.get("rms_norm_eps", 1e-6))
+    return ModelPlan(layers=layers, rms_norm_eps=eps, head_norm_eps=eps, final_norm_offset=1.0,
+                     mtp_layers=int(cfg.get("mtp_num_hidden_layers") or 0))  # fmt: skip
+
+
 PLANNERS: dict[str, Callable[[dict[str, Any]], ModelPlan]] = {
     "deepseek_v3": plan_deepseek_v3,
     "mimo_v2_flash": plan_mimo_v2_flash,
@@ -457,7 +515,23 @@ PLANNERS: dict[str, Callable[[dict[str, Any]], ModelPlan]] = {
     "muse_spark": plan_muse_spark,
     "glm_moe_dsa": plan_glm_moe_dsa,
     "minimax_m3_vl": plan_minimax_m3,
+    "qwen3_5": plan_qwen3_5,
+    "qwen3_5_moe": plan_qwen3_5,
 }
+
+
+def cache_layout(family: str, config: dict[str, Any], num_layers: int) -> tuple[int, StateLayout | None]:
+    """(layers with K/V rows in the pool, the recurrent state layout or None) of a checkpoint's
+    family and config: every layer and no state for the attention-only families."""
+    if family not in PLANNERS:
+        return num_layers, None
+    cfg = text_config(config)
+    plan = PLANNERS[family](cfg)
+    slices = state_layers(plan, int(cfg["hidden_size"]))
+    if not slices:
+        return len(plan.layers), None
+    layers = [StateLayer(layer=i, kind=kind, offset=offset, size=size) for i, kind, offset, size in slices]
+    return len(kv_layer_indices(plan)), StateLayout(width=sum(s.size for s in layers), layers=layers)
 
 
 def architecture(family: str, config: dict[str, Any]) -> Architecture:
@@ -535,6 +609,9 @@ def load_configured(model: ConfiguredLM, tensors: dict[str, np.ndarray]) -> None
     put(model.embed_tokens, "weight", take("model.embed_tokens.weight"))
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
+        if layer.plan.recurrent:
+            _load_recurrent_layer(layer, p, take, put, linear, tensors)
+            continue
         put(layer.input_layernorm, "weight", take(p + "input_layernorm.weight"))
         if layer.post_attention_layernorm.weighted:  # Muse Spark's is unscaled
             put(layer.post_attention_layernorm, "weight", take(p + "post_attention_layernorm.weight"))
@@ -600,10 +677,11 @@ def load_configured(model: ConfiguredLM, tensors: dict[str, np.ndarray]) -> None
     put(model.norm, "weight", take("model.norm.weight"))
     load_lm_head(model, tensors, take, put)
     n = model.arch.num_layers
-    mtp = re.compile(r"^model\.(layers\.(\d+)\.|mtp\.)")
+    # model.layers.N past the decoder, model.mtp.* or (Qwen 3.5) top-level mtp.*
+    mtp = re.compile(r"^(?:model\.layers\.(\d+)\.|(model\.)?mtp\.)")
     for name in set(tensors) - used:
         match = mtp.match(name)
-        if match and (match.group(1) == "mtp." or int(match.group(2)) >= n):
+        if match and (match.group(1) is None or int(match.group(1)) >= n):
             model.mtp_tensors[name] = np.asarray(tensors[name])
             used.add(name)
     check_fully_loaded(model, tensors, used)
@@ -631,7 +709,33 @@ def _load_moe(mlp, moe: MoEPlan, p: str, take, put, linear, tensors) -> None:  #
             stacked = torch.stack([take(p + f"mlp.experts.{e}.{n}_proj.weight") for e in range(moe.num_experts)])
             put(mlp, f"experts_{n}", stacked)
     if moe.shared_intermediate:
-        _load_glu(mlp.shared_experts, p + ("share_expert." if step else "mlp.shared_experts."), take, put, linear, tensors)
+        shared = "share_expert." if step else "mlp.shared_experts."
+        if p + "mlp.shared_expert.down_proj.weight" in tensors:  # Qwen's singular name
+            shared = "mlp.shared_expert."
+        _load_glu(mlp.shared_experts, p + shared, take, put, linear, tensors)
+    if moe.shared_gate:
+        linear(mlp.shared_expert_gate, p + "mlp.shared_expert_gate")
+
+
+def _load_recurrent_layer(layer, p: str, take, put, linear, tensors) -> None:  # noqa: ANN001
+    """A recurrent layer: Qwen3.5 gated DeltaNet (`linear_attn.*`), its norms and MLP."""
+    plan = layer.plan
+    put(layer.input_layernorm, "weight", take(p + "input_layernorm.weight"))
+    if plan.kind != "gated_deltanet":
+        raise ValueError(f"no checkpoint layout for recurrent kind {plan.kind!r}")
+    mixer, q = layer.mixer, p + "linear_attn."
+    for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+        linear(getattr(mixer, name), q + name)
+    put(mixer, "conv_weight", take(q + "conv1d.weight").reshape(mixer.conv_dim, mixer.kernel).contiguous())
+    put(mixer, "dt_bias", take(q + "dt_bias"))
+    put(mixer, "A_log", take(q + "A_log"))
+    put(mixer.norm, "weight", take(q + "norm.weight"))
+    if layer.has_mlp:
+        put(layer.post_attention_layernorm, "weight", take(p + "post_attention_layernorm.weight"))
+        if plan.moe is None:
+            _load_glu(layer.mlp, p + "mlp.", take, put, linear, tensors)
+        else:
+            _load_moe(layer.mlp, plan.moe, p, take, put, linear, tensors)
 
 
 def _load_glu(mlp, prefix: str, take, put, linear, tensors) -> None:  # noqa: ANN001

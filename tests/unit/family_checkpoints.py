@@ -37,9 +37,13 @@ SPECIALS = {
     "minimax_m3_vl": ["]~!b[", "[e~[", "]~b]", "<think>", "</think>", "<minimax:tool_call>", "</minimax:tool_call>"],
     "gemma4": ["<bos>", "<eos>", "<pad>", "<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|think|>",
                "<|tool_call>", "<tool_call|>", "<|tool>", "<tool|>", "<|tool_response>", "<tool_response|>", '<|"|>'],
+    "qwen3_5": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
+                "<tool_response>", "</tool_response>"],
+    "qwen3_5_moe": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
+                    "</tool_call>", "<tool_response>", "</tool_response>"],
 }  # fmt: skip
 
-EOS = {"deepseek_v3": "<|im_end|>", "mimo_v2_flash": "<|im_end|>", "gemma4": "<turn|>", "step3p7": "<|im_end|>", "muse_spark": "<|eot|>", "glm_moe_dsa": "<|user|>", "minimax_m3_vl": "[e~["}
+EOS = {"qwen3_5": "<|im_end|>", "qwen3_5_moe": "<|im_end|>", "deepseek_v3": "<|im_end|>", "mimo_v2_flash": "<|im_end|>", "gemma4": "<turn|>", "step3p7": "<|im_end|>", "muse_spark": "<|eot|>", "glm_moe_dsa": "<|user|>", "minimax_m3_vl": "[e~["}
 
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     # Kimi K2.5's text model: MLA (q LoRA, interleaved YaRN rotary) + sigmoid group-limited MoE
@@ -124,10 +128,39 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         hidden_size_per_layer_input=8, num_kv_shared_layers=1, enable_moe_block=True, num_experts=4,
         top_k_experts=2, moe_intermediate_size=32, final_logit_softcapping=30.0, max_position_embeddings=4096,
     ),
+    # Qwen 3.5 dense: gated DeltaNet layers (2 key heads serving 4 value heads, kernel-4 causal conv)
+    # around a gated full-attention layer ((1 + w) QK norms, partial interleaved-mrope rotary).
+    "qwen3_5": dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, layer_types=["linear_attention", "full_attention", "linear_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4, max_position_embeddings=4096, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+    ),
+    # Qwen 3.5 MoE: the same hybrid stack with softmax-routed experts (fused gate_up_proj) and a
+    # sigmoid-gated shared expert on every layer.
+    "qwen3_5_moe": dict(
+        hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        layer_types=["linear_attention", "full_attention", "linear_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        max_position_embeddings=4096, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+    ),
 }  # fmt: skip
 
 
 def _classes(family: str):  # noqa: ANN202
+    if family == "qwen3_5":
+        from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        return Qwen3_5TextConfig, Qwen3_5ForCausalLM
+    if family == "qwen3_5_moe":
+        from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+        return Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM
     if family == "deepseek_v3":
         from transformers.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 

@@ -120,23 +120,27 @@ def test_engine_matches_transformers_on_prefill_and_paged_decode(family_env, rec
     pages_each = -(-max(len(s) for s, _ in sequences) // page)
     runner = Runner(core, manifest, num_pages=2 * pages_each + 3)
     runner.pool[...] = rng.standard_normal(runner.pool.shape, dtype=np.float32)  # stale garbage
+    if runner.state_pool is not None:  # recurrent families: stale slots too (history 0 ignores them)
+        runner.state_pool[...] = rng.standard_normal(runner.state_pool.shape, dtype=np.float32)
     order = rng.permutation(runner.num_pages).tolist()
     tables = [order[:pages_each], order[pages_each : 2 * pages_each]]
+    slots = [2, 0]  # each row's recurrent-state slot (ignored by cores without state)
 
     # Prefill: row 0 in two chunks (the second reads the first through the pool), row 1 in one.
     split = 20
-    out = runner.step([StepRow(sequences[0][0][:split], 0, tables[0]), StepRow(prompts[1], 0, tables[1])])
+    out = runner.step([StepRow(sequences[0][0][:split], 0, tables[0], state_slot=slots[0]),
+                       StepRow(prompts[1], 0, tables[1], state_slot=slots[1])])  # fmt: skip
     errors = [_relative(out.logits[0], sequences[0][1][split - 1]), _relative(out.logits[1], sequences[1][1][len(prompts[1]) - 1])]
-    out = runner.step([StepRow(sequences[0][0][split : len(prompts[0])], split, tables[0])])
+    out = runner.step([StepRow(sequences[0][0][split : len(prompts[0])], split, tables[0], state_slot=slots[0])])
     errors.append(_relative(out.logits[0], sequences[0][1][len(prompts[0]) - 1]))
     prefill_error = max(errors)
     # Decode: both rows, one token each per step, histories of different lengths.
     decode_errors = []
     for step in range(DECODE_STEPS):
         rows = []
-        for (seq, _), prompt, table in zip(sequences, prompts, tables):
+        for (seq, _), prompt, table, slot in zip(sequences, prompts, tables, slots):
             position = len(prompt) + step
-            rows.append(StepRow([seq[position]], position, table))
+            rows.append(StepRow([seq[position]], position, table, state_slot=slot))
         out = runner.step(rows)
         for b, ((seq, logits), prompt) in enumerate(zip(sequences, prompts)):
             decode_errors.append(_relative(out.logits[b], logits[len(prompt) + step]))

@@ -122,7 +122,7 @@ def test_checkpoint_selection_per_role(tiny_core):
     assert roles(engine) == {21: "anchor", 90: "hint", 150: "message", 170: "message", 200: "endpoint"}
     stats = engine.stats()
     assert stats.checkpoint_captures == {"anchor": 1, "message": 3, "endpoint": 1}  # hints count as message
-    assert stats.checkpoint_skips == {"unknown_cost": 0, "work_budget": 0, "storage": 0}
+    assert stats.checkpoint_skips == {"unknown_cost": 0, "work_budget": 0, "storage": 0, "recurrent_state": 0}
     # Checkpoints share the pages of one prefix: full pages once; partial tail pages are copies.
     cache = engine.prefix_cache
     by_len = {c.length: c for c in cache.checkpoints()}
@@ -412,7 +412,7 @@ def test_checkpoint_metrics(http):
     assert m['flare_checkpoint_captures_total{role="anchor"}'] >= 1
     assert m['flare_checkpoint_captures_total{role="message"}'] >= 1
     assert m['flare_checkpoint_captures_total{role="endpoint"}'] >= 1
-    for reason in ("unknown_cost", "work_budget", "storage"):
+    for reason in ("unknown_cost", "work_budget", "storage", "recurrent_state"):
         assert f'flare_checkpoint_skips_total{{reason="{reason}"}}' in m
     assert m["flare_cached_kv_pages"] > 0 and m["flare_cache_reused_tokens_total"] > 0
     assert m["flare_checkpoint_extra_work_nanoseconds_total"] > 0
