@@ -20,7 +20,8 @@ from typing import Any, get_type_hints
 #      `token_logprobs` output and the `hidden` output; the optional "score" engine; `parity.mean_kl`.
 # 1.3: optional `state` (per-sequence recurrent state layout); a state-bearing step graph's
 #      `state_pool` / `state_slots` inputs and `new_state` output; `kv.num_layers` counts the
-#      layers with K/V rows (attention layers), which may be fewer than `architecture.num_layers`.
+#      layers with K/V rows (attention layers), which may be fewer than `architecture.num_layers`;
+#      optional `quantization` (bits and block sizes of the quantized weights).
 FORMAT_VERSION = "1.3"
 MANIFEST_NAME = "core.json"
 
@@ -207,6 +208,20 @@ class Parity:
 
 
 @dataclass
+class Quantization:
+    """How the weights of a quantized core were stored (MatMulNBits block quantization,
+    symmetric); the parity it measured is `Manifest.parity`."""
+
+    layers_bits: int  # transformer-block matmuls
+    layers_block: int  # weights per scale along K
+    accuracy_level: int  # MatMulNBits compute type: 4 = int8 activations
+    lm_head_bits: int | None = None  # None: the lm_head stays fp32
+    lm_head_block: int | None = None
+    embedding_bits: int | None = None  # None: the token table stays fp32
+    embedding_block: int | None = None
+
+
+@dataclass
 class Manifest:
     identity: Identity
     architecture: Architecture
@@ -226,6 +241,7 @@ class Manifest:
     digest: str = ""  # sha256 of listing_text(files): one id for the core's content ("" before 1.1)
     format_version: str = FORMAT_VERSION
     state: StateLayout | None = None  # recurrent per-sequence state (1.3); None: attention only
+    quantization: Quantization | None = None  # (1.3) weight storage of a quantized core; None: fp32 or older
 
     @property
     def model_id(self) -> str:

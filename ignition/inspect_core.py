@@ -60,6 +60,17 @@ def _num(value: float) -> str:
     return f"{value:g}"
 
 
+def _quantization_text(q: dict[str, Any] | None) -> str:
+    if not q:
+        return ""
+    parts = [f"layers int{q['layers_bits']} block {q['layers_block']}"]
+    if q.get("lm_head_bits"):
+        parts.append(f"lm_head int{q['lm_head_bits']} block {q['lm_head_block']}")
+    if q.get("embedding_bits"):
+        parts.append(f"embedding int{q['embedding_bits']} block {q['embedding_block']}")
+    return f" ({', '.join(parts)}, accuracy level {q['accuracy_level']})"
+
+
 def render_inspect(data: dict[str, Any]) -> Table:
     table = Table(title=f"core {data['core']}", show_header=False, title_justify="left")
     table.add_column(style="bold", no_wrap=True)
@@ -70,7 +81,7 @@ def render_inspect(data: dict[str, Any]) -> Table:
     table.add_row("recipe", ident["recipe"])
     table.add_row("checkpoint", f"{ident['checkpoint_id']}  sha256 {ident['checkpoint_sha256']}")
     table.add_row("format", data["format_version"])
-    table.add_row("precision", data["precision"])
+    table.add_row("precision", data["precision"] + _quantization_text(data.get("quantization")))
     table.add_row(
         "architecture",
         f"{arch['family']}: {arch['num_layers']} layers, hidden {arch['hidden_size']}, "

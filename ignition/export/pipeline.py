@@ -81,7 +81,7 @@ Progress = Callable[[str, str], None]  # (stage, detail)
 def export_core(options: ExportOptions, progress: Progress = lambda stage, detail: None) -> Manifest:
     from ignition.checkpoints.load import load_checkpoint, peek_family
     from ignition.export.graph import export_step_graph
-    from ignition.export.quantize import quantize
+    from ignition.export.quantize import manifest_quantization, quantize
     from ignition.export.validate import ParityError, validate_scores
     from ignition.models import build_model
 
@@ -202,6 +202,7 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
             decode_weight_bytes=decode_weight_bytes(engine_dir / engine.file),
             toolchain=export_cache.toolchain(),
             state=state,
+            quantization=manifest_quantization(options.precision),
         )
 
         cached_ref = entry is not None and reference is not None

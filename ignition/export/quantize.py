@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from helios.manifest import Quantization
 from ignition.export.graph import save_with_external_data
 
 PRECISIONS = ("int4", "int8", "fp32")
@@ -47,10 +48,22 @@ class QuantSettings:
 #   8-bit block 32 is a slow MLAS path: the lm_head alone takes ~7x longer at M=1 than with
 #   block 64/128 (isolated: 21 ms vs 3.1-3.6 ms), so the 8-bit lm_head always uses block 128.
 #
-# int4: block 32 keeps the best int4 quality (64: +12% KL for ~9% speed; 128: +50% KL and twice
-#   the worst-case KL for ~20%), and matches the source Q4_K's 32-weight scale granularity. The
-#   4-bit embedding table halves the core (0.93 -> 0.46 GB) for +6% KL and no speed cost (it is
-#   gathered, not multiplied).
+# int4 layers: block 64 (engine-speed issue). Re-measured with every other process on the host
+#   paused (median ms per step graph call, the real 0.5B, int4 block-128 lm_head, 64-token
+#   history; KL and top-1 over the validation sequence, reference = fp32 graph of the GGUF):
+#
+#     layers   b=1 ms      b=8 ms      mean KL  max KL  top-1   core data MB
+#     b32      15.6-15.8   42.9-43.8   0.0014   0.0040  1.0     390
+#     b64      13.4-14.4   40.5-42.1   0.0029   0.0107  1.0     359
+#     b128     11.9-12.7   34.3-36.0   0.0118   0.0552  1.0     -
+#
+#   Isolated MatMulNBits (M=1, 24 cache-cold copies of the 0.5B's gate_up 896x9728): block 32
+#   247 us (22 GB/s), block 64 175 us (28 GB/s): at M=1 the block-32 kernel is bound by its
+#   per-block work, not by memory, on this CPU. Block 64 buys ~14% at b=1 for a KL that stays
+#   ~170x inside the int4 tolerance; block 128 would buy another ~12% for 4x the KL (its worst
+#   position, 0.055, is where top-1 starts to be at risk), so 64 it is. The 4-bit embedding
+#   table (same block) halves the core for +6% KL and no speed cost (it is gathered, not
+#   multiplied).
 # int4 lm_head (engine-speed issue): the lm_head is the largest matmul (151936 x 896); at 8 bits it
 #   is ~140 of the ~365 MB a decode step reads. Re-measured on the validation sequence (64-token
 #   prompt + 8 decode steps, 10 positions; reference = cached fp32 torch logits), lm_head variants
@@ -68,9 +81,25 @@ class QuantSettings:
 #   int4 on 2 cores (unpacking nibbles costs what the halved bandwidth saves) at ~40x lower KL.
 #   8-bit Gather is unsupported, so its embedding stays fp32 (core ~1.06 GB).
 SETTINGS = {
-    "int4": QuantSettings(bits=4, block_size=32, accuracy_level=4, lm_head_bits=4, embedding_bits=4),
+    "int4": QuantSettings(bits=4, block_size=64, accuracy_level=4, lm_head_bits=4, embedding_bits=4),
     "int8": QuantSettings(bits=8, block_size=128, accuracy_level=4, lm_head_bits=8, embedding_bits=None),
 }
+
+def manifest_quantization(precision: str) -> Quantization | None:
+    """What the manifest records about a precision's weight storage (None for fp32)."""
+    s = SETTINGS.get(precision)
+    if s is None:
+        return None
+    return Quantization(
+        layers_bits=s.bits,
+        layers_block=s.block_size,
+        accuracy_level=s.accuracy_level,
+        lm_head_bits=s.lm_head_bits,
+        lm_head_block=s.lm_head_block_size if s.lm_head_bits is not None else None,
+        embedding_bits=s.embedding_bits,
+        embedding_block=s.block_size if s.embedding_bits is not None else None,
+    )
+
 
 LM_HEAD_OUTPUT = "logits"  # the contract's output: the lm_head matmul is the node producing it
 

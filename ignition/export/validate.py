@@ -21,7 +21,8 @@ decode steps = 10 positions; KL is the mean KL(reference || engine) of next-toke
   fp32 (the shipped graph)                 2e-5..5e-5  1.0     0
   int8 (block 128)                         0.51..0.63  1.0     <= 0.0012
   int4 (block 32, int8 lm_head, 4-bit emb) 2.9..5.0    1.0     0.002..0.022  (0.08 unrepeated)
-  int4 as shipped (int4 block-128 lm_head) 3.3         1.0     0.003 (one prompt; int8 head: 0.0017)
+  int4 b32, int4 block-128 lm_head         3.3         1.0     0.003 (one prompt; int8 head: 0.0017)
+  int4 as shipped (layers block 64)        4.4         1.0     0.0029 (one prompt; b32: 0.0014)
   int4 block 128 (honest, not shipped)     3.7..7.5    0.9..1  0.006..0.45
   broken: rotate-half vs interleaved       22..33      0..0.1  8.7..10.5
   broken: q/k/v bias dropped (unrepeated)  27..38      0       15..16

