@@ -449,10 +449,14 @@ def decode_weight_bytes(onnx_path: Path) -> int:
     """Bytes of weights one decode step reads for one request.
 
     Every initializer counts in full except embedding tables read by Gather, of which a decode
-    step reads one row.
+    step reads one row (for a 4-bit table, GatherBlockQuantized: one row of its data, scales and
+    zero points).
     """
     model = onnx.load(str(onnx_path), load_external_data=False)
     gathered = {node.input[0] for node in model.graph.node if node.op_type == "Gather"}
+    for node in model.graph.node:
+        if node.op_type == "GatherBlockQuantized":  # inputs: data, indices, scales[, zero_points]
+            gathered.update(name for i, name in enumerate(node.input) if i != 1 and name)
     total = 0
     for init in model.graph.initializer:
         size = _initializer_bytes(init)

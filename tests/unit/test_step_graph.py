@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 import pytest
 import torch
 
@@ -15,6 +16,7 @@ from helios.engine.runner import Runner, StepRow, pack_rows, scatter_new_kv
 from helios.manifest import Architecture, KVLayout
 from ignition.checkpoints.base import Checkpoint
 from ignition.export.graph import INPUT_NAMES, export_step_graph
+from ignition.export.pipeline import decode_weight_bytes
 from ignition.export.quantize import quantize
 from ignition.export.validate import TOLERANCES, ParityError, validate
 from ignition.models import build_model
@@ -239,6 +241,16 @@ def test_int4_export_passes_tolerance(model, int4_graph):
     # Random weights give near-flat logits, where top-1 flips on noise (block 32: 0.8, block
     # 64: 0.6 for qwen2); the distribution distance is the meaningful check (both ~0.27-0.29).
     assert parity.mean_kl < 0.8 * TOLERANCES["int4"].max_kl
+
+
+def test_decode_weight_bytes_reads_one_row_of_the_4bit_table(int4_graph):
+    graph = onnx.load(str(int4_graph)).graph
+    # Stored bytes (a 4-bit tensor's raw data is packed; numpy_helper would unpack it).
+    sizes = {t.name: len(t.raw_data) or numpy_helper.to_array(t).nbytes for t in graph.initializer}
+    gather = next(n for n in graph.node if n.op_type == "GatherBlockQuantized")
+    table = [gather.input[0], gather.input[2]]  # 4-bit data and its scales, one row per token
+    expected = sum(sizes.values()) - sum(sizes[name] - sizes[name] // VOCAB for name in table)
+    assert decode_weight_bytes(int4_graph) == expected
 
 
 def test_int8_export_passes_tolerance(model, fp32_graph, tmp_path):
