@@ -21,7 +21,8 @@ from typing import Any, get_type_hints
 # 1.3: optional `state` (per-sequence recurrent state layout); a state-bearing step graph's
 #      `state_pool` / `state_slots` inputs and `new_state` output; `kv.num_layers` counts the
 #      layers with K/V rows (attention layers), which may be fewer than `architecture.num_layers`;
-#      optional `quantization` (bits and block sizes of the quantized weights).
+#      optional `quantization` (bits and block sizes of the quantized weights); optional
+#      `template.numeric_effort` (the integer reasoning_effort range a template takes).
 FORMAT_VERSION = "1.3"
 MANIFEST_NAME = "core.json"
 
@@ -152,6 +153,10 @@ class TemplateSpec:
     file: str | None  # chat_template.jinja, or None for a core without chat support
     supports_system: bool = True
     supports_tools: bool = False
+    # [min, max]: the template also takes an integer `reasoning_effort` in this range, which
+    # Chat Completions passes through from its top-level field (DeepSeek V4.1: 1..100); None: named
+    # levels only (optional, absent in older 1.3 cores).
+    numeric_effort: list[int] | None = None
 
 
 @dataclass

@@ -18,8 +18,9 @@ RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 # and families recipes may already name whose architecture it refuses with what is missing
 # (ignition.models.families.PLANNED; docs/recipes.md).
 COMPILED_FAMILIES = ("qwen2", "llama", "deepseek_v3", "mimo_v2_flash", "gemma4", "step3p7", "muse_spark",
-                     "glm_moe_dsa", "minimax_m3_vl", "qwen3_5_moe", "qwen3_5")  # fmt: skip
-PLANNED_FAMILIES = ("deepseek_v4", "nemotron_h")
+                     "glm_moe_dsa", "minimax_m3_vl", "qwen3_5_moe", "qwen3_5", "deepseek_v4",
+                     "nemotron_h")  # fmt: skip
+PLANNED_FAMILIES: tuple[str, ...] = ()
 KNOWN_FAMILIES = COMPILED_FAMILIES + PLANNED_FAMILIES
 # Template behaviours a recipe can declare its (native) prompt encoder refuses (api.md: the
 # DeepSeek encoders reject drop_thinking, assistant continuation and add_generation_prompt=false).

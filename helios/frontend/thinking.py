@@ -7,7 +7,10 @@ variables and the engine's `ReasoningControl`.
 - Named effort (Responses reasoning.effort, Anthropic output_config.effort, or derived from a
   Messages budget: up to 5,000 low, up to 20,000 high, above that max) maps onto the levels the
   prepared template accepts, read from its source (for example Qwen's low/medium/xhigh), and is
-  passed as `reasoning_effort`. A template without that variable ignores effort.
+  passed as `reasoning_effort`. A template without that variable ignores effort. Where the core's
+  template takes integer scores (manifest `template.numeric_effort`, DeepSeek V4.1: 1..100), Chat
+  Completions' top-level `reasoning_effort` may also be such an integer, passed through as is;
+  other cores, and the Responses/Messages effort fields, refuse numbers (400).
 - thinking_token_budget caps generated reasoning tokens when output starts inside reasoning and
   the close delimiter is one token; the engine then forces that token at the cap.
 """
@@ -33,11 +36,29 @@ def effort_from_budget(budget: int) -> str:
     return "max"
 
 
-def check_effort(value: Any, param: str) -> str | None:
+def check_effort(value: Any, param: str, numeric: list[int] | tuple[int, int] | None = None) -> str | int | None:
+    """A named effort level, or, where the core's template takes integer scores (`numeric`: the
+    manifest's template.numeric_effort, DeepSeek V4.1's [1, 100]), a JSON integer in that range.
+    Floats, booleans and numeric strings are refused; so is any integer on other cores."""
     if value is None:
         return None
+    named = ", ".join(EFFORT_LEVELS)
+    if numeric is not None:
+        low, high = numeric
+        if isinstance(value, int) and not isinstance(value, bool):
+            if not low <= value <= high:
+                raise RequestError(f"{param} must be an integer from {low} through {high} or one of {named}",
+                                   param=param.split(".")[0])
+            return value
+        if not isinstance(value, str) or value not in EFFORT_LEVELS:
+            raise RequestError(f"{param} must be an integer from {low} through {high} or one of {named}",
+                               param=param.split(".")[0])
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        raise RequestError(f"{param} must be one of {named} (numeric scores are not accepted here)",
+                           param=param.split(".")[0])
     if not isinstance(value, str) or value not in EFFORT_LEVELS:
-        raise RequestError(f"{param} must be one of {', '.join(EFFORT_LEVELS)}", param=param.split(".")[0])
+        raise RequestError(f"{param} must be one of {named}", param=param.split(".")[0])
     return value
 
 
@@ -59,10 +80,16 @@ def resolve_effort(level: str, accepted: list[str]) -> str | None:
     return min(accepted, key=lambda a: (abs(_RANK[a] - want), -_RANK[a]))
 
 
-def template_kwargs(kwargs: dict[str, Any], *, enabled: bool | None, effort: str | None,
+def template_kwargs(kwargs: dict[str, Any], *, enabled: bool | None, effort: str | int | None,
                     template_source: str | None) -> dict[str, Any]:
-    """chat_template_kwargs with the derived thinking variables filled in where absent."""
+    """chat_template_kwargs with the derived thinking variables filled in where absent. An integer
+    effort (already checked against the core's numeric range) goes to the template as it is."""
     out = dict(kwargs)
+    if isinstance(effort, int):
+        if enabled is not None:
+            out.setdefault("enable_thinking", enabled)
+        out.setdefault("reasoning_effort", effort)
+        return out
     if effort == "none" and enabled is None:
         enabled = False
     if enabled is not None:

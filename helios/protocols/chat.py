@@ -196,7 +196,7 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> ChatPlan
                            param="chat_template")
     fmt, fmt_param = decode_output_format(body)
     budget = check_budget(body.get("thinking_token_budget"))
-    effort = check_effort(body.get("reasoning_effort"), "reasoning_effort")
+    effort = check_effort(body.get("reasoning_effort"), "reasoning_effort", m.template.numeric_effort)
     common.reject_unsupported_extensions(body, structured=True)
     n = common.choice_count(body)
     if n > ctx.admission.slots:

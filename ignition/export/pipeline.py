@@ -434,6 +434,7 @@ def _write_template(checkpoint: Checkpoint, recipe: Recipe, folder: Path) -> Tem
         file="chat_template.jinja",
         supports_system=recipe.supports_system,
         supports_tools=recipe.supports_tools,
+        numeric_effort=list(numeric) if (numeric := recipe.reasoning and recipe.reasoning.numeric_effort) else None,
     )
 
 

@@ -10,6 +10,7 @@ import torch
 from ignition.checkpoints.base import Checkpoint
 from ignition.models.common import TOP_K, DecoderLM
 from ignition.models.configured import ConfiguredLM
+from ignition.models.deepseek_v4 import DeepseekV4LM, build_deepseek_v4
 from ignition.models.families import PLANNED, PLANNERS, build_configured
 from ignition.models.llama import LlamaForCausalLM
 from ignition.models.qwen2 import Qwen2ForCausalLM
@@ -20,11 +21,13 @@ FAMILIES: dict[str, type[DecoderLM]] = {
 }
 
 
-def build_model(checkpoint: Checkpoint) -> DecoderLM | ConfiguredLM:
+def build_model(checkpoint: Checkpoint) -> DecoderLM | ConfiguredLM | DeepseekV4LM:
     """A float32 eval-mode model holding the checkpoint's weights (q/k/v and gate/up fused)."""
     arch = checkpoint.architecture
     if arch.family in PLANNED:
         raise ValueError(f"the {arch.family!r} family cannot be compiled yet: missing {PLANNED[arch.family]}")
+    if arch.family == "deepseek_v4":  # its own step model, stateless over the paged pool
+        return build_deepseek_v4(checkpoint.model_config, checkpoint.tensors)
     if arch.family in PLANNERS:
         return build_configured(arch, checkpoint.model_config, checkpoint.tensors)
     if arch.family not in FAMILIES:

@@ -11,6 +11,10 @@ implements the same step-graph contract as `common.DecoderLM` (docs/architecture
   dims), not per-head keys and values;
 - MLPs: SwiGLU, or a routed mixture of experts (sigmoid or softmax scores, optional score
   correction bias, group-limited top-k, normalisation, scaling, shared experts), routed in-graph;
+  non-gated squared-ReLU MLPs and experts (Nemotron-H, `PlainMLP` / `UngatedMoE`);
+- recurrent layers (`RecurrentLayer` around a recurrent.MIXERS mixer: gated DeltaNet, Mamba-2)
+  and single-mixer layers (`SingleLayer`, style "single": x + mixer(norm(x)) with attention
+  alone or, kind "ffn", a feed-forward block alone; Nemotron-H);
 - MTP heads are not part of the step graph: the loader keeps their tensors aside
   (`mtp_tensors`) and the exporter writes them into the core for later speculative decoding.
 
@@ -56,11 +60,16 @@ class MoEPlan:
     act: str = "silu"
     glu_alpha: float = 0.0
     shared_gate: bool = False  # sigmoid(shared_expert_gate(x)) scales the shared expert (Qwen3.5 MoE)
+    gated: bool = True  # False: non-gated experts down(act(up(x))) and shared expert (Nemotron-H, act "relu2")
+    latent: int = 0  # non-gated experts run in this width between fc1/fc2_latent_proj (Nemotron-H); 0: hidden
+    bias: bool = False  # non-gated shared expert and latent projections carry biases (Nemotron-H mlp_bias)
 
 
 @dataclass
 class LayerPlan:
-    kind: str  # "gqa" | "mla" | a recurrent mixer kind (recurrent.MIXERS: "gated_deltanet", ...)
+    # "gqa" | "mla" | "ffn" (a feed-forward block alone: no attention, no K/V rows, no state;
+    # style "single") | a recurrent mixer kind (recurrent.MIXERS: "gated_deltanet", "mamba2", ...)
+    kind: str
     num_heads: int
     num_kv_heads: int  # gqa; mla uses 1 latent "head"
     head_dim: int  # gqa: q/k width per head; mla: qk_nope + qk_rope
@@ -112,13 +121,21 @@ class LayerPlan:
     # mlp
     intermediate: int = 0  # dense SwiGLU width (used when moe is None)
     moe: MoEPlan | None = None
-    style: str = "pre"  # "pre" (pre-norm residual) | "gemma4" (sandwich norms, PLE, parallel MoE)
+    # "pre" (pre-norm residual) | "gemma4" (sandwich norms, PLE, parallel MoE) | "muse" | "single"
+    # (x + mixer(norm(x)) with one mixer: attention alone, or kind "ffn"; Nemotron-H)
+    style: str = "pre"
+    mlp_bias: bool = False  # dense non-gated MLP biases (act "relu2", Nemotron-H)
     mixer: dict = field(default_factory=dict)  # a recurrent kind's own settings (recurrent.MIXERS)
 
     @property
     def recurrent(self) -> bool:
         """The layer keeps per-sequence recurrent state instead of K/V rows in the pool."""
         return self.kind in MIXERS
+
+    @property
+    def attends(self) -> bool:
+        """The layer attends over its history, so it has K/V rows in the pool."""
+        return self.kind in ("gqa", "mla")
 
     def cache_dims(self) -> tuple[int, int]:
         """(kv heads, head width) this layer needs in the pool."""
@@ -147,14 +164,15 @@ class ModelPlan:
 
 
 def plan_cache_dims(plan: ModelPlan) -> tuple[int, int]:
-    dims = [layer.cache_dims() for layer in plan.layers if not layer.recurrent]
+    dims = [layer.cache_dims() for layer in plan.layers if layer.attends]
     return max(h for h, _ in dims), max(d for _, d in dims)
 
 
 def kv_layer_indices(plan: ModelPlan) -> list[int]:
     """The layers with K/V rows in the pool, in order: pool layer j is model layer kv[j] (recurrent
-    layers have none, so the pool of a hybrid model holds only its attention layers)."""
-    return [i for i, layer in enumerate(plan.layers) if not layer.recurrent]
+    and feed-forward-only layers have none, so the pool of a hybrid model holds only its attention
+    layers)."""
+    return [i for i, layer in enumerate(plan.layers) if layer.attends]
 
 
 def state_layers(plan: ModelPlan, hidden: int) -> list[tuple[int, str, int, int]]:
@@ -472,6 +490,8 @@ def activation(name: str, x: torch.Tensor) -> torch.Tensor:
         return F.silu(x)
     if name == "gelu_tanh":
         return F.gelu(x, approximate="tanh")
+    if name == "relu2":  # squared ReLU (Nemotron-H)
+        return torch.square(F.relu(x))
     raise ValueError(f"unknown activation {name!r}")
 
 
@@ -489,6 +509,19 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(glu(self.act, self.gate_proj(x), self.up_proj(x), self.limit, self.alpha))
+
+
+class PlainMLP(nn.Module):
+    """Non-gated MLP: down(act(up(x))) (Nemotron-H's squared-ReLU layers and shared expert)."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False) -> None:
+        super().__init__()
+        self.act = act
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(activation(self.act, self.up_proj(x)))
 
 
 def glu(act: str, gate: torch.Tensor, up: torch.Tensor, limit: float = 0.0, alpha: float = 0.0) -> torch.Tensor:
@@ -561,6 +594,44 @@ class MoE(nn.Module):
         return out.reshape(shape)
 
 
+class UngatedMoE(MoE):
+    """Nemotron-H's expert block: routed as MoE.route (sigmoid, correction bias for the choice,
+    group-limited top-k, renormalised, scaled) on the full hidden state; non-gated experts
+    down(act(up(h))), computed densely like MoE's, where h is the input or, with a latent width,
+    fc1_latent_proj(input) (the weighted sum then goes through fc2_latent_proj); plus a non-gated
+    shared expert on the input."""
+
+    def __init__(self, plan: MoEPlan, hidden: int) -> None:
+        nn.Module.__init__(self)
+        self.plan = plan
+        e, i, width = plan.num_experts, plan.intermediate, plan.latent or hidden
+        self.gate_weight = nn.Parameter(torch.zeros(e, hidden))
+        if plan.correction_bias:
+            self.correction_bias = nn.Parameter(torch.zeros(e))
+        self.experts_up = nn.Parameter(torch.zeros(e, i, width))
+        self.experts_down = nn.Parameter(torch.zeros(e, width, i))
+        if plan.latent:
+            self.fc1_latent_proj = nn.Linear(hidden, plan.latent, bias=plan.bias)
+            self.fc2_latent_proj = nn.Linear(plan.latent, hidden, bias=plan.bias)
+        if plan.shared_intermediate:
+            self.shared_experts = PlainMLP(hidden, plan.shared_intermediate, plan.act, plan.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        idx, weights = self.route(flat)
+        h = self.fc1_latent_proj(flat) if self.plan.latent else flat
+        dense = torch.zeros(flat.shape[0], self.plan.num_experts).scatter(1, idx, weights)  # [N, E]
+        up = activation(self.plan.act, torch.einsum("nh,eih->eni", h, self.experts_up))
+        down = torch.einsum("eni,ehi->enh", up, self.experts_down)
+        out = (down * dense.t().unsqueeze(-1)).sum(0)
+        if self.plan.latent:
+            out = self.fc2_latent_proj(out)
+        if self.plan.shared_intermediate:
+            out = out + self.shared_experts(flat)
+        return out.reshape(shape)
+
+
 class GemmaMoE(MoE):
     """Gemma 4's expert block: router on the unscaled-normed residual (times a learned scale and
     hidden^-0.5), softmax, top-k renormalised, per-expert scales; GELU-tanh experts."""
@@ -594,6 +665,35 @@ class Layer(nn.Module):
         attn, k, v = self.self_attn(self.input_layernorm(x), step, past_k, past_v, shared)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), k, v
+
+
+class SingleLayer(nn.Module):
+    """x + mixer(norm(x)) with exactly one mixer (Nemotron-H's "*", "-" and "E" layers): attention
+    (kind "gqa"), or (kind "ffn") a feed-forward block alone: a non-gated or gated dense MLP, or
+    experts. Feed-forward layers have no K/V rows and no state."""
+
+    def __init__(self, plan: LayerPlan, hidden: int, eps: float, head_eps: float) -> None:
+        super().__init__()
+        self.plan = plan
+        self.input_layernorm = RMSNorm(hidden, eps, offset=plan.norm_offset)
+        if plan.kind == "ffn":
+            if plan.moe is not None:
+                self.mlp = MoE(plan.moe, hidden) if plan.moe.gated else UngatedMoE(plan.moe, hidden)
+            elif plan.act == "relu2":
+                self.mlp = PlainMLP(hidden, plan.intermediate, plan.act, plan.mlp_bias)
+            else:
+                self.mlp = SwiGLU(hidden, plan.intermediate, plan.act, plan.mlp_limit, plan.glu_alpha)
+        elif plan.kind == "gqa":
+            self.self_attn = GQAttention(plan, hidden, head_eps)
+        else:
+            raise ValueError(f"single-mixer layers take kind 'gqa' or 'ffn', not {plan.kind!r}")
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.input_layernorm(x))
+
+    def forward(self, x, step, past_k, past_v, shared=None, per_layer_input=None):  # noqa: ANN001, ANN201
+        attn, k, v = self.self_attn(self.input_layernorm(x), step, past_k, past_v, shared)
+        return x + attn, k, v
 
 
 class RecurrentLayer(nn.Module):
@@ -840,6 +940,8 @@ class ConfiguredLM(nn.Module):
         self.layers = nn.ModuleList(
             RecurrentLayer(p, arch.hidden_size, plan.rms_norm_eps)
             if p.recurrent
+            else SingleLayer(p, arch.hidden_size, plan.rms_norm_eps, plan.head_norm_eps)
+            if p.style == "single"
             else Gemma4Layer(p, arch.hidden_size, plan.rms_norm_eps, plan.ple_dim)
             if p.style == "gemma4"
             else MuseLayer(p, arch.hidden_size, plan.rms_norm_eps, plan.extra)
@@ -912,6 +1014,9 @@ class ConfiguredLM(nn.Module):
                 offset, size = slices[i]
                 x, s = layer(x, state[:, offset : offset + size], valid)
                 new_state.append(s)
+                continue
+            if not layer.plan.attends:  # a feed-forward block alone (Nemotron-H "-" / "E" layers)
+                x = layer.feed_forward(x)
                 continue
             source = layer.plan.kv_source
             past_k, past_v = self._history(kv_pool, block_tables, i if source is None else source)

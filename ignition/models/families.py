@@ -8,6 +8,7 @@ docs/recipes.md lists which recipe compiles which family and what each family st
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from typing import Any
@@ -48,20 +49,14 @@ MODEL_TYPES: dict[str, str] = {
     "qwen3_5_moe_text": "qwen3_5_moe",
     "qwen3_5": "qwen3_5",
     "qwen3_5_text": "qwen3_5",
+    "deepseek_v4": "deepseek_v4",  # its own step model (ignition/models/deepseek_v4.py), not a plan
+    "nemotron_h": "nemotron_h",
 }
 
 # Families recipes name whose architecture the exporter cannot compile yet, with what is missing.
 # `ignition export` refuses them up front with this text (docs/recipes.md has the details).
-PLANNED: dict[str, str] = {
-    "deepseek_v4": "compressed sparse / heavily compressed attention with its indexer and compressor caches, "
-    "hyper-connections (hc_mult streams with Sinkhorn mixing), hash-routed MoE layers and grouped low-rank "
-    "output projections",
-    "nemotron_h": "Mamba-2 state-space layers (conv1d + SSM recurrent state kept in the paged cache), "
-    "squared-ReLU MLP layers and the per-layer block pattern",
-}
-PLANNED_MODEL_TYPES: dict[str, str] = {
-    "deepseek_v4": "deepseek_v4", "nemotron_h": "nemotron_h",
-}  # fmt: skip
+PLANNED: dict[str, str] = {}
+PLANNED_MODEL_TYPES: dict[str, str] = {}
 
 
 class FamilyError(ValueError):
@@ -507,6 +502,62 @@ def plan_qwen3_5(cfg: dict[str, Any]) -> ModelPlan:
                      mtp_layers=int(cfg.get("mtp_num_hidden_layers") or 0))  # fmt: skip
 
 
+# -- nemotron_h (Nemotron-H: Mamba-2 / attention / MLP / MoE single-mixer layers) ---------------------
+
+
+def plan_nemotron_h(cfg: dict[str, Any]) -> ModelPlan:
+    """Nemotron-H (transformers 5.24 `nemotron_h`): every layer is x + mixer(rms_norm(x)) with one
+    mixer per `hybrid_override_pattern` / `layers_block_type` entry: "M" Mamba-2 (recurrent state,
+    ignition/models/mamba2.py), "*" GQA attention with no positional encoding at all (no rotary,
+    no QK norm, no biases, scale head_dim^-0.5), "-" a squared-ReLU MLP (no gate), "E" sigmoid
+    group-routed squared-ReLU experts (optionally in a latent width) plus a shared expert. Plain
+    RMSNorms with eps `layer_norm_epsilon`."""
+    from ignition.models.nemotron_h import layer_kinds, mamba2_spec
+
+    try:
+        kinds = layer_kinds(cfg)
+        spec = mamba2_spec(cfg) if "mamba" in kinds else None
+    except (KeyError, ValueError) as exc:
+        raise FamilyError(f"nemotron_h: {exc}") from None
+    if "attention" not in kinds:
+        raise FamilyError("nemotron_h without attention layers is not supported (the paged pool needs one)")
+    act = cfg.get("mlp_hidden_act", "relu2")
+    if act != "relu2" and ({"mlp", "moe"} & set(kinds)):
+        raise FamilyError(f"nemotron_h MLP activation {act!r} is not supported (only relu2)")
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    bias = bool(cfg.get("mlp_bias", False))
+    moe = None
+    if "moe" in kinds:
+        experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 8)
+        n_group = int(cfg.get("n_group") or 1)
+        if experts % n_group:
+            raise FamilyError("nemotron_h n_routed_experts must be a multiple of n_group")
+        moe = MoEPlan(
+            num_experts=experts, top_k=int(cfg.get("num_experts_per_tok") or 2),
+            intermediate=int(cfg.get("moe_intermediate_size") or 7688), scoring="sigmoid", correction_bias=True,
+            n_group=n_group, topk_group=int(cfg.get("topk_group") or 1), norm_topk=bool(cfg.get("norm_topk_prob", True)),
+            scaling=float(cfg.get("routed_scaling_factor") or 1.0),
+            shared_intermediate=int(cfg.get("moe_shared_expert_intermediate_size") or 7688), act="relu2",
+            gated=False, latent=int(cfg.get("moe_latent_size") or 0), bias=bias,
+        )  # fmt: skip
+    mixer = dataclasses.asdict(spec) if spec is not None else {}
+    layers = []
+    for kind in kinds:
+        layers.append(
+            LayerPlan(
+                kind={"mamba": "mamba2", "attention": "gqa"}.get(kind, "ffn"), style="single", num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=head_dim, v_head_dim=head_dim,
+                rotary_dim=0, rope_theta=10000.0, scale=head_dim**-0.5,
+                intermediate=int(cfg.get("intermediate_size") or 0) if kind == "mlp" else 0,
+                moe=moe if kind == "moe" else None, act="relu2", mlp_bias=bias,
+                mixer=dict(mixer) if kind == "mamba" else {},
+            )  # fmt: skip
+        )
+    return ModelPlan(layers=layers, rms_norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+                     mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0))  # fmt: skip
+
+
 PLANNERS: dict[str, Callable[[dict[str, Any]], ModelPlan]] = {
     "deepseek_v3": plan_deepseek_v3,
     "mimo_v2_flash": plan_mimo_v2_flash,
@@ -517,6 +568,7 @@ PLANNERS: dict[str, Callable[[dict[str, Any]], ModelPlan]] = {
     "minimax_m3_vl": plan_minimax_m3,
     "qwen3_5": plan_qwen3_5,
     "qwen3_5_moe": plan_qwen3_5,
+    "nemotron_h": plan_nemotron_h,
 }
 
 
@@ -529,13 +581,22 @@ def cache_layout(family: str, config: dict[str, Any], num_layers: int) -> tuple[
     plan = PLANNERS[family](cfg)
     slices = state_layers(plan, int(cfg["hidden_size"]))
     if not slices:
-        return len(plan.layers), None
+        return len(kv_layer_indices(plan)), None
     layers = [StateLayer(layer=i, kind=kind, offset=offset, size=size) for i, kind, offset, size in slices]
     return len(kv_layer_indices(plan)), StateLayout(width=sum(s.size for s in layers), layers=layers)
 
 
 def architecture(family: str, config: dict[str, Any]) -> Architecture:
     """The manifest Architecture of a configured family: the pool geometry is the widest layer's."""
+    if family == "deepseek_v4":  # stateless over the paged pool: every layer has K/V rows
+        from ignition.models.deepseek_v4 import architecture_of, inv_freq_of, plan_of
+
+        try:
+            plan = plan_of(config)
+            inv_freq_of(plan, "compress")  # refuses unsupported rotary before any tensor is read
+        except ValueError as exc:
+            raise FamilyError(str(exc)) from None
+        return architecture_of(plan)
     cfg = text_config(config)
     plan = PLANNERS[family](cfg)
     kv_heads, head_dim = plan_cache_dims(plan)
@@ -798,6 +859,78 @@ def _load_gemma4_layer(layer, p, take, put, linear, tensors) -> None:  # noqa: A
     put(layer, "layer_scalar", take(p + "layer_scalar"))
 
 
+def load_nemotron_h(model: ConfiguredLM, tensors: dict[str, np.ndarray]) -> None:
+    """Nemotron-H's names, as its checkpoints and transformers' save_pretrained write them:
+    `backbone.embeddings.weight`, `backbone.layers.N.norm.weight`, `backbone.layers.N.mixer.*`,
+    `backbone.norm_f.weight`, `lm_head.weight` (transformers' own module names, `model.*`, are
+    accepted too). Experts per expert (`mixer.experts.E.{up,down}_proj.weight`) or stacked
+    (`mixer.experts.{up,down}_proj` [E, ...]). `mtp.*` tensors are kept aside."""
+    from ignition.models.mamba2 import load_mamba2
+
+    renamed = {("backbone." + name[len("model."):] if name.startswith("model.") else name): name for name in tensors}
+    names = {new: tensors[old] for new, old in renamed.items()}
+    used: set[str] = set()
+
+    def take(name: str) -> torch.Tensor:
+        if name not in names:
+            raise KeyError(f"checkpoint has no tensor {name!r}")
+        used.add(name)
+        return torch.from_numpy(np.array(names[name], dtype=np.float32, order="C"))
+
+    def put(module: nn.Module, attr: str, value: torch.Tensor) -> None:
+        param = getattr(module, attr)
+        if tuple(param.shape) != tuple(value.shape):
+            raise ValueError(f"{attr} of {type(module).__name__}: checkpoint shape {tuple(value.shape)} != {tuple(param.shape)}")
+        setattr(module, attr, nn.Parameter(value, requires_grad=False))
+
+    def linear(module: nn.Linear, name: str) -> None:
+        put(module, "weight", take(name + ".weight"))
+        if module.bias is not None:
+            put(module, "bias", take(name + ".bias"))
+
+    put(model.embed_tokens, "weight", take("backbone.embeddings.weight"))
+    for i, layer in enumerate(model.layers):
+        p, plan = f"backbone.layers.{i}.", layer.plan
+        put(layer.input_layernorm, "weight", take(p + "norm.weight"))
+        m = p + "mixer."
+        if plan.kind == "mamba2":
+            used.update(load_mamba2(layer.mixer, names, m))
+        elif plan.kind == "gqa":
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                linear(getattr(layer.self_attn, proj), m + proj)
+        elif plan.moe is None:
+            linear(layer.mlp.up_proj, m + "up_proj")
+            linear(layer.mlp.down_proj, m + "down_proj")
+        else:
+            mlp, moe = layer.mlp, plan.moe
+            put(mlp, "gate_weight", take(m + "gate.weight"))
+            put(mlp, "correction_bias", take(m + "gate.e_score_correction_bias"))
+            for n in ("up", "down"):
+                if f"{m}experts.{n}_proj" in names:  # stacked [E, ...], as transformers holds them
+                    put(mlp, f"experts_{n}", take(f"{m}experts.{n}_proj"))
+                else:
+                    stacked = [take(f"{m}experts.{e}.{n}_proj.weight") for e in range(moe.num_experts)]
+                    put(mlp, f"experts_{n}", torch.stack(stacked))
+            if moe.latent:
+                linear(mlp.fc1_latent_proj, m + "fc1_latent_proj")
+                linear(mlp.fc2_latent_proj, m + "fc2_latent_proj")
+            if moe.shared_intermediate:
+                linear(mlp.shared_experts.up_proj, m + "shared_experts.up_proj")
+                linear(mlp.shared_experts.down_proj, m + "shared_experts.down_proj")
+    put(model.norm, "weight", take("backbone.norm_f.weight"))
+    if "lm_head.weight" in names:
+        put(model.lm_head, "weight", take("lm_head.weight"))
+    elif model.arch.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    else:
+        raise KeyError("checkpoint has no lm_head.weight and the architecture is not tied")
+    for name in set(names) - used:  # multi-token prediction heads: kept for speculative decoding
+        if re.match(r"^(backbone\.)?mtp\.", name):
+            model.mtp_tensors[renamed[name]] = np.asarray(names[name])
+            used.add(name)
+    check_fully_loaded(model, names, used)
+
+
 def build_configured(arch: Architecture, config: dict[str, Any], tensors: dict[str, np.ndarray]) -> ConfiguredLM:
     plan = PLANNERS[arch.family](text_config(config))
     with torch.device("meta"):
@@ -805,7 +938,10 @@ def build_configured(arch: Architecture, config: dict[str, Any], tensors: dict[s
     for module in model.modules():  # rotary frequencies are computed, never loaded
         if hasattr(module, "inv_freq"):
             module.inv_freq = _inv_freq_of(module.plan)
-    load_configured(model, tensors)
+    if arch.family == "nemotron_h":
+        load_nemotron_h(model, tensors)
+    else:
+        load_configured(model, tensors)
     return model.eval().requires_grad_(False)
 
 

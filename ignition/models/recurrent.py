@@ -13,7 +13,7 @@ are never read.
 
 The recurrence over the step's L tokens is `torch._higher_order_ops.scan.scan` with L first: the
 dynamo ONNX exporter turns it into an ONNX `Scan` with a dynamic trip count (decode runs one
-iteration). Helpers here are shared by the mixers (gated DeltaNet below; Mamba-2 elsewhere):
+iteration). Helpers here are shared by the mixers (gated DeltaNet below; Mamba-2 in mamba2.py):
 `masked_causal_conv` (depthwise causal conv1d over [conv state, new inputs] with the new conv
 state = the last K-1 valid inputs) and `valid_mask`.
 """
@@ -188,7 +188,21 @@ def _deltanet_state(plan: Any, hidden: int) -> int:
     return (m["kernel"] - 1) * conv_dim + m["value_heads"] * m["key_dim"] * m["value_dim"]
 
 
+def _mamba2(plan: Any, hidden: int, eps: float) -> RecurrentMixer:
+    """Nemotron-H's Mamba-2 mixer (ignition/models/mamba2.py); plan.mixer holds its Mamba2Spec fields."""
+    from ignition.models.mamba2 import Mamba2Mixer, Mamba2Spec
+
+    return Mamba2Mixer(Mamba2Spec(**plan.mixer))
+
+
+def _mamba2_state(plan: Any, hidden: int) -> int:
+    from ignition.models.mamba2 import Mamba2Spec
+
+    return Mamba2Spec(**plan.mixer).state_size
+
+
 # Recurrent kinds ConfiguredLM knows (LayerPlan.kind). Another mixer registers itself here.
 MIXERS: dict[str, MixerSpec] = {
     "gated_deltanet": MixerSpec(_deltanet, _deltanet_state),
+    "mamba2": MixerSpec(_mamba2, _mamba2_state),
 }

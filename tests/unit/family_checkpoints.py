@@ -1,6 +1,6 @@
 """Tiny random checkpoints of the recipe families, written by transformers itself.
 
-Each family's reference implementation (transformers 5.24) builds a 2-3 layer model with a small
+Each family's reference implementation (transformers 5.24) builds a 2-5 layer model with a small
 hidden size and a few experts from a seeded config, and `save_pretrained` writes it as the real
 checkpoints are laid out (sharded safetensors with model.safetensors.index.json, per-expert or
 fused expert tensors as each family's hub checkpoints have them). Weights
@@ -41,9 +41,15 @@ SPECIALS = {
                 "<tool_response>", "</tool_response>"],
     "qwen3_5_moe": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
                     "</tool_call>", "<tool_response>", "</tool_response>"],
+    "nemotron_h": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
+                   "<tool_response>", "</tool_response>"],
+    "deepseek_v4": ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>",
+                    "<｜Assistant｜>", "<think>", "</think>", "<｜DSML｜function_calls>",
+                    "</｜DSML｜function_calls>"],
 }  # fmt: skip
 
-EOS = {"qwen3_5": "<|im_end|>", "qwen3_5_moe": "<|im_end|>", "deepseek_v3": "<|im_end|>", "mimo_v2_flash": "<|im_end|>", "gemma4": "<turn|>", "step3p7": "<|im_end|>", "muse_spark": "<|eot|>", "glm_moe_dsa": "<|user|>", "minimax_m3_vl": "[e~["}
+EOS = {"qwen3_5": "<|im_end|>", "qwen3_5_moe": "<|im_end|>", "deepseek_v3": "<|im_end|>", "mimo_v2_flash": "<|im_end|>", "gemma4": "<turn|>", "step3p7": "<|im_end|>", "muse_spark": "<|eot|>", "glm_moe_dsa": "<|user|>", "minimax_m3_vl": "[e~[",
+       "nemotron_h": "<|im_end|>", "deepseek_v4": "<｜end▁of▁sentence｜>"}  # fmt: skip
 
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     # Kimi K2.5's text model: MLA (q LoRA, interleaved YaRN rotary) + sigmoid group-limited MoE
@@ -149,6 +155,32 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                          "mrope_section": [2, 1, 1], "mrope_interleaved": True},
     ),
+    # Nemotron-H with every layer kind: Mamba-2 (2 groups, kernel-4 conv with bias, projection
+    # biases), GQA attention without positions, a squared-ReLU MLP with biases, and group-routed
+    # squared-ReLU experts in a latent width with a shared expert ("ME*M-").
+    "nemotron_h": dict(
+        hidden_size=64, layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention", "mlp"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, mlp_bias=True,
+        mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=8,
+        use_bias=True, use_conv_bias=True, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=2, topk_group=1, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+        moe_latent_size=24, routed_scaling_factor=2.5, max_position_embeddings=4096, tie_word_embeddings=False,
+    ),
+    # DeepSeek-V4 (tests/unit/test_deepseek_v4.py's CONFIG): sliding, heavily compressed and
+    # compressed sparse layers (compress rates 4 and 2, so windows complete every few tokens; an
+    # indexer top-3 that drops entries), hash-routed then top-k MoE with clamped SwiGLU, 2
+    # hyper-connection streams, grouped low-rank output, YaRN compress rotary, a 6-token window.
+    "deepseek_v4": dict(
+        hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=16, q_lora_rank=24, partial_rotary_factor=0.5, num_experts_per_tok=2, n_routed_experts=4,
+        layer_types=["sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention"],
+        mlp_layer_types=["hash_moe", "moe", "moe"],
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4}, hc_mult=2,
+        hc_sinkhorn_iters=4, sliding_window=6, o_groups=2, o_lora_rank=8, index_n_heads=16, index_head_dim=8,
+        index_topk=3, swiglu_limit=1.5, max_position_embeddings=4096,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                         "beta_fast": 32, "beta_slow": 1},
+    ),
 }  # fmt: skip
 
 
@@ -161,6 +193,14 @@ def _classes(family: str):  # noqa: ANN202
         from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
         return Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM
+    if family == "nemotron_h":
+        from transformers import NemotronHConfig, NemotronHForCausalLM
+
+        return NemotronHConfig, NemotronHForCausalLM
+    if family == "deepseek_v4":
+        from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+        return DeepseekV4Config, DeepseekV4ForCausalLM
     if family == "deepseek_v3":
         from transformers.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -266,7 +306,8 @@ MARKUP = {"<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>
           "</arg_key>", "<arg_value>", "</arg_value>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
           "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<minimax:tool_call>",
           "</minimax:tool_call>", "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool>", "<tool|>",
-          "<|tool_response>", "<tool_response|>", '<|"|>', "<|think|>"}  # fmt: skip
+          "<|tool_response>", "<tool_response|>", '<|"|>', "<|think|>", "<｜DSML｜function_calls>",
+          "</｜DSML｜function_calls>"}  # fmt: skip
 
 
 def byte_tokenizer(specials: list[str]) -> str:
@@ -313,13 +354,16 @@ def build_reference(family: str, seed: int = 0):  # noqa: ANN201
     if family in ("step3p7", "muse_spark"):
         model.model.config._attn_implementation = "eager"
     generator = torch.Generator().manual_seed(seed + 1)
+    if family == "deepseek_v4":
+        _randomise_deepseek_v4(model, generator)
+        return model
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
             elif name.endswith(("per_expert_scale", "router.scale")):
                 param.copy_(1.0 + 0.3 * torch.randn(param.shape, generator=generator))
-            elif name.endswith(("sinks", "residual_gate.gate")) or "bias" in name:
+            elif name.endswith(("sinks", "residual_gate.gate", "mixer.D")) or "bias" in name:
                 param.copy_(0.5 * torch.randn(param.shape, generator=generator))
             elif param.dim() >= 2:
                 fan_in = param.shape[-1]
@@ -330,6 +374,28 @@ def build_reference(family: str, seed: int = 0):  # noqa: ANN201
             elif name.endswith("layer_scalar"):
                 buffer.copy_(1.0 + 0.3 * torch.randn(buffer.shape, generator=generator))
     return model
+
+
+def _randomise_deepseek_v4(model, generator: torch.Generator) -> None:  # noqa: ANN001
+    """As tests/unit/test_deepseek_v4.py redraws it: the hyper-connection (and hyper head) bases and
+    scales, sinks and compressor position biases randomised, and a token -> experts table (tid2eid)
+    that routes tokens differently (transformers' init leaves all of these constant)."""
+    experts = model.config.n_routed_experts
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.1 * torch.randn(param.shape, generator=generator))
+            elif name.endswith(("sinks", "base", "position_bias")):
+                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
+            elif name.endswith("scale"):
+                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=generator))
+            elif param.dim() >= 2:
+                param.copy_(torch.randn(param.shape, generator=generator) / param.shape[-1] ** 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=generator))
+            elif name.endswith("tid2eid"):  # some rows name one expert twice
+                buffer.copy_(torch.randint(0, experts, buffer.shape, generator=generator))
 
 
 def write_family_checkpoint(folder: Path, family: str, seed: int = 0) -> tuple[Path, Any]:
