@@ -269,27 +269,10 @@ class DecoderLM(nn.Module):
     def load_hf_tensors(self, tensors: dict[str, np.ndarray]) -> None:
         """Take Hugging Face-named tensors, fusing q/k/v and gate/up. Every parameter must be set
         and every checkpoint tensor used (a silent leftover is a naming bug)."""
-        used: set[str] = set()
-
-        def take(*names: str) -> torch.Tensor:
-            parts = []
-            for name in names:
-                if name not in tensors:
-                    raise KeyError(f"checkpoint has no tensor {name!r}")
-                used.add(name)
-                array = np.asarray(tensors[name], dtype=np.float32)
-                if not (array.flags.c_contiguous and array.flags.writeable):
-                    array = np.array(array, dtype=np.float32, order="C")
-                parts.append(torch.from_numpy(array))
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-        def put(module: nn.Module, attr: str, value: torch.Tensor) -> None:
-            # Swap the parameter for the checkpoint tensor (shares the numpy memory): no copy,
-            # so the model can be built on the meta device without allocating anything.
-            param = getattr(module, attr)
-            if tuple(param.shape) != tuple(value.shape):
-                raise ValueError(f"{attr} of {module}: checkpoint shape {tuple(value.shape)} != {tuple(param.shape)}")
-            setattr(module, attr, nn.Parameter(value, requires_grad=False))
+        # Parameters share the checkpoint's numpy memory where it allows (no copy), so the model
+        # can be built on the meta device without allocating anything.
+        loader = TensorLoader(tensors, copy=False)
+        take, put, used = loader.take, loader.put, loader.used
 
         put(self.embed_tokens, "weight", take("model.embed_tokens.weight"))
         for i, layer in enumerate(self.layers):
@@ -306,6 +289,43 @@ class DecoderLM(nn.Module):
         put(self.norm, "weight", take("model.norm.weight"))
         load_lm_head(self, tensors, take, put)
         check_fully_loaded(self, tensors, used)
+
+
+class TensorLoader:
+    """Sets module parameters from Hugging Face-named checkpoint tensors and records which names
+    were used (for `check_fully_loaded`). `take` of several names concatenates them (fused
+    projections); `put` swaps a parameter for the tensor after checking its shape."""
+
+    def __init__(self, tensors: dict[str, np.ndarray], copy: bool = True) -> None:
+        self.tensors = tensors
+        self.copy = copy  # False: share the numpy memory when it is C-contiguous and writable
+        self.used: set[str] = set()
+
+    def take(self, *names: str) -> torch.Tensor:
+        parts = []
+        for name in names:
+            if name not in self.tensors:
+                raise KeyError(f"checkpoint has no tensor {name!r}")
+            self.used.add(name)
+            array = np.asarray(self.tensors[name], dtype=np.float32)
+            if self.copy or not (array.flags.c_contiguous and array.flags.writeable):
+                array = np.array(array, dtype=np.float32, order="C")
+            parts.append(torch.from_numpy(array))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def put(self, module: nn.Module, attr: str, value: torch.Tensor) -> None:
+        param = getattr(module, attr)
+        if tuple(param.shape) != tuple(value.shape):
+            raise ValueError(
+                f"{attr} of {type(module).__name__}: checkpoint shape {tuple(value.shape)} != {tuple(param.shape)}"
+            )
+        setattr(module, attr, nn.Parameter(value, requires_grad=False))
+
+    def linear(self, module: nn.Linear, name: str) -> None:
+        """`name`.weight, and `name`.bias when the module has one."""
+        self.put(module, "weight", self.take(name + ".weight"))
+        if module.bias is not None:
+            self.put(module, "bias", self.take(name + ".bias"))
 
 
 def load_lm_head(model: nn.Module, tensors: dict[str, np.ndarray], take, put) -> None:  # noqa: ANN001

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from helios.manifest import Architecture, StateLayer, StateLayout
-from ignition.models.common import check_fully_loaded, load_lm_head
+from ignition.models.common import TensorLoader, check_fully_loaded, load_lm_head
 from ignition.models.configured import (
     ConfiguredLM,
     LayerPlan,
@@ -647,25 +647,8 @@ def load_configured(model: ConfiguredLM, tensors: dict[str, np.ndarray]) -> None
     """Set every parameter from HF-named tensors; MTP layers (model.layers.N.* for N >= the decoder's
     layer count) are kept aside in model.mtp_tensors. Every other tensor must be used."""
     tensors, _ = text_tensors(tensors)
-    used: set[str] = set()
-
-    def take(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise KeyError(f"checkpoint has no tensor {name!r}")
-        used.add(name)
-        array = np.asarray(tensors[name], dtype=np.float32)
-        return torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
-
-    def put(module: nn.Module, attr: str, value: torch.Tensor) -> None:
-        param = getattr(module, attr)
-        if tuple(param.shape) != tuple(value.shape):
-            raise ValueError(f"{attr} of {type(module).__name__}: checkpoint shape {tuple(value.shape)} != {tuple(param.shape)}")
-        setattr(module, attr, nn.Parameter(value, requires_grad=False))
-
-    def linear(module: nn.Linear, name: str) -> None:
-        put(module, "weight", take(name + ".weight"))
-        if module.bias is not None:
-            put(module, "bias", take(name + ".bias"))
+    loader = TensorLoader(tensors)
+    take, put, linear, used = loader.take, loader.put, loader.linear, loader.used
 
     put(model.embed_tokens, "weight", take("model.embed_tokens.weight"))
     for i, layer in enumerate(model.layers):
@@ -869,24 +852,8 @@ def load_nemotron_h(model: ConfiguredLM, tensors: dict[str, np.ndarray]) -> None
 
     renamed = {("backbone." + name[len("model."):] if name.startswith("model.") else name): name for name in tensors}
     names = {new: tensors[old] for new, old in renamed.items()}
-    used: set[str] = set()
-
-    def take(name: str) -> torch.Tensor:
-        if name not in names:
-            raise KeyError(f"checkpoint has no tensor {name!r}")
-        used.add(name)
-        return torch.from_numpy(np.array(names[name], dtype=np.float32, order="C"))
-
-    def put(module: nn.Module, attr: str, value: torch.Tensor) -> None:
-        param = getattr(module, attr)
-        if tuple(param.shape) != tuple(value.shape):
-            raise ValueError(f"{attr} of {type(module).__name__}: checkpoint shape {tuple(value.shape)} != {tuple(param.shape)}")
-        setattr(module, attr, nn.Parameter(value, requires_grad=False))
-
-    def linear(module: nn.Linear, name: str) -> None:
-        put(module, "weight", take(name + ".weight"))
-        if module.bias is not None:
-            put(module, "bias", take(name + ".bias"))
+    loader = TensorLoader(names)
+    take, put, linear, used = loader.take, loader.put, loader.linear, loader.used
 
     put(model.embed_tokens, "weight", take("backbone.embeddings.weight"))
     for i, layer in enumerate(model.layers):

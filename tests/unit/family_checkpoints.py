@@ -355,7 +355,7 @@ def build_reference(family: str, seed: int = 0):  # noqa: ANN201
         model.model.config._attn_implementation = "eager"
     generator = torch.Generator().manual_seed(seed + 1)
     if family == "deepseek_v4":
-        _randomise_deepseek_v4(model, generator)
+        randomise_deepseek_v4(model, generator)
         return model
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -376,10 +376,11 @@ def build_reference(family: str, seed: int = 0):  # noqa: ANN201
     return model
 
 
-def _randomise_deepseek_v4(model, generator: torch.Generator) -> None:  # noqa: ANN001
-    """As tests/unit/test_deepseek_v4.py redraws it: the hyper-connection (and hyper head) bases and
-    scales, sinks and compressor position biases randomised, and a token -> experts table (tid2eid)
-    that routes tokens differently (transformers' init leaves all of these constant)."""
+def randomise_deepseek_v4(model, generator: torch.Generator) -> None:  # noqa: ANN001
+    """Weights redrawn larger than transformers' init (flat logits would hide errors); the
+    hyper-connection (and hyper head) bases and scales, sinks and compressor position biases
+    randomised, and a token -> experts table (tid2eid) that routes tokens differently
+    (transformers' init leaves all of these constant; some rows name one expert twice)."""
     experts = model.config.n_routed_experts
     with torch.no_grad():
         for name, param in model.named_parameters():

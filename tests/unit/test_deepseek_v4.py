@@ -29,6 +29,7 @@ from helios.engine.runner import Runner, StepRow, pack_rows, scatter_new_kv  # n
 from helios.manifest import KVLayout  # noqa: E402
 from ignition.export.graph import export_step_graph  # noqa: E402
 from ignition.models.deepseek_v4 import build_deepseek_v4, inv_freq_of, plan_of  # noqa: E402
+from tests.unit.family_checkpoints import randomise_deepseek_v4  # noqa: E402
 
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 VOCAB = 300
@@ -52,23 +53,7 @@ def _reference_model() -> DeepseekV4ForCausalLM:
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = DeepseekV4ForCausalLM(config).eval()
-    # Redrawn larger than transformers' init (flat logits would hide errors), constants randomised.
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1 + 0.1 * torch.randn(param.shape, generator=g))
-            elif name.endswith(("sinks", "base", "position_bias")):
-                param.copy_(0.5 * torch.randn(param.shape, generator=g))
-            elif name.endswith("scale"):
-                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=g))
-            elif param.dim() >= 2:
-                param.copy_(torch.randn(param.shape, generator=g) / param.shape[-1] ** 0.5)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=g))
-            elif name.endswith("tid2eid"):
-                buffer.copy_(torch.randint(0, 4, buffer.shape, generator=g))  # some rows name one expert twice
+    randomise_deepseek_v4(model, torch.Generator().manual_seed(1))
     return model
 
 
