@@ -885,12 +885,7 @@ def load_nemotron_h(model: ConfiguredLM, tensors: dict[str, np.ndarray]) -> None
                 linear(mlp.shared_experts.up_proj, m + "shared_experts.up_proj")
                 linear(mlp.shared_experts.down_proj, m + "shared_experts.down_proj")
     put(model.norm, "weight", take("backbone.norm_f.weight"))
-    if "lm_head.weight" in names:
-        put(model.lm_head, "weight", take("lm_head.weight"))
-    elif model.arch.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    else:
-        raise KeyError("checkpoint has no lm_head.weight and the architecture is not tied")
+    load_lm_head(model, names, take, put)
     for name in set(names) - used:  # multi-token prediction heads: kept for speculative decoding
         if re.match(r"^(backbone\.)?mtp\.", name):
             model.mtp_tensors[renamed[name]] = np.asarray(names[name])
