@@ -404,7 +404,7 @@ class Engine:
         row_masks = [masks.get(j) for j in range(len(seqs))] if masks else None
         try:
             # The step graph's top ids let top-k rows sample without a vocabulary pass (sampler).
-            tokens = sample(out.logits[idx], seqs, row_masks, top_ids=out.top_ids[idx])
+            tokens = sample(out.logits[idx], seqs, row_masks, top_ids=out.top_ids[idx], logsumexp=out.logsumexp[idx])
         except Exception as exc:
             log.exception("sampling failed")
             for seq in seqs:

@@ -62,6 +62,7 @@ def sample(
     rows: list[SampleRow],
     masks: list[TokenMask | None] | None = None,
     top_ids: np.ndarray | None = None,
+    logsumexp: np.ndarray | None = None,
 ) -> np.ndarray:
     """Sample one token per row of `logits` [B, V]; returns int64 [B]. `logits` is not modified.
 
@@ -78,6 +79,10 @@ def sample(
     then samples from those K candidates without touching the vocabulary, whenever its top_k
     survivors provably lie among them (see `_top_k_fast`); the result is bit-identical to the
     full path, which every other row takes.
+
+    `logsumexp` [B], when given, is the step graph's fp32 logsumexp of each row's raw logits. A
+    NaN or +inf logit makes the in-graph log-softmax NaN, so a finite value certifies the row's
+    logits are finite and the fast path skips its own scan of the vocabulary.
     """
     B, V = logits.shape
     # One uniform per row, always drawn, so a generator's stream advances by exactly one per token.
@@ -91,7 +96,8 @@ def sample(
             out[b] = mask.forced
             continue
         if top_ids is not None and (mask is None or mask.allowed is None):
-            fast = _top_k_fast(logits[b], top_ids[b], row)
+            certified = logsumexp is not None and bool(np.isfinite(logsumexp[b]))
+            fast = _top_k_fast(logits[b], top_ids[b], row, certified)
             if fast is not None:
                 ids, vals = candidates(fast[1], s, fast[0])
                 out[b] = ids[_inverse_cdf(vals, u[b])]
@@ -186,7 +192,9 @@ def candidates(z: np.ndarray, s: SamplingParams, ids: np.ndarray | None = None) 
     return ids, vals
 
 
-def _top_k_fast(logits: np.ndarray, top_ids: np.ndarray, row: SampleRow) -> tuple[np.ndarray, np.ndarray] | None:
+def _top_k_fast(
+    logits: np.ndarray, top_ids: np.ndarray, row: SampleRow, finite: bool = False
+) -> tuple[np.ndarray, np.ndarray] | None:
     """(ids, penalized logits) of a small token set that holds every top-k survivor of the row,
     found without a full-vocabulary pass when possible; None when the row is not eligible (the
     caller takes the full path): top_k outside 1..K, greedy, non-finite logits, or a penalty that
@@ -206,7 +214,7 @@ def _top_k_fast(logits: np.ndarray, top_ids: np.ndarray, row: SampleRow) -> tupl
         return None
     if s.repetition_penalty < 1.0 or s.presence_penalty < 0.0 or s.frequency_penalty < 0.0:
         return None
-    if not np.isfinite(logits.max()):  # NaN/inf anywhere: the full path reports the row
+    if not finite and not np.isfinite(logits.max()):  # NaN/inf anywhere: the full path reports the row
         return None
     ids = np.sort(np.asarray(top_ids, dtype=np.int64))
     vals = _penalized(logits, ids, row)

@@ -27,10 +27,19 @@ def top_ids(logits: np.ndarray) -> np.ndarray:
     return np.stack([np.lexsort((np.arange(row.size), -row))[:K] for row in logits])
 
 
-def draws(logits: np.ndarray, make_rows, use_top_ids: bool, steps: int = 30) -> list[list[int]]:
+def logsumexp(logits: np.ndarray) -> np.ndarray:
+    """As the step graph reports it: NaN for a row with a NaN or +inf logit."""
+    top = logits.max(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return (top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))).astype(np.float32)
+
+
+def draws(logits: np.ndarray, make_rows, use_top_ids: bool, steps: int = 30,
+          certify: bool = False) -> list[list[int]]:
     rows = make_rows()
     ids = top_ids(logits) if use_top_ids else None
-    return [sample(logits, rows, top_ids=ids).tolist() for _ in range(steps)]
+    lse = logsumexp(logits) if certify else None
+    return [sample(logits, rows, top_ids=ids, logsumexp=lse).tolist() for _ in range(steps)]
 
 
 def batch_rows(top):
@@ -56,6 +65,8 @@ def test_fast_path_draws_exactly_what_the_full_path_draws(scale):
     full = draws(logits, lambda: batch_rows(top), use_top_ids=False)
     fast = draws(logits, lambda: batch_rows(top), use_top_ids=True)
     assert fast == full
+    # The graph's finite logsumexp only lets the fast path skip its vocabulary scan.
+    assert draws(logits, lambda: batch_rows(top), use_top_ids=True, certify=True) == full
 
 
 def test_fast_path_is_taken_for_eligible_rows_and_skipped_otherwise(monkeypatch):
@@ -65,8 +76,8 @@ def test_fast_path_is_taken_for_eligible_rows_and_skipped_otherwise(monkeypatch)
     taken = []
     original = sampler._top_k_fast
 
-    def spy(row_logits, row_top, row):
-        result = original(row_logits, row_top, row)
+    def spy(row_logits, row_top, row, finite=False):
+        result = original(row_logits, row_top, row, finite)
         taken.append(result is not None)
         return result
 
@@ -113,4 +124,9 @@ def test_non_finite_logits_still_fail_the_row():
     logits[1, :K] = np.arange(K, dtype=np.float32)
     rows = [Row(1, top_k=5), Row(2, top_k=5)]
     out = sample(logits, rows, top_ids=top_ids(np.nan_to_num(logits, nan=-1.0)))
+    assert out[0] == -1 and out[1] >= 0
+    lse = logsumexp(logits)
+    assert np.isnan(lse[0]) and np.isfinite(lse[1])
+    rows = [Row(1, top_k=5), Row(2, top_k=5)]
+    out = sample(logits, rows, top_ids=top_ids(np.nan_to_num(logits, nan=-1.0)), logsumexp=lse)
     assert out[0] == -1 and out[1] >= 0
