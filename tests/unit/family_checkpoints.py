@@ -13,6 +13,7 @@ tokens, so any text round-trips and the family's delimiters are single tokens.
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 from typing import Any
@@ -184,53 +185,28 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
+# family -> (transformers module, config class, causal-LM class); None: the local text-only
+# wrapper defined below (transformers ships those models only with their vision towers).
+_CLASSES: dict[str, tuple[str, str, str | None]] = {
+    "qwen3_5": ("transformers.models.qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe": ("transformers.models.qwen3_5_moe", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+    "nemotron_h": ("transformers", "NemotronHConfig", "NemotronHForCausalLM"),
+    "deepseek_v4": ("transformers", "DeepseekV4Config", "DeepseekV4ForCausalLM"),
+    "deepseek_v3": ("transformers.models.deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "mimo_v2_flash": ("transformers.models.mimo_v2_flash", "MiMoV2FlashConfig", "MiMoV2FlashForCausalLM"),
+    "gemma4": ("transformers.models.gemma4", "Gemma4TextConfig", "Gemma4ForCausalLM"),
+    "step3p7": ("transformers.models.step3p7.configuration_step3p7", "Step3p7TextConfig", None),
+    "glm_moe_dsa": ("transformers.models.glm_moe_dsa", "GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
+    "minimax_m3_vl": ("transformers.models.minimax_m3_vl", "MiniMaxM3VLTextConfig", "MiniMaxM3VLForCausalLM"),
+    "muse_spark": ("transformers.models.muse_spark.configuration_muse_spark", "MuseSparkTextConfig", None),
+}
+
+
 def _classes(family: str):  # noqa: ANN202
-    if family == "qwen3_5":
-        from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-        return Qwen3_5TextConfig, Qwen3_5ForCausalLM
-    if family == "qwen3_5_moe":
-        from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
-
-        return Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM
-    if family == "nemotron_h":
-        from transformers import NemotronHConfig, NemotronHForCausalLM
-
-        return NemotronHConfig, NemotronHForCausalLM
-    if family == "deepseek_v4":
-        from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-
-        return DeepseekV4Config, DeepseekV4ForCausalLM
-    if family == "deepseek_v3":
-        from transformers.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-
-        return DeepseekV3Config, DeepseekV3ForCausalLM
-    if family == "mimo_v2_flash":
-        from transformers.models.mimo_v2_flash import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
-
-        return MiMoV2FlashConfig, MiMoV2FlashForCausalLM
-    if family == "gemma4":
-        from transformers.models.gemma4 import Gemma4ForCausalLM, Gemma4TextConfig
-
-        return Gemma4TextConfig, Gemma4ForCausalLM
-    if family == "step3p7":
-        from transformers.models.step3p7.configuration_step3p7 import Step3p7TextConfig
-
-        return Step3p7TextConfig, StepCausalLM
-    if family == "glm_moe_dsa":
-        from transformers.models.glm_moe_dsa import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
-
-        return GlmMoeDsaConfig, GlmMoeDsaForCausalLM
-    if family == "minimax_m3_vl":
-        from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
-        from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLForCausalLM
-
-        return MiniMaxM3VLTextConfig, MiniMaxM3VLForCausalLM
-    if family == "muse_spark":
-        from transformers.models.muse_spark.configuration_muse_spark import MuseSparkTextConfig
-
-        return MuseSparkTextConfig, MuseCausalLM
-    raise KeyError(family)
+    module_name, config_name, model_name = _CLASSES[family]
+    module = importlib.import_module(module_name)
+    local = {"step3p7": StepCausalLM, "muse_spark": MuseCausalLM}
+    return getattr(module, config_name), getattr(module, model_name) if model_name else local[family]
 
 
 class StepCausalLM(torch.nn.Module):
