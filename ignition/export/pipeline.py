@@ -129,6 +129,7 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
             reference = entry.reference()
             progress("export", f"skipped: cached fp32 step graph {entry.key[:12]}")
             engine, fp32_graph = entry.engine(), entry.graph
+            kv, state = _cache_layouts(recipe, checkpoint)
         else:
             started = time.monotonic()
             progress("read", f"reading {options.checkpoint}")
@@ -151,16 +152,12 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
             started = time.monotonic()
             progress("export", "tracing the step graph to ONNX" + ("" if staging else " (export cache off)"))
             fp32_dir = staging.path if staging else work / "fp32"
-            engine = export_step_graph(
-                model, checkpoint.architecture, _kv_layout(recipe, checkpoint), fp32_dir, file_name=GRAPH_FILE,
-                state=_state_layout(checkpoint),
-            )
+            kv, state = _cache_layouts(recipe, checkpoint)
+            engine = export_step_graph(model, checkpoint.architecture, kv, fp32_dir, file_name=GRAPH_FILE, state=state)
             fp32_graph = fp32_dir / engine.file
             seconds["export"] = time.monotonic() - started
             exported = copy.deepcopy(engine)  # as the fp32 graph has it, for the cache entry
             reference = export_cache.RecordingReference(model) if staging else model
-        kv = _kv_layout(recipe, checkpoint)
-        state = _state_layout(checkpoint)
 
         progress("quantize", f"quantizing to {options.precision}")
         engine_dir = work / "core"
@@ -264,25 +261,16 @@ def _score_engine(fp32_step: Path, arch, fp32_dir: Path, engine_dir: Path, preci
     return score
 
 
-def _kv_layout(recipe: Recipe, checkpoint: Checkpoint) -> KVLayout:
+def _cache_layouts(recipe: Recipe, checkpoint: Checkpoint) -> tuple[KVLayout, StateLayout | None]:
+    """The paged KV pool's geometry and the recurrent state layout (None for attention-only
+    families): recurrent layers have no K/V rows (docs/architecture.md)."""
     from ignition.models.families import cache_layout
 
     arch = checkpoint.architecture
-    kv_layers, _ = cache_layout(arch.family, checkpoint.model_config, arch.num_layers)
-    return KVLayout(
-        page_tokens=recipe.limits.page_tokens,
-        num_layers=kv_layers,  # recurrent layers have no K/V rows (docs/architecture.md)
-        kv_heads=checkpoint.architecture.num_kv_heads,
-        head_dim=checkpoint.architecture.head_dim,
-    )
-
-
-def _state_layout(checkpoint: Checkpoint) -> StateLayout | None:
-    """The recurrent state layout of a checkpoint (None for attention-only families)."""
-    from ignition.models.families import cache_layout
-
-    arch = checkpoint.architecture
-    return cache_layout(arch.family, checkpoint.model_config, arch.num_layers)[1]
+    kv_layers, state = cache_layout(arch.family, checkpoint.model_config, arch.num_layers)
+    kv = KVLayout(page_tokens=recipe.limits.page_tokens, num_layers=kv_layers, kv_heads=arch.num_kv_heads,
+                  head_dim=arch.head_dim)  # fmt: skip
+    return kv, state
 
 
 def _validate(graph: Path, reference, kv: KVLayout, prompt_ids: list[int], precision: str, state=None):  # noqa: ANN001, ANN202
