@@ -75,7 +75,10 @@ def serve(
             match = re.search(r"https?://\S+", message)
             url = match.group(0) if match else f"http://{settings.host}:{settings.port}"
             auth = "key required" if settings.api_key else "no auth"
-            console.print(f"[bold green]helios[/] serving [bold]{escape(manifest.model_id)}[/] at {escape(url)}/v1 ({auth})")
+            kernels = {"flare": ", int4 matmuls on flare's kernel",
+                       "onnxruntime": ", int4 matmuls on onnxruntime's MatMulNBits"}.get(
+                getattr(engine.runner, "kernels", ""), "")  # fmt: skip
+            console.print(f"[bold green]helios[/] serving [bold]{escape(manifest.model_id)}[/] at {escape(url)}/v1 ({auth}{kernels})")
 
         stop = _start_dashboard(settings) if dashboard else None
         try:

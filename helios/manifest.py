@@ -23,7 +23,9 @@ from typing import Any, get_type_hints
 #      layers with K/V rows (attention layers), which may be fewer than `architecture.num_layers`;
 #      optional `quantization` (bits and block sizes of the quantized weights); optional
 #      `template.numeric_effort` (the integer reasoning_effort range a template takes).
-FORMAT_VERSION = "1.3"
+# 1.4: `quantization.matmul_op`: int4 cores store their matmuls as ai.flare.MatMulInt4 (flare's
+#      tiled int4 layout, run by helios/kernels; an older helios cannot open such a graph).
+FORMAT_VERSION = "1.4"
 MANIFEST_NAME = "core.json"
 
 
@@ -224,6 +226,9 @@ class Quantization:
     lm_head_block: int | None = None
     embedding_bits: int | None = None  # None: the token table stays fp32
     embedding_block: int | None = None
+    # (1.4) the operator holding the 4-bit matmuls: "ai.flare.MatMulInt4" (flare's tiled layout,
+    # helios/kernels; rewritten to MatMulNBits where that kernel cannot run) or MatMulNBits.
+    matmul_op: str = "com.microsoft.MatMulNBits"
 
 
 @dataclass

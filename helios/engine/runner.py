@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from helios.kernels.session import open_session
 from helios.manifest import KVLayout, Manifest, StateLayout
 
 # A step mixing prefill chunks with decode rows pads every row to the longest chunk (the graph
@@ -118,7 +119,8 @@ class Runner:
         self.max_positions: int | None = None
         self.split_mixed = True  # False: one graph call per step whatever the padding (tests)
         self.graph_seconds = 0.0  # time inside the step graph's runs (EngineStats.graph_seconds_total)
-        self.session = ort.InferenceSession(str(graph_path), self._session_options(), providers=["CPUExecutionProvider"])
+        # kernels: what runs the graph's flare int4 matmuls ("flare", "onnxruntime" or "").
+        self.session, self.kernels = open_session(graph_path, self._session_options(), ["CPUExecutionProvider"])
         self.pool = np.zeros(
             (kv.num_layers * 2 * num_pages, kv.page_tokens, kv.kv_heads, kv.head_dim), dtype=np.float32
         )
@@ -313,9 +315,7 @@ class Runner:
         if self._score_session is None:
             if self._score_path is None:
                 raise ValueError("this core has no prompt-scoring graph (export it with --prompt-logprobs)")
-            self._score_session = ort.InferenceSession(
-                str(self._score_path), self._session_options(), providers=["CPUExecutionProvider"]
-            )
+            self._score_session, _ = open_session(self._score_path, self._session_options(), ["CPUExecutionProvider"])
         return self._score_session
 
 

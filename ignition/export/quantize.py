@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from helios.kernels.int4_layout import DOMAIN, OP, to_int4_tiles
 from helios.manifest import Quantization
 from ignition.export.graph import save_with_external_data
 
@@ -28,6 +29,9 @@ class QuantSettings:
     lm_head_bits: int | None  # None keeps the lm_head fp32
     embedding_bits: int | None  # 4: GatherBlockQuantized token table (onnxruntime: 4 bits only)
     lm_head_block_size: int = 128  # 8-bit block 32 is a slow MLAS path (see below)
+    # Store the 4-bit matmuls in flare's tiled layout (ai.flare.MatMulInt4, helios/kernels):
+    # the same numbers as MatMulNBits, read by a kernel that batches rows (see below).
+    int4_tiles: bool = False
 
 
 # Measured on the real Qwen2.5-Coder-0.5B, 2 threads, this AVX512-VNNI machine. Speed: median
@@ -81,7 +85,7 @@ class QuantSettings:
 #   int4 on 2 cores (unpacking nibbles costs what the halved bandwidth saves) at ~40x lower KL.
 #   8-bit Gather is unsupported, so its embedding stays fp32 (core ~1.06 GB).
 SETTINGS = {
-    "int4": QuantSettings(bits=4, block_size=64, accuracy_level=4, lm_head_bits=4, embedding_bits=4),
+    "int4": QuantSettings(bits=4, block_size=64, accuracy_level=4, lm_head_bits=4, embedding_bits=4, int4_tiles=True),
     "int8": QuantSettings(bits=8, block_size=128, accuracy_level=4, lm_head_bits=8, embedding_bits=None),
 }
 
@@ -97,6 +101,7 @@ def manifest_quantization(precision: str) -> Quantization | None:
         lm_head_bits=s.lm_head_bits,
         lm_head_block=s.lm_head_block_size if s.lm_head_bits is not None else None,
         embedding_bits=s.embedding_bits,
+        matmul_op=f"{DOMAIN}.{OP}" if s.int4_tiles else "com.microsoft.MatMulNBits",
         embedding_block=s.block_size if s.embedding_bits is not None else None,
     )
 
@@ -128,6 +133,8 @@ def quantize_weights(model: onnx.ModelProto, s: QuantSettings) -> None:
         embeds = [n.name for n in model.graph.node if n.op_type == "Gather" and n.input[1] == "input_ids"]
         _matmul_nbits(model, s, s.embedding_bits, embeds, [], ("Gather",), s.block_size)
     fold_bias_adds(model)
+    if s.int4_tiles:
+        to_int4_tiles(model)
 
 
 def quantize_score(onnx_in: Path, onnx_out: Path, precision: str) -> None:
@@ -142,6 +149,8 @@ def quantize_score(onnx_in: Path, onnx_out: Path, precision: str) -> None:
         gemm_to_matmul(model)
         _name_nodes(model)
         _matmul_nbits(model, s, s.lm_head_bits, None, [], ("MatMul",), s.lm_head_block_size)
+        if s.int4_tiles:
+            to_int4_tiles(model)
     out = Path(onnx_out)
     save_with_external_data(model, out, out.name + ".data")
 

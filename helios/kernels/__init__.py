@@ -1,0 +1,137 @@
+"""Flare's own CPU kernels: an onnxruntime custom-operator library built from `int4_matmul.cc`
+on first use and cached by source digest under `$FLARE_CACHE/kernels`.
+
+Building needs g++ and onnxruntime's C/C++ API headers, which no onnxruntime wheel ships: they
+come from Debian's `libonnxruntime-dev` package (pinned by version and sha256; the custom-op
+ABI is versioned, so headers of API 21 work with any later runtime), or from a directory named
+by `$FLARE_ORT_INCLUDE`. `FLARE_KERNELS=off` disables the library; where it cannot be built or
+run (no AVX512-VNNI, no compiler, no headers), `available()` says why and callers fall back to
+onnxruntime's MatMulNBits (helios.kernels.int4_layout.to_matmul_nbits).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import threading
+import urllib.request
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("int4_matmul.cc")
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
+HEADERS_DEB = (
+    "http://deb.debian.org/debian/pool/main/o/onnxruntime/libonnxruntime-dev_1.21.0+dfsg-1_amd64.deb",
+    "14f7d959d5deacbcf1504830d4189f91fc67382b399ed9ae9d3aa9c4050ced08",
+)
+HEADERS = ("onnxruntime_c_api.h", "onnxruntime_cxx_api.h", "onnxruntime_cxx_inline.h", "onnxruntime_float16.h")
+COMPILE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-mavx2", "-mfma", *(f"-m{f.replace('_', '')}" for f in CPU_FLAGS)]
+
+_lock = threading.Lock()
+_library: Path | None = None
+_reason: str | None = None
+_checked = False
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("FLARE_CACHE") or Path.home() / ".cache" / "flare") / "kernels"
+
+
+def cpu_missing_flags() -> list[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return list(CPU_FLAGS)
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return [f for f in CPU_FLAGS if f not in flags]
+
+
+def _deb_member(deb: bytes, prefix: str) -> bytes:
+    """One member of a .deb (an `ar` archive) by name prefix."""
+    if not deb.startswith(b"!<arch>\n"):
+        raise ValueError("not a Debian package")
+    at = 8
+    while at + 60 <= len(deb):
+        name = deb[at : at + 16].decode().strip().rstrip("/")
+        size = int(deb[at + 48 : at + 58].decode().strip())
+        if name.startswith(prefix):
+            return deb[at + 60 : at + 60 + size]
+        at += 60 + size + (size & 1)
+    raise ValueError(f"no {prefix} in the package")
+
+
+def _headers() -> Path:
+    """A directory holding onnxruntime's C/C++ API headers."""
+    named = os.environ.get("FLARE_ORT_INCLUDE")
+    if named:
+        return Path(named)
+    for system in (Path("/usr/include/onnxruntime"), Path("/usr/local/include/onnxruntime")):
+        if all((system / h).is_file() for h in HEADERS):
+            return system
+    url, sha256 = HEADERS_DEB
+    target = _cache_root() / ("ort-headers-" + sha256[:12])
+    if all((target / h).is_file() for h in HEADERS):
+        return target
+    log.info("fetching onnxruntime API headers from %s", url)
+    with urllib.request.urlopen(url, timeout=60) as response:
+        deb = response.read()
+    if hashlib.sha256(deb).hexdigest() != sha256:
+        raise ValueError(f"{url} does not have the pinned sha256")
+    data = _deb_member(deb, "data.tar")
+    tmp = Path(tempfile.mkdtemp(dir=_cache_root()))
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        for member in tar.getmembers():
+            if Path(member.name).name in HEADERS:
+                (tmp / Path(member.name).name).write_bytes(tar.extractfile(member).read())
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
+
+
+def _build() -> Path:
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(COMPILE_FLAGS).encode()).hexdigest()[:16]
+    out = _cache_root() / f"flare_kernels-{digest}.so"
+    if out.is_file():
+        return out
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++) on PATH")
+    _cache_root().mkdir(parents=True, exist_ok=True)
+    include = _headers()
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    result = subprocess.run(
+        [compiler, *COMPILE_FLAGS, f"-I{include}", str(SOURCE), "-o", str(tmp)], capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"compiling {SOURCE.name} failed:\n{result.stderr[-2000:]}")
+    tmp.rename(out)
+    log.info("built %s", out)
+    return out
+
+
+def available() -> tuple[Path | None, str | None]:
+    """(library path, None) when flare's kernels can run here, else (None, why not)."""
+    global _library, _reason, _checked
+    if os.environ.get("FLARE_KERNELS", "").lower() in ("0", "off", "false", "no"):
+        return None, "disabled by FLARE_KERNELS"
+    with _lock:
+        if not _checked:
+            _checked = True
+            missing = cpu_missing_flags()
+            if missing:
+                _reason = "this CPU lacks " + ", ".join(missing)
+            else:
+                try:
+                    _library = _build()
+                except Exception as exc:  # noqa: BLE001 -- any failure means: fall back, and say why
+                    _reason = f"could not build the kernel library: {exc}"
+        return _library, _reason

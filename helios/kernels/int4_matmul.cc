@@ -1,0 +1,321 @@
+// Flare's int4 x int8 matmul for x86-64 CPUs with AVX512-VNNI, as an onnxruntime custom
+// operator (domain "ai.flare", op "MatMulInt4").
+//
+// Why: onnxruntime's MatMulNBits (accuracy level 4) unpacks every weight block once per
+// activation row, so 8 rows cost ~7x one row. Here the weights are stored tile-major for 16
+// output columns: one 64-byte load unpacks to two vectors of [16 columns x 4 k] u8 nibbles,
+// and each vector feeds a VPDPBUSD for every activation row in the pass, so a batch of 8 rows
+// pays the unpacking once.
+//
+// Inputs:  A float [..., K]; W uint8 [tiles * blocks * block_size * 8] (ignition.export.int4_layout);
+//          scales float [tiles, blocks, 16]; bias float [N] (optional).
+// Output:  Y float [..., N], or [..., N / 2] with activation "swiglu": then the tiles alternate
+//          gate and up columns (tile 2i: gate columns 16i.., tile 2i+1: the same up columns) and
+//          Y = silu(gate) * up, the MLP's Split/Sigmoid/Mul/Mul done in the store loop.
+// Attributes: K, N, block_size, activation (optional: "swiglu").
+// Weights are symmetric 4-bit (value = (q - 8) * scale). Activations are quantized to int8 per
+// weight block (max-abs scale), as MatMulNBits' accuracy level 4 does.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#define ORT_API_MANUAL_INIT
+#include "onnxruntime_cxx_api.h"
+#undef ORT_API_MANUAL_INIT
+
+namespace {
+
+constexpr int kTileN = 16;     // output columns per tile: one zmm of lanes
+constexpr int kPassRows = 8;   // activation rows sharing one unpacked weight vector
+constexpr int kRowChunk = 64;  // rows whose int8 copy stays in L2 while the tiles stream past
+constexpr int kMaxTilesPerItem = 8;  // fewer when a matrix has few tiles, so both threads get work
+
+struct QuantizedRows {
+  std::vector<int8_t> q;        // [M, K]
+  std::vector<float> scale;     // [M, blocks]
+  std::vector<int32_t> zsum;    // [M, blocks]: 8 * sum(q) of the block (the weights' zero point)
+};
+
+void QuantizeRow(const float* a, int K, int block, int8_t* q, float* scale, int32_t* zsum) {
+  const int blocks = K / block;
+  for (int b = 0; b < blocks; ++b) {
+    const float* x = a + b * block;
+    __m512 amax = _mm512_setzero_ps();
+    for (int k = 0; k < block; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+    const float m = _mm512_reduce_max_ps(amax);
+    const __m512 inv = _mm512_set1_ps(m > 0.f ? 127.f / m : 0.f);
+    __m512i sum = _mm512_setzero_si512();
+    for (int k = 0; k < block; k += 16) {
+      const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), inv));
+      sum = _mm512_add_epi32(sum, qi);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * block + k), _mm512_cvtsepi32_epi8(qi));
+    }
+    scale[b] = m / 127.f;
+    zsum[b] = 8 * _mm512_reduce_add_epi32(sum);
+  }
+}
+
+// acc += u8 x s8 dot products of 4 (VPDPBUSD). Inline assembly because GCC 12 copies the
+// accumulator around every _mm512_dpbusd_epi32 (two extra moves each, in the hottest loop).
+inline void Dot4(__m512i& acc, __m512i u8, __m512i s8) {
+  asm("vpdpbusd %[s8], %[u8], %[acc]" : [acc] "+v"(acc) : [u8] "v"(u8), [s8] "v"(s8));
+}
+
+inline __m512i Broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+struct Problem {
+  const float* bias;
+  const uint8_t* w;
+  const float* wscale;
+  float* y;
+  const QuantizedRows* a;
+  int M, N, K, block, blocks, tiles, tiles_per_item, items_per_chunk;
+  bool swiglu;  // N = 2 x the output width; tiles alternate gate, up
+};
+
+// Rows [row, row + MR) against NT consecutive tiles of 16 columns, over all of K. With few
+// rows x tiles, the low and high nibbles feed separate int32 chains so that VPDPBUSD's latency
+// is hidden; with many, one chain each keeps everything in the 32 vector registers.
+// Writes tile t's columns of row m to dst + m * ld + 16 t (masked to the matrix's last column).
+template <int MR, int NT>
+void Pass(const Problem& p, int tile, int row, float* dst, size_t ld) {
+  constexpr int kChains = MR * NT >= 4 ? 1 : 2;
+  const size_t tile_bytes = static_cast<size_t>(p.blocks) * p.block * 8;
+  const uint8_t* w = p.w + tile * tile_bytes;
+  const float* ws = p.wscale + static_cast<size_t>(tile) * p.blocks * kTileN;
+  const int8_t* aq = p.a->q.data() + static_cast<size_t>(row) * p.K;
+  const float* as = p.a->scale.data() + static_cast<size_t>(row) * p.blocks;
+  const int32_t* az = p.a->zsum.data() + static_cast<size_t>(row) * p.blocks;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 out[MR][NT];
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < NT; ++t) out[m][t] = _mm512_setzero_ps();
+  for (int b = 0; b < p.blocks; ++b) {
+    __m512i acc[kChains][MR][NT];
+    for (int c = 0; c < kChains; ++c)
+      for (int m = 0; m < MR; ++m)
+        for (int t = 0; t < NT; ++t) acc[c][m][t] = _mm512_setzero_si512();
+    const int8_t* ak = aq + b * p.block;
+    for (int k = 0; k < p.block; k += 8) {
+      __m512i lo[NT], hi[NT];
+      for (int t = 0; t < NT; ++t) {
+        const __m512i v = _mm512_loadu_si512(w + t * tile_bytes);
+        lo[t] = _mm512_and_si512(v, low4);
+        hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+      w += 64;
+      for (int m = 0; m < MR; ++m) {
+        const __m512i a0 = Broadcast4(ak + m * p.K + k), a1 = Broadcast4(ak + m * p.K + k + 4);
+        for (int t = 0; t < NT; ++t) {
+          Dot4(acc[0][m][t], lo[t], a0);
+          Dot4(acc[kChains - 1][m][t], hi[t], a1);
+        }
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512i zero_point = _mm512_set1_epi32(az[m * p.blocks + b]);
+      const __m512 a_scale = _mm512_set1_ps(as[m * p.blocks + b]);
+      for (int t = 0; t < NT; ++t) {
+        const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(ws + (t * p.blocks + b) * kTileN), a_scale);
+        __m512i dot = acc[0][m][t];
+        if constexpr (kChains == 2) dot = _mm512_add_epi32(dot, acc[1][m][t]);
+        out[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot, zero_point)), scale, out[m][t]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    const int n0 = (tile + t) * kTileN;
+    const int cols = std::min(kTileN, p.N - n0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
+    const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(dst + m * ld + t * kTileN, mask, _mm512_add_ps(out[m][t], bias));
+  }
+}
+
+// Few rows: several tiles per pass for independent chains; many rows: one tile, 8 rows.
+void RunRows(const Problem& p, int tile, int tiles, int row, int rows, float* dst, size_t ld) {
+  int t = 0;
+  switch (rows) {
+    case 1: for (; t + 4 <= tiles; t += 4) Pass<1, 4>(p, tile + t, row, dst + t * kTileN, ld); break;
+    case 2: for (; t + 2 <= tiles; t += 2) Pass<2, 2>(p, tile + t, row, dst + t * kTileN, ld); break;
+    case 3: for (; t + 2 <= tiles; t += 2) Pass<3, 2>(p, tile + t, row, dst + t * kTileN, ld); break;
+    case 4: for (; t + 2 <= tiles; t += 2) Pass<4, 2>(p, tile + t, row, dst + t * kTileN, ld); break;
+    default: break;
+  }
+  for (; t < tiles; ++t) {
+    switch (rows) {
+      case 1: Pass<1, 1>(p, tile + t, row, dst + t * kTileN, ld); break;
+      case 2: Pass<2, 1>(p, tile + t, row, dst + t * kTileN, ld); break;
+      case 3: Pass<3, 1>(p, tile + t, row, dst + t * kTileN, ld); break;
+      case 4: Pass<4, 1>(p, tile + t, row, dst + t * kTileN, ld); break;
+      case 5: Pass<5, 1>(p, tile + t, row, dst + t * kTileN, ld); break;
+      case 6: Pass<6, 1>(p, tile + t, row, dst + t * kTileN, ld); break;
+      case 7: Pass<7, 1>(p, tile + t, row, dst + t * kTileN, ld); break;
+      default: Pass<8, 1>(p, tile + t, row, dst + t * kTileN, ld); break;
+    }
+  }
+}
+
+// exp for the SwiGLU epilogue: 2^n * e^r with |r| <= ln2/2 and Cephes' degree-6 expf polynomial
+// (relative error ~1e-7, like onnxruntime's Sigmoid).
+inline __m512 Exp(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.3762626647949f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(y, n);
+}
+
+// One work item: a group of tiles against one chunk of rows (chunk-major, so the threads
+// share a chunk's int8 rows in cache while each streams its own tiles).
+void RunItem(void* data, size_t item) {
+  const Problem& p = *static_cast<const Problem*>(data);
+  const int chunk = static_cast<int>(item) / p.items_per_chunk;
+  const int group = static_cast<int>(item) % p.items_per_chunk;
+  const int r0 = chunk * kRowChunk, r1 = std::min(p.M, r0 + kRowChunk);
+  const int t0 = group * p.tiles_per_item, t1 = std::min(p.tiles, t0 + p.tiles_per_item);
+  if (!p.swiglu) {
+    for (int r = r0; r < r1; r += kPassRows)
+      RunRows(p, t0, t1 - t0, r, std::min(kPassRows, r1 - r), p.y + static_cast<size_t>(r) * p.N + t0 * kTileN, p.N);
+    return;
+  }
+  // SwiGLU: tiles come in (gate, up) pairs of the same 16 output columns; y = silu(gate) * up.
+  alignas(64) float scratch[kPassRows * kMaxTilesPerItem * kTileN];
+  const int width = (t1 - t0) * kTileN, out_cols = p.N / 2;
+  for (int r = r0; r < r1; r += kPassRows) {
+    const int rows = std::min(kPassRows, r1 - r);
+    RunRows(p, t0, t1 - t0, r, rows, scratch, width);
+    for (int m = 0; m < rows; ++m) {
+      for (int pair = 0; pair < (t1 - t0) / 2; ++pair) {
+        const __m512 gate = _mm512_load_ps(scratch + m * width + 2 * pair * kTileN);
+        const __m512 up = _mm512_load_ps(scratch + m * width + (2 * pair + 1) * kTileN);
+        const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), Exp(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
+        _mm512_storeu_ps(p.y + static_cast<size_t>(r + m) * out_cols + (t0 / 2 + pair) * kTileN, _mm512_mul_ps(silu, up));
+      }
+    }
+  }
+}
+
+struct MatMulInt4Kernel {
+  int64_t K, N, block;
+  bool swiglu;
+
+  MatMulInt4Kernel(const OrtApi&, const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo ki(info);
+    K = ki.GetAttribute<int64_t>("K");
+    N = ki.GetAttribute<int64_t>("N");
+    block = ki.GetAttribute<int64_t>("block_size");
+    std::string activation;
+    try {
+      activation = ki.GetAttribute<std::string>("activation");
+    } catch (const Ort::Exception&) {
+      activation.clear();  // absent: none
+    }
+    if (activation != "" && activation != "swiglu")
+      ORT_CXX_API_THROW("MatMulInt4: activation must be absent or \"swiglu\"", ORT_INVALID_ARGUMENT);
+    swiglu = activation == "swiglu";
+    if (swiglu && N % (2 * kTileN) != 0)
+      ORT_CXX_API_THROW("MatMulInt4: swiglu needs N to be a multiple of 32", ORT_INVALID_ARGUMENT);
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    auto a = ctx.GetInput(0);
+    auto w = ctx.GetInput(1);
+    auto scales = ctx.GetInput(2);
+    const float* bias = nullptr;
+    if (ctx.GetInputCount() > 3) {
+      auto b = ctx.GetInput(3);
+      if (b) bias = b.GetTensorData<float>();
+    }
+    std::vector<int64_t> shape = a.GetTensorTypeAndShapeInfo().GetShape();
+    if (shape.empty() || shape.back() != K) ORT_CXX_API_THROW("MatMulInt4: A's last dimension is not K", ORT_INVALID_ARGUMENT);
+    int64_t M = 1;
+    for (size_t i = 0; i + 1 < shape.size(); ++i) M *= shape[i];
+    shape.back() = swiglu ? N / 2 : N;
+    auto y = ctx.GetOutput(0, shape);
+    if (M == 0) return;
+
+    thread_local QuantizedRows rows;
+    const int blocks = static_cast<int>(K / block);
+    rows.q.resize(M * K);
+    rows.scale.resize(M * blocks);
+    rows.zsum.resize(M * blocks);
+    const float* ad = a.GetTensorData<float>();
+    for (int64_t m = 0; m < M; ++m)
+      QuantizeRow(ad + m * K, static_cast<int>(K), static_cast<int>(block), rows.q.data() + m * K,
+                  rows.scale.data() + m * blocks, rows.zsum.data() + m * blocks);
+
+    Problem p;
+    p.bias = bias;
+    p.w = w.GetTensorData<uint8_t>();
+    p.wscale = scales.GetTensorData<float>();
+    p.y = y.GetTensorMutableData<float>();
+    p.a = &rows;
+    p.M = static_cast<int>(M);
+    p.N = static_cast<int>(N);
+    p.K = static_cast<int>(K);
+    p.block = static_cast<int>(block);
+    p.blocks = blocks;
+    p.tiles = static_cast<int>((N + kTileN - 1) / kTileN);
+    p.swiglu = swiglu;
+    p.tiles_per_item = std::clamp(p.tiles / 16, 1, kMaxTilesPerItem);
+    if (swiglu) p.tiles_per_item = std::max(2, p.tiles_per_item & ~1);  // whole (gate, up) pairs
+    p.items_per_chunk = (p.tiles + p.tiles_per_item - 1) / p.tiles_per_item;
+    const size_t items = static_cast<size_t>(p.items_per_chunk) * ((M + kRowChunk - 1) / kRowChunk);
+    ctx.ParallelFor(RunItem, items, 0, &p);
+  }
+};
+
+struct MatMulInt4Op : Ort::CustomOpBase<MatMulInt4Op, MatMulInt4Kernel> {
+  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new MatMulInt4Kernel(api, info); }
+  const char* GetName() const { return "MatMulInt4"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 4; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return i == 3 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+std::mutex domains_mutex;
+std::vector<std::unique_ptr<Ort::CustomOpDomain>> domains;  // must outlive every session
+const MatMulInt4Op matmul_int4_op;
+
+}  // namespace
+
+extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  Ort::InitApi(api_base->GetApi(ORT_API_VERSION));
+  try {
+    auto domain = std::make_unique<Ort::CustomOpDomain>("ai.flare");
+    domain->Add(&matmul_int4_op);
+    Ort::UnownedSessionOptions(options).Add(*domain);
+    std::lock_guard<std::mutex> lock(domains_mutex);
+    domains.push_back(std::move(domain));
+  } catch (const Ort::Exception& e) {
+    return Ort::GetApi().CreateStatus(ORT_FAIL, e.what());
+  }
+  return nullptr;
+}
