@@ -74,6 +74,7 @@ inline __m512i Broadcast4(const int8_t* p) {
 }
 
 struct Problem {
+  const float* a_float;  // [M, K]
   const float* bias;
   const uint8_t* w;
   const float* wscale;
@@ -166,6 +167,13 @@ void RunRows(const Problem& p, int tile, int tiles, int row, int rows, float* ds
   }
 }
 
+void QuantizeItem(void* data, size_t row) {
+  const Problem& p = *static_cast<const Problem*>(data);
+  QuantizedRows& a = *const_cast<QuantizedRows*>(p.a);
+  QuantizeRow(p.a_float + row * p.K, p.K, p.block, a.q.data() + row * p.K, a.scale.data() + row * p.blocks,
+              a.zsum.data() + row * p.blocks);
+}
+
 // exp for the SwiGLU epilogue: 2^n * e^r with |r| <= ln2/2 and Cephes' degree-6 expf polynomial
 // (relative error ~1e-7, like onnxruntime's Sigmoid).
 inline __m512 Exp(__m512 x) {
@@ -234,6 +242,18 @@ struct MatMulInt4Kernel {
     swiglu = activation == "swiglu";
     if (swiglu && N % (2 * kTileN) != 0)
       ORT_CXX_API_THROW("MatMulInt4: swiglu needs N to be a multiple of 32", ORT_INVALID_ARGUMENT);
+    if (K <= 0 || N <= 0 || block <= 0 || block % 16 != 0 || K % block != 0)
+      ORT_CXX_API_THROW("MatMulInt4: needs K, N > 0 and a block_size that is a multiple of 16 dividing K",
+                        ORT_INVALID_ARGUMENT);
+  }
+
+  // The weights' sizes follow from the attributes; a mismatch would read out of bounds.
+  void CheckSizes(const Ort::ConstValue& w, const Ort::ConstValue& scales, const Ort::ConstValue* bias) const {
+    const int64_t tiles = (N + kTileN - 1) / kTileN, blocks = K / block;
+    if (w.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(tiles * K * 8) ||
+        scales.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(tiles * blocks * kTileN) ||
+        (bias && bias->GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(N)))
+      ORT_CXX_API_THROW("MatMulInt4: weight, scale or bias sizes do not match K, N and block_size", ORT_INVALID_ARGUMENT);
   }
 
   void Compute(OrtKernelContext* context) {
@@ -242,10 +262,12 @@ struct MatMulInt4Kernel {
     auto w = ctx.GetInput(1);
     auto scales = ctx.GetInput(2);
     const float* bias = nullptr;
+    Ort::ConstValue bias_value{nullptr};
     if (ctx.GetInputCount() > 3) {
-      auto b = ctx.GetInput(3);
-      if (b) bias = b.GetTensorData<float>();
+      bias_value = ctx.GetInput(3);
+      if (bias_value) bias = bias_value.GetTensorData<float>();
     }
+    CheckSizes(w, scales, bias ? &bias_value : nullptr);
     std::vector<int64_t> shape = a.GetTensorTypeAndShapeInfo().GetShape();
     if (shape.empty() || shape.back() != K) ORT_CXX_API_THROW("MatMulInt4: A's last dimension is not K", ORT_INVALID_ARGUMENT);
     int64_t M = 1;
@@ -259,12 +281,8 @@ struct MatMulInt4Kernel {
     rows.q.resize(M * K);
     rows.scale.resize(M * blocks);
     rows.zsum.resize(M * blocks);
-    const float* ad = a.GetTensorData<float>();
-    for (int64_t m = 0; m < M; ++m)
-      QuantizeRow(ad + m * K, static_cast<int>(K), static_cast<int>(block), rows.q.data() + m * K,
-                  rows.scale.data() + m * blocks, rows.zsum.data() + m * blocks);
-
     Problem p;
+    p.a_float = a.GetTensorData<float>();
     p.bias = bias;
     p.w = w.GetTensorData<uint8_t>();
     p.wscale = scales.GetTensorData<float>();
@@ -280,6 +298,11 @@ struct MatMulInt4Kernel {
     p.tiles_per_item = std::clamp(p.tiles / 16, 1, kMaxTilesPerItem);
     if (swiglu) p.tiles_per_item = std::max(2, p.tiles_per_item & ~1);  // whole (gate, up) pairs
     p.items_per_chunk = (p.tiles + p.tiles_per_item - 1) / p.tiles_per_item;
+    if (M < 16) {
+      for (int m = 0; m < p.M; ++m) QuantizeItem(&p, m);
+    } else {
+      ctx.ParallelFor(QuantizeItem, static_cast<size_t>(M), 0, &p);  // a prefill chunk: ~M * K floats
+    }
     const size_t items = static_cast<size_t>(p.items_per_chunk) * ((M + kRowChunk - 1) / kRowChunk);
     ctx.ParallelFor(RunItem, items, 0, &p);
   }

@@ -197,3 +197,19 @@ def test_swiglu_kernel_matches_the_unfused_graph():
         want, got = want_session.run(None, {"a": a})[0], got_session.run(None, {"a": a})[0]
         assert got.shape == (batch, length, 160)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_kernel_rejects_weights_that_do_not_match_its_attributes():
+    """A graph whose attributes disagree with its weights fails with onnxruntime's error, never a
+    read past the weights."""
+    library = _library()
+    model = _nbits_model(128, 40, 64, False)
+    to_int4_tiles(model)
+    (node,) = model.graph.node
+    attrs = {a.name: a for a in node.attribute}
+    attrs["N"].i = 64  # one tile more than the weights hold
+    with pytest.raises(Exception, match="sizes do not match"):
+        _session(model, library).run(None, {"a": np.ones((1, 128), np.float32)})
+    attrs["N"].i, attrs["block_size"].i = 40, 24  # not a multiple of 16
+    with pytest.raises(Exception, match="block_size"):
+        _session(model, library).run(None, {"a": np.ones((1, 128), np.float32)})
