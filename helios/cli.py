@@ -75,8 +75,8 @@ def serve(
             match = re.search(r"https?://\S+", message)
             url = match.group(0) if match else f"http://{settings.host}:{settings.port}"
             auth = "key required" if settings.api_key else "no auth"
-            kernels = {"flare": ", int4 matmuls on flare's kernel",
-                       "onnxruntime": ", int4 matmuls on onnxruntime's MatMulNBits"}.get(
+            kernels = {"flare": ", flare's CPU kernels",
+                       "onnxruntime": ", flare ops run as onnxruntime kernels"}.get(
                 getattr(engine.runner, "kernels", ""), "")  # fmt: skip
             console.print(f"[bold green]helios[/] serving [bold]{escape(manifest.model_id)}[/] at {escape(url)}/v1 ({auth}{kernels})")
 

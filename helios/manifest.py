@@ -24,7 +24,8 @@ from typing import Any, get_type_hints
 #      optional `quantization` (bits and block sizes of the quantized weights); optional
 #      `template.numeric_effort` (the integer reasoning_effort range a template takes).
 # 1.4: `quantization.matmul_op`: int4 cores store their matmuls as ai.flare.MatMulInt4 (flare's
-#      tiled int4 layout, run by helios/kernels; an older helios cannot open such a graph).
+#      tiled int4 layout, run by helios/kernels); qwen2/llama step graphs attend with
+#      ai.flare.PagedAttention. An older helios cannot open such graphs.
 FORMAT_VERSION = "1.4"
 MANIFEST_NAME = "core.json"
 

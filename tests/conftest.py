@@ -17,6 +17,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("FLARE_CACHE", Path.home() / ".cache" / "flare"))
+# flare's kernel library is built once per machine; tests that point FLARE_CACHE at a scratch
+# folder (and the processes they start) keep using the one build.
+os.environ.setdefault("FLARE_KERNEL_CACHE", str(CACHE / "kernels"))
 
 
 def code_digest() -> str:
@@ -28,6 +31,9 @@ def code_digest() -> str:
                 h.update(path.relative_to(REPO).as_posix().encode())
                 h.update(path.read_bytes())
     h.update((REPO / "helios" / "manifest.py").read_bytes())
+    for path in sorted((REPO / "helios" / "kernels").glob("*")):  # the int4 layout, the kernels
+        if path.suffix in {".py", ".cc"}:
+            h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 

@@ -1,5 +1,6 @@
-"""Flare's own CPU kernels: an onnxruntime custom-operator library built from `int4_matmul.cc`
-on first use and cached by source digest under `$FLARE_CACHE/kernels`.
+"""Flare's own CPU kernels: an onnxruntime custom-operator library built from `cpu_kernels.cc`
+on first use and cached by source digest under `$FLARE_KERNEL_CACHE` (default
+`$FLARE_CACHE/kernels`).
 
 Building needs g++ and onnxruntime's C/C++ API headers, which no onnxruntime wheel ships: they
 come from Debian's `libonnxruntime-dev` package (pinned by version and sha256; the custom-op
@@ -25,7 +26,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("int4_matmul.cc")
+SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
 HEADERS_DEB = (
     "http://deb.debian.org/debian/pool/main/o/onnxruntime/libonnxruntime-dev_1.21.0+dfsg-1_amd64.deb",
@@ -41,6 +42,9 @@ _checked = False
 
 
 def _cache_root() -> Path:
+    named = os.environ.get("FLARE_KERNEL_CACHE")
+    if named:
+        return Path(named)
     return Path(os.environ.get("FLARE_CACHE") or Path.home() / ".cache" / "flare") / "kernels"
 
 
@@ -90,8 +94,12 @@ def _headers() -> Path:
         for member in tar.getmembers():
             if Path(member.name).name in HEADERS:
                 (tmp / Path(member.name).name).write_bytes(tar.extractfile(member).read())
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process got there first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not all((target / h).is_file() for h in HEADERS):
+            raise
     return target
 
 

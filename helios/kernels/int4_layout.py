@@ -4,7 +4,7 @@ and onnxruntime's `com.microsoft.MatMulNBits`.
 MatMulNBits stores each output column's K weights contiguously ([N, blocks, block/2] bytes, two
 consecutive k per byte). MatMulInt4 stores 16 columns side by side so that one 64-byte vector holds
 [16 columns x 4 k] in its low nibbles and the next 4 k in its high nibbles: the kernel
-(int4_matmul.cc) unpacks each vector once and multiplies it with every activation row of a
+(cpu_kernels.cc) unpacks each vector once and multiplies it with every activation row of a
 pass. Both encode the same numbers (symmetric 4-bit, value = (q - 8) * scale), so converting
 either way is exact; ignition writes MatMulInt4, and helios turns it back into MatMulNBits
 where the kernel library cannot run (no AVX512-VNNI, no compiler, a GPU provider).

@@ -10,26 +10,33 @@ import onnx
 import onnxruntime as ort
 
 from helios.kernels import available
-from helios.kernels.int4_layout import to_matmul_nbits, uses_int4_tiles
+from helios.kernels.attention import to_group_query_attention
+from helios.kernels.int4_layout import DOMAIN, to_matmul_nbits
 
 log = logging.getLogger(__name__)
 
 
+def uses_flare_ops(model: onnx.ModelProto) -> bool:
+    return any(node.domain == DOMAIN for node in model.graph.node)
+
+
 def open_session(path: Path, options: ort.SessionOptions, providers: list[str]) -> tuple[ort.InferenceSession, str]:
-    """(session, kernels) for the graph at `path`; `kernels` says what runs its int4 matmuls:
-    "flare" (the ai.flare library), "onnxruntime" (rewritten to MatMulNBits because the library
-    cannot run here: the reason is logged) or "" (the graph has none)."""
+    """(session, kernels) for the graph at `path`; `kernels` says what runs its ai.flare
+    operators: "flare" (flare's kernel library), "onnxruntime" (rewritten to onnxruntime's
+    MatMulNBits and GroupQueryAttention because the library cannot run here: the reason is
+    logged) or "" (the graph has none)."""
     header = onnx.load(str(path), load_external_data=False)
-    if not uses_int4_tiles(header):
+    if not uses_flare_ops(header):
         return ort.InferenceSession(str(path), options, providers=providers), ""
     library, why = available()
     if library is not None and providers == ["CPUExecutionProvider"]:
         options.register_custom_ops_library(str(library))
         return ort.InferenceSession(str(path), options, providers=providers), "flare"
     why = why or f"providers {providers} are not the CPU's"
-    log.warning("%s: running flare's int4 matmuls as onnxruntime MatMulNBits (%s)", path.name, why)
+    log.warning("%s: running flare's operators as onnxruntime kernels (%s)", path.name, why)
     model = onnx.load(str(path))
     to_matmul_nbits(model)
+    to_group_query_attention(model)
     with tempfile.TemporaryDirectory(prefix="flare-graph-") as tmp:
         rewritten = Path(tmp) / path.name
         onnx.save(model, str(rewritten), save_as_external_data=True, location=path.name + ".data")

@@ -86,10 +86,12 @@ def max_cache_bytes() -> int:
 @functools.lru_cache(maxsize=1)
 def exporter_version() -> str:
     """Digest of the code that shapes a core: ignition (but its CLI and inspection views), the
-    manifest schema and the runner validation drives. Recorded as toolchain["flare-exporter"]."""
+    manifest schema, the runner validation drives and flare's kernels (their weight layout and
+    the numbers validation records). Recorded as toolchain["flare-exporter"]."""
     repo = Path(__file__).resolve().parents[2]
     files = [p for p in (repo / "ignition").rglob("*.py") if p.relative_to(repo).as_posix() not in _NOT_EXPORTER]
     files += [repo / "helios" / "manifest.py", repo / "helios" / "engine" / "runner.py"]
+    files += sorted((repo / "helios" / "kernels").glob("*.py")) + sorted((repo / "helios" / "kernels").glob("*.cc"))
     h = hashlib.sha256()
     for path in sorted(files, key=lambda p: p.relative_to(repo).as_posix()):
         if "__pycache__" in path.parts or not path.is_file():

@@ -84,6 +84,12 @@ class QuantSettings:
 # int8: block 128, ~15% faster than 32 at negligible KL either way. It decodes about as fast as
 #   int4 on 2 cores (unpacking nibbles costs what the halved bandwidth saves) at ~40x lower KL.
 #   8-bit Gather is unsupported, so its embedding stays fp32 (core ~1.06 GB).
+# int4 tiles (engine-speed issue, fourth session): the same block-64 int4 weights and int8
+#   activation blocks, run by flare's MatMulInt4 (helios/kernels/cpu_kernels.cc) instead of
+#   MatMulNBits. Isolated, 12-24 cache-cold copies, interleaved: M=1 0.9-1.8x MatMulNBits' speed
+#   (parity on the largest shapes, ahead on small ones), M=8 1.8-4.8x, M=64 1.9-3.0x; step graph
+#   b=1 14.0-14.9 -> 11.8-12.3 ms, b=8 41.9-43.1 -> 22.8-23.3 ms (with SwiGLU folded in), KL
+#   0.0029 -> 0.0026.
 SETTINGS = {
     "int4": QuantSettings(bits=4, block_size=64, accuracy_level=4, lm_head_bits=4, embedding_bits=4, int4_tiles=True),
     "int8": QuantSettings(bits=8, block_size=128, accuracy_level=4, lm_head_bits=8, embedding_bits=None),

@@ -101,30 +101,12 @@ class StepContext:
         block_tables: torch.Tensor,
         kv_pool: torch.Tensor,
     ) -> None:
+        self.num_layers = num_layers
         self.positions = positions
-        self.kv_pool = kv_pool
+        self.history_lens = history_lens
+        self.query_lens = query_lens
         self.block_tables = block_tables
-        num_pages = kv_pool.shape[0] // (2 * num_layers)
-        # Pool rows of every (layer, kind) for every row's pages, computed once: [2*layers, B*M].
-        kinds = torch.arange(2 * num_layers, dtype=torch.int64).unsqueeze(1)
-        self.pool_rows = kinds * num_pages + block_tables.reshape(1, -1)
-        # GroupQueryAttention's conventions: total tokens - 1, and valid new tokens, as int32.
-        self.seqlens_k = (history_lens + query_lens - 1).to(torch.int32)
-        self.query_lens = query_lens.to(torch.int32)
-        history = block_tables.shape[1] * kv_pool.shape[1]
-        self.total_len = torch.ones((), dtype=torch.int32) * (history + positions.shape[1])
-
-    def history(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's K and V pages of every row, gathered as two [B, kvh, M*page_tokens, D]."""
-        return self._pages(2 * layer), self._pages(2 * layer + 1)
-
-    def _pages(self, kind_row: int) -> torch.Tensor:
-        # One Gather per tensor reads only the rows' pages; the reshape is free and the
-        # transpose to GroupQueryAttention's BNSH layout is the one copy.
-        batch, pages = self.block_tables.shape
-        _, tokens, heads, dim = self.kv_pool.shape
-        kv = torch.index_select(self.kv_pool, 0, self.pool_rows[kind_row])
-        return kv.reshape(batch, pages * tokens, heads, dim).transpose(1, 2)
+        self.kv_pool = kv_pool
 
 
 class Attention(nn.Module):
@@ -144,13 +126,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext, rotary: Rotary):
         """Paged step attention: (output [B, L, H], new k, new v [B, L, kvh*D], k rotated)."""
-        qk, v = self.qkv_proj(x).split([self.q_width + self.kv_width, self.kv_width], dim=-1)
-        qk = ops.rotary(qk, ctx.positions, rotary.cos_cache, rotary.sin_cache)  # q and k at once
-        q, k = qk.split([self.q_width, self.kv_width], dim=-1)
-        past_k, past_v = ctx.history(self.layer)
-        out = ops.paged_attention(
-            q, k, v, past_k, past_v, ctx.seqlens_k, ctx.query_lens, ctx.total_len, self.num_heads, self.num_kv_heads
-        )
+        # Rotary, the layer's pool pages and causal GQA in one op (ai.flare.PagedAttention in the
+        # exported graph: the pages are read in place).
+        out, k, v = ops.pool_attention(
+            self.qkv_proj(x), ctx.positions, rotary.cos_cache, rotary.sin_cache, ctx.kv_pool, ctx.block_tables,
+            ctx.history_lens, ctx.query_lens, self.layer, ctx.num_layers, self.num_heads, self.num_kv_heads,
+        )  # fmt: skip
         return self.o_proj(out), k, v
 
     def reference(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

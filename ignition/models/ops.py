@@ -4,12 +4,18 @@
     rotary(x, positions, cos, sin)      -> rotate-half rotary of every head of x [B, L, heads*D]
     paged_attention(q, k, v, past_k, past_v, seqlens_k, query_lens, total_len)
                                         -> causal GQA over (history ++ new) per row
+    pool_attention(qkv, positions, cos, sin, kv_pool, block_tables, history_lens, query_lens)
+                                        -> (rotary + paged_attention over the layer's pool
+                                            pages, rotated k, v): one layer's whole attention
 
 Eager torch (and a plain export) runs the functions below as written. Inside `fused_export()`
 the model calls them as torch custom ops instead, and `TRANSLATIONS` lowers those to the
 onnxruntime contrib kernels SkipSimplifiedLayerNormalization, RotaryEmbedding and
 GroupQueryAttention: one node each where the plain graph has 7-30, and GQA shares each KV head
-across its query group in-kernel (no repeated KV heads). The plain functions define what the
+across its query group in-kernel (no repeated KV heads); `pool_attention` becomes flare's own
+ai.flare.PagedAttention (helios/kernels), which reads the pages where they lie instead of a
+Gather + Transpose + RotaryEmbedding + GroupQueryAttention chain per layer (helios rewrites it
+back into that chain where flare's kernels cannot run). The plain functions define what the
 fused kernels must compute; export validation checks the two agree.
 """
 
@@ -99,6 +105,44 @@ def paged_attention_ref(
     return out.reshape(batch, length, num_heads * dim)
 
 
+def pool_attention_ref(
+    qkv: torch.Tensor,  # [B, L, (nh + 2 kvh) * D]: the fused projection, before rotary
+    positions: torch.Tensor,  # [B, L]
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    kv_pool: torch.Tensor,  # [layers * 2 * P, page_tokens, kvh, D]
+    block_tables: torch.Tensor,  # [B, M]
+    history_lens: torch.Tensor,  # [B]
+    query_lens: torch.Tensor,  # [B]
+    layer: int,
+    num_layers: int,
+    num_heads: int,
+    kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer's attention over its pool pages: (out [B, L, nh*D], rotated k, v [B, L, kvh*D]).
+    Pool row (2 * layer + kind) * P + page holds a page of K (kind 0) or V (kind 1)."""
+    batch, length, _ = qkv.shape
+    _, tokens, _, dim = kv_pool.shape
+    q_width, kv_width = num_heads * dim, kv_heads * dim
+    qk, v = qkv.split([q_width + kv_width, kv_width], dim=-1)
+    q, k = rotary_ref(qk, positions, cos_cache, sin_cache).split([q_width, kv_width], dim=-1)
+    pages = kv_pool.shape[0] // (2 * num_layers)
+
+    def history(kind: int) -> torch.Tensor:
+        rows = block_tables + (2 * layer + kind) * pages
+        gathered = torch.index_select(kv_pool, 0, rows.reshape(-1))
+        return gathered.reshape(batch, -1, kv_heads, dim).transpose(1, 2)
+
+    seqlens_k = (history_lens + query_lens - 1).to(torch.int32)
+    total_len = torch.ones((), dtype=torch.int32) * (block_tables.shape[1] * tokens + length)
+    out = paged_attention_ref(
+        q, k, v, history(0), history(1), seqlens_k, query_lens.to(torch.int32), total_len, num_heads, kv_heads
+    )
+    # Padded query rows: zeros, as the fused kernel writes them.
+    valid = torch.arange(length).unsqueeze(0) < query_lens.unsqueeze(1)
+    return out * valid.unsqueeze(-1).to(out.dtype), k, v
+
+
 # -- custom ops (export only) ---------------------------------------------------------------------
 
 
@@ -146,6 +190,35 @@ def _(q, k, v, past_k, past_v, seqlens_k, query_lens, total_len, num_heads, kv_h
     return torch.empty_like(q)
 
 
+@torch.library.custom_op("flare::pool_attention", mutates_args=())
+def _pool_attention_op(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    kv_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    history_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    layer: int,
+    num_layers: int,
+    num_heads: int,
+    kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, k, v = pool_attention_ref(qkv, positions, cos_cache, sin_cache, kv_pool, block_tables, history_lens,
+                                   query_lens, layer, num_layers, num_heads, kv_heads)  # fmt: skip
+    return out, k.contiguous(), v.contiguous()
+
+
+@_pool_attention_op.register_fake
+def _(qkv, positions, cos_cache, sin_cache, kv_pool, block_tables, history_lens, query_lens, layer, num_layers,
+      num_heads, kv_heads):  # fmt: skip
+    batch, length, _ = qkv.shape
+    dim = kv_pool.shape[-1]
+    return (qkv.new_empty(batch, length, num_heads * dim), qkv.new_empty(batch, length, kv_heads * dim),
+            qkv.new_empty(batch, length, kv_heads * dim))  # fmt: skip
+
+
 # -- what the model calls ---------------------------------------------------------------------------
 
 
@@ -160,6 +233,13 @@ def rotary(x, positions, cos_cache, sin_cache):
 def paged_attention(q, k, v, past_k, past_v, seqlens_k, query_lens, total_len, num_heads: int, kv_heads: int):
     fn = _paged_attention_op if _FUSED else paged_attention_ref
     return fn(q, k, v, past_k, past_v, seqlens_k, query_lens, total_len, num_heads, kv_heads)
+
+
+def pool_attention(qkv, positions, cos_cache, sin_cache, kv_pool, block_tables, history_lens, query_lens,
+                   layer: int, num_layers: int, num_heads: int, kv_heads: int):  # fmt: skip
+    fn = _pool_attention_op if _FUSED else pool_attention_ref
+    return fn(qkv, positions, cos_cache, sin_cache, kv_pool, block_tables, history_lens, query_lens, layer,
+              num_layers, num_heads, kv_heads)  # fmt: skip
 
 
 # -- ONNX translations (onnxruntime contrib ops) ---------------------------------------------------
@@ -244,7 +324,44 @@ def _paged_attention_onnx(q, k, v, past_k, past_v, seqlens_k, query_lens, total_
     return out
 
 
+@functools.cache
+def _flare():
+    """The ai.flare opset for onnxscript, with the schema of flare's PagedAttention
+    (helios/kernels/cpu_kernels.cc documents it)."""
+    import onnx
+    import onnxscript
+
+    if not onnx.defs.has("PagedAttention", "ai.flare"):
+        param = onnx.defs.OpSchema.FormalParameter
+        attr = onnx.defs.OpSchema.Attribute
+        kind = onnx.defs.OpSchema.AttrType
+        onnx.defs.register_schema(
+            onnx.defs.OpSchema(
+                "PagedAttention", "ai.flare", 1,
+                inputs=[param("qkv", "T"), param("positions", "I"), param("cos_cache", "T"), param("sin_cache", "T"),
+                        param("kv_pool", "T"), param("block_tables", "I"), param("history_lens", "I"),
+                        param("query_lens", "I")],
+                outputs=[param("out", "T"), param("k", "T"), param("v", "T")],
+                type_constraints=[("T", ["tensor(float)"], ""), ("I", ["tensor(int64)"], "")],
+                attributes=[attr("num_heads", kind.INT, "", required=True), attr("kv_heads", kind.INT, "", required=True),
+                            attr("layer", kind.INT, "", required=True), attr("num_layers", kind.INT, "", required=True),
+                            attr("scale", kind.FLOAT, "", required=True)],
+            )
+        )  # fmt: skip
+    return onnxscript.values.Opset("ai.flare", 1)
+
+
+def _pool_attention_onnx(qkv, positions, cos_cache, sin_cache, kv_pool, block_tables, history_lens, query_lens,
+                         layer: int, num_layers: int, num_heads: int, kv_heads: int):  # fmt: skip
+    dim = 2 * cos_cache.shape[1]
+    return _flare().PagedAttention(
+        qkv, positions, cos_cache, sin_cache, kv_pool, block_tables, history_lens, query_lens,
+        num_heads=num_heads, kv_heads=kv_heads, layer=layer, num_layers=num_layers, scale=1.0 / math.sqrt(dim),
+    )  # fmt: skip
+
+
 TRANSLATIONS = {
+    torch.ops.flare.pool_attention.default: _pool_attention_onnx,
     torch.ops.flare.add_rms_norm.default: _add_rms_norm_onnx,
     torch.ops.flare.rotary.default: _rotary_onnx,
     torch.ops.flare.paged_attention.default: _paged_attention_onnx,

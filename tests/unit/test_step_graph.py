@@ -150,13 +150,31 @@ def test_quantize_is_deterministic(fp32_graph, int4_graph, tmp_path):
     assert (tmp_path / "step.onnx.data").read_bytes() == (int4_graph.parent / "step.onnx.data").read_bytes()
 
 
-def test_fused_graph_shares_kv_heads_in_kernel(fp32_graph):
+def test_fused_graph_attends_in_the_pool(fp32_graph):
     ops = [n.op_type for n in onnx.load(str(fp32_graph), load_external_data=False).graph.node]
-    for fused in ("GroupQueryAttention", "RotaryEmbedding"):
-        assert ops.count(fused) == LAYERS, fused
+    # One flare PagedAttention per layer does rotary, reads the layer's pages in place and shares
+    # each KV head across its query group: no page Gather/Transpose, no repeated KV heads.
+    assert ops.count("PagedAttention") == LAYERS
+    assert "GroupQueryAttention" not in ops and "RotaryEmbedding" not in ops
+    assert ops.count("Transpose") == 1  # new_kv into the contract layout, once for all layers
     assert ops.count("SkipSimplifiedLayerNormalization") == 2 * LAYERS
-    # Only the four weight matmuls per layer: attention is inside GQA, KV heads never repeated.
     assert ops.count("MatMul") == 4 * LAYERS and "Tile" not in ops
+
+
+def test_fallback_without_flare_kernels_matches(model, fp32_graph, monkeypatch):
+    """Where flare's kernel library cannot run, helios rewrites PagedAttention into onnxruntime's
+    RotaryEmbedding + page Gather + GroupQueryAttention: the same parity."""
+    from helios.kernels.attention import to_group_query_attention
+
+    graph = onnx.load(str(fp32_graph))
+    assert to_group_query_attention(graph) == LAYERS
+    ops = [n.op_type for n in graph.graph.node]
+    assert ops.count("GroupQueryAttention") == LAYERS and ops.count("RotaryEmbedding") == LAYERS
+    monkeypatch.setenv("FLARE_KERNELS", "off")
+    ids = prompt(37)
+    parity = validate(fp32_graph, model, KV, ids, decode_steps=16, precision="fp32")
+    scale = float(model.reference(torch.tensor(ids)).abs().max())
+    assert parity.max_abs_logit_error <= 1e-4 * scale, parity
 
 
 def test_onnx_fp32_parity_prefill_and_decode(model, fp32_graph):

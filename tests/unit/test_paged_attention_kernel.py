@@ -1,0 +1,121 @@
+"""ai.flare.PagedAttention (helios/kernels/cpu_kernels.cc) against its torch meaning
+(ignition.models.ops.pool_attention_ref), and its rewrite into onnxruntime's kernels."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from helios import kernels
+from helios.kernels.session import open_session
+from ignition.models.ops import pool_attention_ref
+
+import onnxruntime as ort
+
+INPUTS = ["qkv", "positions", "cos_cache", "sin_cache", "kv_pool", "block_tables", "history_lens", "query_lens"]
+
+
+def _graph(heads: int, kv_heads: int, dim: int, layer: int, num_layers: int, cos: np.ndarray, sin: np.ndarray) -> onnx.ModelProto:
+    node = helper.make_node("PagedAttention", INPUTS, ["out", "k", "v"], domain="ai.flare", name="attn",
+                            num_heads=heads, kv_heads=kv_heads, layer=layer, num_layers=num_layers,
+                            scale=1.0 / math.sqrt(dim))  # fmt: skip
+    f, i = TensorProto.FLOAT, TensorProto.INT64
+    inputs = [helper.make_tensor_value_info("qkv", f, ["B", "L", (heads + 2 * kv_heads) * dim]),
+              helper.make_tensor_value_info("positions", i, ["B", "L"]),
+              helper.make_tensor_value_info("kv_pool", f, ["R", "T", kv_heads, dim]),
+              helper.make_tensor_value_info("block_tables", i, ["B", "M"]),
+              helper.make_tensor_value_info("history_lens", i, ["B"]),
+              helper.make_tensor_value_info("query_lens", i, ["B"])]  # fmt: skip
+    outputs = [helper.make_tensor_value_info(n, f, None) for n in ("out", "k", "v")]
+    inits = [numpy_helper.from_array(cos, "cos_cache"), numpy_helper.from_array(sin, "sin_cache")]
+    graph = helper.make_graph([node], "g", inputs, outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.flare", 1)])
+
+
+def _case(heads: int, kv_heads: int, dim: int, page: int, rows: list[tuple[int, int]], length: int, seed: int):
+    """Random inputs: rows = (history, valid new tokens) per batch row, pages shuffled in the pool."""
+    rng = np.random.default_rng(seed)
+    num_layers, layer, max_pos = 3, 1, 256
+    pages_per_row = [-(-(h + length) // page) for h, _ in rows]
+    num_pages = sum(pages_per_row) + 3
+    order = rng.permutation(num_pages)
+    tables = np.zeros((len(rows), max(pages_per_row)), np.int64)
+    at = 0
+    for b, n in enumerate(pages_per_row):
+        tables[b, :n] = order[at : at + n]
+        at += n
+    angles = np.arange(max_pos)[:, None] * (1.0 / 10000 ** (np.arange(0, dim, 2) / dim))[None]
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    feeds = {
+        "qkv": rng.standard_normal((len(rows), length, (heads + 2 * kv_heads) * dim)).astype(np.float32),
+        "positions": np.array([[h + i if i < q else 0 for i in range(length)] for h, q in rows], np.int64),
+        "kv_pool": rng.standard_normal((num_layers * 2 * num_pages, page, kv_heads, dim)).astype(np.float32),
+        "block_tables": tables,
+        "history_lens": np.array([h for h, _ in rows], np.int64),
+        "query_lens": np.array([q for _, q in rows], np.int64),
+    }
+    want = pool_attention_ref(
+        *(torch.from_numpy(feeds[n]) for n in INPUTS[:2]), torch.from_numpy(cos), torch.from_numpy(sin),
+        *(torch.from_numpy(feeds[n]) for n in INPUTS[4:]), layer, num_layers, heads, kv_heads,
+    )  # fmt: skip
+    return _graph(heads, kv_heads, dim, layer, num_layers, cos, sin), feeds, [w.numpy() for w in want], rows
+
+
+CASES = {
+    # heads, kv heads, head dim, page tokens, (history, valid) per row, padded length
+    "decode batch": (14, 2, 64, 16, [(0, 1), (5, 1), (16, 1), (47, 1), (130, 1)], 1),
+    "prefill chunks": (8, 2, 32, 8, [(0, 37), (21, 40), (64, 1)], 40),
+    "one kv head": (4, 1, 16, 4, [(3, 5), (0, 2)], 5),
+    "wide heads": (4, 4, 128, 16, [(17, 3), (0, 20)], 20),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_matches_the_torch_meaning(case, tmp_path):
+    missing = kernels.cpu_missing_flags()
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(missing)}")
+    model, feeds, want, rows = _case(*CASES[case], seed=len(case))
+    path = tmp_path / "attn.onnx"
+    onnx.save(model, str(path))
+    session, used = open_session(path, ort.SessionOptions(), ["CPUExecutionProvider"])
+    assert used == "flare"
+    got = session.run(None, feeds)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+    for b, (_, valid) in enumerate(rows):
+        np.testing.assert_allclose(got[0][b, :valid], want[0][b, :valid], rtol=1e-4, atol=1e-5)
+        assert (got[0][b, valid:] == 0).all()  # padded queries: zeros
+        np.testing.assert_allclose(got[1][b, :valid], want[1][b, :valid], rtol=1e-5, atol=1e-5)  # rotated k
+        np.testing.assert_array_equal(got[2][b], want[2][b])  # v passes through
+
+
+def test_rewrite_into_group_query_attention_matches(tmp_path, monkeypatch):
+    model, feeds, want, rows = _case(*CASES["prefill chunks"], seed=3)
+    path = tmp_path / "attn.onnx"
+    onnx.save(model, str(path))
+    monkeypatch.setenv("FLARE_KERNELS", "off")
+    session, used = open_session(path, ort.SessionOptions(), ["CPUExecutionProvider"])
+    assert used == "onnxruntime"
+    got = session.run(None, feeds)
+    for b, (_, valid) in enumerate(rows):
+        np.testing.assert_allclose(got[0][b, :valid], want[0][b, :valid], rtol=1e-4, atol=1e-5)
+        assert (got[0][b, valid:] == 0).all()
+        np.testing.assert_allclose(got[1][b, :valid], want[1][b, :valid], rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_rejects_a_block_table_outside_the_pool(tmp_path):
+    if kernels.cpu_missing_flags():
+        pytest.skip("no AVX512-VNNI")
+    model, feeds, _, _ = _case(*CASES["decode batch"], seed=4)
+    path = tmp_path / "attn.onnx"
+    onnx.save(model, str(path))
+    session, _ = open_session(path, ort.SessionOptions(), ["CPUExecutionProvider"])
+    feeds["block_tables"][2, 0] = 10_000
+    with pytest.raises(Exception, match="outside the pool"):
+        session.run(None, feeds)
