@@ -119,7 +119,7 @@ class Runner:
         self.max_positions: int | None = None
         self.split_mixed = True  # False: one graph call per step whatever the padding (tests)
         self.graph_seconds = 0.0  # time inside the step graph's runs (EngineStats.graph_seconds_total)
-        # kernels: what runs the graph's flare int4 matmuls ("flare", "onnxruntime" or "").
+        # kernels: what runs the graph's ai.flare operators ("flare", "onnxruntime" or "").
         self.session, self.kernels = open_session(graph_path, self._session_options(), ["CPUExecutionProvider"])
         self.pool = np.zeros(
             (kv.num_layers * 2 * num_pages, kv.page_tokens, kv.kv_heads, kv.head_dim), dtype=np.float32

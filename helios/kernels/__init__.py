@@ -6,8 +6,9 @@ Building needs g++ and onnxruntime's C/C++ API headers, which no onnxruntime whe
 come from Debian's `libonnxruntime-dev` package (pinned by version and sha256; the custom-op
 ABI is versioned, so headers of API 21 work with any later runtime), or from a directory named
 by `$FLARE_ORT_INCLUDE`. `FLARE_KERNELS=off` disables the library; where it cannot be built or
-run (no AVX512-VNNI, no compiler, no headers), `available()` says why and callers fall back to
-onnxruntime's MatMulNBits (helios.kernels.int4_layout.to_matmul_nbits).
+run (no AVX512-VNNI, no compiler, no headers), `available()` says why and helios.kernels.session
+falls back to onnxruntime's own kernels (int4_layout.to_matmul_nbits,
+attention.to_group_query_attention).
 """
 
 from __future__ import annotations

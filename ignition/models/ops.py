@@ -1,22 +1,22 @@
-"""The three hot-path ops of a decoder layer, each with a plain-torch meaning and a fused ONNX form.
+"""The hot-path ops of a decoder layer, each with a plain-torch meaning and a fused ONNX form.
 
     add_rms_norm(x, residual, weight)   -> (rms_norm(x + residual) * weight, x + residual)
-    rotary(x, positions, cos, sin)      -> rotate-half rotary of every head of x [B, L, heads*D]
-    paged_attention(q, k, v, past_k, past_v, seqlens_k, query_lens, total_len)
-                                        -> causal GQA over (history ++ new) per row
     pool_attention(qkv, positions, cos, sin, kv_pool, block_tables, history_lens, query_lens)
-                                        -> (rotary + paged_attention over the layer's pool
-                                            pages, rotated k, v): one layer's whole attention
+                                        -> one layer's whole attention: rotate-half rotary of q
+                                           and k, causal GQA over the row's pool pages plus its
+                                           new tokens; (out, rotated k, v)
+
+built from the plain pieces rotary_ref (rotary of every head of [B, L, heads*D]) and
+paged_attention_ref (causal GQA over history ++ new tokens per row).
 
 Eager torch (and a plain export) runs the functions below as written. Inside `fused_export()`
-the model calls them as torch custom ops instead, and `TRANSLATIONS` lowers those to the
-onnxruntime contrib kernels SkipSimplifiedLayerNormalization, RotaryEmbedding and
-GroupQueryAttention: one node each where the plain graph has 7-30, and GQA shares each KV head
-across its query group in-kernel (no repeated KV heads); `pool_attention` becomes flare's own
-ai.flare.PagedAttention (helios/kernels), which reads the pages where they lie instead of a
-Gather + Transpose + RotaryEmbedding + GroupQueryAttention chain per layer (helios rewrites it
-back into that chain where flare's kernels cannot run). The plain functions define what the
-fused kernels must compute; export validation checks the two agree.
+the model calls them as torch custom ops instead, and `TRANSLATIONS` lowers those to one node
+each: onnxruntime's SkipSimplifiedLayerNormalization, and flare's ai.flare.PagedAttention
+(helios/kernels), which shares each KV head across its query group in-kernel and reads the
+pages where they lie instead of a Gather + Transpose + RotaryEmbedding + GroupQueryAttention
+chain per layer (helios rewrites it back into that chain where flare's kernels cannot run). The
+plain functions define what the fused kernels must compute; export validation checks the two
+agree.
 """
 
 from __future__ import annotations
@@ -159,37 +159,6 @@ def _(x, residual, weight, eps):
     return torch.empty_like(x), torch.empty_like(x)
 
 
-@torch.library.custom_op("flare::rotary", mutates_args=())
-def _rotary_op(x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> torch.Tensor:
-    return rotary_ref(x, positions, cos_cache, sin_cache)
-
-
-@_rotary_op.register_fake
-def _(x, positions, cos_cache, sin_cache):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("flare::paged_attention", mutates_args=())
-def _paged_attention_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    past_k: torch.Tensor,
-    past_v: torch.Tensor,
-    seqlens_k: torch.Tensor,
-    query_lens: torch.Tensor,
-    total_len: torch.Tensor,
-    num_heads: int,
-    kv_heads: int,
-) -> torch.Tensor:
-    return paged_attention_ref(q, k, v, past_k, past_v, seqlens_k, query_lens, total_len, num_heads, kv_heads)
-
-
-@_paged_attention_op.register_fake
-def _(q, k, v, past_k, past_v, seqlens_k, query_lens, total_len, num_heads, kv_heads):
-    return torch.empty_like(q)
-
-
 @torch.library.custom_op("flare::pool_attention", mutates_args=())
 def _pool_attention_op(
     qkv: torch.Tensor,
@@ -226,15 +195,6 @@ def add_rms_norm(x, residual, weight, eps: float):
     return (_add_rms_norm_op if _FUSED else add_rms_norm_ref)(x, residual, weight, eps)
 
 
-def rotary(x, positions, cos_cache, sin_cache):
-    return (_rotary_op if _FUSED else rotary_ref)(x, positions, cos_cache, sin_cache)
-
-
-def paged_attention(q, k, v, past_k, past_v, seqlens_k, query_lens, total_len, num_heads: int, kv_heads: int):
-    fn = _paged_attention_op if _FUSED else paged_attention_ref
-    return fn(q, k, v, past_k, past_v, seqlens_k, query_lens, total_len, num_heads, kv_heads)
-
-
 def pool_attention(qkv, positions, cos_cache, sin_cache, kv_pool, block_tables, history_lens, query_lens,
                    layer: int, num_layers: int, num_heads: int, kv_heads: int):  # fmt: skip
     fn = _pool_attention_op if _FUSED else pool_attention_ref
@@ -253,7 +213,7 @@ def _contrib():
     import onnxscript
     from onnxruntime.capi import onnxruntime_pybind11_state as ort_c
 
-    wanted = {"SkipSimplifiedLayerNormalization", "RotaryEmbedding", "GroupQueryAttention"}
+    wanted = {"SkipSimplifiedLayerNormalization"}
     param = onnx.defs.OpSchema.FormalParameter
     option = onnx.defs.OpSchema.FormalParameterOption
     for s in ort_c.get_all_operator_schema():
@@ -290,38 +250,6 @@ def _add_rms_norm_onnx(x, residual, weight, eps: float):
     # (graph.py) so onnxruntime skips computing them.
     out, _mean, _inv_std, total = _contrib().SkipSimplifiedLayerNormalization(x, residual, weight, epsilon=eps)
     return out, total
-
-
-def _rotary_onnx(x, positions, cos_cache, sin_cache):
-    # 3-D input: heads are inferred from the cache width (head_dim = 2 * cache columns).
-    return _contrib().RotaryEmbedding(x, positions, cos_cache, sin_cache, interleaved=0)
-
-
-def _paged_attention_onnx(q, k, v, past_k, past_v, seqlens_k, query_lens, total_len, num_heads: int, kv_heads: int):
-    # With query_seqlens, total_sequence_length only bounds seqlens_k + 1; the present buffer it
-    # sizes must hold the history (S) plus the whole padded chunk (L): hence S + L.
-    out, _present_k, _present_v, _qk = _contrib().GroupQueryAttention(
-        q,
-        k,
-        v,
-        past_k,
-        past_v,
-        seqlens_k,
-        total_len,
-        None,  # cos_cache: rotary is applied before (new_kv must hold rotated K)
-        None,  # sin_cache
-        None,  # position_ids
-        None,  # attention_bias
-        None,  # head_sink
-        None,  # k_scale
-        None,  # v_scale
-        None,  # q_norm_weight
-        None,  # k_norm_weight
-        query_lens,  # query_seqlens: right-padded chunks of different lengths in one batch
-        num_heads=num_heads,
-        kv_num_heads=kv_heads,
-    )
-    return out
 
 
 @functools.cache
@@ -363,6 +291,4 @@ def _pool_attention_onnx(qkv, positions, cos_cache, sin_cache, kv_pool, block_ta
 TRANSLATIONS = {
     torch.ops.flare.pool_attention.default: _pool_attention_onnx,
     torch.ops.flare.add_rms_norm.default: _add_rms_norm_onnx,
-    torch.ops.flare.rotary.default: _rotary_onnx,
-    torch.ops.flare.paged_attention.default: _paged_attention_onnx,
 }

@@ -6,6 +6,7 @@ Everything runs on the tiny random qwen2 checkpoint (fp32 exports of ~10 s, cach
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -474,3 +475,14 @@ def test_verify_without_the_checkpoint(tiny_core, tmp_path):
     result = runner.invoke(app, ["verify", str(tampered)], env=WIDE)
     assert result.exit_code == 1
     assert "step.onnx.data does not match its digest" in " ".join(result.output.split())
+
+
+def test_inspect_names_the_int4_matmul_operator():
+    from ignition.inspect_core import _quantization_text
+    from ignition.export.quantize import manifest_quantization
+
+    current = dataclasses.asdict(manifest_quantization("int4"))
+    assert _quantization_text(current).endswith("accuracy level 4, MatMulInt4)")
+    older = {k: v for k, v in current.items() if k != "matmul_op"}  # a 1.3 core: MatMulNBits
+    assert _quantization_text(older).endswith("accuracy level 4, MatMulNBits)")
+    assert dataclasses.asdict(manifest_quantization("int8"))["matmul_op"] == "com.microsoft.MatMulNBits"
