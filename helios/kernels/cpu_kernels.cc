@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -627,7 +628,13 @@ const PagedAttentionOp paged_attention_op;
 }  // namespace
 
 extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
-  Ort::InitApi(api_base->GetApi(ORT_API_VERSION));
+  const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
+  if (api == nullptr) {  // an onnxruntime older than these headers: register nothing (unknown op later)
+    std::fprintf(stderr, "flare kernels: onnxruntime %s lacks API version %d\n", api_base->GetVersionString(),
+                 ORT_API_VERSION);
+    return nullptr;
+  }
+  Ort::InitApi(api);
   try {
     auto domain = std::make_unique<Ort::CustomOpDomain>("ai.flare");
     domain->Add(&matmul_int4_op);
