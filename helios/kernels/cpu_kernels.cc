@@ -385,7 +385,7 @@ void RotateToken(void* data, size_t token) {
   std::memcpy(p.v_out + token * p.KVH * p.D, x + (p.H + p.KVH) * p.D, sizeof(float) * p.KVH * p.D);
 }
 
-// Flash-attention style: the keys stream past in blocks of 16 (transposed once so that a query
+// Flash-attention style: the keys stream past in blocks of 16 (transposed in registers, so a query
 // vector's 16 scores are D FMAs), each query vector keeps a running max, sum and output
 // accumulator (online softmax), and NR query vectors share every key and value load.
 struct KeyBlock {
@@ -393,6 +393,30 @@ struct KeyBlock {
   const float* values[16];
   int count;  // keys in the block (the rest of kt is zero)
 };
+
+// In-register transpose of 16 rows of 16 floats: r[c] becomes column c.
+inline void Transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int c = 0; c < 4; ++c) {
+      t[8 * i + c] = _mm512_shuffle_f32x4(r[8 * i + c], r[8 * i + 4 + c], 0x88);
+      t[8 * i + 4 + c] = _mm512_shuffle_f32x4(r[8 * i + c], r[8 * i + 4 + c], 0xDD);
+    }
+  for (int c = 0; c < 8; ++c) {
+    r[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88);
+    r[c + 8] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0xDD);
+  }
+}
 
 struct QueryState {
   float max, sum;
@@ -475,14 +499,16 @@ void AttendQueries(const AttentionProblem& p, int b, int kv, int i0, int last) {
   const int keys = history + last;  // the last query sees every key up to itself
   for (int j0 = 0; j0 < keys; j0 += 16) {
     blk.count = std::min(16, keys - j0);
-    for (int jj = 0; jj < 16; ++jj) {
-      if (jj < blk.count) {
-        const float* k = row(j0 + jj, k_pages, p.k_out);
-        for (int d = 0; d < D; ++d) blk.kt[d][jj] = k[d];
-        blk.values[jj] = row(j0 + jj, v_pages, p.v_out);
-      } else {
-        for (int d = 0; d < D; ++d) blk.kt[d][jj] = 0.f;
-      }
+    const float* key_rows[16];
+    for (int jj = 0; jj < blk.count; ++jj) {
+      key_rows[jj] = row(j0 + jj, k_pages, p.k_out);
+      blk.values[jj] = row(j0 + jj, v_pages, p.v_out);
+    }
+    for (int x = 0; x < DV; ++x) {  // 16 keys x 16 dims at a time, missing keys as zeros
+      __m512 r[16];
+      for (int jj = 0; jj < 16; ++jj) r[jj] = jj < blk.count ? _mm512_loadu_ps(key_rows[jj] + 16 * x) : _mm512_setzero_ps();
+      Transpose16(r);
+      for (int c = 0; c < 16; ++c) _mm512_store_ps(blk.kt[16 * x + c], r[c]);
     }
     for (int v0 = 0; v0 < nq; v0 += NR)
       AttendBlock<DV, NR>(p, blk, j0, history, i0, group, q_buf.data(), v0, std::min(NR, nq - v0), acc_buf.data(),
