@@ -15,8 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from helios.cache import cache_root
+
 REPO = Path(__file__).resolve().parent.parent
-CACHE = Path(os.environ.get("FLARE_CACHE", Path.home() / ".cache" / "flare"))
+CACHE = cache_root()
 # flare's kernel library is built once per machine; tests that point FLARE_CACHE at a scratch
 # folder (and the processes they start) keep using the one build.
 os.environ.setdefault("FLARE_KERNEL_CACHE", str(CACHE / "kernels"))

@@ -25,7 +25,11 @@ import threading
 import urllib.request
 from pathlib import Path
 
+from helios.cache import cache_root
+
 log = logging.getLogger(__name__)
+
+DOMAIN = "ai.flare"  # the ONNX domain of flare's operators
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
@@ -46,7 +50,7 @@ def _cache_root() -> Path:
     named = os.environ.get("FLARE_KERNEL_CACHE")
     if named:
         return Path(named)
-    return Path(os.environ.get("FLARE_CACHE") or Path.home() / ".cache" / "flare") / "kernels"
+    return cache_root() / "kernels"
 
 
 def cpu_missing_flags() -> list[str]:

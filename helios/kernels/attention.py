@@ -9,7 +9,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-DOMAIN = "ai.flare"
+from helios.kernels import DOMAIN
+
 OP = "PagedAttention"
 
 
@@ -112,7 +113,3 @@ def _expand(node: onnx.NodeProto, heads: int, kv_heads: int, layer: int, num_lay
         make("Mul", [name("attention"), name("valid_f")], [out]),
     ]
     return n, inits
-
-
-def uses_paged_attention(model: onnx.ModelProto) -> bool:
-    return any(node.op_type == OP and node.domain == DOMAIN for node in model.graph.node)

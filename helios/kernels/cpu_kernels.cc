@@ -83,7 +83,7 @@ struct Problem {
   const uint8_t* w;
   const float* wscale;
   float* y;
-  const QuantizedRows* a;
+  QuantizedRows* a;
   int M, N, K, block, blocks, tiles, tiles_per_item, items_per_chunk;
   bool swiglu;  // N = 2 x the output width; tiles alternate gate, up
 };
@@ -173,7 +173,7 @@ void RunRows(const Problem& p, int tile, int tiles, int row, int rows, float* ds
 
 void QuantizeItem(void* data, size_t row) {
   const Problem& p = *static_cast<const Problem*>(data);
-  QuantizedRows& a = *const_cast<QuantizedRows*>(p.a);
+  QuantizedRows& a = *p.a;
   QuantizeRow(p.a_float + row * p.K, p.K, p.block, a.q.data() + row * p.K, a.scale.data() + row * p.blocks,
               a.zsum.data() + row * p.blocks);
 }
@@ -354,13 +354,14 @@ struct AttentionProblem {
   float* out;
   float* k_out;
   float* v_out;
-  const float* q_rot;  // [B, L, H, D]
+  float* q_rot;  // [B, L, H, D], filled by RotateToken
   int B, L, M, H, KVH, D, T, P, pages, layer;
-  int query_block, query_blocks;
+  int query_blocks;  // per row: ceil(L / kQueryBlock)
   float scale;
 };
 
 constexpr int kMaxHeadDim = 256;
+constexpr int kQueryBlock = 16;  // queries of one row per work item
 
 // Rotate-half rotary of one head: x1 = x[:D/2], x2 = x[D/2:].
 void Rotate(const float* x, const float* cos, const float* sin, int half, float* y) {
@@ -378,7 +379,7 @@ void RotateToken(void* data, size_t token) {
   pos = std::min<int64_t>(std::max<int64_t>(pos, 0), p.P - 1);  // padding positions are never read
   const float* cos = p.cos_cache + pos * half;
   const float* sin = p.sin_cache + pos * half;
-  float* q = const_cast<float*>(p.q_rot) + token * p.H * p.D;
+  float* q = p.q_rot + token * p.H * p.D;
   for (int h = 0; h < p.H; ++h) Rotate(x + h * p.D, cos, sin, half, q + h * p.D);
   float* k = p.k_out + token * p.KVH * p.D;
   for (int h = 0; h < p.KVH; ++h) Rotate(x + (p.H + h) * p.D, cos, sin, half, k + h * p.D);
@@ -532,7 +533,7 @@ void AttendItem(void* data, size_t item) {
   const int kv = static_cast<int>(item / p.query_blocks % p.KVH);
   const int b = static_cast<int>(item / p.query_blocks / p.KVH);
   const int group = p.H / p.KVH;
-  const int i0 = qb * p.query_block, i1 = std::min(p.L, i0 + p.query_block);
+  const int i0 = qb * kQueryBlock, i1 = std::min(p.L, i0 + kQueryBlock);
   const int last = std::max(i0, std::min(i1, static_cast<int>(p.query_lens[b])));  // [i0, last): real queries
   for (int i = last; i < i1; ++i)  // padded queries: zeros
     std::memset(p.out + ((static_cast<size_t>(b) * p.L + i) * p.H + static_cast<size_t>(kv) * group) * p.D, 0,
@@ -628,8 +629,7 @@ struct PagedAttentionKernel {
     } else {
       ctx.ParallelFor(RotateToken, static_cast<size_t>(B * L), 0, &p);
     }
-    p.query_block = 16;
-    p.query_blocks = static_cast<int>((L + p.query_block - 1) / p.query_block);
+    p.query_blocks = static_cast<int>((L + kQueryBlock - 1) / kQueryBlock);
     ctx.ParallelFor(AttendItem, static_cast<size_t>(B) * KVH * p.query_blocks, 0, &p);
   }
 };

@@ -16,7 +16,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-DOMAIN = "ai.flare"
+from helios.kernels import DOMAIN
+
 OP = "MatMulInt4"
 TILE = 16  # output columns per tile
 
@@ -213,7 +214,3 @@ def to_matmul_nbits(model: onnx.ModelProto, accuracy_level: int = 4) -> int:
         if not any(o.domain == "com.microsoft" for o in kept):
             model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     return converted
-
-
-def uses_int4_tiles(model: onnx.ModelProto) -> bool:
-    return any(node.domain == DOMAIN for node in model.graph.node)

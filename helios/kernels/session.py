@@ -9,9 +9,9 @@ from pathlib import Path
 import onnx
 import onnxruntime as ort
 
-from helios.kernels import available
+from helios.kernels import DOMAIN, available
 from helios.kernels.attention import to_group_query_attention
-from helios.kernels.int4_layout import DOMAIN, to_matmul_nbits
+from helios.kernels.int4_layout import to_matmul_nbits
 
 log = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from helios.cache import cache_root
 from helios.manifest import file_sha256
 from ignition.checkpoints.base import CheckpointError
 
@@ -73,10 +74,6 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
 
 def is_packaged_name(name: str) -> bool:
     return name in PACKAGED_MODELS
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("FLARE_CACHE") or Path.home() / ".cache" / "flare")
 
 
 def print_report(message: str) -> None:

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from helios.cache import cache_root
 from helios.manifest import Architecture, Engine, TensorSpec, file_sha256
 from ignition.checkpoints.base import Checkpoint
 
@@ -66,12 +67,8 @@ HF_METADATA_FILES = (
 )
 
 
-def flare_cache_root() -> Path:
-    return Path(os.environ.get("FLARE_CACHE") or Path.home() / ".cache" / "flare")
-
-
 def export_cache_root() -> Path:
-    return flare_cache_root() / "export"
+    return cache_root() / "export"
 
 
 def max_cache_bytes() -> int:

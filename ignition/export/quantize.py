@@ -14,7 +14,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from helios.kernels.int4_layout import DOMAIN, OP, to_int4_tiles
+from helios.kernels import DOMAIN
+from helios.kernels.int4_layout import OP, to_int4_tiles
 from helios.manifest import Quantization
 from ignition.export.graph import save_with_external_data
 

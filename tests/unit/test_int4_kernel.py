@@ -10,17 +10,16 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from helios import kernels
+from helios.kernels import DOMAIN
 from helios.kernels.int4_layout import (
-    DOMAIN,
     nbits_to_q,
     pack,
     q_to_nbits,
     to_int4_tiles,
     to_matmul_nbits,
     unpack,
-    uses_int4_tiles,
 )
-from helios.kernels.session import open_session
+from helios.kernels.session import open_session, uses_flare_ops
 
 
 def _nbits_model(k: int, n: int, block: int, bias: bool, seed: int = 0) -> onnx.ModelProto:
@@ -72,10 +71,10 @@ def test_rewrites_are_exact_inverses(bias):
     original = _nbits_model(128, 40, 32, bias)
     model = onnx.ModelProto()
     model.CopyFrom(original)
-    assert to_int4_tiles(model) == 1 and uses_int4_tiles(model)
+    assert to_int4_tiles(model) == 1 and uses_flare_ops(model)
     node = model.graph.node[0]
     assert (node.domain, node.op_type) == (DOMAIN, "MatMulInt4") and (node.input[3:] == ["b"]) == bias
-    assert to_matmul_nbits(model) == 1 and not uses_int4_tiles(model)
+    assert to_matmul_nbits(model) == 1 and not uses_flare_ops(model)
     before = {t.name: numpy_helper.to_array(t) for t in original.graph.initializer}
     after = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     assert before.keys() == after.keys()

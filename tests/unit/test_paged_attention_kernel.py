@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
@@ -14,8 +15,6 @@ from onnx import TensorProto, helper, numpy_helper
 from helios import kernels
 from helios.kernels.session import open_session
 from ignition.models.ops import pool_attention_ref
-
-import onnxruntime as ort
 
 INPUTS = ["qkv", "positions", "cos_cache", "sin_cache", "kv_pool", "block_tables", "history_lens", "query_lens"]
 

@@ -18,15 +18,13 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
+from helios.cache import cache_root
+
 TOKENIZER_SOURCE = "qwen2.5-coder-0.5b"
 
 # Geometry shared by both families: head_dim 16 with 4 query heads over 2 KV heads.
 TINY = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16)  # fmt: skip
-
-
-def _cache_root() -> Path:
-    return Path(os.environ.get("FLARE_CACHE") or Path.home() / ".cache" / "flare")
 
 
 def qwen_tokenizer_bundle() -> dict:
@@ -36,7 +34,7 @@ def qwen_tokenizer_bundle() -> dict:
 
     model = PACKAGED_MODELS[TOKENIZER_SOURCE]
     code = hashlib.sha256(Path(tokenizer_module.__file__).read_bytes()).hexdigest()[:12]
-    cached = _cache_root() / "tokenizers" / f"{TOKENIZER_SOURCE}-{model.sha256[:12]}-{code}.json"
+    cached = cache_root() / "tokenizers" / f"{TOKENIZER_SOURCE}-{model.sha256[:12]}-{code}.json"
     if cached.is_file():
         return json.loads(cached.read_text())
 
