@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -23,10 +24,17 @@ def main() -> None:
 @app.command()
 def export(
     recipe: Annotated[str, typer.Option(help="Recipe name (recipes/NAME.toml) or path to a .toml")],
-    out: Annotated[Path, typer.Option(help="Output core folder")],
+    out: Annotated[Optional[Path], typer.Option(help="Output core folder [default: cores/RECIPE]")] = None,
     checkpoint: Annotated[
         Optional[str],
-        typer.Option(help="A .gguf file, a Hugging Face folder, or a packaged name (default: the recipe's)"),
+        typer.Option(
+            help="A .gguf file, a Hugging Face folder, or a packaged name (default: the recipe's packaged "
+            "model, else its hub_ids' newest complete snapshot in the local Hugging Face cache)"
+        ),
+    ] = None,
+    context_length: Annotated[
+        Optional[int],
+        typer.Option(min=1, help="Narrow the served context (prompt + output) below the checkpoint's native one"),
     ] = None,
     precision: Annotated[str, typer.Option(help="Weight precision: int4, int8 or fp32")] = "int4",
     prompt_logprobs: Annotated[bool, typer.Option("--prompt-logprobs", help="Add scored prefill graphs")] = False,
@@ -37,19 +45,22 @@ def export(
 ) -> None:
     """Export CHECKPOINT with RECIPE into a core folder."""
     from ignition.checkpoints.base import CheckpointError
+    from ignition.checkpoints.hub_cache import resolve_recipe_checkpoint
     from ignition.export.pipeline import STAGES, ExportError, ExportOptions, export_core
     from ignition.recipes import RecipeError, load_recipe
 
     try:
         loaded = load_recipe(recipe)
+        out = out if out is not None else Path("cores") / loaded.name
         options = ExportOptions(
             recipe=loaded,
-            checkpoint=checkpoint or loaded.default_checkpoint,
+            checkpoint=checkpoint or resolve_recipe_checkpoint(loaded.name, loaded.default_checkpoint, loaded.hub_ids),
             out=out,
             precision=precision,
             prompt_logprobs=prompt_logprobs,
             force=force,
             cache=not no_cache,
+            context_length=context_length,
         )
         started = time.monotonic()
         current: dict = {"stage": None, "detail": "", "t": started}
@@ -80,6 +91,11 @@ def export(
         console.print(f"[red]interrupted:[/] {escape(str(out))} was left as it was")
         raise typer.Exit(code=130) from None
     _summary(out, manifest, time.monotonic() - started)
+    console.print(f"core written to [bold]{escape(str(out))}[/]; serve it with:\n  helios serve {escape(_shell_path(out))}")
+
+
+def _shell_path(path: Path) -> str:
+    return shlex.quote(str(path))
 
 
 def _summary(out: Path, manifest, seconds: float) -> None:

@@ -7,6 +7,7 @@ before any expensive work starts.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -25,6 +26,7 @@ KNOWN_FAMILIES = COMPILED_FAMILIES + PLANNED_FAMILIES
 # Template behaviours a recipe can declare its (native) prompt encoder refuses (api.md: the
 # DeepSeek encoders reject drop_thinking, assistant continuation and add_generation_prompt=false).
 TEMPLATE_REJECTS = ("drop_thinking", "continuation", "add_generation_prompt_false")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingDefaults) if f.name != "seed")
 
 
@@ -34,13 +36,15 @@ class RecipeError(ValueError):
 
 @dataclass
 class RecipeLimits:
-    context_length: int
     max_concurrency: int
     prefill_chunk_size: int
     max_batch_tokens: int
     default_max_tokens: int
-    kv_pages: int
     page_tokens: int
+    # None: the checkpoint's native context. A recipe narrows it only with a comment saying why.
+    context_length: int | None = None
+    # The least default KV pool; export raises it to hold two full-context sequences.
+    kv_pages: int = 0
 
 
 @dataclass
@@ -79,6 +83,9 @@ class Recipe:
     # test checkpoints); a checkpoint's own template always wins with source = "checkpoint".
     template_fallback: str | None = None
     template_rejects: list[str] = field(default_factory=list)  # TEMPLATE_REJECTS the encoder refuses
+    # Hugging Face repository ids (ORG/NAME) of the checkpoint, looked up in the local HF cache
+    # when there is no packaged default and no --checkpoint (checkpoints/hub_cache.py).
+    hub_ids: list[str] = field(default_factory=list)
 
 
 def available_recipes(folder: Path = RECIPES_DIR) -> list[str]:
@@ -136,6 +143,7 @@ def _parse(data: dict, path: Path) -> Recipe:
         reasoning=_reasoning(data.get("reasoning")),
         template_fallback=template.get("fallback"),
         template_rejects=list(template.get("rejects", [])),
+        hub_ids=list(head.get("hub_ids", [])),
     )
 
 
@@ -175,10 +183,15 @@ def _check(recipe: Recipe) -> None:
         raise RecipeError(f"{where}: temperature bounds must be positive")
     if "top_p" in recipe.sampling_ranges and not 0 < recipe.sampling_ranges["top_p"].min <= recipe.sampling_ranges["top_p"].max <= 1:
         raise RecipeError(f"{where}: top_p bounds must lie in (0, 1]")
+    bad_ids = [i for i in recipe.hub_ids if not HUB_ID.fullmatch(str(i))]
+    if bad_ids:
+        raise RecipeError(f"{where}: hub_ids must be Hugging Face repository ids ORG/NAME, not {bad_ids}")
     _check_syntax(recipe)
     lim = recipe.limits
-    if min(lim.context_length, lim.max_concurrency, lim.prefill_chunk_size, lim.page_tokens, lim.kv_pages) <= 0:
+    if min(lim.max_concurrency, lim.prefill_chunk_size, lim.page_tokens) <= 0 or lim.kv_pages < 0:
         raise RecipeError(f"{where}: limits must be positive")
+    if lim.context_length is not None and lim.context_length <= 0:
+        raise RecipeError(f"{where}: limits.context_length must be positive (omit it for the checkpoint's native context)")
     if lim.max_batch_tokens < lim.prefill_chunk_size:
         raise RecipeError(f"{where}: max_batch_tokens must be at least prefill_chunk_size")
 

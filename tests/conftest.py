@@ -122,15 +122,15 @@ def free_port() -> int:
 class Server:
     """A real `helios serve` process on a loopback port."""
 
-    def __init__(self, core: Path, *args: str, timeout: float = 300.0):
+    def __init__(self, core: Path, *args: str, timeout: float = 300.0, cwd: Path = REPO):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(core.parent / f"helios-{self.port}.log", "w+")
+        self.log = open((cwd / core).parent / f"helios-{self.port}.log", "w+")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "helios.cli", "serve", str(core), "--port", str(self.port), *args],
             stdout=self.log,
             stderr=subprocess.STDOUT,
-            cwd=REPO,
+            cwd=cwd,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

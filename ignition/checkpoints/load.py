@@ -7,7 +7,7 @@ from pathlib import Path
 from ignition.checkpoints.base import Checkpoint, CheckpointError
 from ignition.checkpoints.gguf import read_gguf, read_gguf_architecture
 from ignition.checkpoints.packaged import PACKAGED_MODELS, Report, print_report, resolve_packaged
-from ignition.checkpoints.safetensors_dir import read_safetensors_dir, read_safetensors_family
+from ignition.checkpoints.safetensors_dir import read_safetensors_config, read_safetensors_dir, read_safetensors_family
 from ignition.checkpoints.shapes import check_family
 
 
@@ -33,6 +33,15 @@ def load_checkpoint(spec: str, report: Report = print_report) -> Checkpoint:
         return read_gguf(path, checkpoint_id=model.name, sha256=model.sha256)
     kind, path = _local_kind(spec)
     return read_gguf(path) if kind == "gguf" else read_safetensors_dir(path)
+
+
+def peek_config(spec: str) -> dict:
+    """A Hugging Face folder's config.json ({} for packaged models and .gguf files, whose
+    qwen2/llama families need none of it before the tensors are read)."""
+    if spec in PACKAGED_MODELS:
+        return {}
+    kind, path = _local_kind(spec)
+    return read_safetensors_config(path) if kind == "safetensors" else {}
 
 
 def peek_family(spec: str) -> str:

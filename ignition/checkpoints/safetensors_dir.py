@@ -30,6 +30,10 @@ def _read_json(path: Path, required: bool = True) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
 
 
+def read_safetensors_config(folder: Path) -> dict[str, Any]:
+    return _read_json(Path(folder) / "config.json")
+
+
 def read_safetensors_family(folder: Path) -> str:
     """The family of a Hugging Face folder, from config.json alone."""
     folder = Path(folder)

@@ -73,13 +73,15 @@ class ExportOptions:
     prompt_logprobs: bool = False
     force: bool = False
     cache: bool = True  # reuse/populate the export cache ($FLARE_CACHE/export)
+    context_length: int | None = None  # narrows the checkpoint's native context (--context-length)
 
 
 Progress = Callable[[str, str], None]  # (stage, detail)
 
 
 def export_core(options: ExportOptions, progress: Progress = lambda stage, detail: None) -> Manifest:
-    from ignition.checkpoints.load import load_checkpoint, peek_family
+    from ignition.checkpoints.load import load_checkpoint, peek_config, peek_family
+    from ignition.models.families import logit_postprocessing
     from ignition.export.graph import export_step_graph
     from ignition.export.quantize import manifest_quantization, quantize
     from ignition.export.validate import ParityError, validate_scores
@@ -103,6 +105,9 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
         raise ExportError(
             f"checkpoint {options.checkpoint} is a {family!r} model but recipe {recipe.name!r} compiles {recipe.family!r}"
         )
+    if options.prompt_logprobs and (reason := logit_postprocessing(family, peek_config(options.checkpoint))):
+        raise ExportError(f"--prompt-logprobs is not supported for this family ({family}): {reason}, "
+                          "so prompt scores from the bare lm_head would differ from generation logprobs")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_dead_partials(out)
@@ -159,6 +164,7 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
             exported = copy.deepcopy(engine)  # as the fp32 graph has it, for the cache entry
             reference = export_cache.RecordingReference(model) if staging else model
 
+        limits = _limits(recipe, checkpoint, options.context_length)  # before the heavy work: may refuse
         progress("quantize", f"quantizing to {options.precision}")
         engine_dir = work / "core"
         engine_dir.mkdir()
@@ -183,7 +189,7 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
             ),
             architecture=checkpoint.architecture,
             precision=options.precision,
-            limits=_limits(recipe, checkpoint),
+            limits=limits,
             kv=kv,
             engines=engines,
             tokenizer=tokenizer_spec,
@@ -372,16 +378,26 @@ def canonicalize_graph(path: Path) -> None:
         path.write_bytes(model.SerializeToString())
 
 
-def _limits(recipe: Recipe, checkpoint: Checkpoint) -> Limits:
+def serving_context(recipe: Recipe, native: int, requested: int | None) -> int:
+    """The core's prompt+output limit: the checkpoint's native context, narrowed by the recipe or
+    by --context-length; never wider than what the checkpoint was trained for."""
+    if requested is not None and not 0 < requested <= native:
+        raise ExportError(f"--context-length {requested} must lie in 1..{native} (the checkpoint's native context)")
+    return min(requested or recipe.limits.context_length or native, native)
+
+
+def _limits(recipe: Recipe, checkpoint: Checkpoint, requested_context: int | None) -> Limits:
     lim = recipe.limits
-    context = min(lim.context_length, checkpoint.architecture.max_position_embeddings)
+    context = serving_context(recipe, checkpoint.architecture.max_position_embeddings, requested_context)
+    # The default pool holds two full-context sequences (a long agent session and one more).
+    full_context_pages = -(-context // lim.page_tokens)
     return Limits(
         context_length=context,
         max_concurrency=lim.max_concurrency,
         prefill_chunk_size=lim.prefill_chunk_size,
         max_batch_tokens=lim.max_batch_tokens,
         default_max_tokens=min(lim.default_max_tokens, context),
-        kv_pages=lim.kv_pages,
+        kv_pages=max(lim.kv_pages, 2 * full_context_pages),
     )
 
 

@@ -586,6 +586,21 @@ def cache_layout(family: str, config: dict[str, Any], num_layers: int) -> tuple[
     return len(kv_layer_indices(plan)), StateLayout(width=sum(s.size for s in layers), layers=layers)
 
 
+def logit_postprocessing(family: str, config: dict[str, Any]) -> str | None:
+    """What a family does to its logits after the lm_head, from the config alone (None: nothing).
+
+    The prompt-scoring graph is the bare lm_head, so such a family cannot score prompts: export
+    refuses --prompt-logprobs before any tensor is read."""
+    if family not in PLANNERS:
+        return None
+    plan = PLANNERS[family](text_config(config))
+    if plan.final_softcap:
+        return f"it soft-caps its logits after the lm_head (final_logit_softcapping={plan.final_softcap:g})"
+    if plan.logit_multiplier != 1.0:
+        return f"it scales its logits after the lm_head (by {plan.logit_multiplier:g})"
+    return None
+
+
 def architecture(family: str, config: dict[str, Any]) -> Architecture:
     """The manifest Architecture of a configured family: the pool geometry is the widest layer's."""
     if family == "deepseek_v4":  # stateless over the paged pool: every layer has K/V rows

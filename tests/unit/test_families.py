@@ -424,14 +424,21 @@ def test_mimo_function_tags_keep_values_verbatim():
     assert merged(run(call, spec("qwen3_coder"), tokenizer=tok)) == [("call", "run", {"code": "    x = 1"})]
 
 
-def test_prompt_scoring_is_refused_where_logits_are_post_processed(tmp_path):
+def test_prompt_scoring_is_refused_where_logits_are_post_processed(tmp_path, monkeypatch):
     """Gemma 4 soft-caps its logits after the lm_head; a score graph of the bare lm_head would
-    report other numbers than generation, so --prompt-logprobs must be refused, clearly."""
+    report other numbers than generation, so --prompt-logprobs must be refused, clearly, and
+    before any heavy work (no tensor is read)."""
+    import ignition.checkpoints.load
     from ignition.export.pipeline import ExportError, ExportOptions, export_core
 
     checkpoint, _ = write_family_checkpoint(tmp_path / "ckpt", "gemma4")
     options = ExportOptions(recipe=load_recipe("gemma4"), checkpoint=str(checkpoint), out=tmp_path / "core",
                             precision="fp32", prompt_logprobs=True, cache=False)
-    with pytest.raises(ExportError, match="--prompt-logprobs is not supported for this family"):
+
+    def no_reading(spec):  # noqa: ANN001, ANN202
+        raise AssertionError("the checkpoint's tensors were read before --prompt-logprobs was refused")
+
+    monkeypatch.setattr(ignition.checkpoints.load, "load_checkpoint", no_reading)
+    with pytest.raises(ExportError, match="--prompt-logprobs is not supported for this family .*soft-caps"):
         export_core(options)
     assert not (tmp_path / "core").exists()
