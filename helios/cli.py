@@ -79,6 +79,7 @@ def serve(
                        "onnxruntime": ", flare ops run as onnxruntime kernels"}.get(
                 getattr(engine.runner, "kernels", ""), "")  # fmt: skip
             console.print(f"[bold green]helios[/] serving [bold]{escape(manifest.model_id)}[/] at {escape(url)}/v1 ({auth}{kernels})")
+            console.print(_pool_line(manifest, engine.runner))
 
         stop = _start_dashboard(settings) if dashboard else None
         try:
@@ -88,6 +89,15 @@ def serve(
                 stop.set()
     finally:
         engine.shutdown()
+
+
+def _pool_line(manifest: Manifest, runner) -> str:  # noqa: ANN001 - the engine's Runner
+    """The KV pool as sized at start-up, against the context it must hold."""
+    pages, page_tokens = runner.num_pages, manifest.kv.page_tokens
+    tokens = pages * page_tokens
+    context = manifest.limits.context_length
+    return (f"KV pool: {pages} pages x {page_tokens} tokens = {tokens} tokens, {runner.pool.nbytes / 2**30:.2f} GiB "
+            f"({manifest.kv.dtype}); context {context} tokens ({tokens / context:.1f} full-context sequences)")
 
 
 def _start_dashboard(settings: ServerConfig):  # noqa: ANN202 - returns a threading.Event

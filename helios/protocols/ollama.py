@@ -1,4 +1,5 @@
-"""GET /api/tags and POST /api/show: Ollama model discovery (discovery only; no /api/chat).
+"""GET /api/version, GET /api/tags and POST /api/show: Ollama model discovery (discovery only;
+no /api/chat).
 
 Everything comes from the loaded manifest and the serving limits, never from the model's name.
 Errors are {"error": "message"} (the app renders ApiError in this shape under /api/), except
@@ -17,6 +18,11 @@ from helios.protocols.models import served_names
 from helios.server import bodies
 from helios.server.context import ServerContext
 from helios.server.errors import ApiError, bad_request, json_response, not_found
+
+# The Ollama API version helios' discovery routes are compatible with. Clients gate on it: Codex
+# 0.162.1's `--oss --local-provider ollama` refuses a server older than 0.13.4, and other
+# Ollama-aware tools probe /api/version to detect a server at all.
+OLLAMA_API_VERSION = "0.13.5"
 
 # Ollama's zero time: the artifact's modification time is not part of the contract.
 UNKNOWN_TIME = "0001-01-01T00:00:00Z"
@@ -68,6 +74,10 @@ def digest(ctx: ServerContext) -> str:
         "model_info": model_info(ctx),
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+
+async def version(request: web.Request, ctx: ServerContext) -> web.Response:
+    return json_response({"version": OLLAMA_API_VERSION})
 
 
 async def tags(request: web.Request, ctx: ServerContext) -> web.Response:

@@ -126,6 +126,7 @@ def create_app(manifest: Manifest, core_dir: Path, engine: Any, config: ServerCo
     app.router.add_post("/v1/responses", route(responses.handle, generation=True))
     app.router.add_post("/v1/systemone", route(systemone.handle, generation=True))
     app.router.add_post("/v1/decisions", route(decisions.handle, generation=True))
+    app.router.add_get("/api/version", route(ollama.version))
     app.router.add_get("/api/tags", route(ollama.tags))
     app.router.add_post("/api/show", route(ollama.show))
 

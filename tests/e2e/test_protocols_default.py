@@ -35,6 +35,9 @@ def clients(default_server):
 
 def test_messages_buffered_streamed_and_counted(clients):
     _, a, _ = clients
+    # Once before, so both requests below find the prompt's prefix checkpoint (equal usage),
+    # whichever test ran first on the shared server.
+    a.messages.create(model="local", messages=OK, max_tokens=1, extra_body=GREEDY)
     message = a.messages.create(model="local", messages=OK, max_tokens=16, extra_body=GREEDY)
     assert [b.type for b in message.content] == ["text"] and message.content[0].text == "OK"
     assert message.stop_reason == "end_turn" and message.usage.output_tokens >= 1
@@ -104,3 +107,29 @@ def test_ollama_discovery_matches_the_card(clients):
     assert model["name"] == card["id"]
     assert info["model_info"]["flare.context_length"] == card["max_model_len"]
     assert "completion" in info["capabilities"]
+
+
+def test_the_default_core_serves_the_native_context(clients, default_server, default_core):
+    """Qwen2.5-Coder's native 32,768 tokens (coding agents send ~18k on their first turn): the
+    card, /api/show and the manifest agree, the default pool holds two full-context sequences
+    and says so at start-up, and a prompt past the limit is a 400 naming it, in each shape."""
+    from helios.manifest import Manifest
+
+    _, _, http = clients
+    manifest = Manifest.load(default_core, verify_files=False)
+    context = manifest.limits.context_length
+    assert context == 32768
+    assert manifest.limits.kv_pages * manifest.kv.page_tokens >= 2 * context
+    card = http.get("/v1/models").json()["data"][0]
+    info = http.post("/api/show", json={"model": card["id"]}).json()
+    assert card["max_model_len"] == info["model_info"]["flare.context_length"] == context
+    assert f"KV pool: {manifest.limits.kv_pages} pages x 16 tokens" in default_server.output()
+
+    over = http.post("/v1/completions", json={"prompt": [100] * (context + 1), "max_tokens": 1})
+    assert over.status_code == 400 and f"{context}-token context" in over.json()["error"]["message"]
+    text = "hello " * (context + 100)
+    over = http.post("/v1/messages", headers=ANTHROPIC, json={
+        "model": "local", "max_tokens": 8, "messages": [{"role": "user", "content": text}]})
+    assert over.status_code == 400, over.text
+    error = over.json()
+    assert error["type"] == "error" and f"{context}-token context" in error["error"]["message"]

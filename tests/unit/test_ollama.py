@@ -26,6 +26,15 @@ def manifest(tiny_core) -> Manifest:
     return Manifest.load(tiny_core, verify_files=False)
 
 
+def test_version_satisfies_ollama_aware_clients(http: httpx.Client):
+    """Codex 0.162.1 (`--oss --local-provider ollama`) refuses a server that reports a version
+    older than 0.13.4; other tools probe the route to detect a server."""
+    answer = http.get("/api/version")
+    assert answer.status_code == 200
+    version = answer.json()["version"]
+    assert tuple(int(part) for part in version.split(".")) >= (0, 13, 4)
+
+
 def test_tags_lists_the_loaded_model(http: httpx.Client, manifest: Manifest):
     card = http.get("/v1/models").json()["data"][0]
     listed = http.get("/api/tags")

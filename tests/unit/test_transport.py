@@ -89,7 +89,7 @@ def test_openai_and_anthropic_key_rules(anon: httpx.Client, path):
 
 
 def test_discovery_routes_need_the_key(anon: httpx.Client):
-    for method, path in [("GET", "/v1/models"), ("GET", "/api/tags"), ("POST", "/api/show")]:
+    for method, path in [("GET", "/v1/models"), ("GET", "/api/version"), ("GET", "/api/tags"), ("POST", "/api/show")]:
         denied = anon.request(method, path, json={"model": "qwen2.5-coder"}, headers={"x-api-key": TINY_API_KEY})
         assert denied.status_code == 401
         assert error_of(denied, "openai")["type"] == "authentication_error"  # OpenAI shape, Ollama too
