@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Optional
@@ -112,6 +113,37 @@ def _start_dashboard(settings: ServerConfig):  # noqa: ANN202 - returns a thread
     threading.Thread(target=top.run, args=(url,), kwargs={"stop": stop}, name="helios-dashboard",
                      daemon=True).start()
     return stop
+
+
+@app.command("client-config")
+def client_config(
+    client: str = typer.Argument(..., help="codex, claude-code or opencode"),
+    url: str = typer.Option("http://127.0.0.1:8000", help="the running helios (http://HOST:PORT)"),
+    api_key_env: Optional[str] = typer.Option(
+        None, help="environment variable that holds the serving key (the clients read it at run time)"),
+    out: Optional[Path] = typer.Option(None, help="folder to write into [default: ./client-config/CLIENT]"),
+) -> None:
+    """Write a coding client's configuration for the helios at --url, from its served card."""
+    from helios.client_config import CLIENTS, ClientConfigError, server_root, usage, write_client_config
+
+    if client not in CLIENTS:
+        err_console.print(f"[bold red]error:[/] unknown client {escape(client)!r} (choose {', '.join(CLIENTS)})")
+        raise typer.Exit(2)
+    api_key = os.environ.get(api_key_env) if api_key_env else None
+    if api_key_env and not api_key:
+        err_console.print(f"[bold red]error:[/] ${escape(api_key_env)} is not set")
+        raise typer.Exit(2)
+    root = server_root(url)
+    folder = out if out is not None else Path("client-config") / client
+    try:
+        model, written = write_client_config(client, root, folder, api_key_env, api_key)
+    except ClientConfigError as exc:
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}")
+        raise typer.Exit(2) from None
+    for path in written:
+        console.print(f"wrote {escape(str(path))}")
+    console.print(f"{escape(model.name)}: context {model.context_length} tokens; run:")
+    console.print(escape(usage(client, root, folder, model.name, api_key_env)), soft_wrap=True)
 
 
 @app.command()

@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -32,12 +33,17 @@ class ScriptedEngine:
     tokenizer: Tokenizer
     eos_token_ids: list[int]
     context_length: int
-    script: list[Any] = field(default_factory=lambda: ["OK"])  # text pieces and token ids, then EOS
+    # Text pieces and token ids, then EOS; or a function of the request's rendered prompt that
+    # returns them (a multi-turn agent: the answer depends on the tool results so far).
+    script: list[Any] | Callable[[str], list[Any]] = field(default_factory=lambda: ["OK"])
     requests: list[GenerationRequest] = field(default_factory=list)
 
-    def ids(self) -> list[int]:
+    def ids(self, request: GenerationRequest | None = None) -> list[int]:
+        script = self.script
+        if callable(script):
+            script = script(self.tokenizer.decode(request.prompt_token_ids) if request else "")
         out: list[int] = []
-        for piece in self.script:
+        for piece in script:
             out += [piece] if isinstance(piece, int) else self.tokenizer.encode(piece, add_bos=False)
         return out + [self.eos_token_ids[0]]
 
@@ -47,7 +53,7 @@ class ScriptedEngine:
         max_new = min(s.max_tokens, self.context_length - len(request.prompt_token_ids))
         checker = StopChecker(s, self.eos_token_ids, max_new,
                               IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids))
-        for n, token in enumerate(self.ids(), start=1):
+        for n, token in enumerate(self.ids(request), start=1):
             outcome = checker.on_token(token, n)
             entries = None
             if s.logprobs is not None:
