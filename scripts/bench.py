@@ -2,6 +2,7 @@
 prints numbers, it asserts nothing).
 
     python scripts/bench.py [--core cores/default] [--quick] [--json OUT] [--no-peers]
+                            [--no-long-context] [--long-rounds N]
 
 Helios (a real `helios serve` process, streamed completions with `ignore_eos`): decode tokens/s
 at 1 and 8 concurrent streams, prefill tokens/s and time to first token for a fresh 512-token
@@ -14,12 +15,40 @@ under ~/.cache/flare/peers (scripts/peers/envs.py builds them on first use; llam
 compiles for ~12 minutes once): llama.cpp on the GGUF itself, onnxruntime-genai int4 built from
 its Hugging Face conversion. Both use the same thread count as helios.
 
+Long context (every runtime, each round up to --long-rounds; --no-long-context skips it): prefill
+tokens/s of a fresh 16,384-token prompt of token ids (helios: 16384 / TTFT of a max_tokens=1
+request), decode tokens/s of one stream with that prompt as history (64 tokens, 32 with --quick;
+tokens after the first over the time after the first; helios samples with ignore_eos as in its
+other decode figures and reuses the prompt's prefix checkpoint, so only the decode is timed; the
+peers decode greedily), and, helios only, the TTFT of a second turn whose prompt is the first
+turn's prompt + its generated tokens + 50 new tokens (the prefix cache restores the first turn).
+llama.cpp keeps its default f16 KV (flash attention on, llama.cpp's own CPU default);
+onnxruntime-genai appends the prompt in 512-token pieces. The core needs limits.context_length
+(and a KV pool) of at least 16,384 + the decode tokens + 51; otherwise the section is skipped
+and says why.
+
+Machine: a memory-read-bandwidth probe (numpy: one reader per compute thread, each OR-reducing
+its own slice of a buffer >= 4x the last-level cache, the GIL released; aggregate GB/s, best of
+a few passes) runs before each round's long-context section (once when there is none); the
+run's best figure bounds helios's decode at 16k history: bytes per step = core
+`decode_weight_bytes` + the KV read (16384 x layers x 2 x kv_heads x head_dim x the KV dtype's
+bytes), bound = bandwidth / bytes.
+
 Other tenants' load on a shared host comes and goes within a run, so helios and the peers
 alternate for --rounds rounds (default 2) and each runtime keeps its best round; every round's
 numbers and the load average are in the JSON ("rounds").
 
 JSON: {"helios": {decode_b1_tps, decode_b8_tps, prefill_tps, ttft_ms, prefix_hit_ttft_ratio,
-rss_mb, + extras}, "peers": {NAME: {decode_b1_tps, decode_b8_tps?, prefill_tps}}, "machine": {...}}
+rss_mb, + extras}, "peers": {NAME: {decode_b1_tps, decode_b8_tps?, prefill_tps, prefill_16k_tps?,
+decode_16k_tps?}}, "long_context": {RUNTIME: {prefill_16k_tps, decode_16k_tps}} with RUNTIME
+"helios" and each peer's NAME (a failed peer: {"error"}; a skipped section: {"skipped": why}),
+"machine": {..., read_bandwidth_gbs, read_bandwidth: {gbs, threads, buffer_mb, passes,
+samples}}}. long_context.helios also holds second_turn_ttft_ms (+ second_turn_prompt_tokens,
+second_turn_cached_tokens), prefill_16k_ms, tokens (the prompt length the _16k keys measured),
+prefill_16k_vs_512 (16k prefill / helios's own 512-token prefill; target >= 0.5),
+decode_16k_bound_tps and decode_16k_bound_ratio (decode / the bandwidth bound; target >= 0.6),
+decode_16k_bytes_per_step, and prefill_16k_vs_best_peer / decode_16k_vs_best_peer (targets
+>= 1.5 and >= 1.3).
 """
 
 from __future__ import annotations
@@ -42,6 +71,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
+from bandwidth import read_bandwidth  # noqa: E402
 from prefix_ttft import measure as measure_prefix_reuse  # noqa: E402
 from tests.conftest import Server  # noqa: E402  (the same launcher the tests use)
 
@@ -65,6 +95,7 @@ def _stream(client: httpx.Client, path: str, body: dict) -> dict:
     start = time.perf_counter()
     first = None
     usage = None
+    text = []
     with client.stream("POST", path, json=body) as response:
         response.raise_for_status()
         for line in response.iter_lines():
@@ -73,14 +104,18 @@ def _stream(client: httpx.Client, path: str, body: dict) -> dict:
             chunk = json.loads(line[6:])
             if chunk.get("choices") and first is None:
                 first = time.perf_counter()
+            for choice in chunk.get("choices") or ():
+                text.append(choice.get("text") or "")  # /v1/completions deltas
             if chunk.get("usage"):
                 usage = chunk["usage"]
     end = time.perf_counter()
     return {
+        "text": "".join(text),
         "ttft": (first or end) - start,
         "decode_seconds": end - (first or end),
         "completion_tokens": usage["completion_tokens"],
         "prompt_tokens": usage["prompt_tokens"],
+        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
     }
 
 
@@ -99,14 +134,19 @@ def decode_tps(client: httpx.Client, streams: int, max_tokens: int) -> float:
 _FRESH = itertools.count()
 
 
+def fresh_prompt(tokens: int) -> list[int]:
+    """`tokens` token ids no earlier prompt of this run shares a first token with (so no prefix
+    checkpoint applies); the peers' runners use the same formula."""
+    r = next(_FRESH)
+    return [(1000 + 7 * i + 13 * r) % 30000 + 100 for i in range(tokens)]
+
+
 def prefill(client: httpx.Client, tokens: int, repeats: int) -> tuple[float, float]:
     """Prefill tokens/s and median TTFT for a fresh (uncached) prompt of `tokens` token ids:
     every prompt of the run differs from its first token, so no prefix checkpoint applies."""
     ttfts = []
     for _ in range(repeats):
-        r = next(_FRESH)
-        prompt = [(1000 + 7 * i + 13 * r) % 30000 + 100 for i in range(tokens)]
-        ttfts.append(stream_completion(client, prompt, 1)["ttft"])
+        ttfts.append(stream_completion(client, fresh_prompt(tokens), 1)["ttft"])
     median = statistics.median(ttfts)
     return tokens / median, median * 1000
 
@@ -208,6 +248,55 @@ def helios_speed(client: httpx.Client, pid: int, quick: bool) -> dict:
     }
 
 
+# -- long context -----------------------------------------------------------------------------
+
+LONG_TOKENS = 16384  # the prompt of the long-context section (its JSON keys say 16k)
+SECOND_TURN_NEW = 50  # new tokens the second turn adds after the first turn's prompt and reply
+LONG_KEYS = ("prefill_16k_tps", "decode_16k_tps")
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1}
+
+
+def long_context_skip(manifest, tokens: int, decode: int) -> str | None:
+    """Why this core cannot run the long-context section (None: it can)."""
+    need = tokens + decode + SECOND_TURN_NEW + 1
+    context = manifest.limits.context_length
+    if context < need:
+        return (f"core limits.context_length {context} < {need} tokens needed ({tokens}-token prompt + "
+                f"{decode} decoded + a {SECOND_TURN_NEW}-token second turn); export a core with a longer context")
+    pool = manifest.limits.kv_pages * manifest.kv.page_tokens
+    if pool < need:
+        return f"core limits.kv_pages x page_tokens = {pool} KV slots < {need} tokens needed"
+    return None
+
+
+def kv_read_bytes(manifest, tokens: int) -> int:
+    """K and V bytes one decode step reads over `tokens` tokens of history."""
+    kv = manifest.kv
+    return tokens * kv.num_layers * 2 * kv.kv_heads * kv.head_dim * DTYPE_BYTES.get(kv.dtype, 4)
+
+
+def helios_long_context(client: httpx.Client, tokenizer, tokens: int, decode: int) -> dict:
+    """One round of helios long context: a fresh `tokens`-token prompt (prefill tokens/s = tokens /
+    TTFT of a max_tokens=1 request, which also checkpoints the prompt's endpoint), the same prompt
+    again with `decode` ignore_eos tokens (the prefix cache restores the prompt; decode tokens/s
+    after the first token at `tokens` of history), then the second turn: that prompt + the reply's
+    tokens (re-encoded from its text) + SECOND_TURN_NEW new ones, max_tokens=1 (TTFT in ms)."""
+    prompt = fresh_prompt(tokens)
+    first = stream_completion(client, prompt, 1)
+    turn = stream_completion(client, prompt, decode)
+    reply = tokenizer.encode(turn["text"], add_bos=False)
+    second = stream_completion(client, prompt + reply + fresh_prompt(SECOND_TURN_NEW), 1)
+    return {
+        "prefill_16k_tps": round(tokens / first["ttft"], 1),
+        "prefill_16k_ms": round(first["ttft"] * 1000, 1),
+        "decode_16k_tps": round((turn["completion_tokens"] - 1) / max(turn["decode_seconds"], 1e-9), 2),
+        "decode_16k_cached_tokens": turn["cached_tokens"],
+        "second_turn_ttft_ms": round(second["ttft"] * 1000, 1),
+        "second_turn_prompt_tokens": second["prompt_tokens"],
+        "second_turn_cached_tokens": second["cached_tokens"],
+    }
+
+
 def best(rounds: list[dict]) -> dict:
     """Per metric, the best round (the least disturbed by other tenants): max rates, min times."""
     keys = {k for r in rounds for k, v in r.items() if isinstance(v, (int, float))}
@@ -218,7 +307,16 @@ def best(rounds: list[dict]) -> dict:
     return out
 
 
-def bench_peers(core: Path, quick: bool, threads: int, only: list[str] | None) -> dict:
+def _long_result(raw: dict) -> dict:
+    """A runner's long-context JSON under the bench's names (and the raw line, for the record)."""
+    return {"prefill_16k_tps": raw["long_prefill_tps"], "decode_16k_tps": raw["long_decode_tps"],
+            "prefill_16k_ms": raw["long_prefill_ms"], "long_run": raw}
+
+
+def bench_peers(core: Path, quick: bool, threads: int, only: list[str] | None,
+                long_tokens: int | None = None, long_decode: int = 64) -> dict:
+    """One round of each peer; with `long_tokens`, also each peer's long-context run (a separate
+    runner process: prefill_16k_tps, decode_16k_tps, prefill_16k_ms; `long_error` if it failed)."""
     from peers import envs as setup
 
     from helios.manifest import Manifest
@@ -233,20 +331,38 @@ def bench_peers(core: Path, quick: bool, threads: int, only: list[str] | None) -
     repeats = "2" if quick else "3"
     peers: dict[str, dict] = {}
     wanted = only or ["llama.cpp", "onnxruntime-genai"]
+    long_args = ["--long", str(long_tokens), "--decode", str(long_decode)] if long_tokens else []
+    # The genai model's context_length must hold the long prompt (ensure_genai_model rebuilds a
+    # model built with less).
+    min_context = (long_tokens + long_decode + 1) if long_tokens else 0
     if "llama.cpp" in wanted:
         try:
             python = setup.ensure_llamacpp()
+            label = f"llama.cpp ({setup.gguf_quantization(gguf_path)})"
             result = setup.run_peer(python, "llamacpp_run.py", [str(gguf_path), "--threads", str(threads),
                                     "--decode", decode, "--repeats", repeats], timeout=1800)
-            peers[f"llama.cpp ({setup.gguf_quantization(gguf_path)})"] = result
+            if long_args:
+                try:
+                    result.update(_long_result(setup.run_peer(
+                        python, "llamacpp_run.py", [str(gguf_path), "--threads", str(threads), *long_args],
+                        timeout=1800)))
+                except Exception as exc:
+                    result["long_error"] = str(exc)[-500:]
+            peers[label] = result
         except Exception as exc:  # a peer failing must not lose helios's numbers
             peers["llama.cpp"] = {"error": str(exc)[-500:]}
     if "onnxruntime-genai" in wanted:
         try:
             python = setup.ensure_ortgenai()
-            model = setup.ensure_genai_model(python, gguf_path, name, threads)
+            model = setup.ensure_genai_model(python, gguf_path, name, threads, min_context=min_context)
             result = setup.run_peer(python, "ortgenai_run.py", [str(model), "--decode", decode, "--repeats", repeats],
                                     timeout=1800)
+            if long_args:
+                try:
+                    result.update(_long_result(setup.run_peer(python, "ortgenai_run.py", [str(model), *long_args],
+                                                              timeout=1800)))
+                except Exception as exc:
+                    result["long_error"] = str(exc)[-500:]
             peers["onnxruntime-genai (int4)"] = result
         except Exception as exc:
             peers["onnxruntime-genai"] = {"error": str(exc)[-500:]}
@@ -299,7 +415,92 @@ def table(results: dict) -> str:
         genai = next((n for n in names if "genai" in n), None)
         if genai and peers[genai].get("decode_b8_tps"):
             lines.append(f"decode_b8 vs onnxruntime-genai: {helios['decode_b8_tps'] / peers[genai]['decode_b8_tps']:.2f}x")
+    lines += long_table(results)
     return "\n".join(lines)
+
+
+def long_table(results: dict) -> list[str]:
+    """The long-context rows: each runtime with helios's ratio to it, the ratios to the best peer
+    and against the machine (own 512-token prefill, the bandwidth bound), with the targets."""
+    section = results.get("long_context") or {}
+    if "skipped" in section:
+        return [f"long context skipped: {section['skipped']}"]
+    h = section.get("helios") or {}
+    if not h:
+        return []
+    names = [n for n, p in section.items() if n != "helios" and "error" not in p]
+    lines = [f"long context ({h.get('tokens')}-token prompt, 1 stream)"]
+    lines.append(f"{'metric':<22}{'helios':>10}" + "".join(f"{n[:24]:>26}" for n in names))
+    for key in LONG_KEYS:
+        row = f"{key:<22}{h.get(key, '-'):>10}"
+        for n in names:
+            value = section[n].get(key)
+            cell = f"{value} ({h[key] / value:.2f}x)" if value and h.get(key) else "-"
+            row += f"{cell:>26}"
+        lines.append(row)
+    lines.append(f"{'second_turn_ttft_ms':<22}{h.get('second_turn_ttft_ms', '-'):>10}  (prompt "
+                 f"{h.get('second_turn_prompt_tokens')} tokens, {h.get('second_turn_cached_tokens')} cached)")
+    for n, p in section.items():
+        if n != "helios" and "error" in p:
+            lines.append(f"long context: peer {n} failed: {p['error']}")
+    targets = {"prefill_16k_tps": 1.5, "decode_16k_tps": 1.3}
+    vs_peer = [f"{k} {h[k.replace('_tps', '_vs_best_peer')]:.2f}x (target >= {targets[k]})"
+               for k in LONG_KEYS if h.get(k.replace("_tps", "_vs_best_peer"))]
+    if vs_peer:
+        lines.append("long context vs best peer: " + ", ".join(vs_peer))
+    machine = []
+    if h.get("prefill_16k_vs_512"):
+        machine.append(f"16k prefill / own 512 prefill {h['prefill_16k_vs_512']:.2f}x (target >= 0.5)")
+    if h.get("decode_16k_bound_ratio"):
+        bw = (results.get("machine") or {}).get("read_bandwidth_gbs")
+        machine.append(f"decode_16k / bandwidth bound {h['decode_16k_bound_ratio']:.2f}x (bound "
+                       f"{h['decode_16k_bound_tps']} tok/s = {bw} GB/s / "
+                       f"{h['decode_16k_bytes_per_step'] / 1e6:.0f} MB per step; target >= 0.6)")
+    if machine:
+        lines.append("long context vs machine: " + "; ".join(machine))
+    return lines
+
+
+def long_context_results(skip: str | None, helios_rounds: list[dict], peer_rounds: list[dict], manifest,
+                         tokens: int, bandwidth_gbs: float | None) -> dict:
+    """The JSON `long_context` section: {RUNTIME: {prefill_16k_tps, decode_16k_tps, ...}} for helios
+    (its best round per metric, plus the second turn and the ratios to the best peer and to the
+    machine) and each peer (best round; {"error"} when no round measured it)."""
+    if skip:
+        return {"skipped": skip}
+    top = best(helios_rounds)
+    helios = {k: top[k] for k in ("prefill_16k_tps", "prefill_16k_ms", "decode_16k_tps") if k in top}
+    turns = [r for r in helios_rounds if "second_turn_ttft_ms" in r]
+    if turns:  # the fastest second turn, with its own prompt and cached-token counts
+        turn = min(turns, key=lambda r: r["second_turn_ttft_ms"])
+        helios.update({k: turn[k] for k in ("second_turn_ttft_ms", "second_turn_prompt_tokens",
+                                            "second_turn_cached_tokens", "decode_16k_cached_tokens")})
+    helios["tokens"] = tokens
+    if top.get("prefill_tps") and helios.get("prefill_16k_tps"):
+        helios["prefill_16k_vs_512"] = round(helios["prefill_16k_tps"] / top["prefill_tps"], 3)
+    step_bytes = manifest.decode_weight_bytes + kv_read_bytes(manifest, tokens)
+    helios["decode_16k_bytes_per_step"] = step_bytes
+    if bandwidth_gbs and helios.get("decode_16k_tps"):
+        bound = bandwidth_gbs * 1e9 / step_bytes
+        helios["decode_16k_bound_tps"] = round(bound, 2)
+        helios["decode_16k_bound_ratio"] = round(helios["decode_16k_tps"] / bound, 3)
+    section: dict[str, dict] = {"helios": helios}
+    names = {n for r in peer_rounds for n in r}
+    for n in sorted(names):
+        measured = [r[n] for r in peer_rounds if n in r and isinstance(r[n].get("prefill_16k_tps"), (int, float))]
+        if measured:
+            figures = best([{k: m[k] for k in ("prefill_16k_tps", "decode_16k_tps", "prefill_16k_ms")} for m in measured])
+            section[n] = {**figures, "runner": measured[-1].get("long_run")}
+        else:
+            errors = [r[n].get("long_error") or r[n].get("error") for r in peer_rounds if n in r]
+            errors = [e for e in errors if e]
+            if errors:
+                section[n] = {"error": errors[-1]}
+    for key in LONG_KEYS:
+        peers = [p[key] for n, p in section.items() if n != "helios" and p.get(key)]
+        if peers and helios.get(key):
+            helios[key.replace("_tps", "_vs_best_peer")] = round(helios[key] / max(peers), 3)
+    return section
 
 
 def main() -> None:
@@ -311,25 +512,54 @@ def main() -> None:
     parser.add_argument("--peers", nargs="+", choices=["llama.cpp", "onnxruntime-genai"], help="only these peers")
     parser.add_argument("--threads", type=int, default=None, help="compute threads for every runtime [cores]")
     parser.add_argument("--rounds", type=int, default=2, help="alternating helios/peer rounds; best kept [2]")
+    parser.add_argument("--no-long-context", action="store_true",
+                        help="skip the 16k-token long-context section (tens of seconds per runtime per round)")
+    parser.add_argument("--long-rounds", type=int, default=None,
+                        help="run the long-context section in the first N rounds only [every round]")
+    parser.add_argument("--long-tokens", type=int, default=LONG_TOKENS,
+                        help=f"long-context prompt tokens, for smoke tests; the JSON keys keep their _16k names [{LONG_TOKENS}]")
     args = parser.parse_args()
     if not (args.core / "core.json").is_file():
         sys.exit(f"{args.core} is not a core; run: ignition export --recipe qwen25_coder --out {args.core}")
+    if args.long_tokens < 16:
+        sys.exit("--long-tokens must be at least 16")
     threads = args.threads or os.cpu_count() or 1
+
+    from helios.frontend.tokenizer import Tokenizer
+    from helios.manifest import Manifest
+
+    manifest = Manifest.load(args.core, verify_files=False)
+    long_decode = 32 if args.quick else 64
+    long_skip = "--no-long-context" if args.no_long_context else long_context_skip(manifest, args.long_tokens, long_decode)
+    long_rounds = 0 if long_skip else min(args.rounds, args.long_rounds if args.long_rounds is not None else args.rounds)
+    tokenizer = None if long_skip else Tokenizer.from_core(args.core, manifest)
 
     start_load = os.getloadavg()
     server = Server(args.core, *(["--threads", str(args.threads)] if args.threads else []))
     helios_rounds: list[dict] = []
     peer_rounds: list[dict] = []
+    bandwidth: list[dict] = []
     try:
         with httpx.Client(base_url=server.url, timeout=900) as client:
             stream_completion(client, "warm up", 8)
             # Other tenants' load on this host comes and goes: alternate helios and the peers
             # for --rounds rounds and keep each runtime's best round, so no runtime is compared
             # only at its unluckiest moment.
-            for _ in range(args.rounds):
-                helios_rounds.append(helios_speed(client, server.process.pid, args.quick))
+            for index in range(args.rounds):
+                long_round = index < long_rounds
+                round_ = helios_speed(client, server.process.pid, args.quick)
+                if long_round:
+                    # The probe first (helios idle), so the bound uses this round's bandwidth.
+                    probe = read_bandwidth(threads)
+                    bandwidth.append(probe)
+                    round_["read_bandwidth_gbs"] = probe["gbs"]
+                    round_.update(helios_long_context(client, tokenizer, args.long_tokens, long_decode))
+                helios_rounds.append(round_)
                 if not args.no_peers:
-                    peer_rounds.append(bench_peers(args.core, args.quick, threads, args.peers))
+                    peer_rounds.append(bench_peers(args.core, args.quick, threads, args.peers,
+                                                   args.long_tokens if long_round else None, long_decode))
+            if not bandwidth:  # no long-context round: the machine figure is still reported
+                bandwidth.append(read_bandwidth(threads))
             repeats = 2 if args.quick else 3
             prefix = measure_prefix_reuse(client, repeats=repeats, log=lambda _: None)
             grammar = grammar_cost(client, 48 if args.quick else 96, repeats)
@@ -347,7 +577,7 @@ def main() -> None:
         "rss_mb": max(r["rss_mb"] for r in helios_rounds),
         # Extras.
         "prefix_reuse": prefix,
-        "rss_after_mb": round(rss_after, 1),  # after the 2k-token prefix prompts too
+        "rss_after_mb": round(rss_after, 1),  # after the 2k-token prefix prompts (and any 16k ones) too
         "step_b1": max((r["step_b1"] for r in helios_rounds), key=lambda s: -s.get("step_ms", 1e9)),
         "step_b8": max((r["step_b8"] for r in helios_rounds), key=lambda s: -s.get("step_ms", 1e9)),
         "grammar": grammar,
@@ -358,10 +588,17 @@ def main() -> None:
     for n in sorted(names):
         ok = [r[n] for r in peer_rounds if n in r and "error" not in r[n]]
         peers[n] = best(ok) if ok else next(r[n] for r in peer_rounds if n in r)
+    machine_info = {**machine(threads), "load_avg_start": [round(x, 2) for x in start_load]}
+    if bandwidth:
+        top_bw = max(bandwidth, key=lambda b: b["gbs"])
+        machine_info["read_bandwidth_gbs"] = top_bw["gbs"]
+        machine_info["read_bandwidth"] = {**top_bw, "rounds": [b["gbs"] for b in bandwidth]}
     results = {
         "helios": helios,
         "peers": peers,
-        "machine": {**machine(threads), "load_avg_start": [round(x, 2) for x in start_load]},
+        "long_context": long_context_results(long_skip, helios_rounds, peer_rounds, manifest, args.long_tokens,
+                                             machine_info.get("read_bandwidth_gbs")),
+        "machine": machine_info,
         "core": str(args.core),
         "rounds": {"helios": helios_rounds, "peers": peer_rounds},
     }

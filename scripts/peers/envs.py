@@ -1,16 +1,20 @@
 """Build and cache the peer environments and models (run from the main environment).
 
     ~/.cache/flare/peers/
-      wheels/                         llama_cpp_python-*.whl, built once from source (~12 min)
+      wheels/native-noamx/            llama_cpp_python-*.whl, built once from source (~12 min)
       llamacpp/                       venv: llama-cpp-python (+ numpy)
       ortgenai/                       venv: onnxruntime-genai (pulls plain onnxruntime)
       genai/<checkpoint>-int4/        onnxruntime-genai model built from the same GGUF
 
 The genai model builder needs a Hugging Face checkpoint: ignition's GGUF reader dequantizes the
 same GGUF helios was exported from, and it is written as a bf16 safetensors folder (deleted once
-the genai model is built; disk is tight here). The builder itself runs with the genai venv's
-python and borrows torch/transformers from the main environment (appended to sys.path, so the
-genai venv's own onnxruntime wins).
+the genai model is built; disk is tight here). The builder bakes the config's
+max_position_embeddings into genai_config.json as `context_length` (the most tokens a generator
+may hold; the rotary caches are sized to it): the GGUF's context (32,768 for
+Qwen2.5-Coder-0.5B). `ensure_genai_model(min_context=N)` rebuilds a cached model whose
+context_length is below N, writing max_position_embeddings >= N into the Hugging Face copy.
+The builder itself runs with the genai venv's python and borrows torch/transformers from the
+main environment (appended to sys.path, so the genai venv's own onnxruntime wins).
 """
 
 from __future__ import annotations
@@ -24,6 +28,14 @@ import sysconfig
 from pathlib import Path
 
 LLAMA_CPP_VERSION = "0.3.36"
+# llama.cpp is compiled for this CPU (-march=native) but without its AMX backend: on this host
+# (a VM whose CPUID advertises AMX and whose kernel enables the tile state) the first AMX matmul
+# faults in `ldtilecfg` (SIGSEGV in ggml_backend_amx_mul_mat), with or without
+# ARCH_REQ_XCOMP_PERM. GCC honours an explicit -mno-amx-* over -march=native, so __AMX_INT8__ is
+# never defined and ggml keeps its AVX512-VNNI kernels. The tag names the wheel folder and is
+# recorded in the venv: a wheel or venv of another flavour is rebuilt, not reused.
+LLAMA_CPP_BUILD = "native-noamx"
+LLAMA_CPP_CFLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 GENAI_VERSION = "0.18.0"
 ROOT = Path(os.environ.get("FLARE_PEERS_DIR", Path.home() / ".cache" / "flare" / "peers"))
 HERE = Path(__file__).resolve().parent
@@ -51,20 +63,30 @@ def _has(python: Path, module: str) -> bool:
 def ensure_llamacpp() -> Path:
     """The llama-cpp-python venv's python (builds the wheel once; later setups reuse it)."""
     python = _venv("llamacpp")
-    if _has(python, "llama_cpp"):
+    marker = ROOT / "llamacpp" / "flare-build"
+    build = f"{LLAMA_CPP_VERSION} {LLAMA_CPP_BUILD}"
+    if _has(python, "llama_cpp") and marker.is_file() and marker.read_text().strip() == build:
         return python
-    wheels = ROOT / "wheels"
+    wheels = ROOT / "wheels" / LLAMA_CPP_BUILD
     wheels.mkdir(parents=True, exist_ok=True)
     built = sorted(wheels.glob(f"llama_cpp_python-{LLAMA_CPP_VERSION}-*.whl"))
     if not built:
-        log(f"building llama-cpp-python {LLAMA_CPP_VERSION} from source (~12 minutes, once)")
-        env = dict(os.environ, CMAKE_ARGS="-DGGML_NATIVE=ON")
+        log(f"building llama-cpp-python {LLAMA_CPP_VERSION} ({LLAMA_CPP_BUILD}) from source (~12 minutes, once)")
+        # CFLAGS/CXXFLAGS seed CMAKE_C(XX)_FLAGS: the -mno-amx-* flags reach every ggml source.
+        env = dict(os.environ, CMAKE_ARGS="-DGGML_NATIVE=ON",
+                   CFLAGS=f"{os.environ.get('CFLAGS', '')} {LLAMA_CPP_CFLAGS}".strip(),
+                   CXXFLAGS=f"{os.environ.get('CXXFLAGS', '')} {LLAMA_CPP_CFLAGS}".strip())
         subprocess.run(
-            [str(python), "-m", "pip", "wheel", "--no-deps", "-w", str(wheels), f"llama-cpp-python=={LLAMA_CPP_VERSION}"],
+            [str(python), "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "-w", str(wheels),
+             f"llama-cpp-python=={LLAMA_CPP_VERSION}"],
             check=True, env=env,
         )
         built = sorted(wheels.glob(f"llama_cpp_python-{LLAMA_CPP_VERSION}-*.whl"))
     subprocess.run([str(python), "-m", "pip", "install", "-q", str(built[-1]), "numpy"], check=True)
+    # The same version of another flavour counts as installed: replace it with this wheel.
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--force-reinstall", "--no-deps", str(built[-1])],
+                   check=True)
+    marker.write_text(build + "\n")
     return python
 
 
@@ -76,8 +98,9 @@ def ensure_ortgenai() -> Path:
     return python
 
 
-def write_hf_checkpoint(gguf_path: Path, out: Path) -> Path:
-    """A Hugging Face (qwen2/llama) folder from a GGUF, via ignition's reader (bf16 weights)."""
+def write_hf_checkpoint(gguf_path: Path, out: Path, min_context: int = 0) -> Path:
+    """A Hugging Face (qwen2/llama) folder from a GGUF, via ignition's reader (bf16 weights).
+    max_position_embeddings is the GGUF's context, raised to `min_context` when that is larger."""
     import torch
     from safetensors.torch import save_file
 
@@ -95,6 +118,7 @@ def write_hf_checkpoint(gguf_path: Path, out: Path) -> Path:
     del tensors
     family = {"qwen2": ("Qwen2ForCausalLM", "qwen2"), "llama": ("LlamaForCausalLM", "llama")}[arch.family]
     eos = ckpt.eos_token_ids[0] if len(ckpt.eos_token_ids) == 1 else ckpt.eos_token_ids
+    context = max(arch.max_position_embeddings, min_context)
     config = {
         "architectures": [family[0]],
         "model_type": family[1],
@@ -106,7 +130,7 @@ def write_hf_checkpoint(gguf_path: Path, out: Path) -> Path:
         "head_dim": arch.head_dim,
         "rms_norm_eps": arch.rms_norm_eps,
         "rope_theta": arch.rope_theta,
-        "max_position_embeddings": arch.max_position_embeddings,
+        "max_position_embeddings": context,
         "vocab_size": arch.vocab_size,
         "tie_word_embeddings": arch.tie_word_embeddings,
         "attention_bias": arch.attention_bias,
@@ -124,7 +148,7 @@ def write_hf_checkpoint(gguf_path: Path, out: Path) -> Path:
     id_to_content = {t["id"]: t["content"] for t in tok.get("added_tokens", [])}
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": arch.max_position_embeddings,
+        "model_max_length": context,
         "eos_token": id_to_content.get(ckpt.eos_token_ids[0]),
         "bos_token": id_to_content.get(ckpt.bos_token_id) if ckpt.bos_token_id is not None else None,
         "pad_token": id_to_content.get(ckpt.pad_token_id) if ckpt.pad_token_id is not None else None,
@@ -137,15 +161,29 @@ def write_hf_checkpoint(gguf_path: Path, out: Path) -> Path:
     return out
 
 
-def ensure_genai_model(python: Path, gguf_path: Path, name: str, threads: int) -> Path:
+def genai_context_length(model: Path) -> int:
+    """The context_length a built genai model was given (0 when it has no config)."""
+    path = model / "genai_config.json"
+    return json.loads(path.read_text())["model"].get("context_length", 0) if path.is_file() else 0
+
+
+def ensure_genai_model(python: Path, gguf_path: Path, name: str, threads: int, min_context: int = 0) -> Path:
     """The onnxruntime-genai int4 model (builder defaults for CPU: MatMulNBits block 32,
-    accuracy level 4, symmetric, every MatMul including the lm_head), built once per checkpoint."""
+    accuracy level 4, symmetric, every MatMul including the lm_head), built once per checkpoint;
+    rebuilt when its context_length is below `min_context` (the long-context benchmark's prompt
+    + decode)."""
     out = ROOT / "genai" / f"{name}-int4"
+    if (out / "genai_config.json").is_file() and genai_context_length(out) < min_context:
+        log(f"{out.name} holds {genai_context_length(out)} tokens < {min_context}: rebuilding it")
+        shutil.rmtree(out)
     if not (out / "genai_config.json").is_file():
         hf = ROOT / "hf" / name
+        if (hf / "config.json").is_file() and \
+                json.loads((hf / "config.json").read_text()).get("max_position_embeddings", 0) < min_context:
+            shutil.rmtree(hf)
         if not (hf / "config.json").is_file():
             log(f"writing a Hugging Face copy of {gguf_path.name}")
-            write_hf_checkpoint(gguf_path, hf)
+            write_hf_checkpoint(gguf_path, hf, min_context)
         tmp = out.with_name(out.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
         main_site = sysconfig.get_paths()["purelib"]

@@ -1,10 +1,18 @@
 """llama.cpp (llama-cpp-python) speed on a GGUF; run with the llamacpp peer venv's python.
 
     python llamacpp_run.py MODEL.gguf --threads 2 --decode 64 --prefill 512 --repeats 2
+    python llamacpp_run.py MODEL.gguf --threads 2 --long 16384 --decode 64
 
 Prints one JSON line: decode_b1_tps (greedy single-stream decode after a short prompt, tokens
 after the first), prefill_tps (a fresh prompt of --prefill token ids, best of --repeats).
 llama-cpp-python has no multi-sequence batch API, so no decode_b8_tps.
+
+--long N (the long-context mode; only these figures): one fresh prompt of N token ids
+(long_prefill_tps: N / its eval time, 512-token batches), then --decode greedy single-stream
+tokens with that prompt as history (long_decode_tps). The context holds N + --decode tokens;
+the KV cache keeps llama.cpp's default type (f16; no type_k/type_v). Flash attention is on,
+which is what llama.cpp's own default ("auto") resolves to on a CPU; llama-cpp-python's wrapper
+defaults it off, --no-flash-attn measures that configuration.
 """
 
 import argparse
@@ -14,6 +22,43 @@ import time
 import numpy as np
 from llama_cpp import Llama
 
+BATCH = 512
+
+
+def prompt_ids(tokens: int, rep: int) -> list[int]:
+    """Fresh token ids (the same formula as scripts/bench.py): prompts of different reps differ
+    from their first token."""
+    return [(1000 + 7 * i + 13 * rep) % 30000 + 100 for i in range(tokens)]
+
+
+def next_token(llm: Llama, vocab: int) -> int:
+    """Greedy token from the last evaluated position's logits (with logits_all=False the wrapper
+    keeps no scores of its own: read the context's last output row)."""
+    logits = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(vocab,))
+    return int(np.argmax(logits))
+
+
+def long_context(a: argparse.Namespace) -> dict:
+    llm = Llama(a.model, n_ctx=a.long + a.decode + 16, n_threads=a.threads, n_threads_batch=a.threads,
+                n_batch=BATCH, n_ubatch=BATCH, flash_attn=not a.no_flash_attn, verbose=False, logits_all=False)
+    vocab = llm.n_vocab()
+    llm.eval(prompt_ids(min(BATCH, a.long), 9999))  # warm up the batch path and the decode path
+    llm.eval([next_token(llm, vocab)])
+    llm.reset()
+    ids = prompt_ids(a.long, 0)
+    start = time.perf_counter()
+    llm.eval(ids)
+    prefill_s = time.perf_counter() - start
+    token = next_token(llm, vocab)  # the first output token
+    start = time.perf_counter()
+    for _ in range(a.decode):
+        llm.eval([token])
+        token = next_token(llm, vocab)
+    decode_s = time.perf_counter() - start
+    return {"long_tokens": a.long, "long_prefill_tps": round(a.long / prefill_s, 1),
+            "long_prefill_ms": round(prefill_s * 1000, 1), "long_decode_tps": round(a.decode / decode_s, 2),
+            "long_decode_tokens": a.decode, "flash_attn": not a.no_flash_attn, "n_ctx": llm.n_ctx()}
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -22,23 +67,28 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--long", type=int, default=0, help="long-context mode: prompt tokens (e.g. 16384)")
+    ap.add_argument("--no-flash-attn", action="store_true", help="long mode: flash attention off")
     a = ap.parse_args()
-    llm = Llama(a.model, n_ctx=2048, n_threads=a.threads, n_threads_batch=a.threads, n_batch=512,
-                n_ubatch=512, verbose=False, logits_all=False)
+    if a.long:
+        print(json.dumps(long_context(a)))
+        return
+    llm = Llama(a.model, n_ctx=2048, n_threads=a.threads, n_threads_batch=a.threads, n_batch=BATCH,
+                n_ubatch=BATCH, verbose=False, logits_all=False)
     vocab = llm.n_vocab()
 
     def decode(steps: int) -> float:
         llm.reset()
         llm.eval(llm.tokenize(b"Write a long story about a lighthouse keeper.", add_bos=False))
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        token = next_token(llm, vocab)
         start = time.perf_counter()
         for _ in range(steps):
             llm.eval([token])
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            token = next_token(llm, vocab)
         return steps / (time.perf_counter() - start)
 
     def prefill(rep: int) -> float:
-        ids = [(1000 + 7 * i + 13 * rep) % 30000 + 100 for i in range(a.prefill)]
+        ids = prompt_ids(a.prefill, rep)
         llm.reset()
         start = time.perf_counter()
         llm.eval(ids)
