@@ -247,7 +247,7 @@ def test_logprob_fields_are_rejected(http: httpx.Client, field):
     {"messages": USER, "output_config": {"format": {"type": "json_schema"}}},
     {"messages": USER, "output_config": {"format": {"type": "json_schema", "schema": {}}}, "stop_sequences": ["x"]},
     {"messages": USER, "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
-    {"messages": [{"role": "user", "content": "alpha beta gamma delta " * 3000}]},  # over the context
+    {"messages": [{"role": "user", "content": "alpha beta gamma delta " * 8500}]},  # over the 32,768-token context
 ])
 def test_bad_requests_are_400_in_messages_shape(http: httpx.Client, body):
     response = http.post("/v1/messages", json={"max_tokens": 2, **body})
