@@ -81,7 +81,7 @@ def resolve_recipe_checkpoint(recipe_name: str, packaged: str, repo_ids: list[st
         )
     searched = "\n".join(f"  {repo_folder(cache, repo_id)}/snapshots/" for repo_id in repo_ids for cache in caches)
     ids = ", ".join(repo_ids)
-    return_hint = repo_folder(caches[0], repo_ids[0])
+    folder_hint = repo_folder(caches[0], repo_ids[0])
     raise CheckpointError(
         f"recipe {recipe_name!r} has no packaged checkpoint, and no complete snapshot of {ids} "
         f"(config.json and every weight file its index lists) is in the local Hugging Face cache.\n"
@@ -89,5 +89,5 @@ def resolve_recipe_checkpoint(recipe_name: str, packaged: str, repo_ids: list[st
         "Either:\n"
         "  - pass the checkpoint: --checkpoint DIR (a Hugging Face model folder) or --checkpoint FILE.gguf, or\n"
         f"  - put a snapshot of {repo_ids[0]} in the cache (e.g. `hf download {repo_ids[0]}` on a machine with "
-        f"access, then copy {return_hint} here, or set HF_HUB_CACHE to where it is)."
+        f"access, then copy {folder_hint} here, or set HF_HUB_CACHE to where it is)."
     )
