@@ -122,6 +122,22 @@ def test_qwen25_coder_template_doubled_braces():
         assert merged(run(text, spec("qwen25_coder_json"))) == [("text", text)]
 
 
+def test_qwen25_coder_function_wrapped_calls():
+    # Recorded from Qwen2.5-Coder-1.5B as Claude Code's agent (docs/conformance.md): the call as
+    # OpenAI's tool-call object, fenced, and as {"function": NAME, "arguments": {...}}.
+    wrapped = '```json\n{\n  "function": {\n    "name": "lookup",\n    "arguments": {"query": "alpha"}\n  }\n}\n```'
+    assert merged(run(wrapped, spec("qwen25_coder_json"))) == [LOOKUP]
+    typed = '{"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": "{\\"query\\": \\"alpha\\"}"}}'
+    assert merged(run(typed, spec("qwen25_coder_json"))) == [LOOKUP]
+    named = '{"function": "lookup", "arguments": {"query": "alpha"}}'
+    assert merged(run(named, spec("qwen25_coder_json"))) == [LOOKUP]
+    assert merged(run("<tool_call>\n" + named + "\n</tool_call>", spec("hermes"))) == [LOOKUP]
+    # Other objects with a "function" or "type" key stay answers.
+    for text in ('{"function": "lookup"}', '{"type": "function", "function": {"name": "lookup"}, "extra": 1}',
+                 '{"type": "object", "properties": {}}', '{"function": {"name": "f", "arguments": {}}, "type": "tool"}'):
+        assert merged(run(text, spec("qwen25_coder_json"))) == [("text", text)]
+
+
 def test_qwen25_coder_json_answers_and_prose_stay_text():
     for text in ('{"value": 7391}', '{"name": "Ada"}', "OK", "The call is " + CALL, CALL + " and more"):
         assert merged(run(text, spec("qwen25_coder_json"))) == [("text", text)]

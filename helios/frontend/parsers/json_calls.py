@@ -11,7 +11,9 @@ model that ends right after the object still made a complete call). `<tool_call>
 anything but a JSON object (or a ```json fence) is ordinary text.
 
 qwen25_coder_json (Qwen2.5-Coder, see shared/models.md): the hermes form, plus a whole answer
-that is one or more call objects, bare or in ```json fences, or a JSON array of them. Such an
+that is one or more call objects, bare or in ```json fences, or a JSON array of them. A call
+object may also be spelled as OpenAI's tool-call object or `{"function": NAME, "arguments": ...}`
+(both written by the model in agent sessions). Such an
 answer is only known to be calls when it ends, so it is held until then; an answer that turns
 out to be anything else (a structured JSON answer, prose) is released unchanged as text.
 
@@ -61,6 +63,21 @@ def loads_call_value(text: str) -> Any:
         return value
 
 
+def _plain_call(item: Any) -> Any:
+    """Two more spellings of one call that Qwen2.5-Coder writes in agent sessions (Claude Code's
+    Edit, recorded with the 1.5B: docs/conformance.md), as {"name", "arguments"}: the OpenAI
+    tool-call object `{"type": "function", "function": {"name": ..., "arguments": ...}}` and
+    `{"function": NAME, "arguments": {...}}`. Anything else is returned unchanged."""
+    if not isinstance(item, dict) or "name" in item:
+        return item
+    function = item.get("function")
+    if isinstance(function, dict) and set(item) <= {"function", "type", "id"} and item.get("type", "function") == "function":
+        return function
+    if isinstance(function, str) and set(item) <= (CALL_KEYS | {"function"}) - {"name"}:
+        return {"name": function, **{k: v for k, v in item.items() if k != "function"}}
+    return item
+
+
 def call_objects(value: Any, bare: bool = False) -> list[tuple[str, Any]] | None:
     """(name, arguments) pairs when `value` is a call object or a nonempty array of them. A bare
     object (no <tool_call> around it) must spell its arguments to count as a call."""
@@ -68,7 +85,7 @@ def call_objects(value: Any, bare: bool = False) -> list[tuple[str, Any]] | None
     if not items:
         return None
     out = []
-    for item in items:
+    for item in map(_plain_call, items):
         if not isinstance(item, dict) or "name" not in item or not set(item) <= CALL_KEYS:
             return None
         if bare and "arguments" not in item and "parameters" not in item:
@@ -192,7 +209,7 @@ class Qwen25CoderJsonParser(HermesParser):
 
 # Doubled braces are not a call start: only a complete, balanced `{{...}}` call is taken for one
 # (the 1.5B also writes `{{"name": ..., "arguments": {...}}` with one closing brace short).
-_CALL_START = re.compile(r'\s*(?:```[A-Za-z]*\s*)?\[?\s*\{\s*"name"\s*:')
+_CALL_START = re.compile(r'\s*(?:```[A-Za-z]*\s*)?\[?\s*\{\s*"(?:name|function|type)"\s*:')
 
 
 def _looks_like_call(text: str) -> bool:
