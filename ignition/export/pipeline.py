@@ -81,10 +81,10 @@ Progress = Callable[[str, str], None]  # (stage, detail)
 
 def export_core(options: ExportOptions, progress: Progress = lambda stage, detail: None) -> Manifest:
     from ignition.checkpoints.load import load_checkpoint, peek_config, peek_family
-    from ignition.models.families import logit_postprocessing
     from ignition.export.graph import export_step_graph
     from ignition.export.quantize import manifest_quantization, quantize
     from ignition.export.validate import ParityError, validate_scores
+    from ignition.models.families import logit_postprocessing
     from ignition.models import build_model
 
     recipe, out = options.recipe, Path(options.out)
@@ -164,7 +164,8 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
             exported = copy.deepcopy(engine)  # as the fp32 graph has it, for the cache entry
             reference = export_cache.RecordingReference(model) if staging else model
 
-        limits = _limits(recipe, checkpoint, options.context_length)  # before the heavy work: may refuse
+        # Before quantization and validation: a --context-length past the native context stops here.
+        limits = _limits(recipe, checkpoint, options.context_length)
         progress("quantize", f"quantizing to {options.precision}")
         engine_dir = work / "core"
         engine_dir.mkdir()
