@@ -16,7 +16,6 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-CLIENTS = ("codex", "claude-code", "opencode")
 NO_KEY = "local"  # any nonempty key satisfies the clients when helios runs without one
 
 # Codex 0.162.1 asks the catalog for the model's base instructions; a short text keeps a small
@@ -142,7 +141,7 @@ def codex_files(model: ServedModel, url: str, key_env: str | None, out: Path) ->
 # -- Claude Code -----------------------------------------------------------------------------
 
 
-def claude_code_files(model: ServedModel, url: str, key_env: str | None) -> dict[str, str]:
+def claude_code_files(model: ServedModel, url: str, key_env: str | None, out: Path) -> dict[str, str]:
     """settings.json: base URL, model (also for the haiku/sonnet/opus roles Claude Code uses for
     side requests), key, the context window of a model it does not know, no outbound traffic."""
     env = {
@@ -174,7 +173,7 @@ def claude_code_files(model: ServedModel, url: str, key_env: str | None) -> dict
 # -- OpenCode --------------------------------------------------------------------------------
 
 
-def opencode_files(model: ServedModel, url: str, key_env: str | None) -> dict[str, str]:
+def opencode_files(model: ServedModel, url: str, key_env: str | None, out: Path) -> dict[str, str]:
     """opencode.json for OpenCode 1.18.33 from npm (a `provider.ollama` entry over its bundled
     openai-compatible package, with the model described, since 1.x reads no discovery route),
     and opencode-v2.json, api.md's form for OpenCode v2's built-in Ollama provider, which polls
@@ -212,14 +211,9 @@ def opencode_files(model: ServedModel, url: str, key_env: str | None) -> dict[st
 # -- the command -----------------------------------------------------------------------------
 
 
-def client_files(client: str, model: ServedModel, url: str, key_env: str | None, out: Path) -> dict[str, str]:
-    if client == "codex":
-        return codex_files(model, url, key_env, out)
-    if client == "claude-code":
-        return claude_code_files(model, url, key_env)
-    if client == "opencode":
-        return opencode_files(model, url, key_env)
-    raise ClientConfigError(f"unknown client {client!r} (choose {', '.join(CLIENTS)})")
+# Each client's files by name, from (model, server root URL, key variable, output folder).
+WRITERS = {"codex": codex_files, "claude-code": claude_code_files, "opencode": opencode_files}
+CLIENTS = tuple(WRITERS)
 
 
 def server_root(url: str) -> str:
@@ -233,7 +227,7 @@ def write_client_config(client: str, url: str, out: Path, key_env: str | None,
     model = read_served_model(url, api_key)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, text in client_files(client, model, url, key_env, out).items():
+    for name, text in WRITERS[client](model, url, key_env, out).items():
         path = out / name
         path.write_text(text)
         written.append(path)

@@ -36,8 +36,7 @@ def read_safetensors_config(folder: Path) -> dict[str, Any]:
 
 def read_safetensors_family(folder: Path) -> str:
     """The family of a Hugging Face folder, from config.json alone."""
-    folder = Path(folder)
-    return check_family(str(_read_json(folder / "config.json").get("model_type")), str(folder))
+    return check_family(str(read_safetensors_config(folder).get("model_type")), str(folder))
 
 
 def architecture_from_config(config: dict[str, Any], source: str) -> Architecture:

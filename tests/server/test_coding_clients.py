@@ -121,8 +121,9 @@ def served_name(url: str, key: str | None) -> str:
 
 
 def run_variant(variant: str, url: str, key: str | None, bin_folder: Path, work: Path, prompt: list[str],
-                task: bool) -> Run:
-    """`helios client-config`, then the client with that configuration, in `work`."""
+                task: bool, extra_args: tuple[str, ...] = (), extra_env: dict[str, str] | None = None) -> Run:
+    """`helios client-config`, then the client with that configuration (plus `extra_args` after
+    its own, `extra_env` over its environment), in `work`."""
     client, build = VARIANTS[variant]
     command = variant.split("-")[0]
     if not (bin_folder / command).exists():
@@ -131,7 +132,8 @@ def run_variant(variant: str, url: str, key: str | None, bin_folder: Path, work:
     secret = {KEY_ENV: key} if key else {}
     config = client_config(client, url, work.parent / f"{variant}-config", key_env, env=secret)
     argv, env = build(config, url, served_name(url, key), prompt, task)
-    return run(argv, work, work.parent / f"{variant}-home", bin_folder, {**env, **secret})
+    return run([*argv, *extra_args], work, work.parent / f"{variant}-home", bin_folder,
+               {**env, **(extra_env or {}), **secret})
 
 
 # -- the real model ------------------------------------------------------------------------
@@ -160,18 +162,14 @@ def test_each_client_answers_on_the_real_model(variant, real_service, bin_folder
 def test_claude_code_normal_mode_completes_a_turn_on_the_real_model(real_service, bin_folder, tmp_path):
     """Normal mode's first request is ~15k tokens (20 tools, its environment as a trailing
     system message): helios admits it, prefills it and answers a complete turn that the client
-    parses. What the 0.5B answers there is the model's: sampled, it calls one of the 20 tools
-    about as often as it replies (docs/conformance.md), so one turn is asked for
-    (--max-turns 1) and both outcomes count; the answer's length is capped to keep the run short."""
+    parses. What the 0.5B answers there is the model's: sampled, it usually calls one of the 20
+    tools instead of replying (docs/conformance.md), so one turn is asked for (--max-turns 1)
+    and both outcomes count; the answer's length is capped to keep the run short."""
     url, key = real_service
     work = git_repo(tmp_path / "work", {"README.md": "A scratch repository.\n"})
-    client, build = VARIANTS["claude-normal"]
-    config = client_config(client, url, tmp_path / "config", KEY_ENV if key else None,
-                           env={KEY_ENV: key} if key else None)
-    argv, env = build(config, url, served_name(url, key), PROMPT_OK.split(), False)
-    argv = [*argv, "--max-turns", "1", "--output-format", "json"]
-    result = run(argv, work, tmp_path / "home", bin_folder,
-                 {**env, "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64", **({KEY_ENV: key} if key else {})})
+    result = run_variant("claude-normal", url, key, bin_folder, work, PROMPT_OK.split(), task=False,
+                         extra_args=("--max-turns", "1", "--output-format", "json"),
+                         extra_env={"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64"})
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     assert lines, result.transcript[-4000:]
     outcome = json.loads(lines[-1])
