@@ -1,27 +1,51 @@
 """Request bodies: bounded reading, content decoding, strict JSON.
 
 Both the encoded and the decoded body are bounded by max_body_bytes. The encoded bytes are
-counted while they stream in (Content-Length is checked up front); decompression runs in the
-frontend worker pool and stops as soon as its output would pass the bound, so a compression
-bomb never allocates more than the limit (plus one decompressor chunk).
+counted while they stream in (Content-Length is checked up front) under a read deadline;
+decompression runs in a worker pool, stops as soon as its output would pass the bound and takes
+input in slices, so neither a compression bomb nor a body of many tiny gzip members costs more
+than linear work and the limit in memory.
+
+JSON is parsed strictly, once, here, so no protocol code sees invalid text or numbers: UTF-8 only
+(no lone surrogates, raw or escaped), finite numbers only, and bounded nesting and element counts
+checked on the bytes before parsing, so the parsed objects stay a small multiple of the body.
 """
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
+import math
+import re
 import zlib
+from dataclasses import dataclass
 from typing import Any
 
 import brotli
+import numpy as np
 import zstandard
 from aiohttp import web
 
-from helios.server.errors import ApiError, bad_request, too_large, unsupported_encoding
+from helios.server.errors import ApiError, bad_request, request_timeout, too_large, unsupported_encoding
 
 DEFAULT_MAX_BODY_BYTES = 32 << 20
+DEFAULT_BODY_TIMEOUT_S = 60.0
 _CHUNK = 1 << 16
 SUPPORTED_ENCODINGS = ("identity", "gzip", "x-gzip", "deflate", "br", "zstd")
+# Concatenated gzip members are legal but rare; each one restarts the inflater.
+MAX_GZIP_MEMBERS = 64
+
+
+@dataclass(frozen=True)
+class JsonLimits:
+    """Structure bounds of a request body, checked before parsing.
+
+    elements counts values and keys (structural `,` `:` `[` `{` outside strings); the default
+    holds several full-context token-ID prompts. depth bounds nesting (tool schemas use ~10)."""
+
+    max_elements: int = 1 << 18
+    max_depth: int = 64
 
 
 def content_encodings(header: str | None) -> list[str]:
@@ -35,16 +59,20 @@ def content_encodings(header: str | None) -> list[str]:
     return [c for c in codings if c != "identity"]
 
 
-async def read_encoded(request: web.Request, max_bytes: int) -> bytes:
-    """The raw (still encoded) body, at most max_bytes."""
+async def read_encoded(request: web.Request, max_bytes: int, timeout: float = DEFAULT_BODY_TIMEOUT_S) -> bytes:
+    """The raw (still encoded) body, at most max_bytes, fully arrived within `timeout` seconds."""
     length = request.content_length
     if length is not None and length > max_bytes:
         raise too_large(max_bytes)
     buf = bytearray()
-    async for chunk in request.content.iter_chunked(_CHUNK):
-        buf += chunk
-        if len(buf) > max_bytes:
-            raise too_large(max_bytes)
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.content.iter_chunked(_CHUNK):
+                buf += chunk
+                if len(buf) > max_bytes:
+                    raise too_large(max_bytes)
+    except TimeoutError:
+        raise request_timeout(f"the request body did not arrive within {timeout:g} s") from None
     return bytes(buf)
 
 
@@ -53,9 +81,9 @@ def decode(data: bytes, encodings: list[str], max_bytes: int) -> bytes:
     for coding in reversed(encodings):
         try:
             if coding in ("gzip", "x-gzip"):
-                data = _zlib(data, 16 + zlib.MAX_WBITS, max_bytes, multi_member=True)
+                data = _zlib(data, 16 + zlib.MAX_WBITS, max_bytes, max_members=MAX_GZIP_MEMBERS)
             elif coding == "deflate":
-                data = _zlib(data, zlib.MAX_WBITS, max_bytes, multi_member=False)
+                data = _zlib(data, zlib.MAX_WBITS, max_bytes, max_members=1)
             elif coding == "br":
                 data = _brotli(data, max_bytes)
             elif coding == "zstd":
@@ -67,24 +95,31 @@ def decode(data: bytes, encodings: list[str], max_bytes: int) -> bytes:
     return data
 
 
-def _zlib(data: bytes, wbits: int, max_bytes: int, *, multi_member: bool) -> bytes:
+def _zlib(data: bytes, wbits: int, max_bytes: int, *, max_members: int) -> bytes:
+    """Inflate members one after another. Input goes in _CHUNK slices, so what a finished
+    member leaves unused (zlib copies it) is at most one slice: linear in the body."""
     out = bytearray()
-    pending = data
-    while pending:
-        d = zlib.decompressobj(wbits)
-        chunk_in = pending
-        while True:
-            # max_length bounds what one call may allocate; unconsumed_tail holds the rest.
-            out += d.decompress(chunk_in, max_bytes + 1 - len(out))
+    view = memoryview(data)
+    pos = 0
+    members = 0
+    while pos < len(view) or members == 0:
+        members += 1
+        if members > max_members:
+            raise ValueError(f"more than {max_members} concatenated members")
+        inflater = zlib.decompressobj(wbits)
+        while not inflater.eof:
+            if pos >= len(view):
+                raise EOFError("truncated stream")
+            piece = view[pos : pos + _CHUNK]
+            pos += len(piece)
+            # max_length bounds what one call may allocate; past the limit is a 413 at once.
+            out += inflater.decompress(piece, max_bytes + 1 - len(out))
+            while inflater.unconsumed_tail and len(out) <= max_bytes:
+                out += inflater.decompress(inflater.unconsumed_tail, max_bytes + 1 - len(out))
             if len(out) > max_bytes:
                 raise too_large(max_bytes)
-            if d.eof or not d.unconsumed_tail:
-                break
-            chunk_in = d.unconsumed_tail
-        if not d.eof:
-            raise EOFError("truncated stream")
-        pending = d.unused_data if multi_member else b""
-        if not multi_member and d.unused_data:
+        pos -= len(inflater.unused_data)
+        if max_members == 1 and pos < len(view):
             raise ValueError("trailing data after the stream")
     return bytes(out)
 
@@ -115,18 +150,88 @@ def _zstd(data: bytes, max_bytes: int) -> bytes:
     return bytes(out)
 
 
+# -- strict JSON -------------------------------------------------------------------------------
+
+# A JSON string (unterminated ones run to the end). Possessive loops never backtrack: linear.
+_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"?', re.DOTALL)
+_NOT_STRUCTURAL = bytes(b for b in range(256) if b not in b",:[]{}")
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def _invalid(reason: str) -> ApiError:
+    return bad_request(f"the request body is not valid JSON: {reason}")
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def parse_json(data: bytes) -> Any:
-    """Strict JSON (no NaN/Infinity); any failure is a 400."""
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range (numbers must be finite)")
+    return value
+
+
+def check_structure(data: bytes, limits: JsonLimits) -> None:
+    """Refuse bodies with more elements or deeper nesting than `limits`, before any object is
+    built. Counting raw bytes over-counts (strings may hold brackets and commas), so only a body
+    that fails that cheap count is counted again with its strings removed."""
+    opens = data.count(b"[") + data.count(b"{")
+    if opens <= limits.max_depth and opens + data.count(b",") + data.count(b":") <= limits.max_elements:
+        return
+    structure = _STRING.sub(b"0", data).translate(None, _NOT_STRUCTURAL)
+    closes = structure.count(b"]") + structure.count(b"}")
+    if len(structure) - closes > limits.max_elements:
+        raise _invalid(f"more than {limits.max_elements} elements")
+    brackets = np.frombuffer(structure.translate(None, _NOT_BRACKET), dtype=np.uint8)
+    if brackets.size:
+        steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1).astype(np.int32)
+        if int(np.cumsum(steps).max()) > limits.max_depth:
+            raise _invalid(f"nesting deeper than {limits.max_depth} levels")
+
+
+def _lone_surrogate_path(value: Any, path: str = "$") -> str | None:
+    """The path of the first string (or key) holding a lone UTF-16 surrogate, if any."""
+    stack = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return where
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                stack.append((key, f"{where} (a key)"))
+                stack.append((child, f"{where}.{key}" if key.isascii() else f"{where}[...]"))
+        elif isinstance(item, list):
+            stack.extend((child, f"{where}[{i}]") for i, child in enumerate(item))
+    return None
+
+
+def parse_json(data: bytes, limits: JsonLimits = JsonLimits()) -> Any:
+    """Strict JSON: UTF-8 text without lone surrogates, finite numbers, bounded structure; any
+    failure is a 400 naming the problem."""
     try:
-        return json.loads(data, parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+        text = data.decode("utf-8")  # strict: refuses invalid bytes and encoded surrogates (ED A0 80)
+    except UnicodeDecodeError as exc:
+        raise _invalid(f"it is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    check_structure(data, limits)
+    del data
+    try:
+        value = json.loads(text.removeprefix("\ufeff"), parse_constant=_reject_constant, parse_float=_finite_float)
+    except (ValueError, RecursionError) as exc:
+        raise _invalid(str(exc)) from None
+    # Escaped surrogates (\ud800) parse into lone ones unless they pair up; only walk when present.
+    if "\\ud" in text or "\\uD" in text:
+        where = _lone_surrogate_path(value)
+        if where is not None:
+            raise _invalid(f"{where} holds a lone UTF-16 surrogate (text must be valid Unicode)")
+    return value
 
 
-def decode_json(data: bytes, encodings: list[str], max_bytes: int) -> Any:
+def decode_json(data: bytes, encodings: list[str], max_bytes: int, limits: JsonLimits = JsonLimits()) -> Any:
     """Worker-pool half of body handling: decompress then parse."""
-    return parse_json(decode(data, encodings, max_bytes))
+    return parse_json(decode(data, encodings, max_bytes), limits)

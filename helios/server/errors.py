@@ -10,6 +10,7 @@ picks the shape (see `app.error_renderer`).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from aiohttp import web
@@ -69,12 +70,19 @@ def unsupported_encoding(encoding: str) -> ApiError:
     )
 
 
-def rate_limited(message: str) -> ApiError:
-    return ApiError(429, "rate_limit_error", message, "rate_limit_exceeded")
+def request_timeout(message: str) -> ApiError:
+    return ApiError(408, "invalid_request_error", message, "request_timeout").with_headers({"Connection": "close"})
 
 
-def unavailable(message: str) -> ApiError:
-    return ApiError(503, "server_error", message, "service_unavailable")
+def rate_limited(message: str, retry_after: int = 1) -> ApiError:
+    return ApiError(429, "rate_limit_error", message, "rate_limit_exceeded").with_headers(
+        {"Retry-After": str(retry_after)})
+
+
+def unavailable(message: str, retry_after: int | None = None) -> ApiError:
+    """503. With `retry_after` (overload, draining) the condition is temporary: clients may retry."""
+    error = ApiError(503, "server_error", message, "service_unavailable")
+    return error.with_headers({"Retry-After": str(retry_after)}) if retry_after is not None else error
 
 
 def server_error(message: str) -> ApiError:
@@ -85,9 +93,27 @@ def openai_error_body(error: ApiError) -> dict[str, Any]:
     return {"error": {"type": error.type, "message": error.message, "param": error.param, "code": error.code}}
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def dumps(data: Any) -> str:
-    # Non-ASCII stays readable; JSON has no NaN, so callers map non-finite numbers first.
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    """Compact JSON that always encodes as UTF-8: non-ASCII stays readable; a lone surrogate
+    (echoed from a header or path) becomes U+FFFD; a non-finite number becomes null."""
+    try:
+        text = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except ValueError:  # NaN/Infinity has no JSON spelling
+        text = json.dumps(_finite(data), ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return _SURROGATE.sub("\ufffd", text) if not text.isascii() else text
+
+
+def _finite(data: Any) -> Any:
+    if isinstance(data, float):
+        return data if data == data and abs(data) != float("inf") else None
+    if isinstance(data, dict):
+        return {k: _finite(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite(v) for v in data]
+    return data
 
 
 def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
