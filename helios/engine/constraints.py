@@ -57,6 +57,12 @@ def parser_limits() -> Any:
                                      max_lexer_states=100_000, initial_lexer_fuel=1_000_000)
 
 
+def first_line(error: str) -> str:
+    """llguidance's error without the parser state dump it appends."""
+    text = error.strip()
+    return text.splitlines()[0] if text else error
+
+
 class ConstraintError(Exception):
     """The request's grammar cannot continue (the request fails)."""
 
@@ -98,7 +104,7 @@ class RowConstraint:
 
             self.matcher = llguidance.LLMatcher(tokenizer, self.grammar, log_level=0, limits=parser_limits())
             if self.matcher.is_error():
-                raise ConstraintError(f"the output grammar failed: {self.matcher.get_error()}")
+                raise ConstraintError(f"the output grammar failed: {first_line(self.matcher.get_error())}")
         return self.matcher
 
     def force_close(self, num_generated: int, max_new_tokens: int, text: str) -> bool:
@@ -138,7 +144,7 @@ class RowConstraint:
             if matcher is None:
                 return  # nothing was masked yet (cannot happen: masks precede samples)
             if not matcher.consume_token(token):
-                raise ConstraintError(f"the output violated its grammar: {matcher.get_error()}")
+                raise ConstraintError(f"the output violated its grammar: {first_line(matcher.get_error())}")
 
 
 @dataclass
@@ -229,12 +235,12 @@ class Constraints:
         tokenizer = self._tokenizer()
         matcher = c.matcher_for(tokenizer)
         if matcher.is_error():
-            raise ConstraintError(f"the output grammar failed: {matcher.get_error()}")
+            raise ConstraintError(f"the output grammar failed: {first_line(matcher.get_error())}")
         words = (tokenizer.vocab_size + 31) // 32
         bits = np.full(words, -1, dtype=np.int32)
         matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.size * 4)
         if matcher.is_error():
-            raise ConstraintError(f"the output grammar failed: {matcher.get_error()}")
+            raise ConstraintError(f"the output grammar failed: {first_line(matcher.get_error())}")
         allowed = np.unpackbits(bits.view(np.uint8), bitorder="little").astype(bool)
         if allowed.size < self.vocab_size:
             allowed = np.concatenate([allowed, np.zeros(self.vocab_size - allowed.size, dtype=bool)])

@@ -18,10 +18,16 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from helios.engine.constraints import llg_tokenizer, parser_limits
+import llguidance
+import numpy as np
+
+from helios.engine.constraints import first_line, llg_tokenizer, parser_limits
 from helios.frontend.errors import RequestError
 
 MAX_SOURCE_BYTES = 1 << 20
+# The admission probe: this many tokens deep, along at most this many paths.
+PROBE_STEPS = 3
+PROBE_WIDTH = 4
 # Compact JSON (one space after ':' and ','): no runaway whitespace, and the spelling models use.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -191,28 +197,61 @@ class Compiler:
         return self._special
 
     def validate(self, grammar: str, what: str, param: str) -> str:
-        import llguidance
-
+        """Compile `grammar`, then prove it usable: a grammar can compile and still fail on its
+        first tokens (a lexer blow-up like a{1000000}, a row past llguidance's item limit, a rule
+        with no terminating derivation). Each of those fails every time, so it is a 400 here
+        rather than an engine failure after admission."""
         try:
             error = llguidance.LLMatcher.validate_grammar(grammar, self.llg, limits=parser_limits())
         except Exception as exc:  # malformed grammar JSON from our side, or a limit
             error = str(exc)
         if error and not error.startswith("WARNING"):
-            first = error.strip().splitlines()[0] if error.strip() else error
-            raise GrammarError(f"the {what} grammar does not compile: {first}", param=param)
+            raise GrammarError(f"the {what} grammar does not compile: {first_line(error)}", param=param)
+        problem = self._probe(grammar)
+        if problem:
+            raise GrammarError(f"the {what} grammar cannot generate: {problem}", param=param)
         return grammar
+
+    def _probe(self, grammar: str) -> str | None:
+        """Walk the first PROBE_STEPS tokens of a few paths (tokens spread over each mask);
+        the first error found, or None."""
+        words = (self.llg.vocab_size + 31) // 32
+        bits = np.zeros(words, dtype=np.int32)
+        frontier = [llguidance.LLMatcher(self.llg, grammar, log_level=0, limits=parser_limits())]
+        for _ in range(PROBE_STEPS):
+            following = []
+            for matcher in frontier:
+                if not matcher.is_error():
+                    matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.size * 4)
+                if matcher.is_error():
+                    error = first_line(matcher.get_error())
+                    return "it admits no complete output" if error == "NoExtensionBias" else error
+                if matcher.is_stopped():
+                    continue
+                allowed = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little"))
+                if allowed.size == 0:
+                    return "no token can follow" if not matcher.is_accepting() else None
+                picks = allowed[np.linspace(0, allowed.size - 1, min(PROBE_WIDTH, allowed.size)).astype(int)]
+                for token in dict.fromkeys(int(t) for t in picks):
+                    branch = matcher.deep_copy()
+                    branch.consume_token(token)
+                    if branch.is_error():
+                        return first_line(branch.get_error())
+                    following.append(branch)
+            frontier = following[:PROBE_WIDTH]
+        return None
 
     def output_grammar(self, fmt: OutputFormat, tool_syntax: str | None, tools: dict[str, dict[str, Any]],
                        param: str, bare_calls: bool = True) -> str:
         """`tools`: the presented tools' parameter schemas by model-facing name."""
         _check_size(fmt.source, "output", param)
         envelope = envelope_for(tool_syntax, self.special_tokens())
+        if envelope is not None and tools:  # a usable call path must not hide an unusable answer
+            self.validate(structured_grammar(fmt, None, {}), "output", param)
         return self.validate(structured_grammar(fmt, envelope, tools, bare_calls), "output", param)
 
     def tool_grammar(self, syntax: str, definition: str, param: str) -> "TextGrammar":
         """A Responses custom tool's Lark or regex grammar."""
-        import llguidance
-
         if not isinstance(definition, str) or not definition:
             raise GrammarError("a custom tool grammar needs a nonempty definition", param=param)
         _check_size(definition, "custom tool", param)
@@ -233,8 +272,6 @@ class TextGrammar:
         self.grammar = grammar
 
     def matches(self, text: str) -> bool:
-        import llguidance
-
         tok = self.compiler.llg
         matcher = llguidance.LLMatcher(tok, self.grammar, log_level=0, limits=parser_limits())
         ids = tok.tokenize_str(text) if text else []
