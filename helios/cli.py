@@ -38,8 +38,6 @@ def serve(
     dashboard: bool = typer.Option(False, "--dashboard", help="show the `helios top` dashboard while serving"),
 ) -> None:
     """Serve CORE over the OpenAI-compatible HTTP API."""
-    from aiohttp import web
-
     try:
         manifest = Manifest.load(core)
         settings = ServerConfig.load(config) if config else ServerConfig()
@@ -62,7 +60,8 @@ def serve(
         raise typer.Exit(2) from None
 
     from helios.engine.engine import Engine
-    from helios.server.app import create_app
+    from helios.server import lifecycle
+    from helios.server.app import CTX_KEY, create_app
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = Engine(core, manifest, max_concurrency=settings.max_concurrency, kv_pages=kv_pages, threads=threads,
@@ -84,7 +83,7 @@ def serve(
 
         stop = _start_dashboard(settings) if dashboard else None
         try:
-            web.run_app(application, host=settings.host, port=settings.port, print=ready, access_log=None)
+            lifecycle.serve(application, application[CTX_KEY], settings, ready)
         finally:
             if stop is not None:
                 stop.set()

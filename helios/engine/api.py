@@ -36,7 +36,7 @@ class SamplingParams:
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, stop token id, or stop string
     LENGTH = "length"  # max_tokens reached, or context/page capacity exhausted
-    ABORT = "abort"  # cancelled by the client
+    ABORT = "abort"  # cancelled: by the client, or (GenerationEvent.error says why) by the server
     ERROR = "error"  # engine failure; GenerationEvent.error has the message
 
 
@@ -78,6 +78,9 @@ class GenerationRequest:
     # Prompt scoring (api.md "Prompt log probabilities"): None, or the natural alternatives
     # (0..20) per prompt position. Scoring starts from an uncached prompt.
     prompt_logprobs: int | None = None
+    # time.monotonic() after which a request never yet admitted to a batch gives up waiting:
+    # it ends with ABORT and an error saying so (the server's bounded queue wait). None: no bound.
+    queue_deadline: float | None = None
 
 
 @dataclass

@@ -34,6 +34,9 @@ log = logging.getLogger("helios.engine")
 Sink = Callable[[GenerationEvent], None]
 
 
+QUEUE_DEADLINE_MESSAGE = "no model slot became free before the queue deadline; retry shortly"
+
+
 @dataclass
 class EngineStats:
     active: int  # admitted sequences (holding pages)
@@ -134,7 +137,7 @@ class Engine:
 
         self._cv = threading.Condition()
         self._inbox: list[Sequence] = []  # guarded by _cv
-        self._aborts: list[str] = []  # guarded by _cv
+        self._aborts: list[tuple[str, str | None]] = []  # (request id, server's reason); guarded by _cv
         self._live: set[str] = set()  # request ids submitted and not yet finished; guarded by _cv
         self._next_arrival = 0  # guarded by _cv
         self._stopping = False
@@ -225,14 +228,23 @@ class Engine:
             if not 0 <= request.prompt_logprobs <= top:
                 raise ValueError(f"prompt_logprobs must be between 0 and {top}")
 
-    def abort(self, request_id: str) -> bool:
-        """Cancel a request at the next step boundary (final event: ABORT). False if not live."""
+    def abort(self, request_id: str, reason: str | None = None) -> bool:
+        """Cancel a request at the next step boundary (final event: ABORT, with `reason` as its
+        error when the server rather than the client cancels). False if not live."""
         with self._cv:
             if request_id not in self._live:
                 return False
-            self._aborts.append(request_id)
+            self._aborts.append((request_id, reason))
             self._cv.notify()
             return True
+
+    def abort_all(self, reason: str) -> int:
+        """Cancel every live request (a drain deadline passed); returns how many."""
+        with self._cv:
+            live = sorted(self._live)
+            self._aborts.extend((rid, reason) for rid in live)
+            self._cv.notify()
+        return len(live)
 
     def stats(self) -> EngineStats:
         with self._cv:
@@ -343,14 +355,30 @@ class Engine:
         for seq in inbox:
             self._seqs[seq.request_id] = seq
             self.scheduler.add(seq)
-        for rid in aborts:
+        for rid, reason in aborts:
             seq = self._seqs.get(rid)
             if seq is None:
                 continue  # finished in the meantime
-            self.scheduler.remove(seq)
-            seq.finish_reason = FinishReason.ABORT
-            emitted.append((seq, self._final_event(seq, [], "", None)))
-        return bool(inbox or aborts)
+            emitted.append((seq, self._cancel(seq, reason)))
+        expired = self._expired_waits()
+        for seq in expired:
+            emitted.append((seq, self._cancel(seq, QUEUE_DEADLINE_MESSAGE)))
+        return bool(inbox or aborts or expired)
+
+    def _expired_waits(self) -> list[Sequence]:
+        """Waiting sequences never admitted whose queue deadline has passed (a preempted one
+        already produced output, so it keeps its place)."""
+        now = time.monotonic()
+        return [seq for seq in self.scheduler.waiting
+                if seq.num_preemptions == 0 and seq.request.queue_deadline is not None
+                and seq.request.queue_deadline <= now]
+
+    def _cancel(self, seq: Sequence, reason: str | None) -> GenerationEvent:
+        self.scheduler.remove(seq)
+        seq.finish_reason = FinishReason.ABORT
+        event = self._final_event(seq, [], "", None)
+        event.error = reason
+        return event
 
     def _run_batch(self, batch: Batch, emitted: list[tuple[Sequence, GenerationEvent]]) -> None:
         rows = [

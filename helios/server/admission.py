@@ -22,6 +22,9 @@ from helios.server.errors import ApiError, bad_request, rate_limited, server_err
 
 log = logging.getLogger("helios.server")
 
+# What 429/503 answers suggest in Retry-After: overload clears as running requests finish.
+RETRY_AFTER_SECONDS = 2
+
 
 class EngineLike(Protocol):
     def submit(self, request: GenerationRequest, sink: Callable[[GenerationEvent], None]) -> None: ...
@@ -33,7 +36,7 @@ class Admission:
 
     def __init__(self, slots: int, queue_size: int | None = None):
         self.slots = slots
-        self.queue_size = queue_size  # bound on engine-pending requests; None: slots bound it
+        self.queue_size = queue_size  # bound on engine-pending requests; None: unbounded
         self.used = 0
 
     def reserve(self, count: int, pending_in_engine: int = 0) -> "Reservation":
@@ -43,9 +46,10 @@ class Admission:
                 f"this server has {self.slots}"
             )
         if self.used + count > self.slots:
-            raise rate_limited(f"all {self.slots} admission slots are busy; retry shortly")
-        if self.queue_size is not None and pending_in_engine + count > self.queue_size:
-            raise unavailable("the model request queue is full; retry shortly")
+            raise rate_limited(f"all {self.slots} admission slots are busy; retry shortly", RETRY_AFTER_SECONDS)
+        # A group arriving at an empty queue always fits (slots bound it), so no n is refused forever.
+        if self.queue_size is not None and pending_in_engine and pending_in_engine + count > self.queue_size:
+            raise unavailable("the model request queue is full; retry shortly", RETRY_AFTER_SECONDS)
         self.used += count
         return Reservation(self, count)
 
@@ -158,9 +162,10 @@ class GenerationGroup:
 
 
 def terminal_failure(event: GenerationEvent) -> ApiError | None:
-    """The error a final event stands for, if it is not a normal completion."""
+    """The error a final event stands for, if it is not a normal completion: a server-side
+    cancellation (queue deadline, drain) is a retryable 503, a failed step a 500."""
+    if event.finish_reason == FinishReason.ABORT:
+        return unavailable(event.error or "the request was cancelled by the model runtime", RETRY_AFTER_SECONDS)
     if event.finish_reason == FinishReason.ERROR or event.error:
         return server_error(f"generation failed: {event.error or 'engine error'}")
-    if event.finish_reason == FinishReason.ABORT:
-        return unavailable("the request was cancelled by the model runtime")
     return None

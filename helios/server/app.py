@@ -25,7 +25,7 @@ from helios.frontend.tokenizer import Tokenizer
 from helios.manifest import Manifest
 from helios.protocols import chat, completions, decisions, messages, models, ollama, responses, systemone
 from helios.server import metrics
-from helios.server.admission import Admission
+from helios.server.admission import RETRY_AFTER_SECONDS, Admission
 from helios.server.config import ConfigError, ServerConfig
 from helios.server.context import ServerContext
 from helios.server.errors import (
@@ -46,7 +46,6 @@ log = logging.getLogger("helios.server")
 
 CTX_KEY = web.AppKey("flare_context", ServerContext)
 COLLECTOR_KEY = web.AppKey("flare_collector", metrics.FlareCollector)
-STATE_KEY = web.AppKey("flare_state", dict)
 
 # Aggregate-only routes anyone may read (api.md: no request content is exposed there).
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -87,7 +86,8 @@ def create_app(manifest: Manifest, core_dir: Path, engine: Any, config: ServerCo
                      daemon=True).start()
     template = ChatTemplate.from_core(core_dir, manifest, bos_token=tokenizer.bos_token,
                                       eos_token=tokenizer.eos_token)
-    admission = Admission(config.http_admission_slots, config.queue_size)
+    max_concurrency = config.max_concurrency or manifest.limits.max_concurrency
+    admission = Admission(config.http_admission_slots, config.effective_queue_size(max_concurrency))
     http = metrics.HttpStats(admission_slots=config.http_admission_slots)
     executor = ThreadPoolExecutor(max_workers=config.frontend_workers, thread_name_prefix="helios-frontend")
     ctx = ServerContext(
@@ -101,7 +101,6 @@ def create_app(manifest: Manifest, core_dir: Path, engine: Any, config: ServerCo
     )
     app[CTX_KEY] = ctx
     app[COLLECTOR_KEY] = metrics.FlareCollector(engine, http, admission, manifest.decode_weight_bytes)
-    app[STATE_KEY] = {"serving": True}
 
     def route(handler: Handler, generation: bool = False) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def wrapped(request: web.Request) -> web.StreamResponse:
@@ -131,7 +130,7 @@ def create_app(manifest: Manifest, core_dir: Path, engine: Any, config: ServerCo
     app.router.add_post("/api/show", route(ollama.show))
 
     async def on_shutdown(_: web.Application) -> None:
-        app[STATE_KEY]["serving"] = False
+        ctx.draining = True
 
     async def on_cleanup(_: web.Application) -> None:
         executor.shutdown(wait=False, cancel_futures=True)
@@ -182,7 +181,13 @@ async def _error_middleware(request: web.Request, handler: Callable) -> web.Stre
 
 
 def _key_matches(presented: str, key: str) -> bool:
-    return hmac.compare_digest(presented.encode(), key.encode())
+    """Constant-time comparison of the key's bytes. aiohttp keeps undecodable header bytes as
+    surrogate escapes, so encode them back to the bytes that were sent (never a match)."""
+    try:
+        sent = presented.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return False
+    return hmac.compare_digest(sent, key.encode("utf-8"))
 
 
 def authorized(headers: Any, key: str, anthropic: bool) -> bool:
@@ -216,9 +221,10 @@ async def _auth_middleware(request: web.Request, handler: Callable) -> web.Strea
 # -- open routes -----------------------------------------------------------------------------------
 
 async def health(request: web.Request) -> web.Response:
-    if not request.app[STATE_KEY]["serving"]:
-        raise unavailable("the server is shutting down")
     ctx = request.app[CTX_KEY]
+    if ctx.draining:
+        raise unavailable("the server is draining: it finishes in-flight requests and takes no new ones",
+                          RETRY_AFTER_SECONDS)
     try:
         ctx.engine.stats()
         check = getattr(ctx.engine, "healthy", None)  # the step loop is alive and accepting work

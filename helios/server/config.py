@@ -7,7 +7,13 @@
     max_body_bytes = 33554432     # bound on encoded and decoded request bodies
     max_concurrency = 8           # engine active sequences (default: the core's limit)
     http_admission_slots = 256    # generated choices admitted at once (429 beyond)
-    queue_size = 64               # engine-pending requests before 503 (default: unbounded)
+    queue_size = 64               # engine-pending requests before 503 (default: 4 x max_concurrency)
+    queue_timeout_s = 120         # longest wait for a first batch slot before a 503 (0: no deadline)
+    drain_timeout_s = 30          # on SIGTERM: how long in-flight requests may finish
+    header_timeout_s = 30         # request headers (and an idle keep-alive) must arrive within this
+    body_timeout_s = 60           # a request body must arrive within this
+    max_json_elements = 262144    # values and keys in a body (default: max(body/128, 4 x context))
+    max_json_depth = 64           # nesting of a body
     thinking_token_budget = 4096  # default reasoning cap; needs a core with reasoning syntax
     frontend_workers = 4          # threads for decompression, templating and tokenization
     prefix_cache = true           # reuse KV prefix checkpoints across requests
@@ -22,10 +28,15 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from helios.server.bodies import DEFAULT_MAX_BODY_BYTES
+from helios.server.bodies import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, JsonLimits
 
 DEFAULT_ADMISSION_SLOTS = 256
 DEFAULT_FRONTEND_WORKERS = 4
+DEFAULT_QUEUE_PER_SEQUENCE = 4  # default queue_size: this many waiting requests per batch slot
+DEFAULT_QUEUE_TIMEOUT_S = 120.0
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+DEFAULT_HEADER_TIMEOUT_S = 30.0
+DEFAULT_MAX_JSON_DEPTH = JsonLimits.max_depth
 _INT32_MAX = (1 << 31) - 1
 
 
@@ -42,6 +53,12 @@ class ServerConfig:
     max_concurrency: int | None = None
     http_admission_slots: int = DEFAULT_ADMISSION_SLOTS
     queue_size: int | None = None
+    queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    max_json_elements: int | None = None
+    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
     thinking_token_budget: int | None = None
     frontend_workers: int = DEFAULT_FRONTEND_WORKERS
     prefix_cache: bool = True
@@ -89,6 +106,16 @@ class ServerConfig:
             positive("max_concurrency", self.max_concurrency)
         if self.queue_size is not None:
             positive("queue_size", self.queue_size)
+        if self.max_json_elements is not None:
+            positive("max_json_elements", self.max_json_elements)
+        positive("max_json_depth", self.max_json_depth)
+        for name in ("queue_timeout_s", "drain_timeout_s", "header_timeout_s", "body_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e6:
+                raise ConfigError(f"{where}: {name} must be a number of seconds (0 or more)")
+        for name in ("header_timeout_s", "body_timeout_s"):
+            if getattr(self, name) == 0:
+                raise ConfigError(f"{where}: {name} must be more than 0 seconds")
         if self.thinking_token_budget is not None:
             positive("thinking_token_budget", self.thinking_token_budget, _INT32_MAX)
         if not isinstance(self.prefix_cache, bool):
@@ -99,6 +126,17 @@ class ServerConfig:
         allowance = self.checkpoint_work_allowance_us
         if isinstance(allowance, bool) or not isinstance(allowance, int) or allowance < 0:
             raise ConfigError(f"{where}: checkpoint_work_allowance_us must be a nonnegative integer")
+
+    def effective_queue_size(self, max_concurrency: int) -> int:
+        return self.queue_size if self.queue_size is not None else DEFAULT_QUEUE_PER_SEQUENCE * max_concurrency
+
+    def json_limits(self, context_length: int) -> JsonLimits:
+        """Body structure bounds: by default enough for several full-context token-ID prompts,
+        and for parsed objects to stay a small multiple of the body limit."""
+        elements = self.max_json_elements
+        if elements is None:
+            elements = max(self.max_body_bytes // 128, 4 * context_length, 1024)
+        return JsonLimits(max_elements=elements, max_depth=self.max_json_depth)
 
     def prefix_cache_config(self):  # noqa: ANN201 - helios.engine.prefix_cache.PrefixCacheConfig
         from helios.engine.prefix_cache import PrefixCacheConfig

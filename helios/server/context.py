@@ -22,12 +22,14 @@ from helios.frontend.template import ChatTemplate
 from helios.frontend.tokenizer import Tokenizer
 from helios.manifest import Manifest
 from helios.server import bodies
-from helios.server.admission import Admission, GenerationGroup, Reservation
+from helios.server.admission import RETRY_AFTER_SECONDS, Admission, GenerationGroup, Reservation
 from helios.server.config import ServerConfig
-from helios.server.errors import ApiError, bad_request
+from helios.server.errors import ApiError, bad_request, unavailable
 from helios.server.metrics import HttpStats
 
 T = TypeVar("T")
+
+INLINE_BODY_BYTES = 64 << 10
 
 
 @dataclass
@@ -42,6 +44,7 @@ class ServerContext:
     http: HttpStats
     executor: ThreadPoolExecutor
     created: int = field(default_factory=lambda: int(time.time()))  # discovery init time
+    draining: bool = False  # SIGTERM received: /health is 503 and no new generation is admitted
 
     @property
     def model_id(self) -> str:
@@ -61,16 +64,26 @@ class ServerContext:
         except RequestError as exc:
             raise ApiError.from_request_error(exc) from None
 
+    @property
+    def json_limits(self) -> bodies.JsonLimits:
+        return self.config.json_limits(self.manifest.limits.context_length)
+
     async def read_json_object(self, request: web.Request) -> dict[str, Any]:
         encodings = bodies.content_encodings(request.headers.get("Content-Encoding"))
         limit = self.config.max_body_bytes
-        raw = await bodies.read_encoded(request, limit)
-        body = await self.in_frontend(bodies.decode_json, raw, encodings, limit)
+        raw = await bodies.read_encoded(request, limit, self.config.body_timeout_s)
+        if not encodings and len(raw) <= INLINE_BODY_BYTES:
+            # Small plain bodies parse in well under a millisecond: no queueing behind big ones.
+            body = bodies.parse_json(raw, self.json_limits)
+        else:
+            body = await self.in_frontend(bodies.decode_json, raw, encodings, limit, self.json_limits)
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
         return body
 
     def reserve(self, count: int) -> Reservation:
+        if self.draining:
+            raise unavailable("the server is shutting down; retry on another replica", RETRY_AFTER_SECONDS)
         pending = self.engine.stats().pending if self.admission.queue_size is not None else 0
         try:
             return self.admission.reserve(count, pending)
@@ -80,6 +93,10 @@ class ServerContext:
             raise
 
     def start_group(self, requests: list[GenerationRequest], reservation: Reservation | None) -> GenerationGroup:
+        if self.config.queue_timeout_s:
+            deadline = time.monotonic() + self.config.queue_timeout_s
+            for request in requests:
+                request.queue_deadline = deadline
         group = GenerationGroup(self.engine, requests, reservation, self.http.first_response)
         group.submit()
         return group
