@@ -26,7 +26,11 @@ from typing import Any, get_type_hints
 # 1.4: `quantization.matmul_op`: int4 cores store their matmuls as ai.flare.MatMulInt4 (flare's
 #      tiled int4 layout, run by helios/kernels); qwen2/llama step graphs attend with
 #      ai.flare.PagedAttention. An older helios cannot open such graphs.
-FORMAT_VERSION = "1.4"
+# 1.5: `digest` covers the whole manifest: the sha256 of core.json's canonical JSON without the
+#      `digest` field (so of the `files` listing too). A hand-edited limit is refused like an
+#      edited file. 1.1-1.4 cores keep their listing-only digest.
+FORMAT_VERSION = "1.5"
+CONTENT_DIGEST_SINCE = (1, 5)
 MANIFEST_NAME = "core.json"
 
 
@@ -249,7 +253,7 @@ class Manifest:
     parity: Parity | None = None
     toolchain: dict[str, str] = field(default_factory=dict)  # package -> version, "flare-exporter" -> code digest
     files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256, every file but core.json
-    digest: str = ""  # sha256 of listing_text(files): one id for the core's content ("" before 1.1)
+    digest: str = ""  # content_digest(core.json) since 1.5; the listing's sha256 in 1.1-1.4; "" in 1.0
     format_version: str = FORMAT_VERSION
     state: StateLayout | None = None  # recurrent per-sequence state (1.3); None: attention only
     quantization: Quantization | None = None  # (1.3) weight storage of a quantized core; None: fp32 or older
@@ -280,7 +284,7 @@ class Manifest:
             for p in sorted(folder.rglob("*"))
             if p.is_file() and p.relative_to(folder).as_posix() != MANIFEST_NAME
         }
-        self.digest = listing_digest(self.files)
+        self.digest = content_digest(dataclasses.asdict(self))
 
     def to_json(self) -> str:
         # sort_keys keeps the file byte-stable across runs (reproducible cores).
@@ -329,9 +333,11 @@ class Manifest:
         for rel in self.files:
             if not _safe_relative(rel):
                 raise ManifestError(f"core file {rel!r} in {MANIFEST_NAME} is not a plain relative path")
-        if self.digest and listing_digest(self.files) != self.digest:
+        if self.digest_matches(folder) is False:
+            what = "its fields or file listing" if _covers_content(self.format_version) else "its file listing"
             raise ManifestError(
-                f"the file listing in {folder / MANIFEST_NAME} does not match its digest (files were edited)"
+                f"{folder / MANIFEST_NAME} does not match its digest: {what} changed after export "
+                "(restore the original core.json or export the core again)"
             )
         for rel in self.referenced_files():
             if not _safe_relative(rel):
@@ -346,6 +352,32 @@ class Manifest:
                 raise ManifestError(f"core file {rel} is missing from {folder}")
             if file_sha256(target) != digest:
                 raise ManifestError(f"core file {rel} does not match its digest in {MANIFEST_NAME}")
+
+
+    def digest_matches(self, folder: Path) -> bool | None:
+        """Whether core.json on disk matches `digest` (None: a 1.0 core has none)."""
+        if not _covers_content(self.format_version):
+            return listing_digest(self.files) == self.digest if self.digest else None
+        try:
+            data = json.loads((Path(folder) / MANIFEST_NAME).read_text())
+        except (OSError, ValueError):
+            return False
+        return bool(self.digest) and content_digest(data) == self.digest
+
+
+def _covers_content(format_version: str) -> bool:
+    try:
+        major, minor = (int(part) for part in format_version.split(".")[:2])
+    except ValueError:
+        return True
+    return (major, minor) >= CONTENT_DIGEST_SINCE
+
+
+def content_digest(data: dict[str, Any]) -> str:
+    """sha256 of a manifest's fields but `digest`, as canonical JSON (sorted keys, no spaces)."""
+    body = {key: value for key, value in data.items() if key != "digest"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def listing_text(files: dict[str, str]) -> str:

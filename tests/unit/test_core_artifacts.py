@@ -7,6 +7,7 @@ Everything runs on the tiny random qwen2 checkpoint (fp32 exports of ~10 s, cach
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -21,7 +22,15 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from helios.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, ManifestError, file_sha256
+from helios.manifest import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    Manifest,
+    ManifestError,
+    content_digest,
+    file_sha256,
+    listing_text,
+)
 from ignition.cli import app
 from ignition.export import cache as export_cache
 from ignition.export.pipeline import ExportError, ExportOptions, export_core
@@ -178,13 +187,15 @@ def test_manifest_records_toolchain_and_digest(tiny_core):
                                    "chat_template.jinja"}
     for rel, digest in manifest.files.items():
         assert file_sha256(tiny_core / rel) == digest
-    # The digest is the sha256 of the listing in sha256sum format: `sha256sum -c` checks a core.
+    # The listing is in sha256sum format (`sha256sum -c` checks a core); the digest covers the
+    # whole manifest: the sha256 of core.json's canonical JSON without the digest itself.
     listing = "".join(f"{manifest.files[rel]}  {rel}\n" for rel in sorted(manifest.files))
-    import hashlib
-
-    assert manifest.digest == hashlib.sha256(listing.encode()).hexdigest()
+    assert listing_text(manifest.files) == listing
     text = (tiny_core / MANIFEST_NAME).read_text()
     assert text == manifest.to_json()  # sorted keys, stable formatting
+    fields = {k: v for k, v in json.loads(text).items() if k != "digest"}
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    assert manifest.digest == hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def test_other_precision_from_cache_skips_read_convert_export(
@@ -357,7 +368,9 @@ def test_helios_serve_refuses_a_tampered_core_before_binding(tiny_core, tmp_path
         ("flip", "core file step.onnx.data does not match its digest"),
         ("missing", "core file tokenizer.json is missing"),
         ("major", "has format version '2.0'; this helios reads 1.x"),
-        ("listing", "file listing"),
+        ("listing", "core.json does not match its digest: its fields or file listing changed"),
+        ("limits", "core.json does not match its digest: its fields or file listing changed"),
+        ("no digest", "core.json does not match its digest"),
         ("unlisted", "core file chat_template.jinja is used by core.json but not listed"),
         ("escape", "not a plain relative path"),
     ],
@@ -376,12 +389,17 @@ def test_helios_refuses_bad_cores_without_starting_anything(tiny_core, tmp_path,
     elif tamper == "listing":  # a file swapped with its listed digest updated, the core digest not
         (core / "chat_template.jinja").write_text("{{ messages }}")
         data["files"]["chat_template.jinja"] = file_sha256(core / "chat_template.jinja")
-    elif tamper == "unlisted":
-        del data["files"]["chat_template.jinja"]
+    elif tamper == "limits":  # a copied core edited by hand to claim more than it was built for
+        data["limits"]["context_length"] *= 2
+        data["limits"]["kv_pages"] *= 2
+    elif tamper == "no digest":
         data.pop("digest")
+    elif tamper == "unlisted":  # re-sealed, so the listing rule itself is what refuses it
+        del data["files"]["chat_template.jinja"]
+        data["digest"] = content_digest(data)
     elif tamper == "escape":
         data["files"]["../outside"] = "0" * 64
-        data.pop("digest")
+        data["digest"] = content_digest(data)
     (core / MANIFEST_NAME).write_text(json.dumps(data))
     with pytest.raises(ManifestError, match=re.escape(message)):
         Manifest.load(core)
@@ -389,7 +407,7 @@ def test_helios_refuses_bad_cores_without_starting_anything(tiny_core, tmp_path,
     def never(*args, **kwargs):
         raise AssertionError("helios went on after a bad core")
 
-    monkeypatch.setattr("aiohttp.web.run_app", never)
+    monkeypatch.setattr("helios.server.lifecycle.serve", never)
     monkeypatch.setattr("helios.engine.engine.Engine", never)
     result = CliRunner().invoke(helios_app, ["serve", str(core), "--port", str(free_port())], env=WIDE)
     assert result.exit_code == 2
@@ -403,8 +421,14 @@ def test_older_and_newer_minor_versions_load(tiny_core, tmp_path):
     (core / MANIFEST_NAME).write_text(json.dumps(old))
     assert Manifest.load(core).digest == ""
     newer = data | {"format_version": "1.9", "some_future_field": {"x": 1}}  # minor: optional additions
+    newer["digest"] = content_digest(newer)  # the digest covers fields this helios does not know
     (core / MANIFEST_NAME).write_text(json.dumps(newer))
-    assert Manifest.load(core).digest == data["digest"]
+    assert Manifest.load(core).digest == newer["digest"]
+    listing_only = data | {"format_version": "1.4"}  # 1.1-1.4: the digest covers the file listing only
+    listing_only["digest"] = hashlib.sha256(listing_text(data["files"]).encode()).hexdigest()
+    listing_only["limits"] = data["limits"] | {"max_concurrency": 3}
+    (core / MANIFEST_NAME).write_text(json.dumps(listing_only))
+    assert Manifest.load(core).limits.max_concurrency == 3
 
 
 # -- inspect and verify ------------------------------------------------------------------------
