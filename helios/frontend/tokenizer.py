@@ -10,14 +10,40 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from helios.frontend.errors import RequestError
 from helios.manifest import Manifest, TokenizerSpec
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+# Texts longer than this are first counted in pieces of about this size (see _refuse_past_context).
+PIECE_CHARS = 1 << 16
+# Tokens a cut between two pieces may add or remove (a pre-token split in two).
+CUT_MARGIN_TOKENS = 4
+
+
+def _past_context(limit: int) -> RequestError:
+    return RequestError(f"the text has more tokens than this core's context of {limit} tokens")
+
+
+def _pieces(text: str) -> Iterator[str]:
+    """`text` in pieces of about PIECE_CHARS, each ending after a whitespace character where
+    one comes soon (a piece boundary then falls between pre-tokens)."""
+    start = 0
+    while start < len(text):
+        end = start + PIECE_CHARS
+        if end < len(text):
+            match = _WHITESPACE.search(text, end, end + 1024)
+            end = match.end() if match else end
+        yield text[start:end]
+        start = end
+
+
+_WHITESPACE = re.compile(r"\s")
 
 
 @lru_cache(maxsize=1)
@@ -41,9 +67,14 @@ def _gpt2_unicode_to_byte() -> dict[str, int]:
 class Tokenizer:
     """Encode/decode plus per-token strings and exact bytes (for logprob `bytes`)."""
 
-    def __init__(self, tokenizer_json: str, spec: TokenizerSpec, vocab_size: int):
+    def __init__(self, tokenizer_json: str, spec: TokenizerSpec, vocab_size: int, max_tokens: int | None = None):
         self._tok = HFTokenizer.from_str(tokenizer_json)
         self.spec = spec
+        # The core's context: a longer text is refused (RequestError) before it is tokenized whole.
+        self.max_tokens = max_tokens
+        # No token covers more characters than its longest vocabulary string (byte-level BPE
+        # writes one character per byte; an added token is its content).
+        self._max_token_chars = max((len(piece) for piece in self._tok.get_vocab(with_added_tokens=True)), default=1)
         # The prepared output vocabulary may be larger than the tokenizer (padded embeddings);
         # ids in that gap are valid model ids that decode to nothing.
         self.vocab_size = vocab_size
@@ -63,12 +94,14 @@ class Tokenizer:
     @classmethod
     def from_core(cls, core_dir: Path, manifest: Manifest) -> "Tokenizer":
         text = (Path(core_dir) / manifest.tokenizer.file).read_text(encoding="utf-8")
-        return cls(text, manifest.tokenizer, manifest.architecture.vocab_size)
+        return cls(text, manifest.tokenizer, manifest.architecture.vocab_size, manifest.limits.context_length)
 
     # -- encoding -------------------------------------------------------------------------
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`; add_bos None follows the manifest (raw-prompt policy)."""
+        if self.max_tokens is not None and len(text) > PIECE_CHARS:
+            self._refuse_past_context(text)
         # add_special_tokens=False: the post-processor's template is not our BOS policy; added
         # tokens written in the text are still matched either way.
         ids = self._tok.encode(text, add_special_tokens=False).ids
@@ -77,6 +110,21 @@ class Tokenizer:
         if add_bos and self.spec.bos_token_id is not None:
             ids = [self.spec.bos_token_id, *ids]
         return ids
+
+    def _refuse_past_context(self, text: str) -> None:
+        """Refuse a long text that certainly has more tokens than the context, without tokenizing
+        it whole: past max_tokens x the longest token it cannot fit; otherwise count it in pieces
+        cut at whitespace (tokenizers holds the GIL for a whole call, so one huge call would stall
+        the server) and stop once the count, less a margin for each cut, passes the context."""
+        limit = self.max_tokens
+        assert limit is not None
+        if len(text) > limit * self._max_token_chars:
+            raise _past_context(limit)
+        count = 0
+        for cuts, piece in enumerate(_pieces(text)):
+            count += len(self._tok.encode(piece, add_special_tokens=False).ids)
+            if count - CUT_MARGIN_TOKENS * cuts > limit:
+                raise _past_context(limit)
 
     def encode_raw_prompt(self, text: str) -> list[int]:
         """A raw completion prompt. Empty text needs a BOS token to start from."""

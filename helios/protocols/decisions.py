@@ -80,7 +80,7 @@ def _question(raw: Any, index: int, max_options: int) -> d.Question:
     if not isinstance(raw, dict):
         raise _bad("each question must be an object", param)
     kind = raw.get("type")
-    if kind not in QUESTION_KEYS:
+    if not isinstance(kind, str) or kind not in QUESTION_KEYS:
         raise _bad("question type must be 'predicate', 'choice' or 'score'", f"{param}.type")
     for key in raw:
         if key not in QUESTION_KEYS[kind]:

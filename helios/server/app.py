@@ -134,6 +134,7 @@ def create_app(manifest: Manifest, core_dir: Path, engine: Any, config: ServerCo
 
     async def on_cleanup(_: web.Application) -> None:
         executor.shutdown(wait=False, cancel_futures=True)
+        ctx.body_executor.shutdown(wait=False, cancel_futures=True)
 
     app.on_shutdown.append(on_shutdown)
     app.on_cleanup.append(on_cleanup)

@@ -32,6 +32,7 @@ from helios.server.errors import ApiError, bad_request, request_timeout, too_lar
 DEFAULT_MAX_BODY_BYTES = 32 << 20
 DEFAULT_BODY_TIMEOUT_S = 60.0
 _CHUNK = 1 << 16
+_CHUNK_OUT = 1 << 20  # decompressed bytes per call: short calls, and a structure check per MiB
 SUPPORTED_ENCODINGS = ("identity", "gzip", "x-gzip", "deflate", "br", "zstd")
 # Concatenated gzip members are legal but rare; each one restarts the inflater.
 MAX_GZIP_MEMBERS = 64
@@ -76,29 +77,57 @@ async def read_encoded(request: web.Request, max_bytes: int, timeout: float = DE
     return bytes(buf)
 
 
-def decode(data: bytes, encodings: list[str], max_bytes: int) -> bytes:
-    """Undo `encodings` (last applied first), each stage bounded by max_bytes."""
-    for coding in reversed(encodings):
+def decode(data: bytes, encodings: list[str], max_bytes: int, limits: JsonLimits | None = None) -> bytes:
+    """Undo `encodings` (last applied first), each stage bounded by max_bytes. With `limits`,
+    the last stage's output (the JSON text) is checked against them as it grows, so a bomb of
+    tiny elements stops after about a mebibyte instead of at the body limit."""
+    stages = list(reversed(encodings))
+    for index, coding in enumerate(stages):
+        out = _Output(max_bytes, limits if index == len(stages) - 1 else None)
         try:
             if coding in ("gzip", "x-gzip"):
-                data = _zlib(data, 16 + zlib.MAX_WBITS, max_bytes, max_members=MAX_GZIP_MEMBERS)
+                _zlib(data, 16 + zlib.MAX_WBITS, out, max_members=MAX_GZIP_MEMBERS)
             elif coding == "deflate":
-                data = _zlib(data, zlib.MAX_WBITS, max_bytes, max_members=1)
+                _zlib(data, zlib.MAX_WBITS, out, max_members=1)
             elif coding == "br":
-                data = _brotli(data, max_bytes)
+                _brotli(data, out)
             elif coding == "zstd":
-                data = _zstd(data, max_bytes)
+                _zstd(data, out)
         except ApiError:
             raise
         except (zlib.error, brotli.error, zstandard.ZstdError, EOFError, ValueError) as exc:
             raise bad_request(f"the request body is not valid {coding} data: {exc}") from None
+        if out.structure is not None:
+            out.structure.finish(out.data)
+        data = out.data
     return data
 
 
-def _zlib(data: bytes, wbits: int, max_bytes: int, *, max_members: int) -> bytes:
+class _Output:
+    """A decoder's output: bounded by max_bytes (413 past it) and, for JSON text, watched by
+    `Structure` as it grows."""
+
+    def __init__(self, max_bytes: int, limits: JsonLimits | None):
+        self.data = bytearray()
+        self.max_bytes = max_bytes
+        self.structure = Structure(limits) if limits is not None else None
+
+    @property
+    def room(self) -> int:
+        """What the next decompressor call may produce (one byte past the bound is the 413)."""
+        return max(1, min(_CHUNK_OUT, self.max_bytes + 1 - len(self.data)))
+
+    def add(self, chunk: bytes) -> None:
+        self.data += chunk
+        if len(self.data) > self.max_bytes:
+            raise too_large(self.max_bytes)
+        if self.structure is not None:
+            self.structure.grew(self.data, len(chunk))
+
+
+def _zlib(data: bytes, wbits: int, out: _Output, *, max_members: int) -> None:
     """Inflate members one after another. Input goes in _CHUNK slices, so what a finished
     member leaves unused (zlib copies it) is at most one slice: linear in the body."""
-    out = bytearray()
     view = memoryview(data)
     pos = 0
     members = 0
@@ -112,42 +141,28 @@ def _zlib(data: bytes, wbits: int, max_bytes: int, *, max_members: int) -> bytes
                 raise EOFError("truncated stream")
             piece = view[pos : pos + _CHUNK]
             pos += len(piece)
-            # max_length bounds what one call may allocate; past the limit is a 413 at once.
-            out += inflater.decompress(piece, max_bytes + 1 - len(out))
-            while inflater.unconsumed_tail and len(out) <= max_bytes:
-                out += inflater.decompress(inflater.unconsumed_tail, max_bytes + 1 - len(out))
-            if len(out) > max_bytes:
-                raise too_large(max_bytes)
+            # max_length bounds what one call may allocate; the rest waits in unconsumed_tail.
+            out.add(inflater.decompress(piece, out.room))
+            while inflater.unconsumed_tail:
+                out.add(inflater.decompress(inflater.unconsumed_tail, out.room))
         pos -= len(inflater.unused_data)
         if max_members == 1 and pos < len(view):
             raise ValueError("trailing data after the stream")
-    return bytes(out)
 
 
-def _brotli(data: bytes, max_bytes: int) -> bytes:
+def _brotli(data: bytes, out: _Output) -> None:
     d = brotli.Decompressor()
-    out = bytearray()
-    out += d.process(data, output_buffer_limit=_CHUNK)
-    while len(out) <= max_bytes and not d.is_finished() and not d.can_accept_more_data():
-        out += d.process(b"", output_buffer_limit=_CHUNK)
-    if len(out) > max_bytes:
-        raise too_large(max_bytes)
+    out.add(d.process(data, output_buffer_limit=_CHUNK))
+    while not d.is_finished() and not d.can_accept_more_data():
+        out.add(d.process(b"", output_buffer_limit=_CHUNK))
     if not d.is_finished():
         raise EOFError("truncated stream")
-    return bytes(out)
 
 
-def _zstd(data: bytes, max_bytes: int) -> bytes:
+def _zstd(data: bytes, out: _Output) -> None:
     reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True)
-    out = bytearray()
-    while True:
-        chunk = reader.read(_CHUNK)
-        if not chunk:
-            break
-        out += chunk
-        if len(out) > max_bytes:
-            raise too_large(max_bytes)
-    return bytes(out)
+    while chunk := reader.read(_CHUNK):
+        out.add(chunk)
 
 
 # -- strict JSON -------------------------------------------------------------------------------
@@ -173,22 +188,60 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def check_structure(data: bytes, limits: JsonLimits) -> None:
-    """Refuse bodies with more elements or deeper nesting than `limits`, before any object is
-    built. Counting raw bytes over-counts (strings may hold brackets and commas), so only a body
-    that fails that cheap count is counted again with its strings removed."""
-    opens = data.count(b"[") + data.count(b"{")
-    if opens <= limits.max_depth and opens + data.count(b",") + data.count(b":") <= limits.max_elements:
-        return
-    structure = _STRING.sub(b"0", data).translate(None, _NOT_STRUCTURAL)
-    closes = structure.count(b"]") + structure.count(b"}")
-    if len(structure) - closes > limits.max_elements:
-        raise _invalid(f"more than {limits.max_elements} elements")
-    brackets = np.frombuffer(structure.translate(None, _NOT_BRACKET), dtype=np.uint8)
-    if brackets.size:
-        steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1).astype(np.int32)
-        if int(np.cumsum(steps).max()) > limits.max_depth:
-            raise _invalid(f"nesting deeper than {limits.max_depth} levels")
+class Structure:
+    """Element and depth bounds of JSON text, checked before any object is built.
+
+    Structural bytes (`,` `:` `[` `{`) are counted as the text grows; strings may hold such
+    bytes too, so only once that cheap count passes a bound is the text counted again with its
+    strings removed (and then again each time it doubles: linear overall). A prefix that breaks a
+    bound is conclusive: the whole text can only have more elements and at least that depth."""
+
+    def __init__(self, limits: JsonLimits):
+        self.limits = limits
+        self.opens = 0  # raw `[` and `{`, strings included: an upper bound on depth
+        self.elements = 0  # raw `,` `:` `[` `{`: an upper bound on elements
+        self._exact_at = 0  # text length at which to count exactly next
+        self._checked = -1  # text length last counted exactly
+
+    def grew(self, text: bytes | bytearray, added: int) -> None:
+        start = len(text) - added
+        opens = text.count(b"[", start) + text.count(b"{", start)
+        self.opens += opens
+        self.elements += opens + text.count(b",", start) + text.count(b":", start)
+        if self.within_raw_bounds:
+            return
+        if len(text) >= self._exact_at:
+            self.check_exactly(text)
+            self._exact_at = 2 * len(text)
+
+    @property
+    def within_raw_bounds(self) -> bool:
+        return self.opens <= self.limits.max_depth and self.elements <= self.limits.max_elements
+
+    def finish(self, text: bytes | bytearray) -> None:
+        """The whole text is in: count it exactly unless the raw count already proves it fits."""
+        if not self.within_raw_bounds and self._checked != len(text):
+            self.check_exactly(text)
+
+    def check_exactly(self, text: bytes | bytearray) -> None:
+        limits = self.limits
+        self._checked = len(text)
+        structure = _STRING.sub(b"0", text).translate(None, _NOT_STRUCTURAL)
+        closes = structure.count(b"]") + structure.count(b"}")
+        if len(structure) - closes > limits.max_elements:
+            raise _invalid(f"more than {limits.max_elements} elements")
+        brackets = np.frombuffer(structure.translate(None, _NOT_BRACKET), dtype=np.uint8)
+        if brackets.size:
+            steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1).astype(np.int32)
+            if int(np.cumsum(steps).max()) > limits.max_depth:
+                raise _invalid(f"nesting deeper than {limits.max_depth} levels")
+
+
+def check_structure(data: bytes | bytearray, limits: JsonLimits) -> None:
+    """Refuse text with more elements or deeper nesting than `limits` (Structure, in one go)."""
+    structure = Structure(limits)
+    structure.grew(data, len(data))
+    structure.finish(data)
 
 
 def _lone_surrogate_path(value: Any, path: str = "$") -> str | None:
@@ -211,14 +264,15 @@ def _lone_surrogate_path(value: Any, path: str = "$") -> str | None:
     return None
 
 
-def parse_json(data: bytes, limits: JsonLimits = JsonLimits()) -> Any:
+def parse_json(data: bytes | bytearray, limits: JsonLimits = JsonLimits(), *, checked: bool = False) -> Any:
     """Strict JSON: UTF-8 text without lone surrogates, finite numbers, bounded structure; any
-    failure is a 400 naming the problem."""
+    failure is a 400 naming the problem. `checked`: the structure was checked while decoding."""
+    if not checked:
+        check_structure(data, limits)
     try:
         text = data.decode("utf-8")  # strict: refuses invalid bytes and encoded surrogates (ED A0 80)
     except UnicodeDecodeError as exc:
         raise _invalid(f"it is not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    check_structure(data, limits)
     del data
     try:
         value = json.loads(text.removeprefix("\ufeff"), parse_constant=_reject_constant, parse_float=_finite_float)
@@ -233,5 +287,7 @@ def parse_json(data: bytes, limits: JsonLimits = JsonLimits()) -> Any:
 
 
 def decode_json(data: bytes, encodings: list[str], max_bytes: int, limits: JsonLimits = JsonLimits()) -> Any:
-    """Worker-pool half of body handling: decompress then parse."""
-    return parse_json(decode(data, encodings, max_bytes), limits)
+    """Worker-pool half of body handling: decompress (watching the structure) then parse."""
+    if not encodings:
+        return parse_json(data, limits)
+    return parse_json(decode(data, encodings, max_bytes, limits), limits, checked=True)

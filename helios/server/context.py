@@ -30,6 +30,16 @@ from helios.server.metrics import HttpStats
 T = TypeVar("T")
 
 INLINE_BODY_BYTES = 64 << 10
+MAX_BODY_REST_S = 1.0
+
+
+def _timed(spent: list[float], fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args), appending its duration to `spent` (also when it raises)."""
+    started = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        spent.append(time.perf_counter() - started)
 
 
 @dataclass
@@ -43,6 +53,10 @@ class ServerContext:
     admission: Admission
     http: HttpStats
     executor: ThreadPoolExecutor
+    # Decoding of compressed and large bodies, one at a time: a burst of hostile bodies queues
+    # here instead of filling `executor`, which every request's templating needs.
+    body_executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="helios-bodies"))
     created: int = field(default_factory=lambda: int(time.time()))  # discovery init time
     draining: bool = False  # SIGTERM received: /health is 503 and no new generation is admitted
 
@@ -54,13 +68,13 @@ class ServerContext:
     def max_concurrency(self) -> int:
         return self.config.max_concurrency or self.manifest.limits.max_concurrency
 
-    async def in_frontend(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run CPU work (decompression, templating, tokenization) in the bounded worker pool.
+    async def in_frontend(self, fn: Callable[..., T], *args: Any, executor: ThreadPoolExecutor | None = None) -> T:
+        """Run CPU work (templating, tokenization) in the bounded worker pool.
 
         RequestError raised there becomes a 400 here.
         """
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(executor or self.executor, fn, *args)
         except RequestError as exc:
             raise ApiError.from_request_error(exc) from None
 
@@ -76,7 +90,15 @@ class ServerContext:
             # Small plain bodies parse in well under a millisecond: no queueing behind big ones.
             body = bodies.parse_json(raw, self.json_limits)
         else:
-            body = await self.in_frontend(bodies.decode_json, raw, encodings, limit, self.json_limits)
+            spent: list[float] = []
+            try:
+                body = await self.in_frontend(_timed, spent, bodies.decode_json, raw, encodings, limit,
+                                              self.json_limits, executor=self.body_executor)
+            finally:
+                # The body worker rests as long as it worked before taking the next body, so big
+                # bodies hold the GIL at most about half the time, whoever sends them.
+                if spent:
+                    self.body_executor.submit(time.sleep, min(spent[0], MAX_BODY_REST_S))
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
         return body

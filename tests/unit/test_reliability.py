@@ -272,3 +272,20 @@ def test_errors_stream_in_shape_and_nothing_is_held(http):
     after = wait_idle(http)
     assert after["flare_http_admission_slots_used"] == 0 and after["flare_active_requests"] == 0
     assert after["flare_free_kv_pages"] + after["flare_cached_kv_pages"] == after["flare_total_kv_pages"]
+
+
+def test_text_past_the_context_is_refused_before_it_is_tokenized_whole(http, tiny_core):
+    from tokenizers import Tokenizer as HFTokenizer
+
+    words = "hello world, " * 40_000  # ~120k tokens: counted in pieces, refused part way
+    for path, body in (("/v1/completions", {"prompt": words, "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": words}], "max_tokens": 1}),
+                       ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": words}]})):
+        response = http.post(path, json=body)
+        assert response.status_code == 400, response.text
+        assert "more tokens than this core's context of 32768" in check_shape(response, ROUTES[path][1])
+    # Under the context, a long prompt is still tokenized exactly, in one call.
+    fits = "hello world, " * 6_000
+    exact = len(HFTokenizer.from_file(str(tiny_core / "tokenizer.json")).encode(fits, add_special_tokens=False).ids)
+    response = http.post("/v1/completions", json={"prompt": fits, "max_tokens": 1})
+    assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] == exact

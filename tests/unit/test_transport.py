@@ -116,8 +116,12 @@ def test_body_limits_encodings_and_malformed_json_per_shape(http: httpx.Client, 
     shape = ROUTES[path][1]
     bomb = http.post(path, content=gzip.compress(b" " * (8 * TINY_MAX_BODY_BYTES)), headers={"Content-Encoding": "gzip"})
     assert bomb.status_code == 413 and error_of(bomb, shape)["type"] == "request_too_large"
-    zbomb = zstandard.ZstdCompressor().compress(b"[" * (4 * TINY_MAX_BODY_BYTES))
+    zbomb = zstandard.ZstdCompressor().compress(b" " * (4 * TINY_MAX_BODY_BYTES))
     assert http.post(path, content=zbomb, headers={"Content-Encoding": "zstd"}).status_code == 413
+    # A bomb of structure stops earlier still: its first mebibyte already breaks the nesting bound.
+    nested = zstandard.ZstdCompressor().compress(b"[" * (4 * TINY_MAX_BODY_BYTES))
+    deep = http.post(path, content=nested, headers={"Content-Encoding": "zstd"})
+    assert deep.status_code == 400 and "nesting" in error_of(deep, shape)["message"]
     oversize = http.post(path, content=b" " * (TINY_MAX_BODY_BYTES + 1))
     assert oversize.status_code == 413 and error_of(oversize, shape)["type"] == "request_too_large"
     unknown = http.post(path, content=b"{}", headers={"Content-Encoding": "compress"})
