@@ -26,9 +26,9 @@ from typing import Any, get_type_hints
 # 1.4: `quantization.matmul_op`: int4 cores store their matmuls as ai.flare.MatMulInt4 (flare's
 #      tiled int4 layout, run by helios/kernels); qwen2/llama step graphs attend with
 #      ai.flare.PagedAttention. An older helios cannot open such graphs.
-# 1.5: `digest` covers the whole manifest: the sha256 of core.json's canonical JSON without the
-#      `digest` field (so of the `files` listing too). A hand-edited limit is refused like an
-#      edited file. 1.1-1.4 cores keep their listing-only digest.
+# 1.5: `content_digest` (sha256 of core.json's canonical JSON without that field): a hand-edited
+#      field is refused like an edited file. `digest` keeps covering the listing, so an older
+#      1.x helios still verifies what it knows.
 FORMAT_VERSION = "1.5"
 CONTENT_DIGEST_SINCE = (1, 5)
 MANIFEST_NAME = "core.json"
@@ -253,7 +253,8 @@ class Manifest:
     parity: Parity | None = None
     toolchain: dict[str, str] = field(default_factory=dict)  # package -> version, "flare-exporter" -> code digest
     files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256, every file but core.json
-    digest: str = ""  # content_digest(core.json) since 1.5; the listing's sha256 in 1.1-1.4; "" in 1.0
+    digest: str = ""  # sha256 of listing_text(files): one id for the core's files ("" before 1.1)
+    content_digest: str = ""  # (1.5) content_digest(core.json): every field, `digest` included
     format_version: str = FORMAT_VERSION
     state: StateLayout | None = None  # recurrent per-sequence state (1.3); None: attention only
     quantization: Quantization | None = None  # (1.3) weight storage of a quantized core; None: fp32 or older
@@ -284,7 +285,8 @@ class Manifest:
             for p in sorted(folder.rglob("*"))
             if p.is_file() and p.relative_to(folder).as_posix() != MANIFEST_NAME
         }
-        self.digest = content_digest(dataclasses.asdict(self))
+        self.digest = listing_digest(self.files)
+        self.content_digest = content_digest(dataclasses.asdict(self))
 
     def to_json(self) -> str:
         # sort_keys keeps the file byte-stable across runs (reproducible cores).
@@ -333,11 +335,14 @@ class Manifest:
         for rel in self.files:
             if not _safe_relative(rel):
                 raise ManifestError(f"core file {rel!r} in {MANIFEST_NAME} is not a plain relative path")
-        if self.digest_matches(folder) is False:
-            what = "its fields or file listing" if _covers_content(self.format_version) else "its file listing"
+        if self.digest and listing_digest(self.files) != self.digest:
             raise ManifestError(
-                f"{folder / MANIFEST_NAME} does not match its digest: {what} changed after export "
-                "(restore the original core.json or export the core again)"
+                f"the file listing in {folder / MANIFEST_NAME} does not match its digest (files were edited)"
+            )
+        if self.content_matches(folder) is False:
+            raise ManifestError(
+                f"{folder / MANIFEST_NAME} does not match its content_digest: its fields were edited after "
+                "export (restore the original core.json or export the core again)"
             )
         for rel in self.referenced_files():
             if not _safe_relative(rel):
@@ -354,28 +359,30 @@ class Manifest:
                 raise ManifestError(f"core file {rel} does not match its digest in {MANIFEST_NAME}")
 
 
-    def digest_matches(self, folder: Path) -> bool | None:
-        """Whether core.json on disk matches `digest` (None: a 1.0 core has none)."""
-        if not _covers_content(self.format_version):
-            return listing_digest(self.files) == self.digest if self.digest else None
+    def content_matches(self, folder: Path) -> bool | None:
+        """Whether core.json on disk matches `content_digest`; None for a core older than 1.5
+        (which has none). A 1.5 or later core without one does not match."""
+        if not _at_least(self.format_version, CONTENT_DIGEST_SINCE):
+            return None
         try:
             data = json.loads((Path(folder) / MANIFEST_NAME).read_text())
         except (OSError, ValueError):
             return False
-        return bool(self.digest) and content_digest(data) == self.digest
+        return bool(self.content_digest) and content_digest(data) == self.content_digest
 
 
-def _covers_content(format_version: str) -> bool:
+def _at_least(format_version: str, version: tuple[int, int]) -> bool:
     try:
         major, minor = (int(part) for part in format_version.split(".")[:2])
     except ValueError:
         return True
-    return (major, minor) >= CONTENT_DIGEST_SINCE
+    return (major, minor) >= version
 
 
 def content_digest(data: dict[str, Any]) -> str:
-    """sha256 of a manifest's fields but `digest`, as canonical JSON (sorted keys, no spaces)."""
-    body = {key: value for key, value in data.items() if key != "digest"}
+    """sha256 of a manifest's fields but `content_digest`, as canonical JSON (sorted keys, no
+    spaces, UTF-8)."""
+    body = {key: value for key, value in data.items() if key != "content_digest"}
     text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 

@@ -18,7 +18,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from helios.manifest import MANIFEST_NAME, Manifest, ManifestError
+from helios.manifest import MANIFEST_NAME, Manifest, ManifestError, listing_digest
 
 # verify fails when the parity it measures moved from the export-time value by more than this
 # fraction of the precision's tolerance: the engine no longer behaves as it did when released,
@@ -32,7 +32,8 @@ SMOKE_DECODE_STEPS = 4
 
 def inspect_data(core: Path) -> dict[str, Any]:
     """core.json's fields, plus: core (the folder), model_id, file_bytes (per listed file),
-    total_bytes, listing_ok (core.json matches `digest`), files_present, and bytes per engine."""
+    total_bytes, listing_ok (the listing matches `digest`), content_ok (core.json matches
+    `content_digest`; None before 1.5), files_present, and bytes per engine."""
     core = Path(core)
     manifest = Manifest.load(core, verify_files=False)
     data: dict[str, Any] = {"core": str(core), "model_id": manifest.model_id}
@@ -44,7 +45,8 @@ def inspect_data(core: Path) -> dict[str, Any]:
     data["file_bytes"] = sizes
     data["files_present"] = all(size is not None for size in sizes.values())
     data["total_bytes"] = sum(size or 0 for size in sizes.values())
-    data["listing_ok"] = manifest.digest_matches(core)
+    data["listing_ok"] = (listing_digest(manifest.files) == manifest.digest) if manifest.digest else None
+    data["content_ok"] = manifest.content_matches(core)
     for engine in data["engines"]:
         engine["bytes"] = sum(sizes.get(name) or 0 for name in [engine["file"], *engine["data_files"]])
     return data
@@ -146,7 +148,9 @@ def render_inspect(data: dict[str, Any]) -> Table:
     else:
         table.add_row("parity", Text("not measured", style="yellow"))
     table.add_row("toolchain", ", ".join(f"{k} {v}" for k, v in data["toolchain"].items()) or "not recorded")
-    listing = {True: "", False: "  [red](core.json does not match it: run ignition verify)[/]", None: ""}[data["listing_ok"]]
+    listing = {True: "", False: "  [red](listing does not match: run ignition verify)[/]", None: ""}[data["listing_ok"]]
+    if data["content_ok"] is False:
+        listing += "  [red](core.json fields do not match content_digest: run ignition verify)[/]"
     missing = [rel for rel, size in data["file_bytes"].items() if size is None]
     present = f"  [red](missing: {', '.join(missing)})[/]" if missing else ""
     table.add_row(

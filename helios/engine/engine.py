@@ -246,6 +246,12 @@ class Engine:
             self._cv.notify()
         return len(live)
 
+    def num_pending(self) -> int:
+        """Requests submitted but not running (new or preempted): what admission bounds."""
+        with self._cv:
+            inbox = len(self._inbox)
+        return inbox + len(self.scheduler.waiting)
+
     def stats(self) -> EngineStats:
         with self._cv:
             inbox = len(self._inbox)

@@ -27,7 +27,7 @@ CUT_MARGIN_TOKENS = 4
 
 
 def _past_context(limit: int) -> RequestError:
-    return RequestError(f"the text has more tokens than this core's context of {limit} tokens")
+    return RequestError(f"the prompt has more tokens than this model's {limit}-token context")
 
 
 def _pieces(text: str) -> Iterator[str]:

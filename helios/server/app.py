@@ -54,6 +54,7 @@ ANTHROPIC_PREFIX = "/v1/messages"
 OLLAMA_PREFIX = "/api/"
 
 Handler = Callable[[web.Request, ServerContext], Awaitable[web.StreamResponse]]
+DRAINING_MESSAGE = "the server is draining: it finishes in-flight requests and takes no new ones; retry"
 
 
 def check_startup(manifest: Manifest, config: ServerConfig, tokenizer: Tokenizer | None = None) -> None:
@@ -106,6 +107,8 @@ def create_app(manifest: Manifest, core_dir: Path, engine: Any, config: ServerCo
         async def wrapped(request: web.Request) -> web.StreamResponse:
             if not generation:
                 return await handler(request, ctx)
+            if ctx.draining:  # refused before its body is read or planned
+                raise unavailable(DRAINING_MESSAGE, RETRY_AFTER_SECONDS)
             ctx.http.inflight_requests += 1
             try:
                 return await handler(request, ctx)
@@ -224,8 +227,7 @@ async def _auth_middleware(request: web.Request, handler: Callable) -> web.Strea
 async def health(request: web.Request) -> web.Response:
     ctx = request.app[CTX_KEY]
     if ctx.draining:
-        raise unavailable("the server is draining: it finishes in-flight requests and takes no new ones",
-                          RETRY_AFTER_SECONDS)
+        raise unavailable(DRAINING_MESSAGE, RETRY_AFTER_SECONDS)
     try:
         ctx.engine.stats()
         check = getattr(ctx.engine, "healthy", None)  # the step loop is alive and accepting work

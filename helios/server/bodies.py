@@ -36,6 +36,7 @@ _CHUNK_OUT = 1 << 20  # decompressed bytes per call: short calls, and a structur
 SUPPORTED_ENCODINGS = ("identity", "gzip", "x-gzip", "deflate", "br", "zstd")
 # Concatenated gzip members are legal but rare; each one restarts the inflater.
 MAX_GZIP_MEMBERS = 64
+MAX_INT_DIGITS = 308  # 10**308 is about the largest double
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,14 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _double_range_int(text: str) -> int:
+    """Integers past a double's range (~1.8e308) would overflow wherever a number is read as
+    one; RFC 8259 calls them non-interoperable, so they are refused like 1e999."""
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"the number {text[:40]}... is out of range (numbers must be finite)")
+    return int(text)
+
+
 def _finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
@@ -227,13 +236,17 @@ class Structure:
         limits = self.limits
         self._checked = len(text)
         structure = _STRING.sub(b"0", text).translate(None, _NOT_STRUCTURAL)
+        opens = structure.count(b"[") + structure.count(b"{")
         closes = structure.count(b"]") + structure.count(b"}")
         if len(structure) - closes > limits.max_elements:
             raise _invalid(f"more than {limits.max_elements} elements")
+        if closes > opens:  # no JSON text (nor prefix of one) closes more than it opened
+            raise _invalid("more closing brackets than opening ones")
+        # At most 2 x max_elements brackets here, one byte each: the depth costs a few MB at most.
         brackets = np.frombuffer(structure.translate(None, _NOT_BRACKET), dtype=np.uint8)
         if brackets.size:
-            steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1).astype(np.int32)
-            if int(np.cumsum(steps).max()) > limits.max_depth:
+            steps = ((brackets == ord("[")) | (brackets == ord("{"))).view(np.int8) * np.int8(2) - np.int8(1)
+            if int(np.cumsum(steps, dtype=np.int32).max()) > limits.max_depth:
                 raise _invalid(f"nesting deeper than {limits.max_depth} levels")
 
 
@@ -275,7 +288,8 @@ def parse_json(data: bytes | bytearray, limits: JsonLimits = JsonLimits(), *, ch
         raise _invalid(f"it is not UTF-8 ({exc.reason} at byte {exc.start})") from None
     del data
     try:
-        value = json.loads(text.removeprefix("\ufeff"), parse_constant=_reject_constant, parse_float=_finite_float)
+        value = json.loads(text.removeprefix("\ufeff"), parse_constant=_reject_constant, parse_float=_finite_float,
+                           parse_int=_double_range_int)
     except (ValueError, RecursionError) as exc:
         raise _invalid(str(exc)) from None
     # Escaped surrogates (\ud800) parse into lone ones unless they pair up; only walk when present.

@@ -33,13 +33,18 @@ INLINE_BODY_BYTES = 64 << 10
 MAX_BODY_REST_S = 1.0
 
 
-def _timed(spent: list[float], fn: Callable[..., T], *args: Any) -> T:
-    """fn(*args), appending its duration to `spent` (also when it raises)."""
+def _then_rest(worker: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) on the body worker, which then rests as long as fn took before its next body,
+    so big bodies hold the GIL at most about half the time, whoever sends them (queued from the
+    worker itself: a client that leaves cannot skip it)."""
     started = time.perf_counter()
     try:
         return fn(*args)
     finally:
-        spent.append(time.perf_counter() - started)
+        try:
+            worker.submit(time.sleep, min(time.perf_counter() - started, MAX_BODY_REST_S))
+        except RuntimeError:  # shutting down
+            pass
 
 
 @dataclass
@@ -90,23 +95,16 @@ class ServerContext:
             # Small plain bodies parse in well under a millisecond: no queueing behind big ones.
             body = bodies.parse_json(raw, self.json_limits)
         else:
-            spent: list[float] = []
-            try:
-                body = await self.in_frontend(_timed, spent, bodies.decode_json, raw, encodings, limit,
-                                              self.json_limits, executor=self.body_executor)
-            finally:
-                # The body worker rests as long as it worked before taking the next body, so big
-                # bodies hold the GIL at most about half the time, whoever sends them.
-                if spent:
-                    self.body_executor.submit(time.sleep, min(spent[0], MAX_BODY_REST_S))
+            body = await self.in_frontend(_then_rest, self.body_executor, bodies.decode_json, raw, encodings,
+                                          limit, self.json_limits, executor=self.body_executor)
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
         return body
 
     def reserve(self, count: int) -> Reservation:
         if self.draining:
-            raise unavailable("the server is shutting down; retry on another replica", RETRY_AFTER_SECONDS)
-        pending = self.engine.stats().pending if self.admission.queue_size is not None else 0
+            raise unavailable("the server is draining: it takes no new requests; retry", RETRY_AFTER_SECONDS)
+        pending = self.engine.num_pending() if self.admission.queue_size is not None else 0
         try:
             return self.admission.reserve(count, pending)
         except ApiError as exc:
@@ -115,10 +113,10 @@ class ServerContext:
             raise
 
     def start_group(self, requests: list[GenerationRequest], reservation: Reservation | None) -> GenerationGroup:
-        if self.config.queue_timeout_s:
-            deadline = time.monotonic() + self.config.queue_timeout_s
-            for request in requests:
-                request.queue_deadline = deadline
+        if self.config.queue_timeout_s and requests:
+            # The first child only: once it runs, its siblings wait behind their own group, not
+            # behind overload (a group larger than the batch is admitted in waves).
+            requests[0].queue_deadline = time.monotonic() + self.config.queue_timeout_s
         group = GenerationGroup(self.engine, requests, reservation, self.http.first_response)
         group.submit()
         return group

@@ -74,6 +74,9 @@ class ScriptedEngine:
     def healthy(self) -> bool:
         return True
 
+    def num_pending(self) -> int:
+        return 0  # every request runs at submit
+
     def stats(self) -> Any:
         return SimpleNamespace(
             active=0, pending=0, free_pages=1, total_pages=1, page_tokens=16, prefill_tokens_total=0,

@@ -47,10 +47,20 @@ def test_valid_unicode_passes_including_escaped_pairs_and_a_bom():
     assert bodies.parse_json("\ufeff{}".encode()) == {}
 
 
-@pytest.mark.parametrize("literal", [b"1e999", b"-1e400", b"1" + b"0" * 400 + b".0", b"NaN", b"Infinity"])
+@pytest.mark.parametrize("literal", [b"1e999", b"-1e400", b"1" + b"0" * 400 + b".0", b"1" + b"0" * 400,
+                                     b"-" + b"9" * 309])
 def test_non_finite_numbers_are_400s(literal):
-    message = rejected(b'{"metadata": {"x": ' + literal + b"}}")
-    assert "finite" in message or "not valid JSON" in message
+    assert "numbers must be finite" in rejected(b'{"temperature": ' + literal + b"}")
+
+
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity"])
+def test_non_standard_constants_are_400s(literal):
+    assert f"{literal.decode().lstrip('-')} is not valid JSON" in rejected(b'{"x": ' + literal + b"}")
+
+
+def test_large_but_finite_numbers_pass():
+    value = bodies.parse_json(b'{"maximum": 18446744073709551615, "big": ' + b"9" * 308 + b', "f": 1e308}')
+    assert value["maximum"] == 2**64 - 1 and value["f"] == 1e308
 
 
 def test_structure_bounds():

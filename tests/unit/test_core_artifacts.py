@@ -22,15 +22,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from helios.manifest import (
-    FORMAT_VERSION,
-    MANIFEST_NAME,
-    Manifest,
-    ManifestError,
-    content_digest,
-    file_sha256,
-    listing_text,
-)
+from helios.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, ManifestError, content_digest, file_sha256
 from ignition.cli import app
 from ignition.export import cache as export_cache
 from ignition.export.pipeline import ExportError, ExportOptions, export_core
@@ -187,15 +179,15 @@ def test_manifest_records_toolchain_and_digest(tiny_core):
                                    "chat_template.jinja"}
     for rel, digest in manifest.files.items():
         assert file_sha256(tiny_core / rel) == digest
-    # The listing is in sha256sum format (`sha256sum -c` checks a core); the digest covers the
-    # whole manifest: the sha256 of core.json's canonical JSON without the digest itself.
+    # The digest is the sha256 of the listing in sha256sum format: `sha256sum -c` checks a core.
     listing = "".join(f"{manifest.files[rel]}  {rel}\n" for rel in sorted(manifest.files))
-    assert listing_text(manifest.files) == listing
+    assert manifest.digest == hashlib.sha256(listing.encode()).hexdigest()
     text = (tiny_core / MANIFEST_NAME).read_text()
     assert text == manifest.to_json()  # sorted keys, stable formatting
-    fields = {k: v for k, v in json.loads(text).items() if k != "digest"}
+    # content_digest covers every other field of core.json, as canonical JSON.
+    fields = {k: v for k, v in json.loads(text).items() if k != "content_digest"}
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    assert manifest.digest == hashlib.sha256(canonical.encode()).hexdigest()
+    assert manifest.content_digest == hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def test_other_precision_from_cache_skips_read_convert_export(
@@ -368,9 +360,9 @@ def test_helios_serve_refuses_a_tampered_core_before_binding(tiny_core, tmp_path
         ("flip", "core file step.onnx.data does not match its digest"),
         ("missing", "core file tokenizer.json is missing"),
         ("major", "has format version '2.0'; this helios reads 1.x"),
-        ("listing", "core.json does not match its digest: its fields or file listing changed"),
-        ("limits", "core.json does not match its digest: its fields or file listing changed"),
-        ("no digest", "core.json does not match its digest"),
+        ("listing", "file listing"),
+        ("limits", "core.json does not match its content_digest: its fields were edited"),
+        ("no digest", "core.json does not match its content_digest"),
         ("unlisted", "core file chat_template.jinja is used by core.json but not listed"),
         ("escape", "not a plain relative path"),
     ],
@@ -393,13 +385,15 @@ def test_helios_refuses_bad_cores_without_starting_anything(tiny_core, tmp_path,
         data["limits"]["context_length"] *= 2
         data["limits"]["kv_pages"] *= 2
     elif tamper == "no digest":
-        data.pop("digest")
+        data.pop("content_digest")
     elif tamper == "unlisted":  # re-sealed, so the listing rule itself is what refuses it
         del data["files"]["chat_template.jinja"]
-        data["digest"] = content_digest(data)
+        data.pop("digest")
+        data["content_digest"] = content_digest(data)
     elif tamper == "escape":
         data["files"]["../outside"] = "0" * 64
-        data["digest"] = content_digest(data)
+        data.pop("digest")
+        data["content_digest"] = content_digest(data)
     (core / MANIFEST_NAME).write_text(json.dumps(data))
     with pytest.raises(ManifestError, match=re.escape(message)):
         Manifest.load(core)
@@ -421,13 +415,12 @@ def test_older_and_newer_minor_versions_load(tiny_core, tmp_path):
     (core / MANIFEST_NAME).write_text(json.dumps(old))
     assert Manifest.load(core).digest == ""
     newer = data | {"format_version": "1.9", "some_future_field": {"x": 1}}  # minor: optional additions
-    newer["digest"] = content_digest(newer)  # the digest covers fields this helios does not know
+    newer["content_digest"] = content_digest(newer)  # it covers fields this helios does not know
     (core / MANIFEST_NAME).write_text(json.dumps(newer))
-    assert Manifest.load(core).digest == newer["digest"]
-    listing_only = data | {"format_version": "1.4"}  # 1.1-1.4: the digest covers the file listing only
-    listing_only["digest"] = hashlib.sha256(listing_text(data["files"]).encode()).hexdigest()
-    listing_only["limits"] = data["limits"] | {"max_concurrency": 3}
-    (core / MANIFEST_NAME).write_text(json.dumps(listing_only))
+    assert Manifest.load(core).digest == data["digest"]
+    older = {k: v for k, v in data.items() if k != "content_digest"} | {"format_version": "1.4"}
+    older["limits"] = data["limits"] | {"max_concurrency": 3}  # 1.1-1.4: only the listing is covered
+    (core / MANIFEST_NAME).write_text(json.dumps(older))
     assert Manifest.load(core).limits.max_concurrency == 3
 
 
@@ -439,7 +432,7 @@ def test_inspect_json_and_rich(tiny_core):
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     manifest = Manifest.load(tiny_core)
-    assert data["digest"] == manifest.digest and data["listing_ok"] is True and data["files_present"] is True
+    assert data["digest"] == manifest.digest and data["listing_ok"] is True and data["content_ok"] is True and data["files_present"] is True
     assert data["model_id"] == manifest.model_id == "qwen2.5-coder"
     assert data["identity"]["recipe"] == RECIPE and data["precision"] == "fp32"
     step = data["engines"][0]
