@@ -4,7 +4,8 @@ Drain (api.md: /health is 503 with an error object when the server cannot take w
 
 1. The signal marks the context draining: /health answers 503 at once, so a load balancer stops
    routing here, and new generation requests get a retryable 503. The listener stays open.
-2. In-flight generation requests may finish for up to `drain_timeout_s`.
+2. In-flight generation requests may finish for up to `drain_timeout_s` (a second signal ends
+   this wait at once).
 3. Past the deadline the engine cancels what is left; each request ends with its protocol's
    terminal error (a 503, or an SSE error event under a started stream).
 4. The listener closes and the remaining connections are shut down.
@@ -46,37 +47,42 @@ async def _serve(app: web.Application, ctx: ServerContext, config: ServerConfig,
     runner = web.AppRunner(app, access_log=None, keepalive_timeout=config.header_timeout_s,
                            lingering_time=LINGER_S, shutdown_timeout=CANCEL_GRACE_S)
     await runner.setup()
-    stop = asyncio.Event()
+    stop, hurry = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:  # the first signal drains; a second one ends the wait at once
+        (hurry if stop.is_set() else stop).set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     try:
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()
         ready(site.name)
         await stop.wait()
-        await drain(ctx, config.drain_timeout_s)
+        await drain(ctx, config.drain_timeout_s, hurry)
     finally:
         await runner.cleanup()
 
 
-async def drain(ctx: ServerContext, timeout: float) -> None:
-    """Steps 1-3 above; returns when no generation request is in flight (or after the grace)."""
+async def drain(ctx: ServerContext, timeout: float, hurry: asyncio.Event | None = None) -> None:
+    """Steps 1-3 above; returns when no generation request is in flight (or after the grace).
+    `hurry` set (a second signal) cuts step 2 short."""
     ctx.draining = True
     busy = ctx.http.inflight_requests
     if busy:
         log.warning("draining: %d request(s) in flight, up to %.0f s", busy, timeout)
-    if await _until_idle(ctx, timeout):
+    if await _until_idle(ctx, timeout, hurry):
         return
     cancelled = ctx.engine.abort_all(DRAIN_MESSAGE)
-    log.warning("drain deadline passed: cancelled %d request(s)", cancelled)
+    log.warning("drain ended: cancelled %d request(s)", cancelled)
     await _until_idle(ctx, CANCEL_GRACE_S)
 
 
-async def _until_idle(ctx: ServerContext, timeout: float) -> bool:
+async def _until_idle(ctx: ServerContext, timeout: float, hurry: asyncio.Event | None = None) -> bool:
     deadline = time.monotonic() + timeout
     while ctx.http.inflight_requests > 0:
-        if time.monotonic() >= deadline:
+        if time.monotonic() >= deadline or (hurry is not None and hurry.is_set()):
             return False
         await asyncio.sleep(0.05)
     return True

@@ -205,3 +205,19 @@ def test_a_step_that_raises_fails_its_requests_and_the_server_keeps_serving(tiny
             assert after["flare_requests_failed_total"] >= 3
     finally:
         server.stop()
+
+
+def test_a_second_signal_ends_the_drain_at_once(tiny_core, tmp_path):
+    server = config_server(tiny_core, tmp_path, drain_timeout_s=600)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=HOLD) as stream:
+            lines = first_data(stream)
+            server.process.send_signal(signal.SIGTERM)
+            wait_for(lambda: http.get("/health").status_code == 503)
+            started = time.monotonic()
+            server.process.send_signal(signal.SIGTERM)
+            frames = rest(lines)
+        assert time.monotonic() - started < 15  # not the 600 s drain deadline
+        assert frames[-1][1]["error"]["message"] == DRAIN_MESSAGE
+    assert server.process.wait(30) == 0
+    server.stop()
