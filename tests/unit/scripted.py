@@ -91,13 +91,11 @@ class ScriptedEngine:
         return self.tokenizer.decode(self.requests[-1].prompt_token_ids)
 
 
-class ScriptedServer:
-    def __init__(self, core: Path, config: ServerConfig | None = None):
-        manifest = Manifest.load(core, verify_files=False)
-        tokenizer = Tokenizer.from_core(core, manifest)
-        self.engine = ScriptedEngine(tokenizer, list(manifest.tokenizer.eos_token_ids), manifest.limits.context_length)
-        self.tokenizer = tokenizer
-        app = create_app(manifest, core, self.engine, config or ServerConfig(port=0))
+class LoopbackServer:
+    """A helios application on a loopback port, served from a thread of this process (so a test
+    can reach into its engine)."""
+
+    def __init__(self, app: web.Application):
         self._loop = asyncio.new_event_loop()
         self._runner = web.AppRunner(app)
         started = threading.Event()
@@ -115,10 +113,19 @@ class ScriptedServer:
         self._thread.start()
         started.wait(30)
 
-    def say(self, *script: Any) -> None:
-        self.engine.script = list(script)
-
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(30)
+
+
+class ScriptedServer(LoopbackServer):
+    def __init__(self, core: Path, config: ServerConfig | None = None):
+        manifest = Manifest.load(core, verify_files=False)
+        tokenizer = Tokenizer.from_core(core, manifest)
+        self.engine = ScriptedEngine(tokenizer, list(manifest.tokenizer.eos_token_ids), manifest.limits.context_length)
+        self.tokenizer = tokenizer
+        super().__init__(create_app(manifest, core, self.engine, config or ServerConfig(port=0)))
+
+    def say(self, *script: Any) -> None:
+        self.engine.script = list(script)

@@ -4,7 +4,6 @@ errors past the deadline), and an engine step that raises, end to end."""
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import threading
 import time
@@ -13,8 +12,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from aiohttp import web
-
 from helios.engine.engine import QUEUE_DEADLINE_MESSAGE, Engine
 from helios.manifest import Manifest
 from helios.server.app import create_app
@@ -22,6 +19,7 @@ from helios.server.config import ServerConfig
 from helios.server.lifecycle import DRAIN_MESSAGE
 from tests.conftest import Server
 from tests.unit.live import ANTHROPIC, USER, metrics, sse, wait_idle
+from tests.unit.scripted import LoopbackServer
 
 HOLD = {"prompt": "Count:", "max_tokens": 100000, "ignore_eos": True, "stream": True}
 
@@ -135,42 +133,17 @@ def test_drain_deadline_ends_remaining_requests_with_their_protocol_errors(tiny_
     server.stop()
 
 
-class LoopbackServer:
-    """create_app over a real engine on a loopback port, in this process (so a test can reach
-    into the engine)."""
-
-    def __init__(self, core: Path):
-        manifest = Manifest.load(core)
-        self.engine = Engine(core, manifest, max_concurrency=4, kv_pages=256)
-        self.engine.start()
-        app = create_app(manifest, core, self.engine, ServerConfig(port=0))
-        self._loop = asyncio.new_event_loop()
-        self._runner = web.AppRunner(app)
-        started = threading.Event()
-
-        def serve() -> None:
-            asyncio.set_event_loop(self._loop)
-            self._loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, "127.0.0.1", 0)
-            self._loop.run_until_complete(site.start())
-            self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-            started.set()
-            self._loop.run_forever()
-
-        self._thread = threading.Thread(target=serve, daemon=True)
-        self._thread.start()
-        started.wait(30)
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(30)
-        self.engine.shutdown()
+def real_engine_server(core: Path) -> tuple[LoopbackServer, Engine]:
+    """create_app over a real engine, served in this process."""
+    manifest = Manifest.load(core)
+    engine = Engine(core, manifest, max_concurrency=4, kv_pages=256)
+    engine.start()
+    return LoopbackServer(create_app(manifest, core, engine, ServerConfig(port=0))), engine
 
 
 def test_a_step_that_raises_fails_its_requests_and_the_server_keeps_serving(tiny_core):
-    server = LoopbackServer(tiny_core)
-    runner = server.engine.runner
+    server, engine = real_engine_server(tiny_core)
+    runner = engine.runner
     real_step = runner.step
     failures = {"left": 0}
 
@@ -205,6 +178,7 @@ def test_a_step_that_raises_fails_its_requests_and_the_server_keeps_serving(tiny
             assert after["flare_requests_failed_total"] >= 3
     finally:
         server.stop()
+        engine.shutdown()
 
 
 def test_a_second_signal_ends_the_drain_at_once(tiny_core, tmp_path):
