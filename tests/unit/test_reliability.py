@@ -283,7 +283,7 @@ def test_text_past_the_context_is_refused_before_it_is_tokenized_whole(http, tin
                        ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": words}]})):
         response = http.post(path, json=body)
         assert response.status_code == 400, response.text
-        assert "more tokens than this core's context of 32768" in check_shape(response, ROUTES[path][1])
+        assert "more tokens than this model's 32768-token context" in check_shape(response, ROUTES[path][1])
     # Under the context, a long prompt is still tokenized exactly, in one call.
     fits = "hello world, " * 6_000
     exact = len(HFTokenizer.from_file(str(tiny_core / "tokenizer.json")).encode(fits, add_special_tokens=False).ids)
