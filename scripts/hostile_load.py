@@ -18,12 +18,12 @@ import argparse
 import gzip
 import json
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
+from served import run_against
 
 CHAT = {"messages": [{"role": "user", "content": "Reply with exactly OK."}], "max_tokens": 4, "ignore_eos": True}
 
@@ -107,22 +107,7 @@ def main() -> None:
     parser.add_argument("--body-limit", type=int, default=32 << 20, help="the server's max_body_bytes")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    server = None
-    if args.url is None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from tests.conftest import Server
-
-        server = Server(args.core or Path("cores/default"))
-        args.url, args.pid = server.url, server.process.pid
-    try:
-        result = measure(args.url, args.pid, args.body_limit)
-    finally:
-        if server is not None:
-            server.stop()
-    print(json.dumps(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-
+    run_against(args.url, args.core, lambda url, pid: measure(url, pid, args.body_limit), args.json, args.pid)
 
 if __name__ == "__main__":
     main()

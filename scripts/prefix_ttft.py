@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import httpx
+from served import run_against
 
 LINE = "Step {i}: the agent opened file src/module_{i}.py, read its functions, and noted the results.\n"
 
@@ -78,23 +78,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    server = None
-    if args.url is None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from tests.conftest import Server
 
-        server = Server(args.core or Path("cores/default"))
-        args.url = server.url
-    try:
-        with httpx.Client(base_url=args.url, timeout=900) as client:
-            result = measure(client, args.repeats)
-    finally:
-        if server is not None:
-            server.stop()
-    print(json.dumps(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    def run(url: str, _pid: int | None) -> dict:
+        with httpx.Client(base_url=url, timeout=900) as client:
+            return measure(client, args.repeats)
 
+    run_against(args.url, args.core, run, args.json)
 
 if __name__ == "__main__":
     main()
