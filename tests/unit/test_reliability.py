@@ -18,7 +18,7 @@ from tests.conftest import Server
 from tests.unit.live import ANTHROPIC, USER, sse, wait_idle
 
 KEY = "reliability-key"
-BODY_LIMIT = 8 << 20  # large enough that fixed allocator overhead does not dominate the 4x bound
+BODY_LIMIT = 16 << 20  # large enough that fixed allocator overhead does not dominate the 4x bound
 TIMEOUT_S = 2  # header and body read deadlines of this server
 HEADERS = {"Authorization": f"Bearer {KEY}", **ANTHROPIC}
 
