@@ -358,7 +358,6 @@ class Manifest:
             if file_sha256(target) != digest:
                 raise ManifestError(f"core file {rel} does not match its digest in {MANIFEST_NAME}")
 
-
     def content_matches(self, folder: Path) -> bool | None:
         """Whether core.json on disk matches `content_digest`; None for a core older than 1.5
         (which has none). A 1.5 or later core without one does not match."""

@@ -365,10 +365,10 @@ class Engine:
             seq = self._seqs.get(rid)
             if seq is None:
                 continue  # finished in the meantime
-            emitted.append((seq, self._cancel(seq, reason)))
+            emitted.append((seq, self._end(seq, FinishReason.ABORT, reason)))
         expired = self._expired_waits()
         for seq in expired:
-            emitted.append((seq, self._cancel(seq, QUEUE_DEADLINE_MESSAGE)))
+            emitted.append((seq, self._end(seq, FinishReason.ABORT, QUEUE_DEADLINE_MESSAGE)))
         return bool(inbox or aborts or expired)
 
     def _expired_waits(self) -> list[Sequence]:
@@ -378,13 +378,6 @@ class Engine:
         return [seq for seq in self.scheduler.waiting
                 if seq.num_preemptions == 0 and seq.request.queue_deadline is not None
                 and seq.request.queue_deadline <= now]
-
-    def _cancel(self, seq: Sequence, reason: str | None) -> GenerationEvent:
-        self.scheduler.remove(seq)
-        seq.finish_reason = FinishReason.ABORT
-        event = self._final_event(seq, [], "", None)
-        event.error = reason
-        return event
 
     def _run_batch(self, batch: Batch, emitted: list[tuple[Sequence, GenerationEvent]]) -> None:
         rows = [
@@ -526,7 +519,11 @@ class Engine:
         return event
 
     def _fail(self, seq: Sequence, message: str) -> GenerationEvent:
-        self.scheduler.finish(seq, FinishReason.ERROR)
+        return self._end(seq, FinishReason.ERROR, message)
+
+    def _end(self, seq: Sequence, reason: FinishReason, message: str | None) -> GenerationEvent:
+        """Retire `seq` with `reason` (ERROR, or ABORT by client or server); `message` says why."""
+        self.scheduler.finish(seq, reason)
         event = self._final_event(seq, [], "", None)
         event.error = message
         return event

@@ -30,6 +30,9 @@ def _past_context(limit: int) -> RequestError:
     return RequestError(f"the prompt has more tokens than this model's {limit}-token context")
 
 
+_WHITESPACE = re.compile(r"\s")
+
+
 def _pieces(text: str) -> Iterator[str]:
     """`text` in pieces of about PIECE_CHARS, each ending after a whitespace character where
     one comes soon (a piece boundary then falls between pre-tokens)."""
@@ -41,9 +44,6 @@ def _pieces(text: str) -> Iterator[str]:
             end = match.end() if match else end
         yield text[start:end]
         start = end
-
-
-_WHITESPACE = re.compile(r"\s")
 
 
 @lru_cache(maxsize=1)

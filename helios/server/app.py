@@ -27,7 +27,7 @@ from helios.protocols import chat, completions, decisions, messages, models, oll
 from helios.server import metrics
 from helios.server.admission import RETRY_AFTER_SECONDS, Admission
 from helios.server.config import ConfigError, ServerConfig
-from helios.server.context import ServerContext
+from helios.server.context import DRAINING_MESSAGE, ServerContext
 from helios.server.errors import (
     ApiError,
     bad_request,
@@ -54,7 +54,6 @@ ANTHROPIC_PREFIX = "/v1/messages"
 OLLAMA_PREFIX = "/api/"
 
 Handler = Callable[[web.Request, ServerContext], Awaitable[web.StreamResponse]]
-DRAINING_MESSAGE = "the server is draining: it finishes in-flight requests and takes no new ones; retry"
 
 
 def check_startup(manifest: Manifest, config: ServerConfig, tokenizer: Tokenizer | None = None) -> None:

@@ -15,7 +15,7 @@
     max_json_elements = 262144    # values and keys in a body (default: max(body/128, 4 x context))
     max_json_depth = 64           # nesting of a body
     thinking_token_budget = 4096  # default reasoning cap; needs a core with reasoning syntax
-    frontend_workers = 4          # threads for decompression, templating and tokenization
+    frontend_workers = 4          # threads for templating and tokenization (bodies have their own)
     prefix_cache = true           # reuse KV prefix checkpoints across requests
     checkpoint_storage_fraction = 0.5    # most of the KV pool that checkpoints may own
     checkpoint_work_allowance_us = 5000  # predicted capture copy work allowed per request

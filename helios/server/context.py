@@ -30,6 +30,7 @@ from helios.server.metrics import HttpStats
 T = TypeVar("T")
 
 INLINE_BODY_BYTES = 64 << 10
+DRAINING_MESSAGE = "the server is draining: it finishes in-flight requests and takes no new ones; retry"
 MAX_BODY_REST_S = 1.0
 
 
@@ -103,7 +104,7 @@ class ServerContext:
 
     def reserve(self, count: int) -> Reservation:
         if self.draining:
-            raise unavailable("the server is draining: it takes no new requests; retry", RETRY_AFTER_SECONDS)
+            raise unavailable(DRAINING_MESSAGE, RETRY_AFTER_SECONDS)
         pending = self.engine.num_pending() if self.admission.queue_size is not None else 0
         try:
             return self.admission.reserve(count, pending)
