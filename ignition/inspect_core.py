@@ -294,7 +294,7 @@ def _parity(
     result.add("checkpoint", True, f"{spec} (sha256 {want[:12]}…)", report)
 
     recorded = manifest.parity
-    model = build_model(checkpoint)
+    model = build_model(*checkpoint.model_inputs())
     prompt_ids = validation_prompt(core / manifest.tokenizer.file, checkpoint)
     steps = recorded.decode_steps if recorded else 8
     try:

@@ -39,3 +39,7 @@ class Checkpoint:
     # The Hugging Face config.json of configured families (ignition/models/families.py): their
     # layer plan (MLA, MoE routing, windows, ...) is derived from it. Empty for qwen2/llama.
     model_config: dict[str, Any] = field(default_factory=dict)
+
+    def model_inputs(self) -> tuple[Architecture, dict[str, Any], dict[str, np.ndarray]]:
+        """The arguments of `ignition.models.build_model`."""
+        return self.architecture, self.model_config, self.tensors

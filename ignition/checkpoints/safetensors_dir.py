@@ -49,7 +49,7 @@ def architecture_from_config(config: dict[str, Any], source: str) -> Architectur
 def _architecture(config: dict[str, Any], source: str) -> Architecture:
     family = check_family(str(config.get("model_type")), source)
     if family not in SUPPORTED_FAMILIES:
-        from ignition.models.families import PLANNED, FamilyError, architecture
+        from ignition.models import PLANNED, FamilyError, architecture
 
         if family in PLANNED:
             raise CheckpointError(f"{source}: the {family!r} family cannot be compiled yet: missing {PLANNED[family]}")

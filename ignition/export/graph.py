@@ -18,7 +18,7 @@ import torch
 
 from helios.manifest import Architecture, Engine, KVLayout, StateLayout, TensorSpec
 from ignition.models import ops
-from ignition.models.common import TOP_K, DecoderLM
+from ignition.models import TOP_K, DecoderLM
 
 # The exporter logs a warning per missing torchvision op it would have registered.
 logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)

@@ -84,7 +84,7 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
     from ignition.export.graph import export_step_graph
     from ignition.export.quantize import manifest_quantization, quantize
     from ignition.export.validate import ParityError, validate_scores
-    from ignition.models.families import logit_postprocessing
+    from ignition.models import logit_postprocessing
     from ignition.models import build_model
 
     recipe, out = options.recipe, Path(options.out)
@@ -151,7 +151,7 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
 
             started = time.monotonic()
             progress("convert", f"building {family} model ({checkpoint.architecture.num_layers} layers)")
-            model = build_model(checkpoint)
+            model = build_model(*checkpoint.model_inputs())
             seconds["convert"] = time.monotonic() - started
 
             started = time.monotonic()
@@ -224,7 +224,7 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
             except export_cache.ReferenceMiss:
                 # Only a cache hit gets here: rebuild the reference from the checkpoint itself.
                 progress("validate", "cached reference does not apply: reading the checkpoint for the reference")
-                model = build_model(load_checkpoint(options.checkpoint))
+                model = build_model(*load_checkpoint(options.checkpoint).model_inputs())
                 parity = _validate(engine_dir / engine.file, model, kv, prompt_ids, options.precision, state)
             if options.prompt_logprobs:
                 progress("validate", "checking prompt scores against the step graph's logprobs")
@@ -271,7 +271,7 @@ def _score_engine(fp32_step: Path, arch, fp32_dir: Path, engine_dir: Path, preci
 def _cache_layouts(recipe: Recipe, checkpoint: Checkpoint) -> tuple[KVLayout, StateLayout | None]:
     """The paged KV pool's geometry and the recurrent state layout (None for attention-only
     families): recurrent layers have no K/V rows (docs/architecture.md)."""
-    from ignition.models.families import cache_layout
+    from ignition.models import cache_layout
 
     arch = checkpoint.architecture
     kv_layers, state = cache_layout(arch.family, checkpoint.model_config, arch.num_layers)

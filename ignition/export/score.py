@@ -27,7 +27,7 @@ from torch import nn
 
 from helios.manifest import Architecture, Engine, TensorSpec
 from ignition.export.graph import OPSET, save_with_external_data
-from ignition.models.common import TOP_K, logprob_stats
+from ignition.models import TOP_K, logprob_stats
 
 # The exporter's optimizer passes log each step at INFO; an export shows its own progress.
 for _name in ("onnx_ir", "onnxscript"):

@@ -45,7 +45,7 @@ import torch
 
 from helios.engine.runner import Runner, StepRow
 from helios.manifest import MANIFEST_NAME, KVLayout, Manifest, Parity, StateLayout
-from ignition.models.common import DecoderLM
+from ignition.models import DecoderLM
 
 
 class ParityError(RuntimeError):

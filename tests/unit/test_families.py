@@ -357,7 +357,7 @@ def test_mtp_tensors_are_kept_aside(tmp_path):
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     index["weight_map"].update({name: "model-mtp.safetensors" for name in extra})
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    model = build_model(read_safetensors_dir(folder))
+    model = build_model(*read_safetensors_dir(folder).model_inputs())
     assert set(model.mtp_tensors) == set(extra)
 
 

@@ -27,7 +27,7 @@ HELD_OUT = (
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint_dir):
     """float64 log-softmax of the tiny checkpoint's weights over a sequence: [T, V]."""
-    model = build_model(load_checkpoint(str(tiny_checkpoint_dir))).double()
+    model = build_model(*load_checkpoint(str(tiny_checkpoint_dir)).model_inputs()).double()
 
     def run(ids: list[int]) -> np.ndarray:
         with torch.no_grad():

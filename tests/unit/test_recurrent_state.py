@@ -31,7 +31,7 @@ def tiny(tmp_path_factory):
     from tests.unit.family_checkpoints import write_family_checkpoint
 
     folder, reference = write_family_checkpoint(tmp_path_factory.mktemp("q35") / "ckpt", "qwen3_5")
-    return folder, build_model(read_safetensors_dir(folder)), reference
+    return folder, build_model(*read_safetensors_dir(folder).model_inputs()), reference
 
 
 def _step(model, chunks, histories, slots, pool, kv_pool=None):  # noqa: ANN001, ANN202
@@ -120,7 +120,7 @@ def graph(tiny, tmp_path_factory):
     """The tiny model's fp32 step graph with its KV and state layouts."""
     from helios.manifest import KVLayout
     from ignition.export.graph import export_step_graph
-    from ignition.models.families import cache_layout
+    from ignition.models import cache_layout
 
     folder, model, _ = tiny
     import json

@@ -88,7 +88,7 @@ def family(request) -> str:
 
 @pytest.fixture(scope="module")
 def model(family):
-    return build_model(tiny_checkpoint(family))
+    return build_model(*tiny_checkpoint(family).model_inputs())
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +187,7 @@ def test_onnx_fp32_parity_prefill_and_decode(model, fp32_graph):
 
 def test_plain_export_matches_too(tmp_path):
     """fused=False: the same math as standard ONNX ops only (no onnxruntime contrib kernels)."""
-    model = build_model(tiny_checkpoint("qwen2"))
+    model = build_model(*tiny_checkpoint("qwen2").model_inputs())
     export_step_graph(model, model.arch, KV, tmp_path, fused=False)
     graph = onnx.load(str(tmp_path / "step.onnx"), load_external_data=False)
     assert all(node.domain in ("", "ai.onnx") for node in graph.graph.node)
@@ -283,7 +283,7 @@ def test_int8_export_passes_tolerance(model, fp32_graph, tmp_path):
 
 def test_validation_catches_a_wrong_rotary(family, model, tmp_path):
     """An engine exported with the wrong rope theta must fail validation, fp32 and int4."""
-    broken = build_model(tiny_checkpoint(family, rope_theta=500.0))
+    broken = build_model(*tiny_checkpoint(family, rope_theta=500.0).model_inputs())
     export_step_graph(broken, broken.arch, KV, tmp_path)
     with pytest.raises(ParityError, match="disagrees"):
         validate(tmp_path / "step.onnx", model, KV, prompt(30), precision="fp32")
