@@ -49,7 +49,7 @@ def serve(
             settings.api_key = read_api_key_file(api_key_file)
         if max_concurrency is not None:
             settings.max_concurrency = max_concurrency
-        from helios.server.app import check_startup
+        from helios.app import check_startup
 
         check_startup(manifest, settings)
         for name, value in (("kv-pages", kv_pages), ("threads", threads)):
@@ -61,7 +61,7 @@ def serve(
 
     from helios.engine.engine import Engine
     from helios.server import lifecycle
-    from helios.server.app import CTX_KEY, create_app
+    from helios.app import CTX_KEY, create_app
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = Engine(core, manifest, max_concurrency=settings.max_concurrency, kv_pages=kv_pages, threads=threads,

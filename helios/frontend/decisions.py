@@ -21,10 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from helios.engine.api import GenerationRequest, SamplingParams
-from helios.frontend.checkpoints import conversation_candidates
 from helios.frontend.conversation import Conversation, Message, TextPart
 from helios.frontend.errors import RequestError
-from helios.frontend.request import ChatOptions, lower
+from helios.frontend.request import ChatOptions, engine_requests, lower
 from helios.frontend.template import ChatTemplate
 from helios.frontend.tokenizer import Tokenizer
 from helios.manifest import Manifest
@@ -115,7 +114,7 @@ class Scorer:
     def max_options(self) -> int:
         return min(len(LABEL_ALPHABET), self.manifest.logprobs.max_explicit_token_ids)
 
-    def compile(self, state: str, question: Question, request_id: str) -> CompiledQuestion:
+    def compile(self, state: str, question: Question, response_id: str, index: int) -> CompiledQuestion:
         """The engine request of one question, its labels verified against the rendered prompt."""
         if len(question.options) > self.max_options():
             raise RequestError(
@@ -129,7 +128,7 @@ class Scorer:
         ])
         kwargs = {"enable_thinking": False}
         lowered = lower(conversation, ChatOptions(template_kwargs=kwargs), manifest=self.manifest,
-                        template=self.template, tokenizer=self.tokenizer, compile_grammar=False)
+                        template=self.template, tokenizer=self.tokenizer)
         if lowered.reasoning is not None and lowered.reasoning.starts_open:
             raise RequestError("this model core's template always starts in reasoning, so an answer label "
                                "cannot be the first generated token", param="model")
@@ -146,10 +145,8 @@ class Scorer:
             logprob_token_ids=label_ids,
             seed=0,
         )
-        checkpoints = conversation_candidates(lowered.conversation, self.template, self.tokenizer, lowered.prompt_ids,
-                                              template_kwargs=kwargs)
-        request = GenerationRequest(request_id=request_id, prompt_token_ids=lowered.prompt_ids, sampling=sampling,
-                                    checkpoints=checkpoints)
+        [request] = engine_requests(response_id, lowered.prompt_ids, sampling, first_index=index,
+                                    checkpoints=lowered.checkpoints)
         return CompiledQuestion(request, label_ids)
 
     def _verify_labels(self, prompt_text: str, prompt_ids: list[int], labels: list[str]) -> list[int]:

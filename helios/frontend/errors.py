@@ -1,7 +1,8 @@
 """Errors the frontend raises for a request it cannot serve.
 
-The frontend (tokenizer, template, sampling) knows nothing about HTTP; the server maps
-`RequestError` to HTTP 400 invalid_request_error in each protocol's error shape.
+The frontend (tokenizer, template, sampling, output) knows nothing about HTTP; the server maps
+`RequestError` to HTTP 400 invalid_request_error and `OutputFailure` to HTTP 500 server_error, in
+each protocol's error shape.
 """
 
 from __future__ import annotations
@@ -15,3 +16,8 @@ class RequestError(ValueError):
         self.message = message
         self.param = param
         self.code = code
+
+
+class OutputFailure(Exception):
+    """Generated output that breaks its contract (a malformed tool envelope, a forbidden or
+    missing call): the request fails (HTTP 500, or a terminal stream error)."""

@@ -1,26 +1,33 @@
-"""Lowering a neutral conversational request: prompt ids, output parsing plan, engine constraints.
+"""Lowering a neutral request into engine requests: prompt ids, output plan, engine constraints.
 
 Chat Completions, Messages and Responses decode their own JSON into a `Conversation` plus
-`ChatOptions`; this one function turns that into what the engine and the output pipeline need,
-so tool choice, structured output and reasoning behave identically on every protocol:
+`ChatOptions`; `lower` turns that into what the engine and the output pipeline need, so tool
+choice, structured output and reasoning behave identically on every protocol:
 
 1. tool choice: required/named checks, the presented tool definitions, the required-mode
    instruction; output constraints: the combination rules and the JSON-only instruction;
 2. render through the prepared template (helios.frontend.conversation);
 3. reasoning: where output starts (the rendered prompt), the budget rules, delimiter ids;
-4. the output grammar (llguidance, compiled and validated before admission).
+4. the output grammar (llguidance, compiled and validated before admission);
+5. the candidate prefix-checkpoint boundaries (message ends, cache hints, the endpoint).
+
+`engine_requests` is the one place engine requests are assembled (every protocol, raw prompts
+included): one per choice, ids `{response_id}-{index}`, seeds advanced per choice.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from helios.engine.api import ReasoningControl
-from helios.frontend.conversation import Conversation, ToolSpec, render_text, with_instruction
+from helios.engine.api import CheckpointCandidate, GenerationRequest, ReasoningControl, SamplingParams
+from helios.frontend.checkpoints import conversation_candidates
+from helios.frontend.conversation import Conversation, Part, ToolSpec, render_text, with_instruction
 from helios.frontend.errors import RequestError
 from helios.frontend.grammar import OutputFormat, compiler_for
+from helios.frontend.hints import boundary_positions
 from helios.frontend.parsers import (
     REASONING,
     TOOL_OPENER_TEXT,
@@ -29,6 +36,7 @@ from helios.frontend.parsers import (
     single_token,
     start_state,
 )
+from helios.frontend.sampling import child_seed
 from helios.frontend.template import ChatTemplate
 from helios.frontend.thinking import Budget
 from helios.frontend.tokenizer import Tokenizer
@@ -52,6 +60,7 @@ class ChatOptions:
     budget: Budget = field(default_factory=Budget)
     user_stops: bool = False  # string or token stops were requested
     ignore_eos: bool = False
+    cache_hints: list[Part] = field(default_factory=list)  # parts whose end is a checkpoint candidate
 
 
 @dataclass
@@ -71,11 +80,41 @@ class Lowered:
     output: OutputPlan
     grammar: str | None = None
     reasoning: ReasoningControl | None = None
+    checkpoints: list[CheckpointCandidate] = field(default_factory=list)
+
+    def requests(self, response_id: str, sampling: SamplingParams, choices: int = 1,
+                 prompt_logprobs: int | None = None) -> list[GenerationRequest]:
+        """One engine request per choice; the shared prompt is scored once (the first choice)."""
+        return engine_requests(response_id, self.prompt_ids, sampling, choices=choices,
+                               checkpoints=self.checkpoints, grammar=self.grammar, reasoning=self.reasoning,
+                               prompt_logprobs=prompt_logprobs, scored_choices=1)
+
+
+def engine_requests(response_id: str, prompt_ids: list[int], sampling: SamplingParams, *, choices: int = 1,
+                    first_index: int = 0, checkpoints: list[CheckpointCandidate] | None = None,
+                    grammar: str | None = None, reasoning: ReasoningControl | None = None,
+                    prompt_logprobs: int | None = None, scored_choices: int | None = None) -> list[GenerationRequest]:
+    """One prompt's engine requests: choice j is `{response_id}-{first_index + j}` with the seed
+    advanced by j (n > 1 stays reproducible); the first `scored_choices` (default all) score it."""
+    scored = choices if scored_choices is None else scored_choices
+    return [
+        GenerationRequest(
+            request_id=f"{response_id}-{first_index + j}",
+            prompt_token_ids=prompt_ids,
+            sampling=dataclasses.replace(sampling, seed=child_seed(sampling.seed, j)),
+            checkpoints=list(checkpoints or []),
+            grammar=grammar,
+            reasoning=reasoning,
+            prompt_logprobs=prompt_logprobs if j < scored else None,
+        )
+        for j in range(choices)
+    ]
 
 
 def lower(conversation: Conversation, options: ChatOptions, *, manifest: Manifest,
           template: ChatTemplate | None, tokenizer: Tokenizer, default_budget: int | None = None,
-          compile_grammar: bool = True) -> Lowered:
+          prepare: bool = True) -> Lowered:
+    """`prepare` False renders the prompt only (count_tokens): no grammar, no checkpoints."""
     choice = options.choice
     require_tools(choice, options.tools)
     tools = presented(options.tools, choice)
@@ -126,12 +165,22 @@ def lower(conversation: Conversation, options: ChatOptions, *, manifest: Manifes
         reasoning=reasoning, start=start, verbatim=fmt is not None,
     )
     grammar = None
-    if fmt is not None and compile_grammar:
+    if fmt is not None and prepare:
         after_results = bool(conversation.messages) and conversation.messages[-1].role == "tool"
         grammar = compiler_for(tokenizer, manifest).output_grammar(
             fmt, spec.tool_syntax, {t.name: t.parameters for t in tools}, options.output_format_param,
             bare_calls=not after_results)
-    return Lowered(effective, prompt_text, prompt_ids, OutputPlan(spec, tools, choice), grammar, control)
+    checkpoints = _checkpoints(effective, options, template, tokenizer, prompt_ids) if prepare else []
+    return Lowered(effective, prompt_text, prompt_ids, OutputPlan(spec, tools, choice), grammar, control, checkpoints)
+
+
+def _checkpoints(rendered: Conversation, options: ChatOptions, template: ChatTemplate | None,
+                 tokenizer: Tokenizer, prompt_ids: list[int]) -> list[CheckpointCandidate]:
+    render = {"add_generation_prompt": options.add_generation_prompt,
+              "continue_final_message": options.continue_final, "template_kwargs": options.template_kwargs}
+    hints = boundary_positions(rendered, options.cache_hints, template, tokenizer, prompt_ids, **render) \
+        if options.cache_hints else []
+    return conversation_candidates(rendered, template, tokenizer, prompt_ids, hints=hints, **render)
 
 
 def _budget(budget: Budget, default: int | None, has_syntax: bool, starts_open: bool,

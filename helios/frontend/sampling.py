@@ -19,14 +19,14 @@ clamped request that runs out reports finish_reason "length".
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from helios.engine.api import SamplingParams
 from helios.frontend.errors import RequestError
-from helios.manifest import Limits, Logprobs, Sampling
+from helios.frontend.fields import require_bool, require_int, require_number
+from helios.manifest import Limits, Logprobs, Manifest, Sampling
 
 DISTRIBUTION_FIELDS = (
     "temperature",
@@ -44,26 +44,6 @@ MAX_STOP_BYTES = 4096
 MAX_STOP_TOKEN_IDS = 16
 MAX_TOP_LOGPROBS = 20
 SEED_MODULUS = 1 << 64  # seeds are taken modulo 2**64 so the engine always sees a nonnegative int
-
-
-def require_number(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RequestError(f"{name} must be a number", param=name)
-    if not math.isfinite(value):
-        raise RequestError(f"{name} must be finite", param=name)
-    return float(value)
-
-
-def require_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(f"{name} must be an integer", param=name)
-    return value
-
-
-def require_bool(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise RequestError(f"{name} must be a boolean", param=name)
-    return value
 
 
 def resolve_distribution(values: Mapping[str, Any], sampling: Sampling) -> dict[str, float | int]:
@@ -214,4 +194,24 @@ def resolve_sampling(fields: SamplingFields, sampling: Sampling, vocab_size: int
         stop_token_ids=stop_ids,
         logprobs=fields.logprobs,
         include_stop_str_in_output=include_stop,
+    )
+
+
+def request_sampling(body: Mapping[str, Any], manifest: Manifest, *, stop_name: str = "stop",
+                     logprobs: int | None = None) -> SamplingParams:
+    """A request body's sampling fields (native extensions included) resolved against the core's
+    prepared policy; max_tokens and per-choice seeds are set when its engine requests are built."""
+    return resolve_sampling(
+        SamplingFields(
+            values={name: body.get(name) for name in DISTRIBUTION_FIELDS},
+            seed=body.get("seed"),
+            stop=body.get(stop_name),
+            stop_name=stop_name,
+            stop_token_ids=body.get("stop_token_ids"),
+            ignore_eos=body.get("ignore_eos"),
+            include_stop_str_in_output=body.get("include_stop_str_in_output"),
+            logprobs=logprobs,
+        ),
+        manifest.sampling,
+        manifest.architecture.vocab_size,
     )

@@ -1,20 +1,18 @@
 """POST /v1/chat/completions: OpenAI Chat Completions over the neutral conversation.
 
-decode (JSON -> Conversation + options) -> render through the chat template -> one engine
-request per choice -> encode events as a chat.completion object or chat.completion.chunk SSE.
+decode (JSON -> Conversation + options) -> frontend lowering (template, tools, grammar, one engine
+request per choice) -> encode events as a chat.completion object or chat.completion.chunk SSE.
+The request lifecycle around both is helios.server.generation's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
-
-from helios.engine.api import GenerationRequest, SamplingParams
-from helios.frontend.checkpoints import conversation_candidates
+from helios.engine.api import GenerationEvent, GenerationRequest, SamplingParams
+from helios.frontend.answer import Answer
 from helios.frontend.conversation import (
     Conversation,
     ImagePart,
@@ -27,24 +25,17 @@ from helios.frontend.conversation import (
     ToolSpec,
 )
 from helios.frontend.errors import RequestError
+from helios.frontend.fields import choice_count, opt_bool, opt_int, opt_object
 from helios.frontend.grammar import OutputFormat
 from helios.frontend.output import BlockDelta, BlockOpened, OutputEvent
 from helios.frontend.request import ChatOptions, OutputPlan, lower
-from helios.frontend.sampling import (
-    check_top_logprobs,
-    child_seed,
-    resolve_max_tokens,
-)
+from helios.frontend.sampling import check_top_logprobs, request_sampling, resolve_max_tokens
 from helios.frontend.thinking import Budget, check_budget, check_effort, template_kwargs
 from helios.frontend.tools import EmittedCall, ToolChoice, unique_names
 from helios.protocols import common
-from helios.protocols.answer import Answer
-from helios.server.admission import GenerationGroup, terminal_failure
-from helios.server.context import ServerContext, new_response_id, response_headers
-from helios.server.errors import ApiError, json_response, server_error
-from helios.server.sse import KEEPALIVE_SECONDS, SSEWriter
-
-log = logging.getLogger("helios.chat")
+from helios.server.context import ServerContext
+from helios.server.errors import ApiError
+from helios.server.generation import Codec, Frame
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -169,7 +160,7 @@ def decode_tools(body: dict[str, Any]) -> tuple[list[ToolSpec], ToolChoice]:
         specs.append(ToolSpec(fn["name"], description, params))
     unique_names(specs)
     choice = body.get("tool_choice")
-    parallel = common.opt_bool(body, "parallel_tool_calls", True)
+    parallel = opt_bool(body, "parallel_tool_calls", True)
     if choice is None or choice in ("auto", "none", "required"):
         return specs, ToolChoice(choice or "auto", parallel=parallel)
     fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
@@ -198,15 +189,15 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> ChatPlan
     budget = check_budget(body.get("thinking_token_budget"))
     effort = check_effort(body.get("reasoning_effort"), "reasoning_effort", m.template.numeric_effort)
     common.reject_unsupported_extensions(body, structured=True)
-    n = common.choice_count(body)
+    n = choice_count(body)
     if n > ctx.admission.slots:
         raise RequestError(f"n={n} needs more admission slots than this server has ({ctx.admission.slots})",
                            param="n")
-    stream = common.opt_bool(body, "stream", False)
+    stream = opt_bool(body, "stream", False)
     options = common.stream_options(body)
 
-    logprobs_on = common.opt_bool(body, "logprobs", False)
-    top = common.opt_int(body, "top_logprobs", None)
+    logprobs_on = opt_bool(body, "logprobs", False)
+    top = opt_int(body, "top_logprobs", None)
     if top is not None and not 0 <= top <= 20:
         raise RequestError("top_logprobs must be between 0 and 20", param="top_logprobs")
     if top and not logprobs_on:
@@ -215,12 +206,12 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> ChatPlan
     explicit = common.logprob_token_ids(body, logprobs_on, m)
     prompt_k = common.prompt_logprobs_count(body.get("prompt_logprobs"), streaming=stream, manifest=m)
 
-    add_generation_prompt = common.opt_bool(body, "add_generation_prompt", True)
-    continue_final = common.opt_bool(body, "continue_final_message", False)
-    kwargs = common.opt_object(body, "chat_template_kwargs") or {}
+    add_generation_prompt = opt_bool(body, "add_generation_prompt", True)
+    continue_final = opt_bool(body, "continue_final_message", False)
+    kwargs = opt_object(body, "chat_template_kwargs") or {}
     kwargs = template_kwargs(kwargs, enabled=common.reasoning_switch(body, kwargs), effort=effort,
                              template_source=ctx.template.source if ctx.template else None)
-    base = common.request_sampling(body, m, logprobs=k)
+    base = request_sampling(body, m, logprobs=k)
     base.logprob_token_ids = explicit
     chat_options = ChatOptions(
         tools=tools, choice=choice, output_format=fmt, output_format_param=fmt_param, template_kwargs=kwargs,
@@ -230,75 +221,30 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> ChatPlan
     )
     lowered = lower(Conversation(messages), chat_options, manifest=m, template=ctx.template, tokenizer=ctx.tokenizer,
                     default_budget=ctx.config.thinking_token_budget)
-    conversation, prompt_ids = lowered.conversation, lowered.prompt_ids
-    checkpoints = conversation_candidates(
-        conversation, ctx.template, ctx.tokenizer, prompt_ids,
-        add_generation_prompt=add_generation_prompt, continue_final_message=continue_final, template_kwargs=kwargs,
-    )
     requested = body.get("max_completion_tokens")
     name = "max_completion_tokens"
     if requested is None:
         requested, name = body.get("max_tokens"), "max_tokens"
-    max_tokens = resolve_max_tokens(requested, len(prompt_ids), m.limits, name=name, allow_zero=False)
+    max_tokens = resolve_max_tokens(requested, len(lowered.prompt_ids), m.limits, name=name, allow_zero=False)
     base = dataclasses.replace(base, max_tokens=max_tokens)
-    requests = [
-        GenerationRequest(
-            request_id=f"{response_id}-{i}",
-            prompt_token_ids=prompt_ids,
-            sampling=dataclasses.replace(base, seed=child_seed(base.seed, i)),
-            checkpoints=checkpoints,
-            grammar=lowered.grammar,
-            reasoning=lowered.reasoning,
-            # The top-level field reports one scoring of the shared prompt: the first choice's.
-            prompt_logprobs=prompt_k if i == 0 else None,
-        )
-        for i in range(n)
-    ]
     return ChatPlan(
         response_id=response_id,
-        prompt_ids=prompt_ids,
-        requests=requests,
+        prompt_ids=lowered.prompt_ids,
+        # The top-level prompt_logprobs field reports one scoring of the shared prompt.
+        requests=lowered.requests(response_id, base, choices=n, prompt_logprobs=prompt_k),
         stream=stream,
         options=options,
         logprobs=k,
-        as_token_ids=common.opt_bool(body, "return_tokens_as_token_ids", False),
-        return_token_ids=common.opt_bool(body, "return_token_ids", False),
-        return_timestamps=common.opt_bool(body, "return_token_timestamps", False),
+        as_token_ids=opt_bool(body, "return_tokens_as_token_ids", False),
+        return_token_ids=opt_bool(body, "return_token_ids", False),
+        return_timestamps=opt_bool(body, "return_token_timestamps", False),
         base=base,
         output=lowered.output,
         prompt_logprobs=prompt_k,
     )
 
 
-# -- handler ---------------------------------------------------------------------------------------
-
-async def handle(request: web.Request, ctx: ServerContext) -> web.StreamResponse:
-    body = await ctx.read_json_object(request)
-    response_id = new_response_id("chatcmpl")
-    p = await ctx.in_frontend(plan, ctx, body, response_id)
-    reservation = ctx.reserve(len(p.requests))
-    group = ctx.start_group(p.requests, reservation)
-    headers = response_headers(request, response_id)
-    try:
-        if p.stream:
-            return await _stream(request, ctx, p, group, headers)
-        return await _buffered(ctx, p, group, headers)
-    finally:
-        group.close()  # aborts unfinished children on disconnect or failure
-
-
-def _answers(ctx: ServerContext, p: ChatPlan) -> list[Answer]:
-    return [Answer(ctx.tokenizer, len(p.prompt_ids), p.output, index=i, stats=ctx.http) for i in range(len(p.requests))]
-
-
-def _usage(p: ChatPlan, answers: list[Answer]) -> dict[str, Any]:
-    return common.usage(
-        len(p.prompt_ids),
-        sum(a.completion_tokens for a in answers),
-        answers[0].cached_tokens,  # the first choice's admission count (prompt counted once)
-        reasoning_tokens=sum(a.reasoning_tokens for a in answers),
-    )
-
+# -- encoding --------------------------------------------------------------------------------------
 
 def finish_reason(answer: Answer) -> str:
     """length, tool_calls (parsed calls completed an answer the user did not stop) or stop."""
@@ -310,58 +256,6 @@ def _tool_call(call: EmittedCall, index: int | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"id": call.id, "type": "function",
                            "function": {"name": call.name, "arguments": call.arguments_json}}
     return out if index is None else {"index": index, **out}
-
-
-async def _buffered(ctx: ServerContext, p: ChatPlan, group: GenerationGroup,
-                    headers: dict[str, str]) -> web.Response:
-    answers = _answers(ctx, p)
-    while not all(a.state.finished for a in answers):
-        item = await group.next()
-        assert item is not None
-        index, event = item
-        try:
-            answers[index].apply(event)
-        except ApiError as exc:
-            raise exc.with_headers(headers) from None
-        if event.finished and (failure := terminal_failure(event)) is not None:
-            raise failure.with_headers(headers)
-    choices = []
-    for a in answers:
-        s = a.state
-        text, reasoning, calls = a.output.text("text"), a.output.text("reasoning"), a.output.calls
-        choice: dict[str, Any] = {
-            "index": s.index,
-            "message": {"role": "assistant", "content": text if text or not calls else None, "refusal": None,
-                        "tool_calls": [_tool_call(c) for c in calls], "reasoning_content": reasoning or None},
-            "logprobs": None,
-            "finish_reason": finish_reason(a),
-            "stop_reason": s.stop_reason,
-        }
-        if p.logprobs is not None:
-            choice["logprobs"] = {
-                "content": common.chat_logprob_entries(ctx.tokenizer, s.logprobs, p.logprobs, p.as_token_ids)
-            }
-        if p.return_token_ids:
-            choice["token_ids"] = s.token_ids
-        if p.return_timestamps:
-            choice["token_timestamps_ns"] = s.timestamps_ns
-        choices.append(choice)
-    out: dict[str, Any] = {
-        "id": p.response_id,
-        "object": "chat.completion",
-        "created": common.now(),
-        "model": ctx.model_id,
-        "choices": choices,
-        "usage": _usage(p, answers),
-        "system_fingerprint": None,
-        "prompt_logprobs": (common.prompt_logprobs_field(ctx.tokenizer, answers[0].state.prompt_logprobs, p.prompt_logprobs)
-                            if p.prompt_logprobs is not None else None),
-    }
-    if p.return_token_ids:
-        out["prompt_token_ids"] = p.prompt_ids
-    if p.return_token_ids or p.return_timestamps:
-        out["reused_prompt_tokens"] = answers[0].cached_tokens
-    return json_response(out, headers=headers)
 
 
 def _delta(events: list[OutputEvent], calls_before: int) -> dict[str, Any]:
@@ -379,76 +273,123 @@ def _delta(events: list[OutputEvent], calls_before: int) -> dict[str, Any]:
     return delta
 
 
-async def _stream(request: web.Request, ctx: ServerContext, p: ChatPlan, group: GenerationGroup,
-                  headers: dict[str, str]) -> web.StreamResponse:
-    writer = await SSEWriter.start(request, headers)
-    answers = _answers(ctx, p)
-    created = common.now()
-    role_sent = [False] * len(answers)
-    calls_sent = [0] * len(answers)
+class ChatEncoder:
+    """One Answer per choice; a chat.completion object, or chat.completion.chunk frames."""
 
-    def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
-        out = {"id": p.response_id, "object": "chat.completion.chunk", "created": created,
-               "model": ctx.model_id, "choices": choices}
-        if p.options.continuous_usage:
-            out["usage"] = _usage(p, answers)  # cumulative counts on every chunk
+    done_sentinel = True
+
+    def __init__(self, ctx: ServerContext, p: ChatPlan):
+        self.ctx, self.p = ctx, p
+        self.answers = [Answer(ctx.tokenizer, len(p.prompt_ids), p.output, index=i) for i in range(len(p.requests))]
+        self.created = common.now()
+        self.role_sent = [False] * len(self.answers)
+        self.calls_sent = [0] * len(self.answers)
+
+    def usage(self) -> dict[str, Any]:
+        return common.usage(
+            len(self.p.prompt_ids),
+            sum(a.completion_tokens for a in self.answers),
+            self.answers[0].cached_tokens,  # the first choice's admission count (prompt counted once)
+            reasoning_tokens=sum(a.reasoning_tokens for a in self.answers),
+        )
+
+    def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        out = {"id": self.p.response_id, "object": "chat.completion.chunk", "created": self.created,
+               "model": self.ctx.model_id, "choices": choices}
+        if self.p.options.continuous_usage:
+            out["usage"] = self.usage()  # cumulative counts on every chunk
         return out
 
-    try:
-        while not all(a.state.finished for a in answers):
-            item = await group.next(KEEPALIVE_SECONDS)
-            if item is None:
-                await writer.comment()
-                continue
-            index, event = item
-            answer = answers[index]
-            state = answer.state
-            before = len(state.logprobs), len(state.token_ids), len(state.timestamps_ns)
-            events = answer.apply(event)  # ApiError: a terminal error frame below
-            if event.finished and (failure := terminal_failure(event)) is not None:
-                await writer.send(common.stream_error(failure))
-                await writer.close()
-                return writer.response
-            if not role_sent[index] and (event.token_ids or event.finished):
-                # The role delta waits for the first generated token (api.md).
-                role_sent[index] = True
-                await writer.send(chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                                          "logprobs": None, "finish_reason": None}]))
-            entries = state.logprobs[before[0]:] if p.logprobs is not None else []
-            ids = state.token_ids[before[1]:] if p.return_token_ids else []
-            delta = _delta(events, calls_sent[index])
-            calls_sent[index] += len(delta.get("tool_calls", []))
-            if not (delta or entries or ids or event.finished):
-                continue
-            if not delta and (entries or ids):
-                delta = {"content": ""}
-            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
-            if entries:
+    def start(self) -> list[Frame]:
+        return []
+
+    def apply(self, index: int, event: GenerationEvent) -> list[Frame]:
+        p, answer = self.p, self.answers[index]
+        state = answer.state
+        before = len(state.logprobs), len(state.token_ids), len(state.timestamps_ns)
+        events = answer.apply(event)
+        if not p.stream:
+            return []
+        frames: list[Frame] = []
+        if not self.role_sent[index] and (event.token_ids or event.finished):
+            # The role delta waits for the first generated token (api.md).
+            self.role_sent[index] = True
+            frames.append((self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]), None))
+        entries = state.logprobs[before[0]:] if p.logprobs is not None else []
+        ids = state.token_ids[before[1]:] if p.return_token_ids else []
+        delta = _delta(events, self.calls_sent[index])
+        self.calls_sent[index] += len(delta.get("tool_calls", []))
+        if not (delta or entries or ids or event.finished):
+            return frames
+        if not delta and (entries or ids):
+            delta = {"content": ""}
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        if entries:
+            choice["logprobs"] = {
+                "content": common.chat_logprob_entries(self.ctx.tokenizer, entries, p.logprobs or 0, p.as_token_ids)
+            }
+        if p.return_token_ids:
+            choice["token_ids"] = ids
+        if p.return_timestamps:
+            choice["token_timestamps_ns"] = state.timestamps_ns[before[2]:]
+        if event.finished:
+            choice["finish_reason"] = finish_reason(answer)
+            choice["stop_reason"] = state.stop_reason
+        out = self.chunk([choice])
+        if event.finished and (p.return_token_ids or p.return_timestamps):
+            out["reused_prompt_tokens"] = self.answers[0].cached_tokens
+        last = all(a.state.finished for a in self.answers)
+        if last and p.return_token_ids and not p.options.include_usage:
+            out["usage"] = self.usage()
+        return frames + [(out, None)]
+
+    def end(self) -> list[Frame]:
+        return [({**self.chunk([]), "usage": self.usage()}, None)] if self.p.options.include_usage else []
+
+    def failure(self, error: ApiError) -> list[Frame]:
+        return [(common.stream_error(error), None)]
+
+    def body(self) -> dict[str, Any]:
+        p, tokenizer = self.p, self.ctx.tokenizer
+        choices = []
+        for a in self.answers:
+            s = a.state
+            text, reasoning, calls = a.output.text("text"), a.output.text("reasoning"), a.output.calls
+            choice: dict[str, Any] = {
+                "index": s.index,
+                "message": {"role": "assistant", "content": text if text or not calls else None, "refusal": None,
+                            "tool_calls": [_tool_call(c) for c in calls], "reasoning_content": reasoning or None},
+                "logprobs": None,
+                "finish_reason": finish_reason(a),
+                "stop_reason": s.stop_reason,
+            }
+            if p.logprobs is not None:
                 choice["logprobs"] = {
-                    "content": common.chat_logprob_entries(ctx.tokenizer, entries, p.logprobs or 0, p.as_token_ids)
+                    "content": common.chat_logprob_entries(tokenizer, s.logprobs, p.logprobs, p.as_token_ids)
                 }
             if p.return_token_ids:
-                choice["token_ids"] = ids
+                choice["token_ids"] = s.token_ids
             if p.return_timestamps:
-                choice["token_timestamps_ns"] = state.timestamps_ns[before[2]:]
-            if event.finished:
-                choice["finish_reason"] = finish_reason(answer)
-                choice["stop_reason"] = state.stop_reason
-            out = chunk([choice])
-            if event.finished and (p.return_token_ids or p.return_timestamps):
-                out["reused_prompt_tokens"] = answers[0].cached_tokens
-            last = all(a.state.finished for a in answers)
-            if last and p.return_token_ids and not p.options.include_usage:
-                out["usage"] = _usage(p, answers)
-            await writer.send(out)
-        if p.options.include_usage:
-            await writer.send({**chunk([]), "usage": _usage(p, answers)})
-        await writer.done()
-    except (ConnectionResetError, ConnectionError):
-        pass  # the client left; the handler's finally aborts what is still running
-    except ApiError as exc:
-        await common.try_send_stream_error(writer, exc)
-    except Exception:
-        log.exception("chat stream failed")
-        await common.try_send_stream_error(writer, server_error("the stream failed"))
-    return writer.response
+                choice["token_timestamps_ns"] = s.timestamps_ns
+            choices.append(choice)
+        first = self.answers[0]
+        out: dict[str, Any] = {
+            "id": p.response_id,
+            "object": "chat.completion",
+            "created": common.now(),
+            "model": self.ctx.model_id,
+            "choices": choices,
+            "usage": self.usage(),
+            "system_fingerprint": None,
+            "prompt_logprobs": (common.prompt_logprobs_field(tokenizer, first.state.prompt_logprobs, p.prompt_logprobs)
+                                if p.prompt_logprobs is not None else None),
+        }
+        if p.return_token_ids:
+            out["prompt_token_ids"] = p.prompt_ids
+        if p.return_token_ids or p.return_timestamps:
+            out["reused_prompt_tokens"] = first.cached_tokens
+        return out
+
+
+CODEC = Codec("chat", "chatcmpl-", plan, ChatEncoder)

@@ -1,5 +1,5 @@
-"""Pieces shared by the OpenAI-shaped protocols (chat, completions): request field readers,
-usage objects, stream error payloads, per-choice accumulation and logprob encodings.
+"""Pieces the protocol codecs share: native-extension checks, output-format and logprob field
+decoding, OpenAI usage objects, stream error payloads and OpenAI logprob encodings.
 
 Nothing here translates one protocol into another; each protocol module decodes its own JSON
 into the neutral request and encodes engine events into its own JSON.
@@ -7,70 +7,21 @@ into the neutral request and encodes engine events into its own JSON.
 
 from __future__ import annotations
 
-import codecs
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from helios.engine.api import FinishReason, GenerationEvent, PromptLogprob, SamplingParams, TokenLogprob
+from helios.engine.api import FinishReason, PromptLogprob, TokenLogprob
 from helios.frontend.errors import RequestError
+from helios.frontend.fields import opt_bool, opt_int, opt_object, require_bool, require_int
 from helios.frontend.grammar import OutputFormat
-from helios.frontend.sampling import DISTRIBUTION_FIELDS, SamplingFields, require_bool, require_int, resolve_sampling
 from helios.frontend.tokenizer import Tokenizer
 from helios.manifest import Manifest
 from helios.server.errors import ApiError, openai_error_body
 
 NONFINITE_LOGPROB = -9999.0
-INT32_MAX = (1 << 31) - 1
-
-
-# -- request field readers (RequestError -> HTTP 400) -------------------------------------------
-
-def opt_bool(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    return default if value is None else require_bool(value, name)
-
-
-def opt_int(body: dict[str, Any], name: str, default: int | None) -> int | None:
-    value = body.get(name)
-    return default if value is None else require_int(value, name)
-
-
-def opt_object(body: dict[str, Any], name: str) -> dict[str, Any] | None:
-    value = body.get(name)
-    if value is not None and not isinstance(value, dict):
-        raise RequestError(f"{name} must be an object", param=name)
-    return value
-
-
-def choice_count(body: dict[str, Any]) -> int:
-    n = opt_int(body, "n", 1)
-    assert n is not None
-    if n < 1:
-        raise RequestError("n must be at least 1", param="n")
-    return n
-
-
-def request_sampling(body: dict[str, Any], manifest: Manifest, *, stop_name: str = "stop",
-                     logprobs: int | None = None) -> SamplingParams:
-    """The request's sampling fields (native extensions included) resolved against the core's
-    prepared policy; max_tokens and per-choice seeds are set by the caller."""
-    return resolve_sampling(
-        SamplingFields(
-            values={name: body.get(name) for name in DISTRIBUTION_FIELDS},
-            seed=body.get("seed"),
-            stop=body.get(stop_name),
-            stop_name=stop_name,
-            stop_token_ids=body.get("stop_token_ids"),
-            ignore_eos=body.get("ignore_eos"),
-            include_stop_str_in_output=body.get("include_stop_str_in_output"),
-            logprobs=logprobs,
-        ),
-        manifest.sampling,
-        manifest.architecture.vocab_size,
-    )
 
 
 @dataclass
@@ -84,12 +35,6 @@ def stream_options(body: dict[str, Any]) -> StreamOptions:
     include = opt_bool(options, "include_usage", False)
     continuous = opt_bool(options, "continuous_usage_stats", False)
     return StreamOptions(include_usage=include, continuous_usage=include and continuous)
-
-
-def reject_present(body: dict[str, Any], names: tuple[str, ...], why: str) -> None:
-    for name in names:
-        if body.get(name) is not None:
-            raise RequestError(f"{name} is not supported {why}", param=name)
 
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
@@ -269,71 +214,6 @@ def logprob_value(value: float) -> float:
     return value if math.isfinite(value) else NONFINITE_LOGPROB
 
 
-# -- per-choice accumulation ---------------------------------------------------------------------
-
-@dataclass
-class Delta:
-    """What one engine event adds to a choice, after protocol-neutral filtering."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob]
-    offsets: list[int]  # text_offset of each logprob entry (characters from completion start)
-    timestamps_ns: list[int]
-    prompt_logprobs: list[PromptLogprob | None] = field(default_factory=list)  # scored prompt positions
-
-
-@dataclass
-class ChoiceState:
-    """Everything generated so far for one choice (one engine request)."""
-
-    index: int
-    tokenizer: Tokenizer
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    timestamps_ns: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)
-    prompt_logprobs: list[PromptLogprob | None] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    error: str | None = None
-    _chars: int = 0
-    _decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
-
-    def apply(self, event: GenerationEvent) -> Delta:
-        stamp = time.time_ns()
-        # The engine already omits entries for a terminating EOS / token-id stop (api.md).
-        entries = list(event.logprobs or [])
-        offsets = []
-        for entry in entries:
-            offsets.append(self._chars)
-            if not self.tokenizer.is_special(entry.token_id):  # released text skips specials
-                self._chars += len(self._decoder.decode(self.tokenizer.token_bytes(entry.token_id)))
-        self.text.append(event.text)
-        self.token_ids.extend(event.token_ids)
-        stamps = [stamp] * len(event.token_ids)
-        self.timestamps_ns.extend(stamps)
-        self.logprobs.extend(entries)
-        self.offsets.extend(offsets)
-        self.prompt_logprobs.extend(event.prompt_logprobs or [])
-        self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
-        self.completion_tokens = max(self.completion_tokens, event.completion_tokens)
-        if event.finished:
-            self.finished = True
-            self.finish_reason = event.finish_reason
-            self.stop_reason = event.stop_reason
-            self.error = event.error
-        return Delta(event.text, list(event.token_ids), entries, offsets, stamps, list(event.prompt_logprobs or []))
-
-    @property
-    def full_text(self) -> str:
-        return "".join(self.text)
-
-
 # -- logprob encodings ---------------------------------------------------------------------------
 
 def token_label(tokenizer: Tokenizer, token_id: int, as_ids: bool) -> str:
@@ -425,12 +305,3 @@ def echo_logprobs(tokenizer: Tokenizer, prompt_ids: list[int], entries: list[Pro
 def echo_chars(tokenizer: Tokenizer, prompt_ids: list[int]) -> int:
     """Characters of the decoded token strings of `prompt_ids` (where generated offsets start)."""
     return sum(len(tokenizer.token_string(t)) for t in prompt_ids)
-
-
-async def try_send_stream_error(writer: Any, error: ApiError) -> None:
-    """End an OpenAI-shaped SSE stream with a terminal error event, if the client is still there."""
-    try:
-        await writer.send(stream_error(error))
-        await writer.close()
-    except Exception:  # the connection is gone too
-        pass

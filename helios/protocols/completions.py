@@ -9,29 +9,21 @@ logprobs, or prompt_logprobs): then the prompt is submitted and nothing is gener
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
-
-from helios.engine.api import GenerationRequest, SamplingParams
+from helios.engine.api import GenerationEvent, GenerationRequest, SamplingParams
+from helios.frontend.answer import ChoiceState
 from helios.frontend.checkpoints import endpoint
 from helios.frontend.errors import RequestError
-from helios.frontend.sampling import (
-    check_top_logprobs,
-    child_seed,
-    parse_token_ids,
-    resolve_max_tokens,
-)
+from helios.frontend.fields import choice_count, opt_bool, opt_int, reject_present
+from helios.frontend.request import engine_requests
+from helios.frontend.sampling import check_top_logprobs, parse_token_ids, request_sampling, resolve_max_tokens
 from helios.frontend.tokenizer import Tokenizer
 from helios.protocols import common
-from helios.server.admission import GenerationGroup, terminal_failure
-from helios.server.context import ServerContext, new_response_id, response_headers
-from helios.server.errors import ApiError, json_response, server_error
-from helios.server.sse import KEEPALIVE_SECONDS, SSEWriter
-
-log = logging.getLogger("helios.completions")
+from helios.server.context import ServerContext
+from helios.server.errors import ApiError
+from helios.server.generation import Codec, Frame
 
 
 @dataclass
@@ -93,16 +85,16 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Completi
     m = ctx.manifest
     if body.get("suffix") is not None:
         raise RequestError("suffix is not supported", param="suffix")
-    common.reject_present(body, ("tools", "tool_choice"), "by raw completions")
-    common.reject_present(body, ("thinking_token_budget",), "by raw completions (no reasoning region)")
+    reject_present(body, ("tools", "tool_choice"), "by raw completions")
+    reject_present(body, ("thinking_token_budget",), "by raw completions (no reasoning region)")
     common.reject_unsupported_extensions(body)
-    n = common.choice_count(body)
-    best_of = common.opt_int(body, "best_of", None)
+    n = choice_count(body)
+    best_of = opt_int(body, "best_of", None)
     if best_of is not None and best_of != n:
         raise RequestError("best_of must equal n (ranked sampling is not supported)", param="best_of")
-    stream = common.opt_bool(body, "stream", False)
-    echo = common.opt_bool(body, "echo", False)
-    raw_logprobs = common.opt_int(body, "logprobs", None)
+    stream = opt_bool(body, "stream", False)
+    echo = opt_bool(body, "echo", False)
+    raw_logprobs = opt_int(body, "logprobs", None)
     if raw_logprobs is not None and not 0 <= raw_logprobs <= 20:
         raise RequestError("logprobs must be between 0 and 20", param="logprobs")
     # echo with logprobs scores the prompt too (its entries lead the arrays, api.md).
@@ -126,7 +118,7 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Completi
             f"{count} prompt(s) x n={n} needs more admission slots than this server has ({ctx.admission.slots})",
             param="n",
         )
-    base = common.request_sampling(body, m, logprobs=k)
+    base = request_sampling(body, m, logprobs=k)
     base.logprob_token_ids = explicit
     prompts = decode_prompts(raw, ctx.tokenizer, m.architecture.vocab_size)
     budgets = [resolve_max_tokens(body.get("max_tokens"), len(p.token_ids), m.limits, allow_zero=True)
@@ -135,14 +127,11 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Completi
     # max_tokens 0 reaches the model only to score the prompt (api.md).
     if any(budgets) or scoring is not None:
         for pi, (prompt, budget) in enumerate(zip(prompts, budgets)):
-            for j in range(n):
-                requests.append(GenerationRequest(
-                    request_id=f"{response_id}-{pi * n + j}",
-                    prompt_token_ids=prompt.token_ids,
-                    sampling=dataclasses.replace(base, max_tokens=budget, seed=child_seed(base.seed, j)),
-                    checkpoints=endpoint(prompt.token_ids),  # raw prompts: the exact endpoint only
-                    prompt_logprobs=scoring,
-                ))
+            requests += engine_requests(
+                response_id, prompt.token_ids, dataclasses.replace(base, max_tokens=budget), choices=n,
+                first_index=pi * n, checkpoints=endpoint(prompt.token_ids),  # raw prompts: the endpoint only
+                prompt_logprobs=scoring,
+            )
     return CompletionPlan(
         response_id=response_id,
         prompts=prompts,
@@ -152,171 +141,126 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Completi
         stream=stream,
         options=common.stream_options(body),
         logprobs=k,
-        as_token_ids=common.opt_bool(body, "return_tokens_as_token_ids", False),
+        as_token_ids=opt_bool(body, "return_tokens_as_token_ids", False),
         base=base,
         echo_scores=echo_scores,
         prompt_logprobs=prompt_k,
     )
 
 
-# -- handler ---------------------------------------------------------------------------------------
+# -- encoding --------------------------------------------------------------------------------------
 
-async def handle(request: web.Request, ctx: ServerContext) -> web.StreamResponse:
-    body = await ctx.read_json_object(request)
-    response_id = new_response_id("cmpl")
-    p = await ctx.in_frontend(plan, ctx, body, response_id)
-    if not p.requests:
-        return await _zero_tokens(request, ctx, p)
-    reservation = ctx.reserve(len(p.requests))
-    group = ctx.start_group(p.requests, reservation)
-    headers = response_headers(request, response_id)
-    try:
-        if p.stream:
-            return await _stream(request, ctx, p, group, headers)
-        return await _buffered(ctx, p, group, headers)
-    finally:
-        group.close()
+class CompletionEncoder:
+    """One ChoiceState per (prompt, choice); a text_completion object or its chunks. Without
+    engine requests (max_tokens 0, unscored) every choice is the echo alone, finished by length."""
 
+    done_sentinel = True
 
-def _states(ctx: ServerContext, p: CompletionPlan) -> list[common.ChoiceState]:
-    return [common.ChoiceState(i, ctx.tokenizer) for i in range(len(p.prompts) * p.n)]
+    def __init__(self, ctx: ServerContext, p: CompletionPlan):
+        self.ctx, self.p = ctx, p
+        self.states = [ChoiceState(i, ctx.tokenizer) for i in range(len(p.prompts) * p.n)]
+        self.created = common.now()
+        self.echoed = [not p.echo] * len(self.states)
+        self.scored = [0] * len(self.states)  # prompt entries streamed per choice
 
+    def usage(self) -> dict[str, Any]:
+        p = self.p
+        prompt_tokens = sum(len(pr.token_ids) for pr in p.prompts)
+        if not p.requests:
+            return common.usage(prompt_tokens, 0, 0)
+        cached = sum(self.states[pi * p.n].cached_tokens for pi in range(len(p.prompts)))
+        return common.usage(prompt_tokens, sum(s.completion_tokens for s in self.states), cached)
 
-def _usage(p: CompletionPlan, states: list[common.ChoiceState]) -> dict[str, Any]:
-    prompt_tokens = sum(len(pr.token_ids) for pr in p.prompts)
-    cached = sum(states[pi * p.n].cached_tokens for pi in range(len(p.prompts))) if states else 0
-    return common.usage(prompt_tokens, sum(s.completion_tokens for s in states), cached)
+    def response(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.p.response_id, "object": "text_completion", "created": self.created,
+                "model": self.ctx.model_id, "choices": choices}
 
-
-def _response(ctx: ServerContext, p: CompletionPlan, choices: list[dict[str, Any]],
-              usage: dict[str, Any]) -> dict[str, Any]:
-    return {"id": p.response_id, "object": "text_completion", "created": common.now(), "model": ctx.model_id,
-            "choices": choices, "usage": usage, "system_fingerprint": None}
-
-
-async def _zero_tokens(request: web.Request, ctx: ServerContext, p: CompletionPlan) -> web.StreamResponse:
-    """max_tokens 0: tokenization and echo only; nothing reaches the model (no cache lookup)."""
-    choices = [
-        {"index": pi * p.n + j, "text": prompt.echo_text if p.echo else "", "logprobs": None,
-         "finish_reason": "length", "stop_reason": None, "prompt_logprobs": None}
-        for pi, prompt in enumerate(p.prompts) for j in range(p.n)
-    ]
-    usage = common.usage(sum(len(pr.token_ids) for pr in p.prompts), 0, 0)
-    if not p.stream:
-        return json_response(_response(ctx, p, choices, usage))
-    writer = await SSEWriter.start(request)
-    created = common.now()
-    for choice in choices:
-        chunk = {"id": p.response_id, "object": "text_completion", "created": created, "model": ctx.model_id,
-                 "choices": [{k: v for k, v in choice.items() if k != "prompt_logprobs"}]}
-        if p.options.continuous_usage:
-            chunk["usage"] = usage
-        await writer.send(chunk)
-    if p.options.include_usage:
-        await writer.send({"id": p.response_id, "object": "text_completion", "created": created,
-                           "model": ctx.model_id, "choices": [], "usage": usage})
-    await writer.done()
-    return writer.response
-
-
-async def _buffered(ctx: ServerContext, p: CompletionPlan, group: GenerationGroup,
-                    headers: dict[str, str]) -> web.Response:
-    states = _states(ctx, p)
-    while not all(s.finished for s in states):
-        item = await group.next()
-        assert item is not None
-        index, event = item
-        states[index].apply(event)
-        if event.finished and (failure := terminal_failure(event)) is not None:
-            raise failure.with_headers(headers)
-    choices = []
-    for s in states:
-        prompt = p.prompts[p.prompt_of(s.index)]
-        prefix = prompt.echo_text if p.echo else ""
-        logprobs = None
-        if p.logprobs is not None:
-            logprobs = common.completion_logprobs(ctx.tokenizer, s.logprobs, s.offsets, p.logprobs,
-                                                  p.as_token_ids, offset_base=len(prefix))
-            if p.echo_scores:
-                echoed = common.echo_logprobs(ctx.tokenizer, prompt.token_ids, s.prompt_logprobs, p.logprobs,
-                                              p.as_token_ids)
-                logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
-        choices.append({
-            "index": s.index,
-            "text": prefix + s.full_text,
-            "logprobs": logprobs,
-            "finish_reason": common.finish_reason_name(s.finish_reason),
-            "stop_reason": s.stop_reason,
-            "prompt_logprobs": (common.prompt_logprobs_field(ctx.tokenizer, s.prompt_logprobs, p.prompt_logprobs)
-                                if p.prompt_logprobs is not None else None),
-        })
-    return json_response(_response(ctx, p, choices, _usage(p, states)), headers=headers)
-
-
-async def _stream(request: web.Request, ctx: ServerContext, p: CompletionPlan, group: GenerationGroup,
-                  headers: dict[str, str]) -> web.StreamResponse:
-    writer = await SSEWriter.start(request, headers)
-    states = _states(ctx, p)
-    created = common.now()
-    echoed = [not p.echo] * len(states)
-    scored = [0] * len(states)  # prompt entries streamed per choice
-
-    def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
-        out = {"id": p.response_id, "object": "text_completion", "created": created, "model": ctx.model_id,
-               "choices": choices}
-        if p.options.continuous_usage:
-            out["usage"] = _usage(p, states)
+    def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        out = self.response(choices)
+        if self.p.options.continuous_usage:
+            out["usage"] = self.usage()
         return out
 
-    try:
-        while not all(s.finished for s in states):
-            item = await group.next(KEEPALIVE_SECONDS)
-            if item is None:
-                await writer.comment()
-                continue
-            index, event = item
-            state = states[index]
-            delta = state.apply(event)
-            if event.finished and (failure := terminal_failure(event)) is not None:
-                await writer.send(common.stream_error(failure))
-                await writer.close()
-                return writer.response
-            prompt = p.prompts[p.prompt_of(index)]
-            text = delta.text
-            if not echoed[index]:
-                echoed[index] = True
-                text = prompt.echo_text + text
-            entries = delta.logprobs if p.logprobs is not None else []
+    def _unsubmitted(self) -> list[dict[str, Any]]:
+        p = self.p
+        return [
+            {"index": pi * p.n + j, "text": prompt.echo_text if p.echo else "", "logprobs": None,
+             "finish_reason": "length", "stop_reason": None, "prompt_logprobs": None}
+            for pi, prompt in enumerate(p.prompts) for j in range(p.n)
+        ]
+
+    def start(self) -> list[Frame]:
+        if self.p.requests:
+            return []
+        return [(self.chunk([{k: v for k, v in c.items() if k != "prompt_logprobs"}]), None)
+                for c in self._unsubmitted()]
+
+    def apply(self, index: int, event: GenerationEvent) -> list[Frame]:
+        p, tokenizer = self.p, self.ctx.tokenizer
+        state = self.states[index]
+        delta = state.apply(event)
+        if not p.stream:
+            return []
+        prompt = p.prompts[p.prompt_of(index)]
+        text = delta.text
+        if not self.echoed[index]:
+            self.echoed[index] = True
+            text = prompt.echo_text + text
+        entries = delta.logprobs if p.logprobs is not None else []
+        logprobs = None
+        if entries:
+            logprobs = common.completion_logprobs(tokenizer, entries, delta.offsets, p.logprobs or 0, p.as_token_ids,
+                                                  offset_base=len(prompt.echo_text) if p.echo else 0)
+        if p.echo_scores and delta.prompt_logprobs:
+            # One logprob frame per completed prompt chunk, before generated entries.
+            first = self.scored[index]
+            self.scored[index] += len(delta.prompt_logprobs)
+            logprobs = common.echo_logprobs(
+                tokenizer, prompt.token_ids, delta.prompt_logprobs, p.logprobs or 0, p.as_token_ids,
+                first=first, offset_base=common.echo_chars(tokenizer, prompt.token_ids[:first]),
+            )
+        if not (text or logprobs or event.finished):
+            return []
+        return [(self.chunk([{
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": common.finish_reason_name(state.finish_reason) if event.finished else None,
+            "stop_reason": state.stop_reason if event.finished else None,
+        }]), None)]
+
+    def end(self) -> list[Frame]:
+        return [({**self.chunk([]), "usage": self.usage()}, None)] if self.p.options.include_usage else []
+
+    def failure(self, error: ApiError) -> list[Frame]:
+        return [(common.stream_error(error), None)]
+
+    def body(self) -> dict[str, Any]:
+        p, tokenizer = self.p, self.ctx.tokenizer
+        if not p.requests:
+            return {**self.response(self._unsubmitted()), "usage": self.usage(), "system_fingerprint": None}
+        choices = []
+        for s in self.states:
+            prompt = p.prompts[p.prompt_of(s.index)]
+            prefix = prompt.echo_text if p.echo else ""
             logprobs = None
-            if entries:
-                logprobs = common.completion_logprobs(ctx.tokenizer, entries, delta.offsets, p.logprobs or 0,
-                                                      p.as_token_ids,
-                                                      offset_base=len(prompt.echo_text) if p.echo else 0)
-            if p.echo_scores and delta.prompt_logprobs:
-                # One logprob frame per completed prompt chunk, before generated entries.
-                first = scored[index]
-                scored[index] += len(delta.prompt_logprobs)
-                logprobs = common.echo_logprobs(
-                    ctx.tokenizer, prompt.token_ids, delta.prompt_logprobs, p.logprobs or 0, p.as_token_ids,
-                    first=first, offset_base=common.echo_chars(ctx.tokenizer, prompt.token_ids[:first]),
-                )
-            if not (text or logprobs or event.finished):
-                continue
-            await writer.send(chunk([{
-                "index": index,
-                "text": text,
+            if p.logprobs is not None:
+                logprobs = common.completion_logprobs(tokenizer, s.logprobs, s.offsets, p.logprobs, p.as_token_ids,
+                                                      offset_base=len(prefix))
+                if p.echo_scores:
+                    echoed = common.echo_logprobs(tokenizer, prompt.token_ids, s.prompt_logprobs, p.logprobs,
+                                                  p.as_token_ids)
+                    logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
+            choices.append({
+                "index": s.index,
+                "text": prefix + s.full_text,
                 "logprobs": logprobs,
-                "finish_reason": common.finish_reason_name(state.finish_reason) if event.finished else None,
-                "stop_reason": state.stop_reason if event.finished else None,
-            }]))
-        if p.options.include_usage:
-            await writer.send({**chunk([]), "usage": _usage(p, states)})
-        await writer.done()
-    except (ConnectionResetError, ConnectionError):
-        pass
-    except ApiError as exc:
-        await common.try_send_stream_error(writer, exc)
-    except Exception:
-        log.exception("completion stream failed")
-        await common.try_send_stream_error(writer, server_error("the stream failed"))
-    return writer.response
+                "finish_reason": common.finish_reason_name(s.finish_reason),
+                "stop_reason": s.stop_reason,
+                "prompt_logprobs": (common.prompt_logprobs_field(tokenizer, s.prompt_logprobs, p.prompt_logprobs)
+                                    if p.prompt_logprobs is not None else None),
+            })
+        return {**self.response(choices), "usage": self.usage(), "system_fingerprint": None}
+
+
+CODEC = Codec("completions", "cmpl-", plan, CompletionEncoder)

@@ -14,14 +14,13 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
-import logging
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from helios.engine.api import GenerationRequest
-from helios.frontend.checkpoints import conversation_candidates
+from helios.engine.api import GenerationEvent, GenerationRequest
+from helios.frontend.answer import Answer
 from helios.frontend.conversation import (
     Conversation,
     ImagePart,
@@ -34,21 +33,17 @@ from helios.frontend.conversation import (
     ToolSpec,
 )
 from helios.frontend.errors import RequestError
+from helios.frontend.fields import opt_bool, opt_int, opt_object
 from helios.frontend.grammar import OutputFormat
-from helios.frontend.hints import boundary_positions
 from helios.frontend.output import Block, BlockClosed, BlockDelta, BlockOpened, OutputEvent
 from helios.frontend.request import ChatOptions, Lowered, OutputPlan, lower
-from helios.frontend.sampling import resolve_max_tokens
+from helios.frontend.sampling import request_sampling, resolve_max_tokens
 from helios.frontend.thinking import INT32_MAX, Budget, check_budget, check_effort, effort_from_budget, template_kwargs
 from helios.frontend.tools import ToolChoice, unique_names
 from helios.protocols import common
-from helios.protocols.answer import Answer, follow, handle as handle_single
-from helios.server.admission import GenerationGroup, terminal_failure
 from helios.server.context import ServerContext
-from helios.server.errors import ApiError, bad_request, json_response, messages_error_body, server_error
-from helios.server.sse import SSEWriter
-
-log = logging.getLogger("helios.messages")
+from helios.server.errors import ApiError, bad_request, json_response, messages_error_body
+from helios.server.generation import Codec, Frame
 
 ANTHROPIC_VERSION = "2023-06-01"
 THINKING_MARKER = "flare-thinking-v1:"
@@ -64,20 +59,24 @@ class Decoded:
     """A Messages request lowered to the neutral conversation (shared by generation and counting)."""
 
     conversation: Conversation
-    options: ChatOptions  # tools, choice, output format, thinking, continuation
-    cache_hints: list[Part]  # parts whose end is a candidate prefix-checkpoint boundary
+    options: ChatOptions  # tools, choice, output format, thinking, continuation, cache hints
 
     @property
     def continue_final(self) -> bool:
         """The history ends with an assistant prefill."""
         return self.options.continue_final
 
+    @property
+    def cache_hints(self) -> list[Part]:
+        """Parts whose end is a candidate prefix-checkpoint boundary (cache_control blocks)."""
+        return self.options.cache_hints
+
 
 @dataclass
 class MessagesPlan:
     response_id: str
     prompt_ids: list[int]
-    request: GenerationRequest
+    requests: list[GenerationRequest]
     stream: bool
     output: OutputPlan
 
@@ -289,7 +288,7 @@ def _check_controls(body: dict[str, Any]) -> None:
     for name in HOSTED_FIELDS:
         if body.get(name):
             raise RequestError(f"{name} is not supported: Flare runs no hosted tools", param=name)
-    management = common.opt_object(body, "context_management")
+    management = opt_object(body, "context_management")
     if management is not None:
         edits = management.get("edits") or []
         if not isinstance(edits, list):
@@ -306,7 +305,7 @@ def _check_controls(body: dict[str, Any]) -> None:
 def _thinking_controls(body: dict[str, Any]) -> tuple[bool | None, str | None, Budget]:
     """thinking (enabled/adaptive/disabled, budget_tokens), thinking_token_budget and
     output_config.effort -> (enable_thinking, effort, budget)."""
-    thinking = common.opt_object(body, "thinking")
+    thinking = opt_object(body, "thinking")
     enabled: bool | None = None
     requested: int | None = None
     if thinking is not None:
@@ -315,14 +314,14 @@ def _thinking_controls(body: dict[str, Any]) -> tuple[bool | None, str | None, B
             raise RequestError('thinking.type must be "enabled", "disabled" or "adaptive"', param="thinking")
         enabled = kind != "disabled"
         if thinking.get("budget_tokens") is not None:
-            requested = common.opt_int(thinking, "budget_tokens", None)
+            requested = opt_int(thinking, "budget_tokens", None)
             if requested is None or requested < 1:
                 raise RequestError("thinking.budget_tokens must be a positive integer", param="thinking")
     explicit = check_budget(body.get("thinking_token_budget"))
     if explicit is not None and requested is not None and explicit != requested:
         raise RequestError("thinking_token_budget and thinking.budget_tokens must match when both are given",
                            param="thinking_token_budget")
-    output_config = common.opt_object(body, "output_config") or {}
+    output_config = opt_object(body, "output_config") or {}
     effort = check_effort(output_config.get("effort"), "output_config.effort")
     if effort is None and requested is not None and enabled:
         effort = effort_from_budget(requested)
@@ -338,7 +337,7 @@ def _thinking_controls(body: dict[str, Any]) -> tuple[bool | None, str | None, B
 
 
 def _output_format(body: dict[str, Any]) -> tuple[OutputFormat | None, str]:
-    output_config = common.opt_object(body, "output_config") or {}
+    output_config = opt_object(body, "output_config") or {}
     fmt = common.decode_format(output_config.get("format"), "output_config.format", nested=False)
     legacy = common.decode_format(body.get("output_format"), "output_format", nested=False)
     if fmt is not None and legacy is not None:
@@ -356,7 +355,7 @@ def decode(ctx: ServerContext, body: dict[str, Any]) -> Decoded:
     if continue_final and not any(isinstance(p, TextPart) and p.text for p in messages[-1].parts):
         raise RequestError("a final assistant message (prefill) must contain text to continue", param="messages")
     enabled, effort, budget = _thinking_controls(body)
-    kwargs = common.opt_object(body, "chat_template_kwargs") or {}
+    kwargs = opt_object(body, "chat_template_kwargs") or {}
     if enabled is None:
         enabled = common.reasoning_switch(body, kwargs)
     kwargs = template_kwargs(kwargs, enabled=enabled, effort=effort,
@@ -366,20 +365,20 @@ def decode(ctx: ServerContext, body: dict[str, Any]) -> Decoded:
         tools=tools, choice=choice, output_format=fmt, output_format_param=fmt_param, template_kwargs=kwargs,
         add_generation_prompt=not continue_final, continue_final=continue_final, budget=budget,
         user_stops=bool(body.get("stop_sequences") or body.get("stop_token_ids")),
-        ignore_eos=body.get("ignore_eos") is True,
+        ignore_eos=body.get("ignore_eos") is True, cache_hints=hints[:MAX_CACHE_HINTS],
     )
-    return Decoded(Conversation(messages), options, hints[:MAX_CACHE_HINTS])
+    return Decoded(Conversation(messages), options)
 
 
-def _lower(ctx: ServerContext, decoded: Decoded, compile_grammar: bool = True) -> Lowered:
+def _lower(ctx: ServerContext, decoded: Decoded, prepare: bool = True) -> Lowered:
     config = getattr(ctx, "config", None)
     return lower(decoded.conversation, decoded.options, manifest=ctx.manifest, template=ctx.template,
                  tokenizer=ctx.tokenizer, default_budget=config.thinking_token_budget if config else None,
-                 compile_grammar=compile_grammar)
+                 prepare=prepare)
 
 
 def _prompt(ctx: ServerContext, decoded: Decoded) -> list[int]:
-    return _lower(ctx, decoded, compile_grammar=False).prompt_ids
+    return _lower(ctx, decoded, prepare=False).prompt_ids
 
 
 def count(ctx: ServerContext, body: dict[str, Any]) -> int:
@@ -390,40 +389,12 @@ def count(ctx: ServerContext, body: dict[str, Any]) -> int:
 def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> MessagesPlan:
     m = ctx.manifest
     decoded = decode(ctx, body)
-    stream = common.opt_bool(body, "stream", False)
-    sampling = common.request_sampling(body, m, stop_name="stop_sequences")
+    stream = opt_bool(body, "stream", False)
+    sampling = request_sampling(body, m, stop_name="stop_sequences")
     lowered = _lower(ctx, decoded)
-    prompt_ids = lowered.prompt_ids
-    max_tokens = resolve_max_tokens(body.get("max_tokens"), len(prompt_ids), m.limits, allow_zero=False)
-    options = decoded.options
-    rendered = dataclasses.replace(decoded, conversation=lowered.conversation)
-    request = GenerationRequest(
-        request_id=response_id,
-        prompt_token_ids=prompt_ids,
-        sampling=dataclasses.replace(sampling, max_tokens=max_tokens),
-        checkpoints=conversation_candidates(
-            lowered.conversation, ctx.template, ctx.tokenizer, prompt_ids,
-            hints=cache_hint_positions(ctx, rendered, prompt_ids),
-            add_generation_prompt=options.add_generation_prompt,
-            continue_final_message=options.continue_final,
-            template_kwargs=options.template_kwargs,
-        ),
-        grammar=lowered.grammar,
-        reasoning=lowered.reasoning,
-    )
-    return MessagesPlan(response_id, prompt_ids, request, stream, lowered.output)
-
-
-def cache_hint_positions(ctx: ServerContext, decoded: Decoded, prompt_ids: list[int]) -> list[int]:
-    if not decoded.cache_hints:
-        return []
-    options = decoded.options
-    return boundary_positions(
-        decoded.conversation, decoded.cache_hints, ctx.template, ctx.tokenizer, prompt_ids,
-        add_generation_prompt=options.add_generation_prompt,
-        continue_final_message=options.continue_final,
-        template_kwargs=options.template_kwargs,
-    )
+    max_tokens = resolve_max_tokens(body.get("max_tokens"), len(lowered.prompt_ids), m.limits, allow_zero=False)
+    requests = lowered.requests(response_id, dataclasses.replace(sampling, max_tokens=max_tokens))
+    return MessagesPlan(response_id, lowered.prompt_ids, requests, stream, lowered.output)
 
 
 # -- encoding --------------------------------------------------------------------------------------
@@ -471,71 +442,47 @@ def message_object(ctx: ServerContext, p: MessagesPlan, content: list[dict[str, 
     }
 
 
-# -- handlers --------------------------------------------------------------------------------------
+class MessagesEncoder:
+    """One Answer; a message object, or the named SSE events of its ordered blocks."""
 
-async def handle(request: web.Request, ctx: ServerContext) -> web.StreamResponse:
-    require_version(request)
-    return await handle_single(request, ctx, plan, "msg", _buffered, _stream)
+    done_sentinel = False
 
+    def __init__(self, ctx: ServerContext, p: MessagesPlan):
+        self.ctx, self.p = ctx, p
+        self.answer = Answer(ctx.tokenizer, len(p.prompt_ids), p.output, call_prefix="toolu_")
 
-async def handle_count(request: web.Request, ctx: ServerContext) -> web.Response:
-    require_version(request)
-    body = await ctx.read_json_object(request)
-    return json_response({"input_tokens": await ctx.in_frontend(count, ctx, body)})
+    def usage(self) -> dict[str, Any]:
+        a = self.answer
+        return usage(a.prompt_tokens, a.cached_tokens, a.completion_tokens)
 
-
-async def _buffered(ctx: ServerContext, p: MessagesPlan, group: GenerationGroup,
-                    headers: dict[str, str]) -> web.Response:
-    answer = Answer(ctx.tokenizer, len(p.prompt_ids), p.output, call_prefix="toolu_", stats=ctx.http)
-    async for event in follow(group):
-        try:
-            answer.apply(event)
-        except ApiError as exc:
-            raise exc.with_headers(headers) from None
-        if event.finished and (failure := terminal_failure(event)) is not None:
-            raise failure.with_headers(headers)
-    reason, sequence = stop_reason(answer)
-    content = [content_block(b) for b in answer.output.blocks]
-    out = message_object(ctx, p, content, reason, sequence,
-                         usage(answer.prompt_tokens, answer.cached_tokens, answer.completion_tokens))
-    return json_response(out, headers=headers)
-
-
-async def _stream(request: web.Request, ctx: ServerContext, p: MessagesPlan, group: GenerationGroup,
-                  headers: dict[str, str]) -> web.StreamResponse:
-    writer = await SSEWriter.start(request, headers)
-    answer = Answer(ctx.tokenizer, len(p.prompt_ids), p.output, call_prefix="toolu_", stats=ctx.http)
-
-    async def send(data: dict[str, Any]) -> None:
-        await writer.send(data, event=data["type"])  # the SDK dispatches on the event name
-
-    try:
+    def start(self) -> list[Frame]:
         # The full prompt with zero cache reads; message_delta carries the final counts (api.md).
-        start = message_object(ctx, p, [], None, None, usage(answer.prompt_tokens, 0, 0))
-        await send({"type": "message_start", "message": start})
-        async for event in follow(group, writer.comment):
-            if event.finished and (failure := terminal_failure(event)) is not None:
-                await _send_error(writer, failure)
-                return writer.response
-            for item in answer.apply(event):
-                for frame in _frames(item):
-                    await send(frame)
-        reason, sequence = stop_reason(answer)
-        await send({
-            "type": "message_delta",
-            "delta": {"stop_reason": reason, "stop_sequence": sequence},
-            "usage": usage(answer.prompt_tokens, answer.cached_tokens, answer.completion_tokens),
-        })
-        await send({"type": "message_stop"})
-        await writer.close()
-    except (ConnectionResetError, ConnectionError):
-        pass  # the client left; the handler's finally aborts the request
-    except ApiError as exc:
-        await _send_error(writer, exc)
-    except Exception:
-        log.exception("messages stream failed")
-        await _send_error(writer, server_error("the stream failed"))
-    return writer.response
+        start = message_object(self.ctx, self.p, [], None, None, usage(self.answer.prompt_tokens, 0, 0))
+        return [_named({"type": "message_start", "message": start})]
+
+    def apply(self, index: int, event: GenerationEvent) -> list[Frame]:
+        items = self.answer.apply(event)
+        return [_named(frame) for item in items for frame in _frames(item)] if self.p.stream else []
+
+    def end(self) -> list[Frame]:
+        reason, sequence = stop_reason(self.answer)
+        return [
+            _named({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                    "usage": self.usage()}),
+            _named({"type": "message_stop"}),
+        ]
+
+    def failure(self, error: ApiError) -> list[Frame]:
+        return [(messages_error_body(error), "error")]  # no message_stop follows
+
+    def body(self) -> dict[str, Any]:
+        reason, sequence = stop_reason(self.answer)
+        content = [content_block(b) for b in self.answer.output.blocks]
+        return message_object(self.ctx, self.p, content, reason, sequence, self.usage())
+
+
+def _named(data: dict[str, Any]) -> Frame:
+    return data, data["type"]  # the SDK dispatches on the event name
 
 
 def _frames(item: OutputEvent) -> list[dict[str, Any]]:
@@ -569,10 +516,10 @@ def _frames(item: OutputEvent) -> list[dict[str, Any]]:
     return []
 
 
-async def _send_error(writer: SSEWriter, error: ApiError) -> None:
-    """A terminal `error` event; no message_stop follows."""
-    try:
-        await writer.send(messages_error_body(error), event="error")
-        await writer.close()
-    except Exception:  # the connection is gone too
-        pass
+async def handle_count(request: web.Request, ctx: ServerContext) -> web.Response:
+    require_version(request)
+    body = await ctx.read_json_object(request)
+    return json_response({"input_tokens": await ctx.in_frontend(count, ctx, body)})
+
+
+CODEC = Codec("messages", "msg_", plan, MessagesEncoder, check_headers=require_version)

@@ -10,15 +10,12 @@ response.completed, response.incomplete (max_output_tokens) or response.failed, 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
-
-from helios.engine.api import GenerationRequest, SamplingParams
-from helios.frontend.checkpoints import conversation_candidates
+from helios.engine.api import GenerationEvent, GenerationRequest, SamplingParams
+from helios.frontend.answer import Answer
 from helios.frontend.conversation import (
     Conversation,
     Message,
@@ -30,10 +27,11 @@ from helios.frontend.conversation import (
     ToolSpec,
 )
 from helios.frontend.errors import RequestError
+from helios.frontend.fields import opt_bool, opt_int, opt_object
 from helios.frontend.grammar import Compiler, OutputFormat, compiler_for
-from helios.frontend.output import Block, BlockClosed, BlockDelta, BlockOpened, OutputEvent
+from helios.frontend.output import Block, BlockDelta, BlockOpened, OutputEvent
 from helios.frontend.request import ChatOptions, OutputPlan, lower
-from helios.frontend.sampling import check_top_logprobs, resolve_max_tokens
+from helios.frontend.sampling import check_top_logprobs, request_sampling, resolve_max_tokens
 from helios.frontend.thinking import Budget, check_budget, check_effort, template_kwargs
 from helios.frontend.tools import (
     CUSTOM_PARAMETERS,
@@ -44,13 +42,9 @@ from helios.frontend.tools import (
     unique_names,
 )
 from helios.protocols import common
-from helios.protocols.answer import Answer, follow, handle as handle_single
-from helios.server.admission import GenerationGroup, terminal_failure
 from helios.server.context import ServerContext
-from helios.server.errors import ApiError, json_response, server_error
-from helios.server.sse import SSEWriter
-
-log = logging.getLogger("helios.responses")
+from helios.server.errors import ApiError
+from helios.server.generation import Codec, Frame
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 ITEM_PREFIXES = {"text": "msg", "reasoning": "rs", "tool_call": "fc"}
@@ -62,7 +56,7 @@ TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 class ResponsesPlan:
     response_id: str
     prompt_ids: list[int]
-    request: GenerationRequest
+    requests: list[GenerationRequest]
     stream: bool
     logprobs: int | None  # natural alternatives per output_text entry; None: not included
     as_token_ids: bool
@@ -243,7 +237,7 @@ def _tool(tool: Any, where: str, compiler: Compiler, namespace: str | None = Non
 
 def _tool_choice(body: dict[str, Any], specs: list[ToolSpec]) -> ToolChoice:
     choice = body.get("tool_choice")
-    parallel = common.opt_bool(body, "parallel_tool_calls", True)
+    parallel = opt_bool(body, "parallel_tool_calls", True)
     if choice is None or choice in ("auto", "none", "required"):
         return ToolChoice(choice or "auto", parallel=parallel)
     if not isinstance(choice, dict) or choice.get("type") not in ("function", "custom"):
@@ -279,7 +273,7 @@ def _logprobs(body: dict[str, Any], ctx: ServerContext) -> tuple[int | None, lis
     include = body.get("include") or []
     if not isinstance(include, list) or not all(isinstance(i, str) for i in include):
         raise _bad("include must be an array of strings", "include")
-    top = common.opt_int(body, "top_logprobs", None)
+    top = opt_int(body, "top_logprobs", None)
     if top is not None and not 0 <= top <= 20:
         raise _bad("top_logprobs must be between 0 and 20", "top_logprobs")
     enabled = LOGPROBS_INCLUDE in include  # other include values are ignored (api.md)
@@ -300,14 +294,14 @@ class Controls:
 
 def _check_controls(body: dict[str, Any]) -> Controls:
     """Validate the non-sampling settings."""
-    text = common.opt_object(body, "text") or {}
+    text = opt_object(body, "text") or {}
     fmt = common.decode_format(text.get("format"), "text.format", nested=False)
-    reasoning = common.opt_object(body, "reasoning") or {}
+    reasoning = opt_object(body, "reasoning") or {}
     effort = check_effort(reasoning.get("effort"), "reasoning.effort")
     budget = check_budget(body.get("thinking_token_budget"))
     common.reject_unsupported_extensions(body)
-    parallel = common.opt_bool(body, "parallel_tool_calls", True)
-    metadata = common.opt_object(body, "metadata") or {}
+    parallel = opt_bool(body, "parallel_tool_calls", True)
+    metadata = opt_object(body, "metadata") or {}
     echoed_format = text.get("format") if fmt is not None else {"type": "text"}
     echo = {
         "instructions": body.get("instructions"),
@@ -336,10 +330,10 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Response
         raise _bad("input is required")
     messages = decode_input(body["input"], body.get("instructions"))
     tools, choice = decode_tools(body, compiler_for(ctx.tokenizer, m))
-    kwargs = common.opt_object(body, "chat_template_kwargs") or {}
+    kwargs = opt_object(body, "chat_template_kwargs") or {}
     kwargs = template_kwargs(kwargs, enabled=common.reasoning_switch(body, kwargs), effort=controls.effort,
                              template_source=ctx.template.source if ctx.template else None)
-    sampling = common.request_sampling(body, m, logprobs=k)
+    sampling = request_sampling(body, m, logprobs=k)
     sampling.logprob_token_ids = explicit
     options = ChatOptions(
         tools=tools, choice=choice, output_format=controls.output_format, output_format_param="text",
@@ -349,8 +343,6 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Response
     lowered = lower(Conversation(messages), options, manifest=m, template=ctx.template, tokenizer=ctx.tokenizer,
                     default_budget=ctx.config.thinking_token_budget)
     prompt_ids = lowered.prompt_ids
-    checkpoints = conversation_candidates(lowered.conversation, ctx.template, ctx.tokenizer, prompt_ids,
-                                          template_kwargs=kwargs)
     max_tokens = resolve_max_tokens(body.get("max_output_tokens"), len(prompt_ids), m.limits,
                                     name="max_output_tokens", allow_zero=False)
     sampling = dataclasses.replace(sampling, max_tokens=max_tokens)
@@ -359,11 +351,10 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Response
     return ResponsesPlan(
         response_id=response_id,
         prompt_ids=prompt_ids,
-        request=GenerationRequest(request_id=response_id, prompt_token_ids=prompt_ids, sampling=sampling,
-                                  checkpoints=checkpoints, grammar=lowered.grammar, reasoning=lowered.reasoning),
-        stream=common.opt_bool(body, "stream", False),
+        requests=lowered.requests(response_id, sampling),
+        stream=opt_bool(body, "stream", False),
         logprobs=k,
-        as_token_ids=common.opt_bool(body, "return_tokens_as_token_ids", False),
+        as_token_ids=opt_bool(body, "return_tokens_as_token_ids", False),
         echo=echo,
         sampling=sampling,
         output=lowered.output,
@@ -372,15 +363,45 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Response
 
 # -- encoding --------------------------------------------------------------------------------------
 
-@dataclass
-class Encoder:
-    """Builds output items and response objects; item ids are fixed when a block opens."""
+class ResponsesEncoder:
+    """Output items and response objects from one Answer; item ids are fixed when a block opens.
+    Streams are named lifecycle events with one increasing sequence_number."""
 
-    ctx: ServerContext
-    plan: ResponsesPlan
-    answer: Answer
-    created_at: int = field(default_factory=common.now)
-    item_ids: dict[int, str] = field(default_factory=dict)
+    done_sentinel = False
+
+    def __init__(self, ctx: ServerContext, plan: ResponsesPlan):
+        self.ctx, self.plan = ctx, plan
+        self.answer = Answer(ctx.tokenizer, len(plan.prompt_ids), plan.output)
+        self.created_at = common.now()
+        self.item_ids: dict[int, str] = {}
+        self.sequence = 0
+
+    def event(self, kind: str, **fields: Any) -> Frame:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return data, kind
+
+    def start(self) -> list[Frame]:
+        return [self.event("response.created", response=self.response("in_progress")),
+                self.event("response.in_progress", response=self.response("in_progress"))]
+
+    def apply(self, index: int, event: GenerationEvent) -> list[Frame]:
+        items = self.answer.apply(event)
+        if not self.plan.stream:
+            return []
+        return [frame for item in items for frame in
+                (_call_events(self, item) if item.block.kind == "tool_call" else _output_events(self, item))]
+
+    def end(self) -> list[Frame]:
+        status = self.final_status()
+        return [self.event(f"response.{status}", response=self.response(status))]
+
+    def failure(self, error: ApiError) -> list[Frame]:
+        """response.failed is the terminal event of a generation failure; nothing follows it."""
+        return [self.event("response.failed", response=self.response("failed", error))]
+
+    def body(self) -> dict[str, Any]:
+        return self.response(self.final_status())
 
     def item_id(self, block: Block) -> str:
         if block.index not in self.item_ids:
@@ -454,123 +475,49 @@ class Encoder:
         return "incomplete" if self.answer.hit_limit else "completed"
 
 
-# -- handlers --------------------------------------------------------------------------------------
-
-async def handle(request: web.Request, ctx: ServerContext) -> web.StreamResponse:
-    return await handle_single(request, ctx, plan, "resp", _buffered, _stream)
-
-
-async def _buffered(ctx: ServerContext, p: ResponsesPlan, group: GenerationGroup,
-                    headers: dict[str, str]) -> web.Response:
-    encoder = Encoder(ctx, p, Answer(ctx.tokenizer, len(p.prompt_ids), p.output, stats=ctx.http))
-    async for event in follow(group):
-        try:
-            encoder.answer.apply(event)
-        except ApiError as exc:
-            raise exc.with_headers(headers) from None
-        if event.finished and (failure := terminal_failure(event)) is not None:
-            raise failure.with_headers(headers)
-    return json_response(encoder.response(encoder.final_status()), headers=headers)
-
-
-class _Events:
-    """Named SSE events with one increasing sequence_number per response."""
-
-    def __init__(self, writer: SSEWriter):
-        self.writer = writer
-        self.sequence = 0
-
-    async def emit(self, kind: str, **fields: Any) -> None:
-        data = {"type": kind, "sequence_number": self.sequence, **fields}
-        self.sequence += 1
-        await self.writer.send(data, event=kind)
-
-
-async def _stream(request: web.Request, ctx: ServerContext, p: ResponsesPlan, group: GenerationGroup,
-                  headers: dict[str, str]) -> web.StreamResponse:
-    writer = await SSEWriter.start(request, headers)
-    encoder = Encoder(ctx, p, Answer(ctx.tokenizer, len(p.prompt_ids), p.output, stats=ctx.http))
-    events = _Events(writer)
-    try:
-        await events.emit("response.created", response=encoder.response("in_progress"))
-        await events.emit("response.in_progress", response=encoder.response("in_progress"))
-        async for event in follow(group, writer.comment):
-            if event.finished and (failure := terminal_failure(event)) is not None:
-                await _fail(events, encoder, failure)
-                return writer.response
-            for item in encoder.answer.apply(event):
-                await _emit_output(events, encoder, item)
-        status = encoder.final_status()
-        await events.emit(f"response.{status}", response=encoder.response(status))
-        await writer.close()
-    except (ConnectionResetError, ConnectionError):
-        pass  # the client left; the handler's finally aborts the request
-    except ApiError as exc:
-        await _fail(events, encoder, exc)
-    except Exception:
-        log.exception("responses stream failed")
-        await _fail(events, encoder, server_error("the stream failed"))
-    return writer.response
-
-
-async def _emit_output(events: _Events, encoder: Encoder, item: OutputEvent) -> None:
+def _output_events(encoder: ResponsesEncoder, item: OutputEvent) -> list[Frame]:
     block = item.block
-    if block.kind == "tool_call":
-        await _emit_call(events, encoder, item)
-        return
     where = {"item_id": encoder.item_id(block), "output_index": block.index}
     reasoning = block.kind == "reasoning"
     kind = "reasoning_text" if reasoning else "output_text"
+    emit = encoder.event
     if isinstance(item, BlockOpened):
         opened = {**encoder.item(block), "content": []}
-        await events.emit("response.output_item.added", output_index=block.index, item=opened)
         part = {"type": "reasoning_text", "text": ""} if reasoning else \
             {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        await events.emit("response.content_part.added", **where, content_index=0, part=part)
-    elif isinstance(item, BlockDelta):
+        return [emit("response.output_item.added", output_index=block.index, item=opened),
+                emit("response.content_part.added", **where, content_index=0, part=part)]
+    if isinstance(item, BlockDelta):
         if reasoning:
-            await events.emit("response.reasoning_text.delta", **where, content_index=0, delta=item.text)
-        else:
-            await events.emit("response.output_text.delta", **where, content_index=0, delta=item.text,
-                              logprobs=encoder.entries(item.logprobs))
-    elif isinstance(item, BlockClosed):
-        done = encoder.item(block)
-        part = done["content"][0]
-        extra = {} if reasoning else {"logprobs": part["logprobs"]}
-        await events.emit(f"response.{kind}.done", **where, content_index=0, text=block.text, **extra)
-        await events.emit("response.content_part.done", **where, content_index=0, part=part)
-        await events.emit("response.output_item.done", output_index=block.index, item=done)
+            return [emit("response.reasoning_text.delta", **where, content_index=0, delta=item.text)]
+        return [emit("response.output_text.delta", **where, content_index=0, delta=item.text,
+                     logprobs=encoder.entries(item.logprobs))]
+    done = encoder.item(block)
+    part = done["content"][0]
+    extra = {} if reasoning else {"logprobs": part["logprobs"]}
+    return [emit(f"response.{kind}.done", **where, content_index=0, text=block.text, **extra),
+            emit("response.content_part.done", **where, content_index=0, part=part),
+            emit("response.output_item.done", output_index=block.index, item=done)]
 
 
-async def _emit_call(events: _Events, encoder: Encoder, item: OutputEvent) -> None:
+def _call_events(encoder: ResponsesEncoder, item: OutputEvent) -> list[Frame]:
     """A call arrives complete: added, its whole arguments (or custom input) as one delta, done."""
     block = item.block
     call = block.call
     assert call is not None
     where = {"item_id": encoder.item_id(block), "output_index": block.index}
     custom = call.custom_input is not None
+    emit = encoder.event
     if isinstance(item, BlockOpened):
         opened = encoder.item(block)
         opened.update({"input": ""} if custom else {"arguments": "", "status": "in_progress"})
-        await events.emit("response.output_item.added", output_index=block.index, item=opened)
-    elif isinstance(item, BlockDelta):
-        if custom:
-            await events.emit("response.custom_tool_call_input.delta", **where, delta=block.text)
-        else:
-            await events.emit("response.function_call_arguments.delta", **where, delta=block.text)
-    elif isinstance(item, BlockClosed):
-        if custom:
-            await events.emit("response.custom_tool_call_input.done", **where, input=block.text)
-        else:
-            await events.emit("response.function_call_arguments.done", **where, arguments=block.text,
-                              name=call.name)
-        await events.emit("response.output_item.done", output_index=block.index, item=encoder.item(block))
+        return [emit("response.output_item.added", output_index=block.index, item=opened)]
+    if isinstance(item, BlockDelta):
+        kind = "custom_tool_call_input" if custom else "function_call_arguments"
+        return [emit(f"response.{kind}.delta", **where, delta=block.text)]
+    done = emit("response.custom_tool_call_input.done", **where, input=block.text) if custom else \
+        emit("response.function_call_arguments.done", **where, arguments=block.text, name=call.name)
+    return [done, emit("response.output_item.done", output_index=block.index, item=encoder.item(block))]
 
 
-async def _fail(events: _Events, encoder: Encoder, error: ApiError) -> None:
-    """response.failed is the terminal event of a generation failure; nothing follows it."""
-    try:
-        await events.emit("response.failed", response=encoder.response("failed", error))
-        await events.writer.close()
-    except Exception:  # the connection is gone too
-        pass
+CODEC = Codec("responses", "resp_", plan, ResponsesEncoder)

@@ -22,7 +22,7 @@ async def score_questions(ctx: ServerContext, state: str, questions: list[Questi
     await ctx.in_frontend(s.check_core)
     # Compile every question before running any: a bad one fails the request up front.
     compiled = [
-        await ctx.in_frontend(s.compile, state, question, f"{response_id}-{i}") for i, question in enumerate(questions)
+        await ctx.in_frontend(s.compile, state, question, response_id, i) for i, question in enumerate(questions)
     ]
     results = []
     for item in compiled:

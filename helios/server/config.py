@@ -28,6 +28,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from helios.engine.prefix_cache import PrefixCacheConfig
+from helios.frontend.thinking import INT32_MAX
 from helios.server.bodies import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, JsonLimits
 
 DEFAULT_ADMISSION_SLOTS = 256
@@ -37,7 +39,6 @@ DEFAULT_QUEUE_TIMEOUT_S = 120.0
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 DEFAULT_HEADER_TIMEOUT_S = 30.0
 DEFAULT_MAX_JSON_DEPTH = JsonLimits.max_depth
-_INT32_MAX = (1 << 31) - 1
 
 
 class ConfigError(ValueError):
@@ -117,7 +118,7 @@ class ServerConfig:
             if getattr(self, name) == 0:
                 raise ConfigError(f"{where}: {name} must be more than 0 seconds")
         if self.thinking_token_budget is not None:
-            positive("thinking_token_budget", self.thinking_token_budget, _INT32_MAX)
+            positive("thinking_token_budget", self.thinking_token_budget, INT32_MAX)
         if not isinstance(self.prefix_cache, bool):
             raise ConfigError(f"{where}: prefix_cache must be true or false")
         fraction = self.checkpoint_storage_fraction
@@ -138,9 +139,7 @@ class ServerConfig:
             elements = max(self.max_body_bytes // 128, 4 * context_length, 1024)
         return JsonLimits(max_elements=elements, max_depth=self.max_json_depth)
 
-    def prefix_cache_config(self):  # noqa: ANN201 - helios.engine.prefix_cache.PrefixCacheConfig
-        from helios.engine.prefix_cache import PrefixCacheConfig
-
+    def prefix_cache_config(self) -> PrefixCacheConfig:
         return PrefixCacheConfig(enabled=self.prefix_cache, storage_fraction=float(self.checkpoint_storage_fraction),
                                  work_allowance_ns=self.checkpoint_work_allowance_us * 1000)
 

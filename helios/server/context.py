@@ -122,13 +122,6 @@ class ServerContext:
         group.submit()
         return group
 
-    def launch(self, request: web.Request, requests: list[GenerationRequest],
-               response_id: str) -> tuple[GenerationGroup, dict[str, str]]:
-        """Reserve one slot per child, submit the group, and name the response (x-request-id).
-        The caller must close the group (its `finally`), which aborts unfinished children."""
-        group = self.start_group(requests, self.reserve(len(requests)))
-        return group, response_headers(request, response_id)
-
 
 def response_headers(request: web.Request, response_id: str) -> dict[str, str]:
     """x-request-id for a request that reached model submission: the client's own id when it

@@ -24,7 +24,7 @@ from helios.engine.detokenizer import IncrementalDetokenizer
 from helios.engine.stops import StopChecker
 from helios.frontend.tokenizer import Tokenizer
 from helios.manifest import Manifest
-from helios.server.app import create_app
+from helios.app import create_app
 from helios.server.config import ServerConfig
 
 

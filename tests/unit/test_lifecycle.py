@@ -14,7 +14,7 @@ import httpx
 import pytest
 from helios.engine.engine import QUEUE_DEADLINE_MESSAGE, Engine
 from helios.manifest import Manifest
-from helios.server.app import create_app
+from helios.app import create_app
 from helios.server.config import ServerConfig
 from helios.server.lifecycle import DRAIN_MESSAGE
 from tests.conftest import Server

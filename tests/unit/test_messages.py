@@ -10,6 +10,7 @@ import httpx
 import pytest
 from anthropic import Anthropic, BadRequestError
 
+from helios.engine.api import CheckpointRole
 from helios.frontend.conversation import render_text
 from helios.frontend.hints import boundary_positions
 from helios.frontend.template import ChatTemplate
@@ -184,7 +185,7 @@ def test_cache_control_blocks_become_checkpoint_hints(frontend):
     decoded = messages.decode(frontend, body)
     assert len(decoded.cache_hints) == 1
     prompt = messages._prompt(frontend, decoded)
-    positions = messages.cache_hint_positions(frontend, decoded, prompt)
+    positions = [c.position for c in messages._lower(frontend, decoded).checkpoints if c.role == CheckpointRole.HINT]
     assert len(positions) == 1
     assert frontend.tokenizer.decode(prompt[:positions[0]]).endswith(block["text"].rstrip())
     many = {"messages": [{"role": "user", "content": [dict(block, text=f"part {i}") for i in range(6)]}]}

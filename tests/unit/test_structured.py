@@ -14,7 +14,7 @@ from helios.engine.engine import Engine
 from helios.frontend.grammar import OutputFormat, compiler_for
 from helios.frontend.tokenizer import Tokenizer
 from helios.manifest import Manifest
-from helios.server.app import check_startup
+from helios.app import check_startup
 from helios.server.config import ConfigError, ServerConfig
 from tests.conftest import Server
 from tests.unit.live import ANTHROPIC, USER, metrics

@@ -15,7 +15,7 @@ import pytest
 import zstandard
 
 from helios.engine.api import GenerationEvent
-from helios.protocols.answer import follow
+from helios.server.generation import follow
 from tests.conftest import TINY_ADMISSION_SLOTS, TINY_API_KEY, TINY_MAX_BODY_BYTES
 from tests.unit.live import ANTHROPIC, USER, metrics, sse, wait_idle
 
@@ -191,9 +191,9 @@ def test_x_request_id(http: httpx.Client):
 
 
 def test_keepalive_comments_while_the_model_is_quiet(monkeypatch):
-    from helios.protocols import answer
+    from helios.server import generation
 
-    monkeypatch.setattr(answer, "KEEPALIVE_SECONDS", 0.01)
+    monkeypatch.setattr(generation, "KEEPALIVE_SECONDS", 0.01)
 
     class Quiet:
         requests = [object()]
@@ -215,7 +215,7 @@ def test_keepalive_comments_while_the_model_is_quiet(monkeypatch):
             nonlocal comments
             comments += 1
 
-        events = [e async for e in follow(Quiet(), keepalive)]
+        events = [e async for _, e in follow(Quiet(), keepalive)]
         return comments, events
 
     comments, events = asyncio.run(run())

@@ -1,8 +1,10 @@
-"""The aiohttp application: routes, authentication, error shapes, lifecycle.
+"""The aiohttp application: the route table, authentication, error shapes, lifecycle.
 
-Routes are thin: each protocol module owns its decoding and encoding; this module owns what
-every route shares (auth, WebSocket refusal, JSON 404/405, in-flight accounting) and picks each
-route's error shape (OpenAI, Anthropic Messages, Ollama discovery).
+The top of the house: it wires the protocol codecs (helios.protocols) onto the transport
+(helios.server). Each generating protocol is a `Codec` served by the one request lifecycle
+(helios.server.generation); this module owns what every route shares (auth, WebSocket refusal,
+JSON 404/405, draining, in-flight accounting) and picks each route's error shape (OpenAI,
+Anthropic Messages, Ollama discovery). A new protocol is one module plus one line in `ROUTES`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,7 @@ from helios.frontend.tokenizer import Tokenizer
 from helios.manifest import Manifest
 from helios.protocols import chat, completions, decisions, messages, models, ollama, responses, systemone
 from helios.server import metrics
+from helios.server.generation import Codec, serve
 from helios.server.admission import RETRY_AFTER_SECONDS, Admission
 from helios.server.config import ConfigError, ServerConfig
 from helios.server.context import DRAINING_MESSAGE, ServerContext
@@ -54,6 +58,40 @@ ANTHROPIC_PREFIX = "/v1/messages"
 OLLAMA_PREFIX = "/api/"
 
 Handler = Callable[[web.Request, ServerContext], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    target: Codec | Handler  # a Codec is served by the shared generation lifecycle
+    generation: bool = False  # refused while draining, counted in flight
+
+    def handler(self) -> Handler:
+        target = self.target
+        if not isinstance(target, Codec):
+            return target
+
+        async def generate(request: web.Request, ctx: ServerContext) -> web.StreamResponse:
+            return await serve(request, ctx, target)
+
+        return generate
+
+
+ROUTES = (
+    Route("GET", "/v1/models", models.list_models),
+    Route("GET", "/v1/models/{model:.*}", models.retrieve_model),
+    Route("POST", "/v1/chat/completions", chat.CODEC, generation=True),
+    Route("POST", "/v1/completions", completions.CODEC, generation=True),
+    Route("POST", "/v1/messages", messages.CODEC, generation=True),
+    Route("POST", "/v1/messages/count_tokens", messages.handle_count),
+    Route("POST", "/v1/responses", responses.CODEC, generation=True),
+    Route("POST", "/v1/systemone", systemone.handle, generation=True),
+    Route("POST", "/v1/decisions", decisions.handle, generation=True),
+    Route("GET", "/api/version", ollama.version),
+    Route("GET", "/api/tags", ollama.tags),
+    Route("POST", "/api/show", ollama.show),
+)
 
 
 def check_startup(manifest: Manifest, config: ServerConfig, tokenizer: Tokenizer | None = None) -> None:
@@ -102,7 +140,7 @@ def create_app(manifest: Manifest, core_dir: Path, engine: Any, config: ServerCo
     app[CTX_KEY] = ctx
     app[COLLECTOR_KEY] = metrics.FlareCollector(engine, http, admission, manifest.decode_weight_bytes)
 
-    def route(handler: Handler, generation: bool = False) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    def bind(handler: Handler, generation: bool) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def wrapped(request: web.Request) -> web.StreamResponse:
             if not generation:
                 return await handler(request, ctx)
@@ -118,18 +156,12 @@ def create_app(manifest: Manifest, core_dir: Path, engine: Any, config: ServerCo
 
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_route)
-    app.router.add_get("/v1/models", route(models.list_models))
-    app.router.add_get("/v1/models/{model:.*}", route(models.retrieve_model))
-    app.router.add_post("/v1/chat/completions", route(chat.handle, generation=True))
-    app.router.add_post("/v1/completions", route(completions.handle, generation=True))
-    app.router.add_post("/v1/messages", route(messages.handle, generation=True))
-    app.router.add_post("/v1/messages/count_tokens", route(messages.handle_count))
-    app.router.add_post("/v1/responses", route(responses.handle, generation=True))
-    app.router.add_post("/v1/systemone", route(systemone.handle, generation=True))
-    app.router.add_post("/v1/decisions", route(decisions.handle, generation=True))
-    app.router.add_get("/api/version", route(ollama.version))
-    app.router.add_get("/api/tags", route(ollama.tags))
-    app.router.add_post("/api/show", route(ollama.show))
+    for r in ROUTES:
+        handler = bind(r.handler(), r.generation)
+        if r.method == "GET":
+            app.router.add_get(r.path, handler)  # HEAD too
+        else:
+            app.router.add_route(r.method, r.path, handler)
 
     async def on_shutdown(_: web.Application) -> None:
         ctx.draining = True
