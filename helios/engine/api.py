@@ -27,10 +27,15 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)  # string stops, matched across token boundaries
     stop_token_ids: list[int] = field(default_factory=list)  # ids that end generation (no entry)
+    stop_token_sequences: list[list[int]] = field(default_factory=list)  # id runs that end it (no entries)
     logprobs: int | None = None  # None: no logprobs; k in 0..20: chosen token plus k alternatives
     # Explicit ids (deduplicated, caller order) reported instead of natural alternatives.
     logprob_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+
+    @property
+    def has_user_stops(self) -> bool:
+        return bool(self.stop or self.stop_token_ids or self.stop_token_sequences)
 
 
 class FinishReason(str, enum.Enum):

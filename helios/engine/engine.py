@@ -460,7 +460,7 @@ class Engine:
         k = seq.sampling.logprobs
         logprobs: list[TokenLogprob] | None = None
         if k is not None:
-            logprobs = []
+            entry = None
             if outcome.has_logprob_entry and not forced:  # forced tokens have no entry (api.md)
                 explicit = seq.sampling.logprob_token_ids
                 if explicit:
@@ -470,7 +470,8 @@ class Engine:
                     )
                 else:
                     entry = token_logprob(token, out.logits[i], out.logsumexp[i], out.top_logprobs[i], out.top_ids[i], k)
-                logprobs.append(entry)
+            # Entries of tokens a partial stop sequence holds wait for their text.
+            logprobs = seq.stop_checker.entries(outcome, entry)
         if outcome.finished:
             self.scheduler.finish(seq, outcome.finish_reason, outcome.stop_reason)
             return self._final_event(seq, [token], outcome.text, logprobs)

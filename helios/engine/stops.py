@@ -7,10 +7,14 @@ stop string landing on the last allowed token reports STOP, not LENGTH):
    the id. (Checked regardless of ignore_eos, as in vLLM.)
 2. EOS ids, unless ignore_eos: same, with stop_reason None. Under ignore_eos an EOS is an
    ordinary token (its text is empty because special tokens are skipped).
-3. The token's text goes through the detokenizer and then the stop-string matcher, which holds
+3. stop_token_sequences: a token that could still be part of a sequence is held (no text, no
+   logprob entry yet). When the generated ids end with a whole sequence, generation stops and
+   the held tokens are dropped like a stop token (stop_reason: the sequence); when the match
+   fails, they are released in order. A stop id, EOS or the budget releases them too.
+4. The token's text goes through the detokenizer and then the stop-string matcher, which holds
    back released text that could still be the start of a stop string. A match truncates the
    text before the stop (or after it with include_stop_str_in_output) and ends with STOP.
-4. The output budget (max_tokens, bounded by the remaining context) ends with LENGTH.
+5. The output budget (max_tokens, bounded by the remaining context) ends with LENGTH.
 
 Whatever ends a sequence, the token is counted in completion_tokens.
 """
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from helios.engine.api import FinishReason, SamplingParams
+from helios.engine.api import FinishReason, SamplingParams, TokenLogprob
 from helios.engine.detokenizer import IncrementalDetokenizer
 
 
@@ -79,12 +83,48 @@ class StopStringMatcher:
         return best
 
 
+class TokenSequenceStops:
+    """Multi-token stops over the generated ids. Tokens that could still be the start of a stop
+    are held back; the caller releases them (text and logprob entries) when the match fails."""
+
+    def __init__(self, sequences: list[list[int]]):
+        self.sequences = [tuple(s) for s in sequences if s]
+        self.longest = max((len(s) for s in self.sequences), default=0)
+        self.held: list[int] = []
+
+    def feed(self, token_id: int) -> tuple[list[int], list[int] | None]:
+        """Add a generated token; return (tokens released, in order; the matched sequence or None).
+        A match drops the held tokens of that sequence and releases only what preceded it."""
+        window = self.held + [token_id]
+        for stop in self.sequences:
+            if tuple(window[-len(stop):]) == stop:
+                self.held = []
+                return window[: len(window) - len(stop)], list(stop)
+        keep = 0
+        # Any later match starts inside the longest suffix that is a proper prefix of a stop.
+        for n in range(min(len(window), self.longest - 1), 0, -1):
+            tail = tuple(window[-n:])
+            if any(len(stop) > n and stop[:n] == tail for stop in self.sequences):
+                keep = n
+                break
+        self.held = window[len(window) - keep:]
+        return window[: len(window) - keep], None
+
+    def take(self) -> list[int]:
+        """Generation ends for another reason: the held tokens are ordinary output."""
+        held, self.held = self.held, []
+        return held
+
+
 @dataclass
 class TokenOutcome:
     text: str  # newly released text
-    has_logprob_entry: bool  # False for a terminating EOS / stop token id
+    has_logprob_entry: bool  # False for a terminating EOS / stop token id / stop sequence
     finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None
+    stop_reason: str | int | list[int] | None = None
+    # How many of the tokens still without released output (held ones first, then this one)
+    # are released now; the rest stay held, or are dropped when the sequence finished.
+    released: int = 1
 
     @property
     def finished(self) -> bool:
@@ -106,22 +146,43 @@ class StopChecker:
         self.eos_token_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
         self.detokenizer = detokenizer
         self.matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        self.sequences = TokenSequenceStops(params.stop_token_sequences)
+        self._held_entries: list[TokenLogprob | None] = []
 
     def on_token(self, token_id: int, num_generated: int) -> TokenOutcome:
         """`token_id` was just committed as the `num_generated`-th generated token."""
-        if token_id in self.stop_token_ids:
-            return TokenOutcome(self.finish_text(), False, FinishReason.STOP, token_id)
-        if token_id in self.eos_token_ids:
-            return TokenOutcome(self.finish_text(), False, FinishReason.STOP, None)
-        text, matched = self.matcher.feed(self.detokenizer.push(token_id))
+        if token_id in self.stop_token_ids or token_id in self.eos_token_ids:
+            held = self.sequences.take()  # no longer a stop: ordinary output before the end
+            reason = token_id if token_id in self.stop_token_ids else None
+            return TokenOutcome(self._push(held) + self.finish_text(), False, FinishReason.STOP, reason, len(held))
+        released, sequence = self.sequences.feed(token_id)
+        if sequence is not None:
+            return TokenOutcome(self._push(released) + self.finish_text(), False, FinishReason.STOP, sequence,
+                                len(released))
+        text, matched = self.matcher.feed(self._push(released))
         if matched is not None:
-            return TokenOutcome(text, True, FinishReason.STOP, matched)
+            return TokenOutcome(text, True, FinishReason.STOP, matched, len(released))
         if num_generated >= self.max_new_tokens:
+            held = self.sequences.take()
+            text += self.matcher.feed(self._push(held))[0]
             tail, matched = self.matcher.feed(self.detokenizer.flush())
+            count = len(released) + len(held)
             if matched is not None:
-                return TokenOutcome(text + tail, True, FinishReason.STOP, matched)
-            return TokenOutcome(text + tail + self.matcher.flush(), True, FinishReason.LENGTH, None)
-        return TokenOutcome(text, True)
+                return TokenOutcome(text + tail, True, FinishReason.STOP, matched, count)
+            return TokenOutcome(text + tail + self.matcher.flush(), True, FinishReason.LENGTH, None, count)
+        return TokenOutcome(text, True, released=len(released))
+
+    def _push(self, token_ids: list[int]) -> str:
+        return "".join(self.detokenizer.push(t) for t in token_ids)
+
+    def entries(self, outcome: TokenOutcome, entry: TokenLogprob | None) -> list[TokenLogprob]:
+        """The logprob entries released with this token's outcome (`entry` is the token's own,
+        None when it has none): held tokens' entries wait with their text."""
+        if not self.sequences.sequences and not self._held_entries:
+            return [entry] if entry is not None and outcome.released else []
+        pending = self._held_entries + [entry]
+        self._held_entries = [] if outcome.finished else pending[outcome.released:]
+        return [e for e in pending[: outcome.released] if e is not None]
 
     def finish_text(self) -> str:
         """Text released because the sequence ends now for a reason other than a stop string

@@ -41,7 +41,8 @@ INTEGER_FIELDS = frozenset({"top_k"})
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_BYTES = 4096
-MAX_STOP_TOKEN_IDS = 16
+MAX_TOKEN_STOPS = 16  # stop_token_ids and stop_token_sequences together (api.md)
+MAX_STOP_SEQUENCE_IDS = 64
 MAX_TOP_LOGPROBS = 20
 SEED_MODULUS = 1 << 64  # seeds are taken modulo 2**64 so the engine always sees a nonnegative int
 
@@ -106,13 +107,25 @@ def parse_token_ids(value: Any, name: str, vocab_size: int) -> list[int]:
     return list(value)
 
 
-def parse_stop_token_ids(value: Any, vocab_size: int) -> list[int]:
-    if value is None:
-        return []
-    ids = parse_token_ids(value, "stop_token_ids", vocab_size)
-    if len(ids) > MAX_STOP_TOKEN_IDS:
-        raise RequestError(f"stop_token_ids accepts at most {MAX_STOP_TOKEN_IDS} ids", param="stop_token_ids")
-    return ids
+def parse_token_stops(ids: Any, sequences: Any, vocab_size: int) -> tuple[list[int], list[list[int]]]:
+    """stop_token_ids (one-token stops) and stop_token_sequences (runs of ids): at most 16
+    nonempty stops together, each sequence at most 64 vocabulary ids."""
+    stop_ids = [] if ids is None else parse_token_ids(ids, "stop_token_ids", vocab_size)
+    name = "stop_token_sequences"
+    runs: list[list[int]] = []
+    if sequences is not None:
+        if not isinstance(sequences, list):
+            raise RequestError(f"{name} must be an array of token-id arrays", param=name)
+        for i, run in enumerate(sequences):
+            ids_i = parse_token_ids(run, f"{name}[{i}]", vocab_size)
+            if not ids_i or len(ids_i) > MAX_STOP_SEQUENCE_IDS:
+                raise RequestError(f"{name}[{i}] must hold 1 to {MAX_STOP_SEQUENCE_IDS} token ids", param=name)
+            runs.append(ids_i)
+    if len(stop_ids) + len(runs) > MAX_TOKEN_STOPS:
+        param = name if runs else "stop_token_ids"
+        raise RequestError(f"token stops (stop_token_ids and stop_token_sequences) accept at most "
+                           f"{MAX_TOKEN_STOPS} sequences together", param=param)
+    return stop_ids, runs
 
 
 def resolve_max_tokens(requested: Any, prompt_tokens: int, limits: Limits, *, name: str = "max_tokens",
@@ -163,6 +176,7 @@ class SamplingFields:
     stop: Any = None
     stop_name: str = "stop"
     stop_token_ids: Any = None
+    stop_token_sequences: Any = None
     ignore_eos: Any = None
     include_stop_str_in_output: Any = None
     logprobs: int | None = None  # already validated natural-alternative count, None for off
@@ -172,8 +186,8 @@ def resolve_sampling(fields: SamplingFields, sampling: Sampling, vocab_size: int
     """Everything except max_tokens and the per-choice seed (those depend on the prompt/child)."""
     dist = resolve_distribution(fields.values, sampling)
     stops = parse_stop_strings(fields.stop, fields.stop_name)
-    stop_ids = parse_stop_token_ids(fields.stop_token_ids, vocab_size)
-    if stops and stop_ids:
+    stop_ids, stop_runs = parse_token_stops(fields.stop_token_ids, fields.stop_token_sequences, vocab_size)
+    if stops and (stop_ids or stop_runs):
         raise RequestError("a request cannot combine string stops with token stops", param=fields.stop_name)
     ignore_eos = False if fields.ignore_eos is None else require_bool(fields.ignore_eos, "ignore_eos")
     include_stop = (
@@ -192,6 +206,7 @@ def resolve_sampling(fields: SamplingFields, sampling: Sampling, vocab_size: int
         ignore_eos=ignore_eos,
         stop=stops,
         stop_token_ids=stop_ids,
+        stop_token_sequences=stop_runs,
         logprobs=fields.logprobs,
         include_stop_str_in_output=include_stop,
     )
@@ -208,6 +223,7 @@ def request_sampling(body: Mapping[str, Any], manifest: Manifest, *, stop_name: 
             stop=body.get(stop_name),
             stop_name=stop_name,
             stop_token_ids=body.get("stop_token_ids"),
+            stop_token_sequences=body.get("stop_token_sequences"),
             ignore_eos=body.get("ignore_eos"),
             include_stop_str_in_output=body.get("include_stop_str_in_output"),
             logprobs=logprobs,

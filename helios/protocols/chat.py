@@ -217,7 +217,7 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> ChatPlan
         tools=tools, choice=choice, output_format=fmt, output_format_param=fmt_param, template_kwargs=kwargs,
         add_generation_prompt=add_generation_prompt, continue_final=continue_final,
         budget=Budget(budget, explicit=budget is not None),
-        user_stops=bool(base.stop or base.stop_token_ids), ignore_eos=base.ignore_eos,
+        user_stops=base.has_user_stops, ignore_eos=base.ignore_eos,
     )
     lowered = lower(Conversation(messages), chat_options, manifest=m, template=ctx.template, tokenizer=ctx.tokenizer,
                     default_budget=ctx.config.thinking_token_budget)

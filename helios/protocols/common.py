@@ -48,8 +48,6 @@ def reject_unsupported_extensions(body: dict[str, Any], *, structured: bool = Fa
     min_tokens = opt_int(body, "min_tokens", 0)
     if min_tokens:
         raise RequestError("min_tokens is not supported", param="min_tokens")
-    if body.get("stop_token_sequences"):
-        raise RequestError("stop_token_sequences is not supported yet; use stop_token_ids", param="stop_token_sequences")
     if not structured:
         for name in GUIDED_FIELDS:
             if body.get(name) is not None:

@@ -364,7 +364,7 @@ def decode(ctx: ServerContext, body: dict[str, Any]) -> Decoded:
     options = ChatOptions(
         tools=tools, choice=choice, output_format=fmt, output_format_param=fmt_param, template_kwargs=kwargs,
         add_generation_prompt=not continue_final, continue_final=continue_final, budget=budget,
-        user_stops=bool(body.get("stop_sequences") or body.get("stop_token_ids")),
+        user_stops=any(body.get(name) for name in ("stop_sequences", "stop_token_ids", "stop_token_sequences")),
         ignore_eos=body.get("ignore_eos") is True, cache_hints=hints[:MAX_CACHE_HINTS],
     )
     return Decoded(Conversation(messages), options)

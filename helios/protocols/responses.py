@@ -338,7 +338,7 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Response
     options = ChatOptions(
         tools=tools, choice=choice, output_format=controls.output_format, output_format_param="text",
         template_kwargs=kwargs, budget=Budget(controls.budget, explicit=controls.budget is not None),
-        user_stops=bool(sampling.stop or sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
+        user_stops=sampling.has_user_stops, ignore_eos=sampling.ignore_eos,
     )
     lowered = lower(Conversation(messages), options, manifest=m, template=ctx.template, tokenizer=ctx.tokenizer,
                     default_budget=ctx.config.thinking_token_budget)

@@ -57,7 +57,8 @@ class ScriptedEngine:
             outcome = checker.on_token(token, n)
             entries = None
             if s.logprobs is not None:
-                entries = [TokenLogprob(token, -0.5, [(token, -0.5)])] if outcome.has_logprob_entry else []
+                own = TokenLogprob(token, -0.5, [(token, -0.5)]) if outcome.has_logprob_entry else None
+                entries = checker.entries(outcome, own)
             event = GenerationEvent(request.request_id, [token], outcome.text, entries,
                                     prompt_tokens=len(request.prompt_token_ids), completion_tokens=n)
             if outcome.finished:

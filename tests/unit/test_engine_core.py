@@ -662,6 +662,33 @@ def test_stop_token_ids_eos_and_ignore_eos(core_dir):
     assert last.finish_reason is FinishReason.STOP and len(ids) == 3
 
 
+def test_stop_token_sequences_hold_then_release_or_drop(core_dir):
+    prompt = byte_ids("go")
+    engine, _ = make_engine(core_dir, scripts={tuple(prompt): byte_ids("abcabd") + [EOS],
+                                               tuple(byte_ids("aa")): byte_ids("aaab") + [EOS],
+                                               tuple(byte_ids("eos")): byte_ids("ab") + [EOS]})
+    stop = byte_ids("abd")
+    events = engine.generate(req("seq", prompt, max_tokens=50, stop_token_sequences=[stop], logprobs=0))
+    ids, text, last = collect(events)
+    # "ab" could start the stop: held (no text, no entries) until "c" breaks the match.
+    assert [e.text for e in events] == ["", "", "abc", "", "", ""]
+    assert [len(e.logprobs) for e in events] == [0, 0, 3, 0, 0, 0]
+    assert text == "abc" and ids == byte_ids("abcabd") and last.completion_tokens == 6
+    assert last.finish_reason is FinishReason.STOP and last.stop_reason == stop
+    # The budget ends a partial match: the held tokens are ordinary output.
+    events = engine.generate(req("len", prompt, max_tokens=5, stop_token_sequences=[stop], logprobs=0))
+    ids, text, last = collect(events)
+    assert text == "abcab" and last.finish_reason is FinishReason.LENGTH and sum(len(e.logprobs) for e in events) == 5
+    # Overlapping prefixes: only what can no longer start the stop is released.
+    ids, text, last = collect(engine.generate(req("overlap", byte_ids("aa"), max_tokens=50,
+                                                  stop_token_sequences=[byte_ids("aab")])))
+    assert text == "a" and last.stop_reason == byte_ids("aab")
+    # EOS while holding: the held tokens are released, the EOS ends it as usual.
+    events = engine.generate(req("eos", byte_ids("eos"), max_tokens=50, stop_token_sequences=[stop], logprobs=0))
+    ids, text, last = collect(events)
+    assert text == "ab" and last.stop_reason is None and sum(len(e.logprobs) for e in events) == 2
+
+
 def test_logprobs_are_raw_and_counts_are_cumulative(core_dir):
     engine, runner = make_engine(core_dir)
     prompt = byte_ids("logprobs please")

@@ -35,7 +35,7 @@ from helios.frontend.sampling import (
     check_top_logprobs,
     child_seed,
     parse_stop_strings,
-    parse_stop_token_ids,
+    parse_token_stops,
     resolve_distribution,
     resolve_max_tokens,
     resolve_sampling,
@@ -157,11 +157,22 @@ def test_stop_strings():
 
 
 def test_stop_token_ids():
-    assert parse_stop_token_ids(None, VOCAB) == []
-    assert parse_stop_token_ids([0, 999], VOCAB) == [0, 999]
+    assert parse_token_stops(None, None, VOCAB) == ([], [])
+    assert parse_token_stops([0, 999], None, VOCAB) == ([0, 999], [])
     for bad in ([1000], [-1], [True], [1.0], list(range(17)), 3):
         with pytest.raises(RequestError):
-            parse_stop_token_ids(bad, VOCAB)
+            parse_token_stops(bad, None, VOCAB)
+
+
+def test_stop_token_sequences():
+    assert parse_token_stops(None, [[1, 2], [3]], VOCAB) == ([], [[1, 2], [3]])
+    assert parse_token_stops(list(range(8)), [[9]] * 8, VOCAB)[1] == [[9]] * 8  # sixteen stops in all
+    assert parse_token_stops(None, [list(range(64))], VOCAB)[1] == [list(range(64))]
+    for ids, runs, message in ((None, [[]], "1 to 64"), (None, [list(range(65))], "1 to 64"),
+                               (list(range(8)), [[9]] * 9, "at most 16"), (None, [[1000]], "outside"),
+                               (None, [1, 2], "array of token ids"), (None, "x", "token-id arrays")):
+        with pytest.raises(RequestError, match=message):
+            parse_token_stops(ids, runs, VOCAB)
 
 
 def test_string_and_token_stops_cannot_combine():

@@ -271,6 +271,37 @@ def test_logprobs_or_clear_rejection(served: Served):
     assert completion["text_offset"][0] == 0 and completion["text_offset"] == sorted(completion["text_offset"])
 
 
+def test_stop_token_sequences_on_every_protocol(served: Served):
+    """A run of ids ends generation like a token stop: the run has no text and no entries,
+    finish is stop (end_turn on Messages), and streaming never shows text it withdraws."""
+    base = {"max_tokens": 8, "ignore_eos": True, "seed": 11}
+    free = served.http.post("/v1/chat/completions", json={**base, "messages": USER, "return_token_ids": True})
+    ids = free.json()["choices"][0]["token_ids"]
+    stop = ids[2:4]
+    body = {**base, "messages": USER, "stop_token_sequences": [stop], "logprobs": True, "return_token_ids": True}
+    buffered = served.http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    first_two = free.json()["choices"][0]["message"]["content"]
+    assert buffered["finish_reason"] == "stop" and buffered["stop_reason"] == stop
+    assert buffered["token_ids"] == ids[:4] and len(buffered["logprobs"]["content"]) == 2
+    chunks = _sse(served.http.post("/v1/chat/completions", json={**body, "stream": True}).text)
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert streamed == buffered["message"]["content"] and first_two.startswith(streamed)
+    raw = {**base, "prompt": "Once", "logprobs": 0, "return_tokens_as_token_ids": True}
+    tokens = served.http.post("/v1/completions", json=raw).json()["choices"][0]["logprobs"]["tokens"]
+    run = [int(t.removeprefix("token_id:")) for t in tokens[1:3]]
+    stopped = served.http.post("/v1/completions", json={**raw, "stop_token_sequences": [run]}).json()["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["logprobs"]["tokens"] == tokens[:1]
+    message = served.http.post("/v1/messages", headers={"anthropic-version": "2023-06-01"},
+                               json={**base, "messages": USER, "stop_token_sequences": [stop]}).json()
+    assert message["stop_reason"] == "end_turn" and message["stop_sequence"] is None
+    assert message["usage"]["output_tokens"] == 4
+    for bad, message_part in (({"stop_token_sequences": [[]]}, "1 to 64"),
+                              ({"stop_token_sequences": [[1]] * 17}, "at most 16"),
+                              ({"stop_token_sequences": [[1]], "stop": "x"}, "cannot combine")):
+        response = served.http.post("/v1/chat/completions", json={"messages": USER, **bad})
+        assert response.status_code == 400 and message_part in response.json()["error"]["message"]
+
+
 # -- completions -----------------------------------------------------------------------------------
 
 def test_completion_batch_indices_and_usage(served: Served):
