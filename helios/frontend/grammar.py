@@ -2,9 +2,11 @@
 
 Request formats (JSON schema, any JSON object, Lark, regex, choice) become an llguidance grammar
 named `answer`. The grammar the engine enforces is `answer`, or `answer` or the model's tool-call
-envelopes when tools are presented, so "constrain the final answer while the tool-call
-envelopes stay free" holds: the engine applies the mask once reasoning has ended (reasoning is
-never constrained). Tool arguments follow their own tool's parameter schema, never the answer's.
+envelopes when tools are presented (every tool syntax, helios.frontend.parsers.TOOL_ENVELOPES), so
+"constrain the final answer while the tool-call envelopes stay free" holds: the engine applies the
+mask once reasoning has ended (reasoning is never constrained). Tool arguments follow their own
+tool's parameter schema (JSON call syntaxes) or the syntax's parser (markup syntaxes), never the
+answer's.
 
 Compilation is bounded: sources above MAX_SOURCE_BYTES and grammars beyond llguidance's parser
 limits are refused with HTTP 400 naming the grammar. Custom tool grammars (Responses) use the
@@ -14,7 +16,9 @@ same compiler and validate a completed input's exact bytes.
 from __future__ import annotations
 
 import json
+import re
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +27,7 @@ import numpy as np
 
 from helios.engine.constraints import first_line, llg_tokenizer, parser_limits
 from helios.frontend.errors import RequestError
+from helios.frontend.parsers import JSON_CALL_SYNTAXES, TOOL_ENVELOPES
 
 MAX_SOURCE_BYTES = 1 << 20
 # The admission probe: this many tokens deep, along at most this many paths.
@@ -101,23 +106,42 @@ def _lark_regex(pattern: str) -> str:
 
 @dataclass
 class Envelope:
-    """How the model writes tool calls, for the grammar's `calls` alternative."""
+    """How the model writes a block of tool calls, for the grammar's `calls` alternative."""
 
-    open: str  # Lark expression of the opener (a special-token reference or a quoted literal)
+    open: str  # the opener's text
     close: str
+    open_special: bool  # one special token of this tokenizer (a Lark token reference, not bytes)
+    close_special: bool
+    json_calls: bool  # one JSON call object inside, its arguments checked by the tool's schema
     bare: bool  # the whole answer may be bare or ```json-fenced call objects (qwen25_coder_json)
 
+    def lark(self, text: str, special: bool) -> str:
+        return text if special else json.dumps(text)
 
-def envelope_for(tool_syntax: str | None, special: set[str]) -> Envelope | None:
-    """The tool-call envelope of a JSON tool syntax; None for syntaxes without one here (their
-    calls are then not available under an output constraint)."""
-    if tool_syntax not in ("hermes", "qwen25_coder_json"):
+    def block_rule(self) -> str:
+        """A markup syntax's block as one lexeme: the opener and closer texts (special tokens are
+        separate lexemes around it) and anything between that does not close it early. One
+        lexeme, because llguidance's lexer does not give back bytes a greedy body has taken."""
+        head = "" if self.open_special else _literal(self.open)
+        tail = "" if self.close_special else _literal(self.close)
+        body = f"/(?s:{head}.*{tail})/"
+        if tail:
+            body += f" & ~/(?s:.*{tail}.+)/"
+        parts = [self.open if self.open_special else "", "BLOCK", self.close if self.close_special else ""]
+        return f"tagged: {' '.join(p for p in parts if p)}\nBLOCK: {body}"
+
+
+def _literal(text: str) -> str:
+    return re.escape(text).replace("/", "\\/")
+
+
+def envelope_for(tool_syntax: str | None, is_special: Callable[[str], bool]) -> Envelope | None:
+    """The tool-call envelope of a declared tool syntax (None without one)."""
+    if tool_syntax not in TOOL_ENVELOPES:
         return None
-
-    def token(text: str) -> str:
-        return text if text in special else json.dumps(text)
-
-    return Envelope(token("<tool_call>"), token("</tool_call>"), tool_syntax == "qwen25_coder_json")
+    opener, closer = TOOL_ENVELOPES[tool_syntax]
+    return Envelope(opener, closer, is_special(opener), is_special(closer), tool_syntax in JSON_CALL_SYNTAXES,
+                    tool_syntax == "qwen25_coder_json")
 
 
 def call_schema(tools: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -152,11 +176,14 @@ def structured_grammar(fmt: OutputFormat, envelope: Envelope | None, tools: dict
     if envelope is None or not tools:
         top = "start: @answer"
         return json.dumps({"grammars": [{"lark_grammar": top}, answer]})
-    call = json.dumps(_styled(call_schema(tools)))
-    rules = [
-        f"tagged: {envelope.open} \"\\n\" %json {call} \"\\n\" {envelope.close}",
-        'calls: tagged ("\\n" tagged)*',
-    ]
+    if envelope.json_calls:
+        call = json.dumps(_styled(call_schema(tools)))
+        opener, closer = envelope.lark(envelope.open, envelope.open_special), \
+            envelope.lark(envelope.close, envelope.close_special)
+        tagged = f"tagged: {opener} \"\\n\" %json {call} \"\\n\" {closer}"
+    else:
+        tagged = envelope.block_rule()
+    rules = [tagged, 'calls: tagged ("\\n" tagged)*']
     bare = envelope.bare and bare_calls
     alternatives = ["@answer", "calls"]
     if bare:
@@ -175,7 +202,7 @@ class Compiler:
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]):
         self._args = (tokenizer_json, vocab_size, list(eos_token_ids))
-        self._special: set[str] | None = None
+        self._special: dict[str, bool] = {}
         self._llg: Any = None
 
     @property
@@ -184,17 +211,13 @@ class Compiler:
             self._llg = llg_tokenizer(*self._args)
         return self._llg
 
-    def special_tokens(self, candidates: tuple[str, ...] = ("<tool_call>", "</tool_call>")) -> set[str]:
-        """Which of `candidates` the grammar tokenizer knows as single special tokens."""
-        if self._special is None:
+    def is_special(self, text: str) -> bool:
+        """Whether the grammar tokenizer knows `text` as one special token."""
+        if text not in self._special:
             tok = self.llg
-            found = set()
-            for text in candidates:
-                ids = tok.tokenize_str(text, parse_special=True)
-                if len(ids) == 1 and tok.is_special_token(ids[0]):
-                    found.add(text)
-            self._special = found
-        return self._special
+            ids = tok.tokenize_str(text, parse_special=True)
+            self._special[text] = len(ids) == 1 and tok.is_special_token(ids[0])
+        return self._special[text]
 
     def validate(self, grammar: str, what: str, param: str) -> str:
         """Compile `grammar`, then prove it usable: a grammar can compile and still fail on its
@@ -245,7 +268,7 @@ class Compiler:
                        param: str, bare_calls: bool = True) -> str:
         """`tools`: the presented tools' parameter schemas by model-facing name."""
         _check_size(fmt.source, "output", param)
-        envelope = envelope_for(tool_syntax, self.special_tokens())
+        envelope = envelope_for(tool_syntax, self.is_special)
         if envelope is not None and tools:  # a usable call path must not hide an unusable answer
             self.validate(structured_grammar(fmt, None, {}), "output", param)
         return self.validate(structured_grammar(fmt, envelope, tools, bare_calls), "output", param)

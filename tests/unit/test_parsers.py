@@ -10,13 +10,17 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 
+import llguidance
 import pytest
 
+from helios.engine.constraints import parser_limits
 from helios.engine.detokenizer import IncrementalDetokenizer
+from helios.frontend.grammar import Compiler, OutputFormat
 from helios.frontend.parsers import (
     ANSWER,
     REASONING,
     START,
+    TOOL_SYNTAXES,
     CallOut,
     OutputSpec,
     ReasoningOut,
@@ -318,3 +322,44 @@ def test_markers_whose_text_is_held_or_skipped():
     stream.markers = {END_THINK: ""}
     out = stream.feed([1], "x") + stream.feed([END_THINK], "") + stream.feed([2], "y") + stream.finish(False)
     assert merged(out) == [("reasoning", "x"), ("text", "y")]
+
+
+# -- tools under an output constraint --------------------------------------------------------------
+
+CALL_BLOCKS = {
+    "hermes": "<tool_call>\n" + CALL + "\n</tool_call>",
+    "qwen25_coder_json": "<tool_call>\n" + CALL + "\n</tool_call>",
+    "qwen3_xml": QWEN_XML.replace("<parameter=limit>\n3\n</parameter>\n", ""),
+    "qwen3_coder": QWEN_XML.replace("<parameter=limit>\n3\n</parameter>\n", ""),
+    "mimo": "<tool_call>\n<function=lookup>\n<parameter=query>alpha</parameter>\n</function>\n</tool_call>",
+    "glm45": "<tool_call>lookup\n<arg_key>query</arg_key>\n<arg_value>alpha</arg_value>\n</tool_call>",
+    "minimax": ('<minimax:tool_call>\n<invoke name="lookup">\n<parameter name="query">alpha</parameter>\n'
+                "</invoke>\n</minimax:tool_call>"),
+    "gemma4": '<|tool_call>call:lookup{query:<|"|>alpha<|"|>}<tool_call|>',
+    "deepseek_dsml": ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="lookup">\n'
+                      '<｜DSML｜parameter name="query" string="true">alpha</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+                      "</｜DSML｜function_calls>"),
+    "kimi_k2": ("<|tool_calls_section_begin|><|tool_call_begin|>functions.lookup:0<|tool_call_argument_begin|>"
+                '{"query": "alpha"}<|tool_call_end|><|tool_calls_section_end|>'),
+}
+CALL_BLOCKS["deepseek_xtml"] = CALL_BLOCKS["deepseek_dsml"].replace("DSML", "XTML")
+
+
+@pytest.mark.parametrize("syntax", sorted(TOOL_SYNTAXES))
+def test_every_tool_syntax_keeps_its_calls_under_an_output_constraint(syntax: str):
+    """api.md: a JSON answer format constrains the answer while the tool-call envelopes stay
+    open. For each declared syntax the enforced grammar accepts the answer, a call block its own
+    parser reads as the call, and two blocks; text after a block, or a block left open, is refused."""
+    bundle = qwen_tokenizer_bundle()
+    compiler = Compiler(bundle["tokenizer_json"], 151936, bundle["eos_token_ids"])
+    answer = {"type": "object", "properties": {"value": {"type": "integer"}}, "required": ["value"]}
+    grammar = compiler.output_grammar(OutputFormat("json_schema", answer), syntax, SCHEMAS, "response_format")
+    block = CALL_BLOCKS[syntax]
+    assert merged(run(block, spec(syntax, schemas=SCHEMAS))) == [LOOKUP]
+
+    def accepts(text: str) -> bool:
+        matcher = llguidance.LLMatcher(compiler.llg, grammar, log_level=0, limits=parser_limits())
+        return matcher.consume_tokens(compiler.llg.tokenize_str(text, parse_special=True)) and matcher.is_accepting()
+
+    assert accepts('{"value": 7}') and accepts(block) and accepts(block + "\n" + block)
+    assert not accepts(block + " and more") and not accepts(block[:-3]) and not accepts("plain prose")

@@ -16,7 +16,7 @@ from typing import Any
 
 from helios.frontend.parsers.base import ToolParseError, ToolParser, ToolSchemas
 from helios.frontend.parsers.deepseek import DeepSeekMarkupParser
-from helios.frontend.parsers.gemma import Gemma4Parser
+from helios.frontend.parsers.gemma import CLOSE as GEMMA_CLOSE, OPEN as GEMMA_OPEN, Gemma4Parser
 from helios.frontend.parsers.json_calls import HermesParser, KimiK2Parser, Qwen25CoderJsonParser
 from helios.frontend.parsers.reasoning import (
     ANSWER,
@@ -43,6 +43,23 @@ TOOL_SYNTAXES: dict[str, Callable[[ToolSchemas], ToolParser]] = {
     "deepseek_xtml": lambda schemas: DeepSeekMarkupParser("XTML", schemas),
     "kimi_k2": KimiK2Parser,
 }
+
+# The text around a whole tool-call block of each syntax: under an output constraint the grammar
+# keeps this path open (helios.frontend.grammar). JSON syntaxes constrain the call inside it.
+TOOL_ENVELOPES: dict[str, tuple[str, str]] = {
+    "hermes": (HermesParser.openers[0], HermesParser.trailing_closers[0]),
+    "qwen25_coder_json": (HermesParser.openers[0], HermesParser.trailing_closers[0]),
+    "qwen3_xml": (QwenFunctionTagParser.TOOL_OPEN, QwenFunctionTagParser.TOOL_CLOSE),
+    "qwen3_coder": (QwenFunctionTagParser.TOOL_OPEN, QwenFunctionTagParser.TOOL_CLOSE),
+    "mimo": (MiMoFunctionTagParser.TOOL_OPEN, MiMoFunctionTagParser.TOOL_CLOSE),
+    "glm45": (GlmParser.OPEN, GlmParser.CLOSE),
+    "minimax": (MiniMaxParser.OPEN, MiniMaxParser.CLOSE),
+    "gemma4": (GEMMA_OPEN, GEMMA_CLOSE),
+    "deepseek_dsml": DeepSeekMarkupParser.block_tags("DSML"),
+    "deepseek_xtml": DeepSeekMarkupParser.block_tags("XTML"),
+    "kimi_k2": (KimiK2Parser.SECTION_OPEN, KimiK2Parser.SECTION_CLOSE),
+}
+JSON_CALL_SYNTAXES = frozenset({"hermes", "qwen25_coder_json"})  # one JSON call object per envelope
 
 # Single-token tool openers that end reasoning for the engine's budget (Qwen's implicit close).
 TOOL_OPENER_TEXT: dict[str, tuple[str, ...]] = {

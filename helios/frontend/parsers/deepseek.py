@@ -23,11 +23,19 @@ from helios.frontend.parsers.base import ToolParseError, loads_strict
 from helios.frontend.parsers.tagged import MORE, Complete, Decision, TaggedParser, ToolSchemas
 
 
+BARS = ("\uff5c", "|")  # the fullwidth bar DeepSeek's encoder writes first; ASCII accepted too
+
+
 class DeepSeekMarkupParser(TaggedParser):
+    @staticmethod
+    def block_tags(word: str) -> tuple[str, str]:
+        """The function_calls block's opening and closing tags as the encoder writes them."""
+        return f"<{BARS[0]}{word}{BARS[0]}function_calls>", f"</{BARS[0]}{word}{BARS[0]}function_calls>"
+
     def __init__(self, word: str, schemas: ToolSchemas | None = None):
         super().__init__(schemas)
         self.word = word
-        bars = ("\uff5c", "|")
+        bars = BARS
         self._block_open = tuple(f"<{b}{word}{b}function_calls>" for b in bars)
         self._block_close = tuple(f"</{b}{word}{b}function_calls>" for b in bars)
         self._invoke_open = tuple(f"<{b}{word}{b}invoke" for b in bars)
