@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -12,6 +13,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from helios.dashboard import run as run_dashboard
+from helios.client_config import CLIENTS, ClientConfigError, server_root, usage, write_client_config
 from helios.manifest import Manifest, ManifestError
 from helios.server.config import ConfigError, ServerConfig, read_api_key_file
 
@@ -38,6 +41,12 @@ def serve(
     dashboard: bool = typer.Option(False, "--dashboard", help="show the `helios top` dashboard while serving"),
 ) -> None:
     """Serve CORE over the OpenAI-compatible HTTP API."""
+    # Imported here, not at the top: onnxruntime and the engine cost `helios top` and
+    # `helios client-config` about a second of start-up they never use.
+    from helios.app import CTX_KEY, check_startup, create_app
+    from helios.engine.engine import Engine
+    from helios.server import lifecycle
+
     try:
         manifest = Manifest.load(core)
         settings = ServerConfig.load(config) if config else ServerConfig()
@@ -49,8 +58,6 @@ def serve(
             settings.api_key = read_api_key_file(api_key_file)
         if max_concurrency is not None:
             settings.max_concurrency = max_concurrency
-        from helios.app import check_startup
-
         check_startup(manifest, settings)
         for name, value in (("kv-pages", kv_pages), ("threads", threads)):
             if value is not None and value < 1:
@@ -58,10 +65,6 @@ def serve(
     except (ManifestError, ConfigError) as exc:
         err_console.print(f"[bold red]error:[/] {escape(str(exc))}")
         raise typer.Exit(2) from None
-
-    from helios.engine.engine import Engine
-    from helios.server import lifecycle
-    from helios.app import CTX_KEY, create_app
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = Engine(core, manifest, max_concurrency=settings.max_concurrency, kv_pages=kv_pages, threads=threads,
@@ -102,14 +105,10 @@ def _pool_line(manifest: Manifest, runner) -> str:  # noqa: ANN001 - the engine'
 
 def _start_dashboard(settings: ServerConfig):  # noqa: ANN202 - returns a threading.Event
     """Run the dashboard in a daemon thread against this server's own /metrics."""
-    import threading
-
-    from helios import dashboard as top
-
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
     url = f"http://{host}:{settings.port}"
     stop = threading.Event()
-    threading.Thread(target=top.run, args=(url,), kwargs={"stop": stop}, name="helios-dashboard",
+    threading.Thread(target=run_dashboard, args=(url,), kwargs={"stop": stop}, name="helios-dashboard",
                      daemon=True).start()
     return stop
 
@@ -123,8 +122,6 @@ def client_config(
     out: Optional[Path] = typer.Option(None, help="folder to write into [default: ./client-config/CLIENT]"),
 ) -> None:
     """Write a coding client's configuration for the helios at --url, from its served card."""
-    from helios.client_config import CLIENTS, ClientConfigError, server_root, usage, write_client_config
-
     if client not in CLIENTS:
         err_console.print(f"[bold red]error:[/] unknown client {escape(client)!r} (choose {', '.join(CLIENTS)})")
         raise typer.Exit(2)
@@ -152,10 +149,8 @@ def top(
     history: int = typer.Option(60, min=2, help="samples kept for the sparklines"),
 ) -> None:
     """Live dashboard of a server's rates: tokens/s, requests, KV pages, cache reuse, WEIGHTS."""
-    from helios import dashboard as top_view
-
     try:
-        top_view.run(url, interval=interval, history=history)
+        run_dashboard(url, interval=interval, history=history)
     except KeyboardInterrupt:
         pass
 

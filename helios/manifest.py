@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -411,9 +413,6 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
 
 def _build(tp: Any, data: Any, where: str) -> Any:
     """Build dataclass `tp` from JSON data, checking field presence and basic types."""
-    import types
-    import typing
-
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]

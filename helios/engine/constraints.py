@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import llguidance
 import numpy as np
 
 from helios.engine.api import GenerationRequest
@@ -38,8 +39,6 @@ _TOKENIZERS_LOCK = threading.Lock()
 
 def llg_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> Any:
     """The shared llguidance tokenizer of a tokenizer.json (built once per process)."""
-    import llguidance
-
     key = (hashlib.sha256(tokenizer_json.encode()).hexdigest(), vocab_size, tuple(eos_token_ids))
     with _TOKENIZERS_LOCK:
         cached = _TOKENIZERS.get(key)
@@ -51,8 +50,6 @@ def llg_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]
 
 def parser_limits() -> Any:
     """Bounds on grammar size and per-step work (compile and masks)."""
-    import llguidance
-
     return llguidance.LLParserLimits(max_grammar_size=200_000, step_lexer_fuel=200_000, step_max_items=50_000,
                                      max_lexer_states=100_000, initial_lexer_fuel=1_000_000)
 
@@ -100,8 +97,6 @@ class RowConstraint:
 
     def matcher_for(self, tokenizer: Any) -> Any:
         if self.matcher is None:
-            import llguidance
-
             self.matcher = llguidance.LLMatcher(tokenizer, self.grammar, log_level=0, limits=parser_limits())
             if self.matcher.is_error():
                 raise ConstraintError(f"the output grammar failed: {first_line(self.matcher.get_error())}")

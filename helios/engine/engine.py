@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from helios.engine.api import FinishReason, GenerationEvent, GenerationRequest, PromptLogprob, TokenLogprob
 from helios.engine.block_manager import BlockManager
@@ -109,8 +110,6 @@ class Engine:
             raise ValueError(f"kv_pages={kv_pages} but the given runner has {runner.num_pages} pages")
         self.runner = runner
         if tokenizer is None:
-            from tokenizers import Tokenizer
-
             tokenizer = Tokenizer.from_file(str(self.core_dir / manifest.tokenizer.file))
         self.tokenizer = tokenizer
         self.block_manager = BlockManager(runner.num_pages, manifest.kv.page_tokens)

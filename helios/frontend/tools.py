@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from helios.frontend.conversation import Conversation, ToolSpec
+from helios.frontend.conversation import Conversation, ToolSpec, with_instruction
 from helios.frontend.errors import RequestError
 
 REQUIRED_INSTRUCTION = "You must respond by calling at least one of the provided tools."
@@ -91,8 +91,6 @@ def custom_description(description: str | None, syntax: str | None, definition: 
 
 
 def with_required_instruction(conversation: Conversation, choice: ToolChoice) -> Conversation:
-    from helios.frontend.conversation import with_instruction
-
     if choice.mode != "required":
         return conversation
     return with_instruction(conversation, REQUIRED_INSTRUCTION)
