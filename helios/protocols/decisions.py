@@ -14,7 +14,7 @@ from aiohttp import web
 from helios.frontend import decisions as d
 from helios.frontend.errors import RequestError
 from helios.protocols.scoring import score_questions, scorer
-from helios.server.context import ServerContext, new_response_id
+from helios.server.context import ServerContext, new_response_id, response_headers
 from helios.server.errors import ApiError, json_response
 
 TOP_KEYS = {"model", "input", "questions", "safety_identifier"}
@@ -151,7 +151,8 @@ async def handle(request: web.Request, ctx: ServerContext) -> web.StreamResponse
         raise ApiError(400, "invalid_request_error", "multipart bodies are not supported on /v1/decisions")
     body = await ctx.read_json_object(request)
     text, questions = await ctx.in_frontend(decode, body, scorer(ctx).max_options())
-    results = await score_questions(ctx, text, [q for _, q in questions], new_response_id("dec"))
+    response_id = new_response_id("dec")
+    results = await score_questions(ctx, text, [q for _, q in questions], response_id)
     usage = d.Usage()
     answers = []
     for (raw, question), scored in zip(questions, results):
@@ -167,4 +168,4 @@ async def handle(request: web.Request, ctx: ServerContext) -> web.StreamResponse
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage.input_tokens + usage.output_tokens,
         },
-    })
+    }, headers=response_headers(request, response_id))

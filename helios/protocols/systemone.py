@@ -13,7 +13,7 @@ from aiohttp import web
 
 from helios.frontend import decisions as d
 from helios.protocols.scoring import score_questions, scorer
-from helios.server.context import ServerContext, new_response_id
+from helios.server.context import ServerContext, new_response_id, response_headers
 from helios.server.errors import bad_request, json_response
 
 QUESTION_KEYS = {"type", "instructions", "criteria"}
@@ -126,7 +126,8 @@ async def handle(request: web.Request, ctx: ServerContext) -> web.StreamResponse
         state, questions = decode(body, scorer(ctx).max_options())
     except SchemaErrors as exc:
         return json_response({"detail": exc.details}, status=422)
-    results = await score_questions(ctx, state, [q for _, _, q in questions], new_response_id("sysone"))
+    response_id = new_response_id("sysone")
+    results = await score_questions(ctx, state, [q for _, _, q in questions], response_id)
     usage = d.Usage()
     answers = {}
     for (name, raw, question), scored in zip(questions, results):
@@ -136,4 +137,4 @@ async def handle(request: web.Request, ctx: ServerContext) -> web.StreamResponse
         "model": ctx.model_id,
         "answers": answers,
         "usage": {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens},
-    })
+    }, headers=response_headers(request, response_id))

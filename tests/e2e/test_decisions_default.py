@@ -25,8 +25,9 @@ def test_decisions_answer_obvious_questions(http):
         {"type": "choice", "name": "method", "instructions": "How was the invoice paid?",
          "choices": [{"value": "cash"}, {"value": "card"}, {"value": "bank transfer"}]},
     ]}
-    response = http.post("/v1/decisions", json=body)
+    response = http.post("/v1/decisions", json=body, headers={"X-Request-Id": "decide-1"})
     assert response.status_code == 200, response.text
+    assert response.headers["x-request-id"] == "decide-1"  # it reached model submission
     paid, unpaid, method = response.json()["answers"]
     # The 0.5B is weakly calibrated (P(yes) ~0.6 either way, docs/conformance.md), but it ranks
     # the true statement above its negation.
@@ -43,6 +44,7 @@ def test_systemone_answers_obvious_questions(http):
     }}
     response = http.post("/v1/systemone", json=body)
     assert response.status_code == 200, response.text
+    assert response.headers["x-request-id"].startswith("sysone-")
     answers = response.json()["answers"]
     assert answers["paid"]["noul"] > 0.5
     assert answers["mood"]["choice"] == "happy"
