@@ -31,7 +31,11 @@ from typing import Any, get_type_hints
 # 1.5: `content_digest` (sha256 of core.json's canonical JSON without that field): a hand-edited
 #      field is refused like an edited file. `digest` keeps covering the listing, so an older
 #      1.x helios still verifies what it knows.
-FORMAT_VERSION = "1.5"
+# 1.6: optional `template.rejects`: request forms the core's native encoder refuses
+#      (drop_thinking, continuation, add_generation_prompt_false), refused by helios with a 400
+#      before rendering; such cores also validate chat_template_kwargs.reasoning_effort.
+FORMAT_VERSION = "1.6"
+TEMPLATE_REJECTS = ("drop_thinking", "continuation", "add_generation_prompt_false")
 CONTENT_DIGEST_SINCE = (1, 5)
 MANIFEST_NAME = "core.json"
 
@@ -166,6 +170,8 @@ class TemplateSpec:
     # Chat Completions passes through from its top-level field (DeepSeek V4.1: 1..100); None: named
     # levels only (optional, absent in older 1.3 cores).
     numeric_effort: list[int] | None = None
+    # (1.6) TEMPLATE_REJECTS entries: what the core's native encoder refuses (DeepSeek V4/V4.1).
+    rejects: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -38,7 +38,7 @@ from helios.frontend.parsers import (
 )
 from helios.frontend.sampling import child_seed
 from helios.frontend.template import ChatTemplate
-from helios.frontend.thinking import Budget
+from helios.frontend.thinking import Budget, check_effort
 from helios.frontend.tokenizer import Tokenizer
 from helios.frontend.tools import ToolChoice, presented, require_tools, with_required_instruction
 from helios.manifest import Manifest
@@ -115,6 +115,7 @@ def lower(conversation: Conversation, options: ChatOptions, *, manifest: Manifes
           template: ChatTemplate | None, tokenizer: Tokenizer, default_budget: int | None = None,
           prepare: bool = True) -> Lowered:
     """`prepare` False renders the prompt only (count_tokens): no grammar, no checkpoints."""
+    check_encoder_rules(conversation, options, manifest)
     choice = options.choice
     require_tools(choice, options.tools)
     tools = presented(options.tools, choice)
@@ -172,6 +173,28 @@ def lower(conversation: Conversation, options: ChatOptions, *, manifest: Manifes
             bare_calls=not after_results)
     checkpoints = _checkpoints(effective, options, template, tokenizer, prompt_ids) if prepare else []
     return Lowered(effective, prompt_text, prompt_ids, OutputPlan(spec, tools, choice), grammar, control, checkpoints)
+
+
+def check_encoder_rules(conversation: Conversation, options: ChatOptions, manifest: Manifest) -> None:
+    """What the core's native encoder refuses (manifest `template.rejects`, DeepSeek V4/V4.1) is a
+    400 here, before rendering; its explicit reasoning_effort kwarg is validated like the
+    top-level field (an integer score only where the template takes one; null: the default)."""
+    rejects = manifest.template.rejects
+    if not rejects:
+        return
+    kwargs = options.template_kwargs
+    if "drop_thinking" in rejects and "drop_thinking" in kwargs:
+        raise RequestError("drop_thinking is not supported by this model core's encoder",
+                           param="chat_template_kwargs")
+    ends_with_assistant = bool(conversation.messages) and conversation.messages[-1].role == "assistant"
+    if "continuation" in rejects and (options.continue_final or ends_with_assistant):
+        raise RequestError("assistant continuation (a final assistant message) is not supported by this model "
+                           "core's encoder", param="messages")
+    if "add_generation_prompt_false" in rejects and not options.add_generation_prompt:
+        raise RequestError("add_generation_prompt=false is not supported by this model core's encoder",
+                           param="add_generation_prompt")
+    check_effort(kwargs.get("reasoning_effort"), "chat_template_kwargs.reasoning_effort",
+                 manifest.template.numeric_effort)
 
 
 def _checkpoints(rendered: Conversation, options: ChatOptions, template: ChatTemplate | None,

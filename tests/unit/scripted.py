@@ -10,11 +10,12 @@ loopback port so the OpenAI and Anthropic SDKs can drive it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -22,9 +23,9 @@ from aiohttp import web
 from helios.engine.api import FinishReason, GenerationEvent, GenerationRequest, TokenLogprob
 from helios.engine.detokenizer import IncrementalDetokenizer
 from helios.engine.stops import StopChecker
+from helios.app import create_app
 from helios.frontend.tokenizer import Tokenizer
 from helios.manifest import Manifest
-from helios.app import create_app
 from helios.server.config import ServerConfig
 
 
@@ -121,8 +122,12 @@ class LoopbackServer:
 
 
 class ScriptedServer(LoopbackServer):
-    def __init__(self, core: Path, config: ServerConfig | None = None):
+    def __init__(self, core: Path, config: ServerConfig | None = None, template: dict[str, Any] | None = None):
+        """`template`: manifest template fields as another recipe would export them (a DeepSeek
+        core's encoder rules over the tiny core's real tokenizer and template)."""
         manifest = Manifest.load(core, verify_files=False)
+        if template:
+            manifest = dataclasses.replace(manifest, template=dataclasses.replace(manifest.template, **template))
         tokenizer = Tokenizer.from_core(core, manifest)
         self.engine = ScriptedEngine(tokenizer, list(manifest.tokenizer.eos_token_ids), manifest.limits.context_length)
         self.tokenizer = tokenizer
