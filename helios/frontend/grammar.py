@@ -109,9 +109,9 @@ class Envelope:
     """How the model writes a block of tool calls, for the grammar's `calls` alternative."""
 
     open: str  # the opener's text
-    close: str
+    closers: tuple[str, ...]  # the first of these ends the block
     open_special: bool  # one special token of this tokenizer (a Lark token reference, not bytes)
-    close_special: bool
+    close_special: bool  # the one closer is such a token
     json_calls: bool  # one JSON call object inside, its arguments checked by the tool's schema
     bare: bool  # the whole answer may be bare or ```json-fenced call objects (qwen25_coder_json)
 
@@ -123,11 +123,11 @@ class Envelope:
         separate lexemes around it) and anything between that does not close it early. One
         lexeme, because llguidance's lexer does not give back bytes a greedy body has taken."""
         head = "" if self.open_special else _literal(self.open)
-        tail = "" if self.close_special else _literal(self.close)
+        tail = "" if self.close_special else "(?:" + "|".join(_literal(c) for c in self.closers) + ")"
         body = f"/(?s:{head}.*{tail})/"
         if tail:
             body += f" & ~/(?s:.*{tail}.+)/"
-        parts = [self.open if self.open_special else "", "BLOCK", self.close if self.close_special else ""]
+        parts = [self.open if self.open_special else "", "BLOCK", self.closers[0] if self.close_special else ""]
         return f"tagged: {' '.join(p for p in parts if p)}\nBLOCK: {body}"
 
 
@@ -139,9 +139,9 @@ def envelope_for(tool_syntax: str | None, is_special: Callable[[str], bool]) -> 
     """The tool-call envelope of a declared tool syntax (None without one)."""
     if tool_syntax not in TOOL_ENVELOPES:
         return None
-    opener, closer = TOOL_ENVELOPES[tool_syntax]
-    return Envelope(opener, closer, is_special(opener), is_special(closer), tool_syntax in JSON_CALL_SYNTAXES,
-                    tool_syntax == "qwen25_coder_json")
+    opener, closers = TOOL_ENVELOPES[tool_syntax]
+    return Envelope(opener, closers, is_special(opener), len(closers) == 1 and is_special(closers[0]),
+                    tool_syntax in JSON_CALL_SYNTAXES, tool_syntax == "qwen25_coder_json")
 
 
 def call_schema(tools: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -179,7 +179,7 @@ def structured_grammar(fmt: OutputFormat, envelope: Envelope | None, tools: dict
     if envelope.json_calls:
         call = json.dumps(_styled(call_schema(tools)))
         opener, closer = envelope.lark(envelope.open, envelope.open_special), \
-            envelope.lark(envelope.close, envelope.close_special)
+            envelope.lark(envelope.closers[0], envelope.close_special)
         tagged = f"tagged: {opener} \"\\n\" %json {call} \"\\n\" {closer}"
     else:
         tagged = envelope.block_rule()

@@ -336,9 +336,9 @@ CALL_BLOCKS = {
     "minimax": ('<minimax:tool_call>\n<invoke name="lookup">\n<parameter name="query">alpha</parameter>\n'
                 "</invoke>\n</minimax:tool_call>"),
     "gemma4": '<|tool_call>call:lookup{query:<|"|>alpha<|"|>}<tool_call|>',
-    "deepseek_dsml": ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="lookup">\n'
+    "deepseek_dsml": ('<｜DSML｜tool_calls>\n<｜DSML｜invoke name="lookup">\n'  # V4's official block
                       '<｜DSML｜parameter name="query" string="true">alpha</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
-                      "</｜DSML｜function_calls>"),
+                      "</｜DSML｜tool_calls>"),
     "kimi_k2": ("<|tool_calls_section_begin|><|tool_call_begin|>functions.lookup:0<|tool_call_argument_begin|>"
                 '{"query": "alpha"}<|tool_call_end|><|tool_calls_section_end|>'),
 }

@@ -46,18 +46,19 @@ TOOL_SYNTAXES: dict[str, Callable[[ToolSchemas], ToolParser]] = {
 
 # The text around a whole tool-call block of each syntax: under an output constraint the grammar
 # keeps this path open (helios.frontend.grammar). JSON syntaxes constrain the call inside it.
-TOOL_ENVELOPES: dict[str, tuple[str, str]] = {
-    "hermes": (HermesParser.openers[0], HermesParser.trailing_closers[0]),
-    "qwen25_coder_json": (HermesParser.openers[0], HermesParser.trailing_closers[0]),
-    "qwen3_xml": (QwenFunctionTagParser.TOOL_OPEN, QwenFunctionTagParser.TOOL_CLOSE),
-    "qwen3_coder": (QwenFunctionTagParser.TOOL_OPEN, QwenFunctionTagParser.TOOL_CLOSE),
-    "mimo": (MiMoFunctionTagParser.TOOL_OPEN, MiMoFunctionTagParser.TOOL_CLOSE),
-    "glm45": (GlmParser.OPEN, GlmParser.CLOSE),
-    "minimax": (MiniMaxParser.OPEN, MiniMaxParser.CLOSE),
-    "gemma4": (GEMMA_OPEN, GEMMA_CLOSE),
-    "deepseek_dsml": DeepSeekMarkupParser.block_tags("DSML"),
-    "deepseek_xtml": DeepSeekMarkupParser.block_tags("XTML"),
-    "kimi_k2": (KimiK2Parser.SECTION_OPEN, KimiK2Parser.SECTION_CLOSE),
+# (opener, closers): a block runs from the opener to the first of its closers.
+TOOL_ENVELOPES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "hermes": (HermesParser.openers[0], HermesParser.trailing_closers),
+    "qwen25_coder_json": (HermesParser.openers[0], HermesParser.trailing_closers),
+    "qwen3_xml": (QwenFunctionTagParser.TOOL_OPEN, (QwenFunctionTagParser.TOOL_CLOSE,)),
+    "qwen3_coder": (QwenFunctionTagParser.TOOL_OPEN, (QwenFunctionTagParser.TOOL_CLOSE,)),
+    "mimo": (MiMoFunctionTagParser.TOOL_OPEN, (MiMoFunctionTagParser.TOOL_CLOSE,)),
+    "glm45": (GlmParser.OPEN, (GlmParser.CLOSE,)),
+    "minimax": (MiniMaxParser.OPEN, (MiniMaxParser.CLOSE,)),
+    "gemma4": (GEMMA_OPEN, (GEMMA_CLOSE,)),
+    "deepseek_dsml": DeepSeekMarkupParser.region_tags("DSML"),
+    "deepseek_xtml": DeepSeekMarkupParser.region_tags("XTML"),
+    "kimi_k2": (KimiK2Parser.SECTION_OPEN, (KimiK2Parser.SECTION_CLOSE,)),
 }
 JSON_CALL_SYNTAXES = frozenset({"hermes", "qwen25_coder_json"})  # one JSON call object per envelope
 

@@ -11,8 +11,9 @@ Output begins in one of three states: `reasoning` (the prompt opened reasoning, 
 or `answer`. Reasoning text is published without its wrapping whitespace; answer text right
 after a closed reasoning block loses its leading whitespace (the template's separator).
 
-Qwen treats a tool call as an implicit end of reasoning: with `tool_ends_reasoning`, tagged
-envelopes are parsed inside reasoning too, and a complete call ends it.
+Qwen and DeepSeek treat a tool call as an implicit end of reasoning: with `tool_ends_reasoning`,
+tagged envelopes are parsed inside reasoning too, and a complete call ends it (DeepSeek's parser
+leaves reasoning at any DSML tag; parsers/deepseek.py).
 """
 
 from __future__ import annotations
@@ -37,8 +38,14 @@ class ReasoningSyntax:
     name: str
     open: str
     close: str
-    tool_ends_reasoning: bool = False  # a complete tool call implicitly closes reasoning (Qwen)
+    tool_ends_reasoning: bool = False  # a complete tool call implicitly closes reasoning (Qwen, DeepSeek)
     text_only: bool = False  # delimiters are always matched as text (DeepSeek's own parser)
+    # Characters trimmed around reasoning and before the answer (None: all whitespace). DeepSeek's
+    # official parser trims newlines only, and keeps an unclosed reasoning's trailing newlines.
+    strip: str | None = None
+    # Only the prompt opens reasoning (DeepSeek: it ends in `<think>` or `</think>`); output that
+    # does not start in reasoning is answer, a `<think>` in it included (official parser).
+    prompt_opens: bool = False
 
 
 REASONING_SYNTAXES: dict[str, ReasoningSyntax] = {
@@ -50,7 +57,9 @@ REASONING_SYNTAXES: dict[str, ReasoningSyntax] = {
         ReasoningSyntax("minimax", "<think>", "</think>"),
         ReasoningSyntax("mimo", "<think>", "</think>"),
         ReasoningSyntax("kimi", "<think>", "</think>"),
-        ReasoningSyntax("deepseek", "<think>", "</think>", text_only=True),
+        # Any DSML tag ends DeepSeek reasoning (official deepseek-recipe parser).
+        ReasoningSyntax("deepseek", "<think>", "</think>", tool_ends_reasoning=True, text_only=True, strip="\n",
+                        prompt_opens=True),
         ReasoningSyntax("gemma4", "<|channel>thought", "<channel|>"),
     )
 }
@@ -84,11 +93,18 @@ class OutputParser:
         self.tools = tools
         self.reasoning = reasoning
         self.state = start_state if reasoning is not None else ANSWER
+        if reasoning is not None and reasoning.syntax.prompt_opens and self.state == START:
+            self.state = ANSWER
         self._held = Pending()  # START: leading whitespace (and a partial text opener)
         self._close_hold = Pending()  # REASONING with a text close: a partial close delimiter
         self._ws = Pending()  # REASONING: trailing whitespace, published only if more follows
         self._reasoning_begun = False
         self._strip_answer = False  # the next answer text follows a reasoning block
+        # After DeepSeek's prompt (ending in `</think>` without reasoning) the answer loses its
+        # leading newlines too, as in the official parser.
+        self._edge_strip = reasoning is not None and reasoning.syntax.strip is not None
+        if self.state == ANSWER:
+            self._strip_answer = self._edge_strip
         self._implicit_close = False  # reasoning ended by a tool call, not by its delimiter
         if tools is not None:
             tools.answer = self.state == ANSWER
@@ -116,7 +132,7 @@ class OutputParser:
         out: list[Item] = []
         if self.state == START:
             held = self._held.take_all()
-            self._enter_answer(strip=False)
+            self._enter_answer(strip=self._edge_strip)
             for run in held:
                 out += self._answer(run.text, run.start)
         if self.state == REASONING and self._close_hold.text:
@@ -124,6 +140,8 @@ class OutputParser:
                 out += self._reasoning_text(run.text, run.start)
         if self.tools is not None:
             out += self._label(self.tools.finish(truncated))
+        if self.state == REASONING and self.reasoning is not None and self.reasoning.syntax.strip is not None:
+            out += [Reasoning(run.text, run.start) for run in self._ws.take_all()]
         return out
 
     def _marker(self, marker: Marker) -> list[Item]:
@@ -172,7 +190,7 @@ class OutputParser:
         elif not body:
             return []
         held = self._held.take_all()
-        self._enter_answer(strip=False)
+        self._enter_answer(strip=self._edge_strip)
         out: list[Item] = []
         for run in held:
             out += self._answer(run.text, run.start)
@@ -196,12 +214,16 @@ class OutputParser:
             return self._reasoning_text(text, start)
         close = r.syntax.close
         self._close_hold.add(text, start)
+        if self._in_envelope():
+            return self._hand_over()
         buf = self._close_hold.text
         at = buf.find(close)
         if at >= 0:
             out: list[Item] = []
             for run in self._close_hold.take(at):
                 out += self._reasoning_text(run.text, run.start)
+            if self._in_envelope():
+                return out + self._hand_over()
             self._close_hold.drop(len(close))
             rest = self._close_hold.take_all()
             out += self._close()
@@ -211,6 +233,16 @@ class OutputParser:
         keep = partial_suffix(buf, (close,))
         out = []
         for run in self._close_hold.take(len(buf) - keep):
+            out += self._reasoning_text(run.text, run.start)
+        return out
+
+    def _in_envelope(self) -> bool:
+        # DeepSeek's call region (begun in reasoning) owns all later text, `</think>` included.
+        return bool(getattr(self.tools, "in_envelope", False))
+
+    def _hand_over(self) -> list[Item]:
+        out: list[Item] = []
+        for run in self._close_hold.take_all():
             out += self._reasoning_text(run.text, run.start)
         return out
 
@@ -239,14 +271,15 @@ class OutputParser:
         return self._label(self.tools.feed(text, start))
 
     def _publish_reasoning(self, text: str, start: int) -> list[Item]:
+        chars = self.reasoning.syntax.strip if self.reasoning is not None else None
         if not self._reasoning_begun:
-            stripped = text.lstrip()
+            stripped = text.lstrip(chars)
             if not stripped:
                 return []
             start += len(text) - len(stripped)
             text = stripped
             self._reasoning_begun = True
-        body = text.rstrip()
+        body = text.rstrip(chars)
         out: list[Item] = []
         if body:
             for run in self._ws.take_all():
@@ -280,7 +313,7 @@ class OutputParser:
         return out
 
     def _answer_direct(self, item: Text) -> list[Item]:
-        stripped = item.text.lstrip()
+        stripped = item.text.lstrip(self.reasoning.syntax.strip if self.reasoning is not None else None)
         if not stripped:
             return []
         self._strip_answer = False
