@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 import time
 from pathlib import Path
@@ -11,6 +12,12 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+from helios.manifest import Manifest, ManifestError
+from ignition.checkpoints.base import CheckpointError
+from ignition.checkpoints.hub_cache import resolve_recipe_checkpoint
+from ignition.inspect_core import inspect_data, render_inspect
+from ignition.recipes import RecipeError, load_recipe
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Flare's ahead-of-time model compiler.")
 console = Console(stderr=True)
@@ -44,10 +51,8 @@ def export(
     ] = False,
 ) -> None:
     """Export CHECKPOINT with RECIPE into a core folder."""
-    from ignition.checkpoints.base import CheckpointError
-    from ignition.checkpoints.hub_cache import resolve_recipe_checkpoint
+    # Imported here: torch and onnxruntime cost seconds that `ignition inspect` and --help never use.
     from ignition.export.pipeline import STAGES, ExportError, ExportOptions, export_core
-    from ignition.recipes import RecipeError, load_recipe
 
     try:
         loaded = load_recipe(recipe)
@@ -98,7 +103,7 @@ def _shell_path(path: Path) -> str:
     return shlex.quote(str(path))
 
 
-def _summary(out: Path, manifest, seconds: float) -> None:
+def _summary(out: Path, manifest: Manifest, seconds: float) -> None:
     table = Table(title=f"core {out} ({seconds:.0f}s)", show_header=False)
     table.add_column(style="bold")
     table.add_column()
@@ -143,11 +148,6 @@ def inspect(
     logprob capacities, parity measured at export, toolchain and digest. Digests are not re-hashed
     here (that is `ignition verify`); missing files are reported.
     """
-    import json
-
-    from helios.manifest import ManifestError
-    from ignition.inspect_core import inspect_data, render_inspect
-
     try:
         data = inspect_data(core)
     except ManifestError as exc:
@@ -176,9 +176,8 @@ def verify(
     Parity runs against the torch reference rebuilt from the checkpoint when it is available
     (--checkpoint, or the core's packaged name); otherwise an engine smoke run replaces it.
     """
-    import json
-
-    from ignition.inspect_core import Check, verify_core
+    # Imported here: torch and onnxruntime cost seconds that `ignition inspect` and --help never use.
+    from ignition.verify_core import Check, verify_core
 
     def report(check: Check) -> None:
         mark = {True: "[green]✓[/]", False: "[red]✗[/]", None: "[yellow]-[/]"}[check.ok]
@@ -204,6 +203,7 @@ def cache(
     It lives in $FLARE_CACHE/export (default ~/.cache/flare/export) and is bounded by
     $FLARE_EXPORT_CACHE_GB (default 16): least recently used entries go first.
     """
+    # Imported here: torch and onnxruntime cost seconds that `ignition inspect` and --help never use.
     from ignition.export.cache import ExportCache, max_cache_bytes
 
     store = ExportCache()

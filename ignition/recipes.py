@@ -12,12 +12,14 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from helios.manifest import Range, SamplingDefaults
+from helios.frontend.parsers import REASONING_SYNTAXES, TOOL_SYNTAXES
+from helios.frontend.thinking import EFFORT_LEVELS, template_levels
+from helios.manifest import TEMPLATE_REJECTS, Range, SamplingDefaults
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 # Families the exporter compiles (qwen2/llama: common.DecoderLM; the rest: models/configured.py)
 # and families recipes may already name whose architecture it refuses with what is missing
-# (ignition.models.families.PLANNED; docs/recipes.md).
+# (ignition.models.PLANNED; docs/recipes.md).
 COMPILED_FAMILIES = ("qwen2", "llama", "deepseek_v3", "mimo_v2_flash", "gemma4", "step3p7", "muse_spark",
                      "glm_moe_dsa", "minimax_m3_vl", "qwen3_5_moe", "qwen3_5", "deepseek_v4",
                      "nemotron_h")  # fmt: skip
@@ -25,7 +27,6 @@ PLANNED_FAMILIES: tuple[str, ...] = ()
 KNOWN_FAMILIES = COMPILED_FAMILIES + PLANNED_FAMILIES
 # Template behaviours a recipe can declare its (native) prompt encoder refuses (api.md: the
 # DeepSeek encoders reject drop_thinking, assistant continuation and add_generation_prompt=false).
-TEMPLATE_REJECTS = ("drop_thinking", "continuation", "add_generation_prompt_false")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingDefaults) if f.name != "seed")
 
@@ -198,9 +199,6 @@ def _check(recipe: Recipe) -> None:
 
 def _check_syntax(recipe: Recipe) -> None:
     """Parsers, reasoning delimiters, effort vocabulary and template rules agree with helios."""
-    from helios.frontend.parsers import REASONING_SYNTAXES, TOOL_SYNTAXES
-    from helios.frontend.thinking import EFFORT_LEVELS, template_levels
-
     where = recipe.path
     if recipe.tool_parser and recipe.tool_parser not in TOOL_SYNTAXES:
         raise RecipeError(f"{where}: unknown tool syntax {recipe.tool_parser!r}")

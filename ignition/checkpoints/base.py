@@ -36,8 +36,8 @@ class Checkpoint:
     special_tokens: dict[str, int] = field(default_factory=dict)  # content -> id for control tokens
     source_format: str = "gguf"  # "gguf" | "safetensors"
     source_quantization: str = ""  # e.g. "Q4_K_M" when known
-    # The Hugging Face config.json of configured families (ignition/models/families.py): their
-    # layer plan (MLA, MoE routing, windows, ...) is derived from it. Empty for qwen2/llama.
+    # The Hugging Face config.json of configured families: their layer plan (MLA, MoE routing,
+    # windows, ...) is derived from it (each family's module in ignition/models). Empty for qwen2/llama.
     model_config: dict[str, Any] = field(default_factory=dict)
 
     def model_inputs(self) -> tuple[Architecture, dict[str, Any], dict[str, np.ndarray]]:

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 from helios.manifest import Architecture
 from ignition.checkpoints.base import Checkpoint, CheckpointError
 from ignition.checkpoints.shapes import SUPPORTED_FAMILIES, check_family, check_tensor_shapes
+from ignition.models import PLANNED, FamilyError, architecture
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -49,8 +50,6 @@ def architecture_from_config(config: dict[str, Any], source: str) -> Architectur
 def _architecture(config: dict[str, Any], source: str) -> Architecture:
     family = check_family(str(config.get("model_type")), source)
     if family not in SUPPORTED_FAMILIES:
-        from ignition.models import PLANNED, FamilyError, architecture
-
         if family in PLANNED:
             raise CheckpointError(f"{source}: the {family!r} family cannot be compiled yet: missing {PLANNED[family]}")
         try:
@@ -215,7 +214,7 @@ def read_safetensors_dir(path: Path, checkpoint_id: str | None = None) -> Checkp
         tensors.pop("lm_head.weight", None)  # some exports save the tied copy too
     if arch.family in SUPPORTED_FAMILIES:
         check_tensor_shapes(tensors, arch, source)
-    # Configured families check names and shapes as they load (ignition/models/families.py).
+    # Configured families check names and shapes as they load (each family module in ignition/models).
     return Checkpoint(
         checkpoint_id=checkpoint_id or folder.resolve().name,
         sha256=files_sha256(files),

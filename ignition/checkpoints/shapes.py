@@ -6,6 +6,7 @@ import numpy as np
 
 from helios.manifest import Architecture
 from ignition.checkpoints.base import CheckpointError
+from ignition.models import MODEL_TYPES, PLANNED_MODEL_TYPES
 
 SUPPORTED_FAMILIES = ("qwen2", "llama")
 
@@ -13,8 +14,6 @@ SUPPORTED_FAMILIES = ("qwen2", "llama")
 def check_family(family: str, source: str) -> str:
     """The flare family of a checkpoint's model type (a Hugging Face model_type or GGUF
     architecture): qwen2/llama, a configured family, or a planned one (export refuses those)."""
-    from ignition.models import MODEL_TYPES, PLANNED_MODEL_TYPES
-
     if family in SUPPORTED_FAMILIES:
         return family
     if family in MODEL_TYPES:

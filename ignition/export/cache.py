@@ -3,8 +3,9 @@
 An entry holds the converted checkpoint's metadata (architecture, tokenizer, chat template,
 special ids), the fp32 step graph (which carries the converted weights) and the torch
 reference's validation logits. A later export of the same checkpoint, at any precision, then
-skips read, convert and export (and the reference half of validate): it quantizes the cached
-graph and validates the engine against the cached reference.
+skips read, convert and trace (and the reference half of validate): it quantizes the cached
+graph and validates the engine against the cached reference. `CachedStages` is that wrapping:
+the pipeline hands it the three stages and it runs them or restores what they would have set.
 
 Location: `$FLARE_CACHE/export` (default `~/.cache/flare/export`), one folder per key.
 The key is a sha256 over: the checkpoint's sha256 (plus, for a Hugging Face folder, its config
@@ -24,36 +25,39 @@ is checked on use: a corrupted entry is a miss (and is removed), never a silentl
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
-import importlib.metadata
 import json
 import os
 import shutil
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import numpy as np
+import torch
 
 from helios.cache import cache_root
 from helios.manifest import Architecture, Engine, TensorSpec, file_sha256
 from ignition.checkpoints.base import Checkpoint
+from ignition.checkpoints.packaged import PACKAGED_MODELS
+from ignition.checkpoints.safetensors_dir import files_sha256, safetensors_files
+from ignition.export.graph import STEP_GRAPH_FILE
+from ignition.export.manifest import cache_layouts
+from ignition.export.state import ExportState
+from ignition.export.toolchain import exporter_version, toolchain
 
 ENTRY_FORMAT = 1
 ENTRY_NAME = "entry.json"
 USED_NAME = "last-used"  # mtime = last use (LRU)
-GRAPH_NAME = "step.onnx"
 REFERENCE_NAME = "reference.npz"
 TOKENIZER_NAME = "tokenizer.json"
 DEFAULT_MAX_GB = 16.0
-TOOLCHAIN_PACKAGES = ("flare", "torch", "onnx", "onnxscript", "onnxruntime", "numpy", "gguf", "safetensors", "tokenizers")
 
-# Code that does not shape a core's bytes (presentation only) and so is not in its version.
-_NOT_EXPORTER = {"ignition/cli.py", "ignition/inspect_core.py"}
 # Hugging Face folder files the reader consults besides the weights (their bytes are not in the
 # checkpoint's sha256, which covers the .safetensors files only).
 HF_METADATA_FILES = (
@@ -80,35 +84,6 @@ def max_cache_bytes() -> int:
     return int(max(gb, 0.0) * (1 << 30))
 
 
-@functools.lru_cache(maxsize=1)
-def exporter_version() -> str:
-    """Digest of the code that shapes a core: ignition (but its CLI and inspection views), the
-    manifest schema, the runner validation drives and flare's kernels (their weight layout and
-    the numbers validation records). Recorded as toolchain["flare-exporter"]."""
-    repo = Path(__file__).resolve().parents[2]
-    files = [p for p in (repo / "ignition").rglob("*.py") if p.relative_to(repo).as_posix() not in _NOT_EXPORTER]
-    files += [repo / "helios" / "manifest.py", repo / "helios" / "engine" / "runner.py"]
-    files += sorted((repo / "helios" / "kernels").glob("*.py")) + sorted((repo / "helios" / "kernels").glob("*.cc"))
-    h = hashlib.sha256()
-    for path in sorted(files, key=lambda p: p.relative_to(repo).as_posix()):
-        if "__pycache__" in path.parts or not path.is_file():
-            continue
-        h.update(path.relative_to(repo).as_posix().encode() + b"\0")
-        h.update(hashlib.sha256(path.read_bytes()).digest())
-    return h.hexdigest()[:16]
-
-
-def toolchain() -> dict[str, str]:
-    """Versions of everything that shapes a core's bytes: the manifest's `toolchain`."""
-    versions = {"flare-exporter": exporter_version()}
-    for package in TOOLCHAIN_PACKAGES:
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return dict(sorted(versions.items()))
-
-
 # -- checkpoint identity without reading it ----------------------------------------------------
 
 
@@ -124,9 +99,6 @@ class Source:
 def identify(spec: str) -> Source | None:
     """The identity of a checkpoint spec, or None when it cannot be told cheaply (then the
     export runs uncached and load_checkpoint reports any problem with the spec)."""
-    from ignition.checkpoints.packaged import PACKAGED_MODELS
-    from ignition.checkpoints.safetensors_dir import files_sha256, safetensors_files
-
     if spec in PACKAGED_MODELS:
         model = PACKAGED_MODELS[spec]
         return Source(model.name, model.sha256)
@@ -145,7 +117,7 @@ def identify(spec: str) -> Source | None:
     return None
 
 
-def entry_key(source: Source, page_tokens: int, graph_file: str = GRAPH_NAME) -> str:
+def entry_key(source: Source, page_tokens: int) -> str:
     inputs = {
         "entry_format": ENTRY_FORMAT,
         "checkpoint_sha256": source.sha256,
@@ -153,7 +125,7 @@ def entry_key(source: Source, page_tokens: int, graph_file: str = GRAPH_NAME) ->
         "exporter": exporter_version(),
         "toolchain": toolchain(),
         "page_tokens": page_tokens,
-        "graph_file": graph_file,
+        "graph_file": STEP_GRAPH_FILE,
     }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
@@ -211,8 +183,6 @@ class CachedReference:
             self.rows = {int(n): row for n, row in zip(data["lengths"], data["last_rows"])}
 
     def reference(self, tokens: Any) -> Any:
-        import torch
-
         ids = [int(t) for t in tokens.reshape(-1).tolist()]
         n = len(ids)
         if n not in self.rows or ids != self.tokens[:n]:
@@ -220,6 +190,99 @@ class CachedReference:
         if n == len(self.tokens):
             return torch.from_numpy(self.final.copy())
         return torch.from_numpy(np.concatenate([self.final[: n - 1], self.rows[n][None]]))
+
+
+# -- around the stages it can skip -------------------------------------------------------------
+
+Stage = Callable[[ExportState], None]
+
+
+class CachedStages:
+    """The export cache around read, convert and trace (a context manager: leaving it discards
+    an uncommitted entry).
+
+    A hit runs none of them: it restores the checkpoint (without tensors), the fp32 step graph
+    and the recorded reference. A miss runs them, tracing into a staging folder, and records the
+    reference's logits while validate runs; commit() then turns the folder into an entry. With
+    the cache off, or a spec that cannot be identified cheaply, the stages just run.
+    """
+
+    def __init__(self, state: ExportState) -> None:
+        self.state = state
+        self.cache = ExportCache() if state.options.cache else None
+        self.staging: Staging | None = None
+        self.seconds: dict[str, float] = {}  # of read/convert/trace on a miss, kept in the entry
+
+    def __enter__(self) -> CachedStages:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        if self.staging is not None:
+            self.staging.discard()
+
+    def run(self, read: Stage, convert: Stage, trace: Stage) -> None:
+        state, spec = self.state, self.state.options.checkpoint
+        source = key = entry = None
+        if self.cache is not None:
+            state.progress("read", f"looking up {spec} in the export cache")
+            source = identify(spec)
+            key = entry_key(source, state.recipe.limits.page_tokens) if source else None
+            entry = self.cache.lookup(key) if key else None
+        if entry is not None:
+            assert source is not None
+            self._restore(entry, source)
+            return
+        self.seconds["read"] = _timed(read, state)
+        if self.cache is not None and key is not None and source is not None:
+            self._stage(key, source)
+        self.seconds["convert"] = _timed(convert, state)
+        self.seconds["export"] = _timed(trace, state)  # keyed by the stage names the CLI shows
+        if self.staging is not None:
+            state.reference = RecordingReference(state.reference)
+
+    def commit(self) -> None:
+        """Keep a fresh export's read/convert/trace results (a failure here never fails the export)."""
+        if self.staging is None:
+            return
+        state = self.state
+        assert state.checkpoint is not None and state.fp32_engine is not None
+        recorder = state.reference if isinstance(state.reference, RecordingReference) else None
+        try:
+            self.staging.commit(state.checkpoint, state.fp32_engine, self.seconds, recorder)
+        except OSError:
+            self.staging.discard()
+
+    def _restore(self, entry: Entry, source: Source) -> None:
+        state = self.state
+        state.progress("read", f"export cache hit {entry.key[:12]}: converted checkpoint, nothing read")
+        state.checkpoint = entry.checkpoint(source)
+        state.progress(
+            "convert", f"skipped: cached (read+convert+export took {entry.saved_seconds:.1f}s when it was cached)"
+        )
+        state.reference = entry.reference()
+        state.progress("export", f"skipped: cached fp32 step graph {entry.key[:12]}")
+        state.fp32_engine, state.fp32_graph = entry.engine(), entry.graph
+        state.kv, state.state_layout = cache_layouts(state.recipe, state.checkpoint)
+
+    def _stage(self, key: str, source: Source) -> None:
+        """Trace into a new entry, if the checkpoint read is the one the key was derived from."""
+        assert self.cache is not None and self.state.checkpoint is not None
+        checkpoint = self.state.checkpoint
+        if (source.checkpoint_id, source.sha256) != (checkpoint.checkpoint_id, checkpoint.sha256):
+            return
+        try:
+            self.staging = self.cache.stage(key)
+        except OSError:  # an unwritable cache only costs the reuse
+            return
+        self.state.fp32_dir = self.staging.path
+
+
+def _timed(stage: Stage, state: ExportState) -> float:
+    started = time.monotonic()
+    stage(state)
+    return time.monotonic() - started
 
 
 # -- entries -----------------------------------------------------------------------------------
@@ -233,7 +296,7 @@ class Entry:
 
     @property
     def graph(self) -> Path:
-        return self.path / GRAPH_NAME
+        return self.path / STEP_GRAPH_FILE
 
     @property
     def saved_seconds(self) -> float:

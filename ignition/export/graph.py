@@ -31,6 +31,10 @@ STATE_OUTPUT_NAMES = ["new_state"]
 # Explicit logprob ids one step can score per row (api.md: at most 128 caller ids + the sampled one).
 MAX_LOGPROB_TOKEN_IDS = 129
 OPSET = 18
+STEP_GRAPH_FILE = "step.onnx"  # in a core and in an export cache entry
+# Graph metadata the exporter adds that is not part of the model: source file paths and line
+# numbers (they differ between checkouts and virtual environments of the same code).
+STRIPPED_METADATA = ("pkg.torch.onnx.stack_trace",)
 
 
 def step_signature(
@@ -89,7 +93,7 @@ def export_step_graph(
     arch: Architecture,
     kv_layout: KVLayout,
     out_dir: Path,
-    file_name: str = "step.onnx",
+    file_name: str = STEP_GRAPH_FILE,
     fused: bool = True,
     state: StateLayout | None = None,
 ) -> Engine:
@@ -196,3 +200,41 @@ def save_with_external_data(proto: onnx.ModelProto, path: Path, data_name: str) 
         location=data_name,
         size_threshold=1024,
     )
+
+
+def canonicalize_graph(path: Path) -> None:
+    """Strip metadata that records where the exporter ran, not what it built (see
+    STRIPPED_METADATA), rewriting only the graph file: the weights file is untouched."""
+    model = onnx.load(str(path), load_external_data=False)
+    changed = False
+
+    def strip(props) -> None:  # noqa: ANN001
+        nonlocal changed
+        keep = [p for p in props if p.key not in STRIPPED_METADATA]
+        if len(keep) != len(props):
+            kept = [(p.key, p.value) for p in keep]
+            del props[:]
+            for k, v in kept:
+                props.add(key=k, value=v)
+            changed = True
+
+    def walk(graph: onnx.GraphProto) -> None:
+        strip(graph.metadata_props)
+        for value in (*graph.input, *graph.output, *graph.value_info, *graph.initializer):
+            strip(value.metadata_props)
+        for node in graph.node:
+            strip(node.metadata_props)
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    walk(attr.g)
+                for sub in attr.graphs:
+                    walk(sub)
+
+    strip(model.metadata_props)
+    walk(model.graph)
+    for function in model.functions:
+        strip(function.metadata_props)
+        for node in function.node:
+            strip(node.metadata_props)
+    if changed:
+        path.write_bytes(model.SerializeToString())

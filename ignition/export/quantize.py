@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
+from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
 from helios.kernels import DOMAIN
 from helios.kernels.int4_layout import OP, to_int4_tiles
@@ -171,8 +172,6 @@ def _matmul_nbits(
     op_types: tuple[str, ...],
     block: int,
 ) -> None:
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
     # The quantizer logs one line per node at INFO, and warns that a 4-bit Gather lifts the
     # opset to 21 (onnxruntime runs the result; validation checks it).
     logging.getLogger("onnxruntime.quantization").setLevel(logging.ERROR)

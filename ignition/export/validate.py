@@ -42,10 +42,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer
 
 from helios.engine.runner import Runner, StepRow
 from helios.manifest import MANIFEST_NAME, KVLayout, Manifest, Parity, StateLayout
+from ignition.checkpoints.base import Checkpoint
 from ignition.models import DecoderLM
+
+# What export validates on (repeated to MIN_TOKENS) and `ignition verify` smoke-runs.
+VALIDATION_PROMPT = (
+    "<|im_start|>user\nWrite a Python function that returns the sum of a list.<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
 
 
 class ParityError(RuntimeError):
@@ -116,6 +124,13 @@ def validate(
             f"{len(prompt)}-token prompt + {decode_steps} decode steps"
         )
     return parity
+
+
+def validation_prompt(tokenizer_file: Path, checkpoint: Checkpoint) -> list[int]:
+    """VALIDATION_PROMPT's ids under the core's tokenizer, leaving out ids past the model's vocabulary."""
+    ids = Tokenizer.from_file(str(tokenizer_file)).encode(VALIDATION_PROMPT, add_special_tokens=False).ids
+    vocab = checkpoint.architecture.vocab_size
+    return [i for i in ids if i < vocab]
 
 
 def _kl(ref_logits: np.ndarray, engine_logits: np.ndarray) -> np.ndarray:

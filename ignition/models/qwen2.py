@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from helios.manifest import Architecture
-from ignition.models.common import DecoderLM
+from ignition.models.decoder import DecoderLM
 
 
 class Qwen2ForCausalLM(DecoderLM):
+    family = "qwen2"  # the checkpoint readers name it directly (no model_type mapping)
+
     def __init__(self, arch: Architecture) -> None:
         if not arch.attention_bias:
             raise ValueError("qwen2 checkpoints carry q/k/v biases (attention_bias must be true)")

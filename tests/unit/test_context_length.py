@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from helios.manifest import Manifest
-from ignition.export.pipeline import ExportError, ExportOptions, export_core, serving_context
+from ignition.export.manifest import serving_context
+from ignition.export.pipeline import ExportError, ExportOptions, export_core
 from ignition.recipes import load_recipe
 
 

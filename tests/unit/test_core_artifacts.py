@@ -147,9 +147,9 @@ def test_exports_are_byte_identical_with_and_without_the_cache(
     def forbidden(*args, **kwargs):
         raise AssertionError("a cache hit repeated work it should have skipped")
 
-    monkeypatch.setattr("ignition.checkpoints.load.load_checkpoint", forbidden)
-    monkeypatch.setattr("ignition.models.build_model", forbidden)
-    monkeypatch.setattr("ignition.export.graph.export_step_graph", forbidden)
+    monkeypatch.setattr("ignition.export.stages.load_checkpoint", forbidden)
+    monkeypatch.setattr("ignition.export.stages.build_model", forbidden)
+    monkeypatch.setattr("ignition.export.stages.export_step_graph", forbidden)
     hit, hit_events = export(tiny_checkpoint_dir, tmp_path / "hit", prompt_logprobs=True)
     assert "export cache hit" in stage_details(hit_events, "read")
     assert "skipped" in stage_details(hit_events, "convert")
@@ -261,7 +261,7 @@ def test_failed_export_leaves_nothing(tiny_checkpoint_dir, cached_export, flare_
     def explode(*args, **kwargs):
         raise failure
 
-    monkeypatch.setattr("ignition.export.validate.validate", explode)
+    monkeypatch.setattr("ignition.export.stages.validate", explode)
     parent = tmp_path / "cores"
     with pytest.raises(type(failure)):
         export(tiny_checkpoint_dir, parent / "core")
@@ -276,7 +276,7 @@ def test_parity_failure_is_an_export_error_and_leaves_nothing(
     def disagree(*args, **kwargs):
         raise ParityError("int4 engine disagrees with the torch reference")
 
-    monkeypatch.setattr("ignition.export.validate.validate", disagree)
+    monkeypatch.setattr("ignition.export.stages.validate", disagree)
     with pytest.raises(ExportError, match="disagrees"):
         export(tiny_checkpoint_dir, tmp_path / "core")
     assert list(tmp_path.iterdir()) == []

@@ -236,6 +236,14 @@ def test_deepseek_reasoning_effort_scores(family_env, recipe):
                             json={"model": manifest.model_id, "max_tokens": 2, "output_config": {"effort": 80},
                                   "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
         assert effort.status_code == 400 and effort.json()["type"] == "error", effort.text
+        # The native encoder's refusals travel in the manifest; helios answers them before rendering.
+        assert manifest.template.rejects == ["drop_thinking", "continuation", "add_generation_prompt_false"]
+        user = [{"role": "user", "content": "hi"}]
+        for extra in ({"chat_template_kwargs": {"drop_thinking": False}}, {"add_generation_prompt": False},
+                      {"messages": [*user, {"role": "assistant", "content": "par"}]}):
+            response = chat(**extra)
+            assert response.status_code == 400 and "this model core's encoder" in response.json()["error"]["message"]
+        assert not server.engine.prompt.endswith("par")  # none of them was rendered or submitted
     finally:
         server.stop()
 
@@ -244,7 +252,7 @@ def test_deepseek_reasoning_effort_scores(family_env, recipe):
 def test_exporter_refuses_families_it_cannot_compile(tmp_path, recipe, monkeypatch):
     family = load_recipe(recipe).family
     if not PLANNED:  # every seed family compiles now: the refusal path, for a family marked planned
-        from ignition.models.families import PLANNED as planned
+        from ignition.models import PLANNED as planned
 
         monkeypatch.setitem(planned, family, "a feature the exporter lacks")
     out = tmp_path / "core"
@@ -366,7 +374,9 @@ def test_nemotron_h_plan_and_both_checkpoint_layouts():
     layers carry state, the MLP/MoE layers neither); the loader takes save_pretrained's layout
     (`backbone.*`, per-expert tensors) and transformers' module names (`model.*`, stacked experts),
     and keeps `mtp.*` aside."""
-    from ignition.models.families import architecture, build_configured, cache_layout, plan_nemotron_h
+    from ignition.models import architecture, cache_layout
+    from ignition.models import build_model as build_configured
+    from ignition.models.nemotron_h import plan_nemotron_h
 
     reference = build_reference_model("nemotron_h")
     config = json.loads(reference.config.to_json_string())
@@ -428,7 +438,7 @@ def test_prompt_scoring_is_refused_where_logits_are_post_processed(tmp_path, mon
     """Gemma 4 soft-caps its logits after the lm_head; a score graph of the bare lm_head would
     report other numbers than generation, so --prompt-logprobs must be refused, clearly, and
     before any heavy work (no tensor is read)."""
-    import ignition.checkpoints.load
+    import ignition.export.stages
     from ignition.export.pipeline import ExportError, ExportOptions, export_core
 
     checkpoint, _ = write_family_checkpoint(tmp_path / "ckpt", "gemma4")
@@ -438,7 +448,7 @@ def test_prompt_scoring_is_refused_where_logits_are_post_processed(tmp_path, mon
     def no_reading(spec):  # noqa: ANN001, ANN202
         raise AssertionError("the checkpoint's tensors were read before --prompt-logprobs was refused")
 
-    monkeypatch.setattr(ignition.checkpoints.load, "load_checkpoint", no_reading)
+    monkeypatch.setattr(ignition.export.stages, "load_checkpoint", no_reading)
     with pytest.raises(ExportError, match="--prompt-logprobs is not supported for this family .*soft-caps"):
         export_core(options)
     assert not (tmp_path / "core").exists()

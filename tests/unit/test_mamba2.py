@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache, NemotronHConfig
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
 
-from ignition.models.mamba2 import Mamba2Mixer, load_mamba2
+from ignition.models.blocks.mamba2 import Mamba2Mixer, load_mamba2
 from ignition.models.nemotron_h import layer_kinds, mamba2_spec
 
 PREFIX = "backbone.layers.0.mixer."

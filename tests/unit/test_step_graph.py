@@ -16,7 +16,7 @@ from helios.engine.runner import Runner, StepRow, pack_rows, scatter_new_kv
 from helios.manifest import Architecture, KVLayout
 from ignition.checkpoints.base import Checkpoint
 from ignition.export.graph import INPUT_NAMES, export_step_graph
-from ignition.export.pipeline import decode_weight_bytes
+from ignition.export.manifest import decode_weight_bytes
 from ignition.export.quantize import quantize
 from ignition.export.validate import TOLERANCES, ParityError, validate
 from ignition.models import build_model

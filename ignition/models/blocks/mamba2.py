@@ -1,4 +1,4 @@
-"""The Mamba-2 mixer (Nemotron-H's "M" layers) as a recurrent mixer of the step graph.
+"""The Mamba-2 mixer as a recurrent mixer of the step graph.
 
 Contract (shared by every recurrent mixer):
 
@@ -20,7 +20,7 @@ G = n_groups, N = d_state, conv_dim = I + 2 * G * N):
 
     state_size = (K - 1) * conv_dim + heads * head_dim * N
 
-Math (transformers' NemotronHMamba2Mixer, torch path): in_proj -> z [I], xBC [conv_dim],
+Math (transformers' hybrid Mamba-2 mixer, torch path): in_proj -> z [I], xBC [conv_dim],
 dt [heads]; xBC = silu(causal depthwise conv1d(xBC)); dt = max(softplus(dt + dt_bias),
 time_step_min); per head h_t = exp(dt * A) h_{t-1} + dt * x_t B_t^T with A = -exp(A_log);
 y_t = C_t h_t + D x_t; y = rms_norm_grouped(y * silu(z)) * norm.weight (gate applied *before*

@@ -29,6 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch._higher_order_ops.scan import scan
 
+from ignition.models.blocks.loading import TensorLoader
+from ignition.models.blocks.mamba2 import Mamba2Mixer, Mamba2Spec
+from ignition.models.blocks.norms import RMSNorm
+
 
 class RecurrentMixer(nn.Module):
     """Base class of the recurrent mixers ConfiguredLM drives (see the module docstring)."""
@@ -100,24 +104,11 @@ def gated_delta_rule(
     return out.transpose(0, 1), final
 
 
-class GatedRMSNorm(nn.Module):
-    """Qwen3.5's gated output norm: weight * rms_norm(x) * silu(gate)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x * F.silu(gate)
-
-
 class GatedDeltaNet(RecurrentMixer):
-    """Qwen3.5 gated DeltaNet (transformers Qwen3_5GatedDeltaNet): in_proj_qkv -> causal depthwise
+    """Gated DeltaNet (as transformers' hybrid linear-attention decoders write it): in_proj_qkv -> causal depthwise
     conv1d (kernel K, SiLU) -> q, k, v heads; beta = sigmoid(in_proj_b); g = -exp(A_log) *
     softplus(in_proj_a + dt_bias); L2-normalised q/k (q scaled by dk^-0.5), each k head serving
-    H_v / H_k value heads; the gated delta rule; gated RMSNorm with in_proj_z; out_proj.
+    H_v / H_k value heads; the gated delta rule; norm(o) * silu(in_proj_z(x)); out_proj.
 
     State per sequence: the conv state [K-1, conv_dim], then the recurrent state [H_v, dk, dv]."""
 
@@ -138,7 +129,7 @@ class GatedDeltaNet(RecurrentMixer):
         self.conv_weight = nn.Parameter(torch.zeros(self.conv_dim, kernel))
         self.dt_bias = nn.Parameter(torch.ones(value_heads))
         self.A_log = nn.Parameter(torch.zeros(value_heads))
-        self.norm = GatedRMSNorm(value_dim, eps)
+        self.norm = RMSNorm(value_dim, eps)
         self.out_proj = nn.Linear(value_heads * value_dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, state: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,9 +153,18 @@ class GatedDeltaNet(RecurrentMixer):
         g = -torch.exp(self.A_log) * F.softplus(self.in_proj_a(x) + self.dt_bias)
         out, recurrent = gated_delta_rule(q, k, v, g, beta, recurrent, valid)
         z = self.in_proj_z(x).reshape(batch, length, hv, dv)
-        out = self.norm(out, z).reshape(batch, length, hv * dv)
+        out = (self.norm(out) * F.silu(z)).reshape(batch, length, hv * dv)
         new_state = torch.cat([new_conv.reshape(batch, -1), recurrent.reshape(batch, -1)], dim=-1)
         return self.out_proj(out), new_state
+
+    def load(self, loader: TensorLoader, prefix: str) -> None:
+        for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+            loader.linear(getattr(self, name), prefix + name)
+        conv = loader.take(prefix + "conv1d.weight").reshape(self.conv_dim, self.kernel).contiguous()
+        loader.put(self, "conv_weight", conv)
+        loader.put(self, "dt_bias", loader.take(prefix + "dt_bias"))
+        loader.put(self, "A_log", loader.take(prefix + "A_log"))
+        loader.norm(self.norm, prefix + "norm")
 
 
 @dataclass(frozen=True)
@@ -189,15 +189,11 @@ def _deltanet_state(plan: Any, hidden: int) -> int:
 
 
 def _mamba2(plan: Any, hidden: int, eps: float) -> RecurrentMixer:
-    """Nemotron-H's Mamba-2 mixer (ignition/models/mamba2.py); plan.mixer holds its Mamba2Spec fields."""
-    from ignition.models.mamba2 import Mamba2Mixer, Mamba2Spec
-
+    """The Mamba-2 mixer (mamba2.py); plan.mixer holds its Mamba2Spec fields."""
     return Mamba2Mixer(Mamba2Spec(**plan.mixer))
 
 
 def _mamba2_state(plan: Any, hidden: int) -> int:
-    from ignition.models.mamba2 import Mamba2Spec
-
     return Mamba2Spec(**plan.mixer).state_size
 
 

@@ -1,0 +1,128 @@
+"""The export stages, each a function of the ExportState (state.py) that reads what earlier
+stages set and sets its own part; pipeline.py runs them in order:
+
+    read -> convert -> trace -> quantize -> score -> validate -> write
+
+The export cache (cache.py) stands in for read, convert and trace on a hit; between score and
+validate the pipeline assembles the manifest (manifest.py). Progress is reported under the
+CLI's stage names (pipeline.STAGES): trace and score as "export".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+from ignition.checkpoints.load import load_checkpoint
+from ignition.export.cache import CachedReference, ReferenceMiss
+from ignition.export.graph import canonicalize_graph, export_step_graph
+from ignition.export.manifest import cache_layouts
+from ignition.export.output import publish
+from ignition.export.quantize import quantize, quantize_score
+from ignition.export.score import export_score_graph, lm_head_from_step_graph
+from ignition.export.state import ExportError, ExportState
+from ignition.export.validate import validate, validate_scores, validation_prompt
+from ignition.models import build_model
+
+SCORE_SCRATCH_DIR = "score-fp32"  # in the work folder: the fp32 score graph before quantization
+
+
+def read_checkpoint(state: ExportState) -> None:
+    state.progress("read", f"reading {state.options.checkpoint}")
+    state.checkpoint = load_checkpoint(state.options.checkpoint)
+
+
+def convert_model(state: ExportState) -> None:
+    checkpoint = state.checkpoint
+    assert checkpoint is not None
+    state.progress("convert", f"building {state.recipe.family} model ({checkpoint.architecture.num_layers} layers)")
+    state.model = build_model(*checkpoint.model_inputs())
+    state.reference = state.model  # validation compares the engine with this very model
+
+
+def trace_step_graph(state: ExportState) -> None:
+    """The fp32 step graph, into state.fp32_dir (a cache staging folder, or scratch)."""
+    checkpoint, model = state.checkpoint, state.model
+    assert checkpoint is not None and model is not None
+    cache_off = state.fp32_dir == state.scratch_dir
+    state.progress("export", "tracing the step graph to ONNX" + (" (export cache off)" if cache_off else ""))
+    state.kv, state.state_layout = cache_layouts(state.recipe, checkpoint)
+    engine = export_step_graph(model, checkpoint.architecture, state.kv, state.fp32_dir, state=state.state_layout)
+    state.fp32_engine, state.fp32_graph = engine, state.fp32_dir / engine.file
+
+
+def quantize_step_graph(state: ExportState) -> None:
+    """The core's step engine: the fp32 step graph at the requested precision."""
+    precision, fp32_engine, fp32_graph = state.options.precision, state.fp32_engine, state.fp32_graph
+    assert fp32_engine is not None and fp32_graph is not None
+    state.progress("quantize", f"quantizing to {precision}")
+    core = state.core_dir
+    core.mkdir()
+    quantize(fp32_graph, core / fp32_engine.file, precision)
+    canonicalize_graph(core / fp32_engine.file)
+    data_files = sorted(p.name for p in core.iterdir() if p.name != fp32_engine.file)
+    state.engines = [dataclasses.replace(fp32_engine, data_files=data_files)]
+
+
+def add_score_graph(state: ExportState) -> None:
+    """With --prompt-logprobs: the prompt-scoring engine, from the fp32 step graph's lm_head,
+    quantized like it."""
+    if not state.options.prompt_logprobs:
+        return
+    assert state.fp32_graph is not None and state.checkpoint is not None
+    state.progress("export", "building the prompt-scoring graph (--prompt-logprobs)")
+    try:
+        head = lm_head_from_step_graph(state.fp32_graph)
+    except ValueError as exc:
+        # e.g. Gemma 4 / Muse Spark soft-cap their logits after the lm_head: the score graph
+        # would report other numbers than the step graph, so it is refused rather than wrong.
+        raise ExportError(f"--prompt-logprobs is not supported for this family yet: {exc}") from None
+    fp32_dir, core = state.work / SCORE_SCRATCH_DIR, state.core_dir
+    score = export_score_graph(head, state.checkpoint.architecture, fp32_dir)
+    quantize_score(fp32_dir / score.file, core / score.file, state.options.precision)
+    canonicalize_graph(core / score.file)
+    score.data_files = [score.file + ".data"]
+    shutil.rmtree(fp32_dir)
+    state.engines.append(score)
+
+
+def free_scratch(state: ExportState) -> None:
+    """Delete the scratch fp32 step graph once quantize and score have read it: the disk is
+    better spent on validation (a 0.5B model's fp32 graph is ~2 GB)."""
+    if state.scratch_dir.exists():
+        shutil.rmtree(state.scratch_dir)
+
+
+def validate_engines(state: ExportState) -> None:
+    """The engines' parity with the reference, recorded in the manifest; raises ParityError."""
+    checkpoint, manifest, kv = state.checkpoint, state.manifest, state.kv
+    assert checkpoint is not None and manifest is not None and kv is not None
+    cached = isinstance(state.reference, CachedReference)
+    reference = "cached torch reference" if cached else "torch reference"
+    state.progress("validate", f"comparing engine logits with the {reference}")
+    core, precision = state.core_dir, state.options.precision
+    step_graph = core / state.engines[0].file
+    prompt_ids = validation_prompt(core / manifest.tokenizer.file, checkpoint)
+    try:
+        if state.reference is None:
+            raise ReferenceMiss("the cache entry has no reference logits")
+        parity = validate(step_graph, state.reference, kv, prompt_ids, precision=precision, state=state.state_layout)
+    except ReferenceMiss:
+        # Only a cache hit gets here: rebuild the reference from the checkpoint itself.
+        state.progress("validate", "cached reference does not apply: reading the checkpoint for the reference")
+        model = build_model(*load_checkpoint(state.options.checkpoint).model_inputs())
+        parity = validate(step_graph, model, kv, prompt_ids, precision=precision, state=state.state_layout)
+    if state.options.prompt_logprobs:
+        state.progress("validate", "checking prompt scores against the step graph's logprobs")
+        validate_scores(step_graph, core / state.engines[1].file, kv, prompt_ids, state=state.state_layout)
+    manifest.parity = parity
+
+
+def write_core(state: ExportState) -> None:
+    manifest, out = state.manifest, Path(state.options.out)
+    assert manifest is not None
+    state.progress("write", f"writing {out}")
+    manifest.seal(state.core_dir)
+    manifest.save(state.core_dir)  # last: until now the folder had no core.json
+    publish(state.core_dir, out, state.options.force)

@@ -1,0 +1,82 @@
+"""What every family's model class is: a step-graph module (docs/architecture.md) that also
+answers, as class methods, what the exporter asks of its family before any tensor is read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from helios.manifest import Architecture, StateLayout
+
+TOP_K = 20  # natural alternatives the step graph returns (manifest Logprobs.max_top_logprobs)
+
+
+class FamilyError(ValueError):
+    pass
+
+
+def logprob_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw-distribution statistics of logits [N, V] in fp32: (log-softmax [N, V], logsumexp [N],
+    the TOP_K best logprobs [N, K] (decreasing; ONNX TopK breaks ties by lower id) and their ids).
+    Shared by the step graph and the prompt-scoring head so both report identical numbers."""
+    # onnxruntime's LogSoftmax is vectorized; its ReduceLogSumExp over a 152k vocabulary is
+    # ~6x slower. logsumexp = max logit - max logprob (both at the top-1 id): exact to fp32.
+    logprobs = torch.log_softmax(logits, dim=-1)
+    top_logprobs, top_ids = torch.topk(logprobs, TOP_K, dim=-1)
+    lse = torch.gather(logits, 1, top_ids[:, :1]).squeeze(1) - top_logprobs[:, 0]
+    return logprobs, lse, top_logprobs, top_ids
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's config: a multimodal wrapper's `text_config`, else the config itself."""
+    inner = config.get("text_config")
+    return inner if isinstance(inner, dict) and inner else config
+
+
+class StepModel(nn.Module):
+    """Base of every family's model class. `family` is the flare family name, `model_types` the
+    Hugging Face model_type values compiled as it (multimodal wrappers compile their text model)."""
+
+    family: str = ""
+    model_types: tuple[str, ...] = ()
+    arch: Architecture
+    lm_head: nn.Linear
+
+    @classmethod
+    def architecture(cls, config: dict[str, Any]) -> Architecture:
+        """The manifest Architecture of a checkpoint's config.json."""
+        raise NotImplementedError(f"the checkpoint readers derive the {cls.family} architecture")
+
+    @classmethod
+    def cache_layout(cls, config: dict[str, Any], num_layers: int) -> tuple[int, StateLayout | None]:
+        """(layers with K/V rows in the pool, the recurrent state layout or None)."""
+        return num_layers, None
+
+    @classmethod
+    def logit_postprocessing(cls, config: dict[str, Any]) -> str | None:
+        """What the family does to its logits after the lm_head (None: nothing)."""
+        return None
+
+    @classmethod
+    def build(cls, arch: Architecture, config: dict[str, Any], tensors: dict[str, np.ndarray]) -> StepModel:
+        """A float32 eval-mode model holding the checkpoint's weights."""
+        raise NotImplementedError
+
+    def logits_of(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h)
+
+    def step_outputs(
+        self, normed: torch.Tensor, query_lens: torch.Tensor, logprob_token_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """(logits [B, V], logsumexp [B], top_logprobs [B, K], top_ids [B, K], token_logprobs [B, E])
+        of each row's last valid token of the final-normed hidden states [B, L, H]."""
+        hidden = normed.shape[-1]
+        last = (query_lens - 1).view(-1, 1, 1).expand(-1, 1, hidden)
+        logits = self.logits_of(torch.gather(normed, 1, last).squeeze(1))
+        logprobs, lse, top_logprobs, top_ids = logprob_stats(logits)
+        # Explicit ids: gathered from the full-vocabulary log-softmax (api.md logprob_token_ids).
+        token_logprobs = torch.gather(logprobs, 1, logprob_token_ids)
+        return logits, lse, top_logprobs, top_ids, token_logprobs

@@ -1,0 +1,266 @@
+"""Attention over the paged pool in plain torch ops: the per-step state every layer shares, causal
+attention over history ++ new tokens, grouped-query attention (GQA) and absorbed multi-head
+latent attention (MLA). Families subclass GQAttention / MLAttention for what only they need
+(their hooks: `queries`, `keys_values`, `select`, `gate_output`)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+from torch import nn
+
+from ignition.models.blocks.loading import TensorLoader
+from ignition.models.blocks.norms import RMSNorm
+from ignition.models.blocks.rotary import inv_freq, rotate, rotate_leading
+from ignition.models.plans import LayerPlan
+
+
+def layer_inv_freq(plan: LayerPlan) -> torch.Tensor:
+    """Rotary frequencies of a layer (computed, never loaded)."""
+    return inv_freq(plan.rope_kind, plan.rotary_dim, plan.rope_theta, plan.rope_partial, plan.rope_yarn)
+
+
+class StepState:
+    """Per-step inputs every layer shares, with the rotary tables and visibility masks built once
+    per step (per rotary kind / window), not once per layer: fewer graph nodes, faster export.
+    `selection` carries a sparse-attention key selection from the layer that computed it to the
+    later layers that reuse it."""
+
+    def __init__(self, positions: torch.Tensor, history_lens: torch.Tensor) -> None:
+        self.positions = positions
+        self.history_lens = history_lens
+        self.selection: torch.Tensor | None = None
+        self._cos_sin: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._visible: dict[int | None, torch.Tensor] = {}
+
+    def cos_sin(self, plan: LayerPlan, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (plan.rope_kind, plan.rotary_dim, plan.rope_theta, plan.rope_partial, plan.rope_yarn)
+        if key not in self._cos_sin:
+            freqs = self.positions.to(torch.float32).unsqueeze(-1) * inv_freq  # [B, L, rot/2]
+            cos, sin = freqs.cos().unsqueeze(2), freqs.sin().unsqueeze(2)
+            if plan.rope_attention != 1.0:  # YaRN's attention factor scales cos and sin
+                cos, sin = cos * plan.rope_attention, sin * plan.rope_attention
+            self._cos_sin[key] = cos, sin
+        return self._cos_sin[key]
+
+    def visible(self, hist: int, window: int | None) -> torch.Tensor:
+        """[B, L, S+L] bool: history slot j (position j) is visible to new token i iff
+        j < history_lens[b]; new key i' iff i' <= i; and, with a window, q - k < window."""
+        if window not in self._visible:
+            batch, length = self.positions.shape
+            hist_ok = torch.arange(hist).unsqueeze(0) < self.history_lens.unsqueeze(1)  # [B, S]
+            idx = torch.arange(length)
+            causal = (idx.unsqueeze(0) <= idx.unsqueeze(1)).unsqueeze(0).expand(batch, length, length)
+            visible = torch.cat([hist_ok.unsqueeze(1).expand(batch, length, hist), causal], dim=-1)
+            if window is not None:
+                key_pos = torch.cat([torch.arange(hist).unsqueeze(0).expand(batch, hist), self.positions], dim=1)
+                visible = visible & ((self.positions.unsqueeze(2) - key_pos.unsqueeze(1)) < window)
+            self._visible[window] = visible
+        return self._visible[window]
+
+
+def attend(
+    q: torch.Tensor,  # [B, L, H, Dk]
+    k: torch.Tensor,  # [B, L, G, Dk] new keys
+    v: torch.Tensor,  # [B, L, G, Dv]
+    past_k: torch.Tensor,  # [B, G, S, Dk] history (pool pages, in order)
+    past_v: torch.Tensor,  # [B, G, S, Dv]
+    visible: torch.Tensor,  # [B, L, S+L] bool (StepState.visible) or [B, G, rep, L, S+L]
+    scale: float,
+    sinks: torch.Tensor | None = None,  # [H]
+) -> torch.Tensor:
+    """Causal attention of each row's new tokens over its history and themselves -> [B, L, H, Dv].
+
+    Query head h uses KV head h // (H/G) (HF order). Padded query rows see at least new key 0
+    (themselves or earlier), so no row is all-masked."""
+    batch, length, heads, dim = q.shape
+    groups = k.shape[2]
+    rep = heads // groups
+    keys = torch.cat([past_k, k.transpose(1, 2)], dim=2)  # [B, G, S+L, Dk]
+    values = torch.cat([past_v, v.transpose(1, 2)], dim=2)
+    qg = q.reshape(batch, length, groups, rep, dim).permute(0, 2, 3, 1, 4)  # [B, G, rep, L, Dk]
+    scores = torch.matmul(qg, keys.unsqueeze(2).transpose(-1, -2)) * scale  # [B, G, rep, L, S+L]
+    mask = visible[:, None, None] if visible.dim() == 3 else visible
+    scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
+    if sinks is not None:
+        sink = sinks.reshape(1, groups, rep, 1, 1).expand(batch, groups, rep, length, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, values.unsqueeze(2))  # [B, G, rep, L, Dv]
+    return out.permute(0, 3, 1, 2, 4).reshape(batch, length, heads, values.shape[-1])
+
+
+class GQAttention(nn.Module):
+    """Grouped-query attention: optional per-head QK norms, partial rotary on the leading dims,
+    sliding window, sinks, a sigmoid output gate ("full": gate_proj per element, "head": g_proj
+    per head, "query": q_proj yields [query, gate] per head), and KV sharing (the layer reuses
+    `shared` = another layer's new keys and values, so it has no k/v projections)."""
+
+    def __init__(self, plan: LayerPlan, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.plan = plan
+        h, g = plan.num_heads, plan.num_kv_heads
+        shared = plan.kv_source is not None
+        width = 2 if plan.out_gate == "query" else 1
+        self.q_proj = nn.Linear(hidden, h * plan.head_dim * width, bias=plan.attention_bias)
+        if not shared:
+            self.k_proj = nn.Linear(hidden, g * plan.head_dim, bias=plan.attention_bias)
+            self.v_proj = nn.Linear(hidden, g * plan.v_head_dim, bias=plan.attention_bias)
+        self.o_proj = nn.Linear(h * plan.v_head_dim, hidden, bias=plan.attention_bias and plan.o_bias)
+        if plan.qk_norm:
+            self.q_norm = RMSNorm(plan.head_dim, eps, offset=plan.norm_offset)
+            if not shared:
+                self.k_norm = RMSNorm(plan.head_dim, eps, offset=plan.norm_offset)
+        if plan.out_gate == "full":
+            self.gate_proj = nn.Linear(hidden, h * plan.v_head_dim, bias=False)
+        elif plan.out_gate == "head":
+            self.g_proj = nn.Linear(hidden, h, bias=False)
+        if plan.sinks:
+            self.sinks = nn.Parameter(torch.zeros(h))
+        self.register_buffer("inv_freq", layer_inv_freq(plan), persistent=False)
+
+    def rotate(self, t: torch.Tensor, step: StepState) -> torch.Tensor:
+        if not self.plan.rotary_dim:
+            return t
+        return rotate_leading(t, step.cos_sin(self.plan, self.inv_freq), self.plan.rope_interleave)
+
+    def queries(self, x: torch.Tensor, step: StepState) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(normed, rotated queries [B, L, H, D], the "query" output gate [B, L, H*D] or None)."""
+        p = self.plan
+        batch, length, _ = x.shape
+        gate = None
+        if p.out_gate == "query":  # per head: head_dim query dims, then head_dim gate dims
+            q, gate = self.q_proj(x).reshape(batch, length, p.num_heads, 2 * p.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(batch, length, -1)
+        else:
+            q = self.q_proj(x).reshape(batch, length, p.num_heads, p.head_dim)
+        if p.qk_norm:
+            q = self.q_norm(q)
+        return self.rotate(q, step), gate
+
+    def keys_values(self, x: torch.Tensor, step: StepState) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new tokens' keys (normed, rotated) and values [B, L, G, D]."""
+        p = self.plan
+        batch, length, _ = x.shape
+        k = self.k_proj(x).reshape(batch, length, p.num_kv_heads, p.head_dim)
+        v = self.v_proj(x).reshape(batch, length, p.num_kv_heads, p.v_head_dim)
+        if p.qk_norm:
+            k = self.k_norm(k)
+        return self.rotate(k, step), v
+
+    def select(self, x, step, past_k, k, visible):  # noqa: ANN001, ANN201
+        """Sparse-attention hook: (the keys each query sees, the K rows to cache); all of them here."""
+        return visible, k
+
+    def gate_output(self, out: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """Attention output [B, L, H, Dv] -> gated [B, L, H*Dv]."""
+        if self.plan.out_gate == "head":
+            out = out * torch.sigmoid(self.g_proj(x)).unsqueeze(-1)
+        out = out.reshape(*x.shape[:2], -1)
+        if self.plan.out_gate == "full":
+            return out * torch.sigmoid(self.gate_proj(x))
+        return out if gate is None else out * torch.sigmoid(gate)
+
+    def forward(self, x, step, past_k, past_v, shared=None):  # noqa: ANN001, ANN201
+        p = self.plan
+        q, gate = self.queries(x, step)
+        k, v = shared if shared is not None else self.keys_values(x, step)
+        visible, cached_k = self.select(x, step, past_k, k, step.visible(past_k.shape[2], p.window))
+        past_k = past_k[:, : p.num_kv_heads, :, : p.head_dim]
+        past_v = past_v[:, : p.num_kv_heads, :, : p.v_head_dim]
+        scale = p.scale or 1.0 / math.sqrt(p.head_dim)
+        out = attend(q, k, v, past_k, past_v, visible, scale, self.sinks if p.sinks else None)
+        return self.o_proj(self.gate_output(out, x, gate)), cached_k, v
+
+    def load(self, loader: TensorLoader, prefix: str) -> None:
+        """`{prefix}{q,k,v,o}_proj`, `{q,k}_norm`, the output gate's projection and `sinks`. A
+        KV-shared layer has no k/v: checkpoints may still carry them, unused."""
+        plan = self.plan
+        loader.linear(self.q_proj, prefix + "q_proj")
+        if plan.qk_norm:
+            loader.norm(self.q_norm, prefix + "q_norm")
+        if plan.kv_source is None:
+            loader.linear(self.k_proj, prefix + "k_proj")
+            if hasattr(self, "v_proj"):
+                loader.linear(self.v_proj, prefix + "v_proj")
+            if plan.qk_norm:
+                loader.norm(self.k_norm, prefix + "k_norm")
+        else:
+            unused = re.compile(re.escape(prefix) + r"(k_proj|v_proj|k_norm|v_norm)\.")
+            loader.used.update(n for n in loader.tensors if unused.match(n))
+        if plan.out_gate == "full":
+            loader.linear(self.gate_proj, prefix + "gate_proj")
+        elif plan.out_gate == "head":
+            loader.linear(self.g_proj, prefix + "g_proj")
+        if plan.sinks:
+            loader.put(self, "sinks", loader.take(prefix + "sinks"))
+        loader.linear(self.o_proj, prefix + "o_proj")
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention, absorbed: scores and values in the latent space.
+
+    q_nope . k_nope = q_nope . (W_UK c) = (W_UK^T q_nope) . c, and o = W_UV (sum p c), so the
+    pool stores only c = kv_a_layernorm(latent) and the shared rotary key (as K = [c, k_pe],
+    V = [c]); the result equals the expanded form up to float rounding."""
+
+    def __init__(self, plan: LayerPlan, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.plan = plan
+        h, rope, nope, rank = plan.num_heads, plan.rotary_dim, plan.qk_nope_head_dim, plan.kv_lora_rank
+        if plan.q_lora_rank:
+            self.q_a_proj = nn.Linear(hidden, plan.q_lora_rank, bias=plan.attention_bias)
+            self.q_a_layernorm = RMSNorm(plan.q_lora_rank, eps)
+            self.q_b_proj = nn.Linear(plan.q_lora_rank, h * (nope + rope), bias=False)
+        else:
+            self.q_proj = nn.Linear(hidden, h * (nope + rope), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, rank + rope, bias=plan.attention_bias)
+        self.kv_a_layernorm = RMSNorm(rank, eps)
+        self.kv_b_proj = nn.Linear(rank, h * (nope + plan.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(h * plan.v_head_dim, hidden, bias=plan.attention_bias)
+        self.register_buffer("inv_freq", layer_inv_freq(plan), persistent=False)
+
+    def select(self, x, q_resid, cos_sin, past_v, visible, step, c):  # noqa: ANN001, ANN201
+        """Sparse-attention hook: (the keys each query sees, the V rows to cache); all of them and
+        the latent here."""
+        return visible, c
+
+    def forward(self, x, step, past_k, past_v, shared=None):  # noqa: ANN001, ANN201
+        p = self.plan
+        batch, length, _ = x.shape
+        h, rope, nope, rank = p.num_heads, p.rotary_dim, p.qk_nope_head_dim, p.kv_lora_rank
+        q_resid = self.q_a_layernorm(self.q_a_proj(x)) if p.q_lora_rank else None
+        q = self.q_b_proj(q_resid) if p.q_lora_rank else self.q_proj(x)
+        q = q.reshape(batch, length, h, nope + rope)
+        q_nope, q_pe = q.split([nope, rope], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([rank, rope], dim=-1)
+        c = self.kv_a_layernorm(latent).unsqueeze(2)  # [B, L, 1, rank]
+        cos_sin = step.cos_sin(p, self.inv_freq)
+        q_pe = rotate(q_pe, cos_sin, p.rope_interleave)
+        k_pe = rotate(k_pe.unsqueeze(2), cos_sin, p.rope_interleave)
+        w = self.kv_b_proj.weight.reshape(h, nope + p.v_head_dim, rank)
+        w_uk, w_uv = w[:, :nope], w[:, nope:]  # [h, nope, rank], [h, v, rank]
+        q_lat = torch.einsum("blhn,hnr->blhr", q_nope, w_uk)
+        query = torch.cat([q_lat, q_pe], dim=-1)
+        key = torch.cat([c, k_pe], dim=-1)  # [B, L, 1, rank+rope]
+        scale = p.scale or 1.0 / math.sqrt(nope + rope)
+        visible, value = self.select(x, q_resid, cos_sin, past_v, step.visible(past_k.shape[2], None), step, c)
+        past_k, past_v = past_k[:, :1, :, : rank + rope], past_v[:, :1, :, :rank]
+        out = attend(query, key, c, past_k, past_v, visible, scale)  # [B, L, h, rank]
+        out = torch.einsum("blhr,hvr->blhv", out, w_uv)
+        return self.o_proj(out.reshape(batch, length, -1)), key, value
+
+    def load(self, loader: TensorLoader, prefix: str) -> None:
+        if self.plan.q_lora_rank:
+            loader.linear(self.q_a_proj, prefix + "q_a_proj")
+            loader.norm(self.q_a_layernorm, prefix + "q_a_layernorm")
+            loader.linear(self.q_b_proj, prefix + "q_b_proj")
+        else:
+            loader.linear(self.q_proj, prefix + "q_proj")
+        loader.linear(self.kv_a_proj_with_mqa, prefix + "kv_a_proj_with_mqa")
+        loader.norm(self.kv_a_layernorm, prefix + "kv_a_layernorm")
+        loader.linear(self.kv_b_proj, prefix + "kv_b_proj")
+        loader.linear(self.o_proj, prefix + "o_proj")

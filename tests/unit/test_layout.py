@@ -1,0 +1,99 @@
+"""The house rules a reviewer can check with plain tools (docs/architecture.md, "Layers"):
+imports only run down the layers, no source file outgrows one reading, and shared model code
+names no family (a family lives in its own module under ignition/models)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from ignition.models import FAMILIES, MODEL_TYPES
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_LINES = 600
+
+# Lower layers first; a module may import its own layer and any layer before it.
+HELIOS_LAYERS = [
+    ("helios.manifest", "helios.cache", "helios.kernels"),
+    ("helios.engine",),
+    ("helios.frontend",),
+    ("helios.server",),  # transport: below the protocols, never importing them
+    ("helios.protocols",),
+    ("helios.app",),
+    ("helios.cli", "helios.dashboard", "helios.client_config", "helios.__main__"),
+]
+IGNITION_LAYERS = [
+    ("ignition.models",),  # torch modules over helios.manifest's Architecture
+    ("ignition.recipes", "ignition.checkpoints"),  # readers check families against the registry
+    ("ignition.export",),
+    ("ignition.inspect_core", "ignition.verify_core", "ignition.cli", "ignition.__main__"),
+]
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _layer(module: str, layers: list[tuple[str, ...]]) -> int | None:
+    if "." not in module:
+        return 0  # the package itself (its version)
+    for rank, names in enumerate(layers):
+        if any(module == n or module.startswith(n + ".") for n in names):
+            return rank
+    return None
+
+
+def _imports(path: Path) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+    return out
+
+
+def _sources(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package,layers", [("helios", HELIOS_LAYERS), ("ignition", IGNITION_LAYERS)])
+def test_imports_run_down_the_layers(package: str, layers: list[tuple[str, ...]]):
+    upward = []
+    for path in _sources(package):
+        own = _layer(_module(path), layers)
+        assert own is not None, f"{path.relative_to(ROOT)} belongs to no layer of {package}"
+        for imported in _imports(path):
+            target = _layer(imported, layers)
+            if target is not None and target > own:
+                upward.append(f"{path.relative_to(ROOT)} imports {imported}")
+    assert not upward, "imports running up the layers:\n" + "\n".join(sorted(set(upward)))
+
+
+def test_no_source_file_outgrows_one_reading():
+    long = [
+        f"{path.relative_to(ROOT)}: {n} lines"
+        for package in ("helios", "ignition")
+        for path in _sources(package)
+        if "kernels" not in path.parts and (n := len(path.read_text().splitlines())) > MAX_LINES
+    ]
+    assert not long, f"files over {MAX_LINES} lines:\n" + "\n".join(long)
+
+
+# Model-family brands (a family's registry name starts with one of them); shared model code names none.
+BRANDS = ("qwen", "llama", "deepseek", "glm", "mimo", "gemma", "step3", "muse", "minimax", "nemotron", "kimi")
+SHARED_MODEL_CODE = ("blocks", "base.py", "plans.py", "configured.py", "decoder.py", "ops.py")
+
+
+def test_shared_model_code_names_no_family():
+    families = set(FAMILIES) | set(MODEL_TYPES)
+    assert all(name.startswith(BRANDS) for name in families), "a family brand is missing from BRANDS"
+    models = ROOT / "ignition" / "models"
+    shared = [p for name in SHARED_MODEL_CODE for p in sorted((models / name).rglob("*.py") if name == "blocks"
+                                                             else [models / name])]
+    named = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for p in shared
+             for n, line in enumerate(p.read_text().splitlines(), 1) if any(b in line.lower() for b in BRANDS)]
+    assert not named, "shared model code naming a family:\n" + "\n".join(named)
