@@ -70,7 +70,7 @@ def step_signature(
 def sample_inputs(kv: KVLayout, state: StateLayout | None = None) -> tuple[torch.Tensor, ...]:
     """Trace inputs with pairwise-distinct sizes (B=2, L=3, M=4, P=5, E=7, S=6) so the exporter
     cannot mistake one dynamic dim for another or specialize a 0/1-sized one."""
-    batch, length, pages, pool_pages = 2, 3, 4, 5
+    batch, length, pool_pages = 2, 3, 5  # and M=4 block-table columns below
     history = torch.tensor([5, 17])
     positions = history.unsqueeze(1) + torch.arange(length)
     extra: tuple[torch.Tensor, ...] = ()
