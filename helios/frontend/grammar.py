@@ -27,7 +27,7 @@ import numpy as np
 
 from helios.engine.constraints import first_line, llg_tokenizer, parser_limits
 from helios.frontend.errors import RequestError
-from helios.frontend.parsers import JSON_CALL_SYNTAXES, TOOL_ENVELOPES
+from helios.frontend.parsers import JSON_CALL_SYNTAXES, TOOL_ENVELOPES, ToolEnvelope
 
 MAX_SOURCE_BYTES = 1 << 20
 # The admission probe: this many tokens deep, along at most this many paths.
@@ -106,42 +106,50 @@ def _lark_regex(pattern: str) -> str:
 
 @dataclass
 class Envelope:
-    """How the model writes a block of tool calls, for the grammar's `calls` alternative."""
+    """How the model writes a block of tool calls, for the grammar's `calls` alternative, over one
+    tokenizer: `special` maps the syntax's tags that are single special tokens there to their
+    ids (referenced as tokens: they are never bytes of a text lexeme)."""
 
-    open: str  # the opener's text
-    closers: tuple[str, ...]  # the first of these ends the block
-    open_special: bool  # one special token of this tokenizer (a Lark token reference, not bytes)
-    close_special: bool  # the one closer is such a token
+    syntax: ToolEnvelope
+    special: dict[str, int]
     json_calls: bool  # one JSON call object inside, its arguments checked by the tool's schema
     bare: bool  # the whole answer may be bare or ```json-fenced call objects (qwen25_coder_json)
 
-    def lark(self, text: str, special: bool) -> str:
-        return text if special else json.dumps(text)
+    def ref(self, text: str) -> str:
+        return f"<[{self.special[text]}]>" if text in self.special else json.dumps(text)
 
-    def block_rule(self) -> str:
-        """A markup syntax's block as one lexeme: the opener and closer texts (special tokens are
-        separate lexemes around it) and anything between that does not close it early. One
-        lexeme, because llguidance's lexer does not give back bytes a greedy body has taken."""
-        head = "" if self.open_special else _literal(self.open)
-        tail = "" if self.close_special else "(?:" + "|".join(_literal(c) for c in self.closers) + ")"
-        body = f"/(?s:{head}.*{tail})/"
-        if tail:
-            body += f" & ~/(?s:.*{tail}.+)/"
-        parts = [self.open if self.open_special else "", "BLOCK", self.closers[0] if self.close_special else ""]
-        return f"tagged: {' '.join(p for p in parts if p)}\nBLOCK: {body}"
+    def block_rules(self) -> list[str]:
+        """A markup block: its opener, then text and the syntax's special inner tags, then a
+        closer. Text that ends in a text closer is one lexeme (LAST), because llguidance's lexer
+        does not give back bytes a greedy text lexeme took; text before a special tag (MID) may
+        not contain a text closer."""
+        syntax = self.syntax
+        text_closers = [c for c in syntax.closers if c not in self.special]
+        token_closers = " | ".join(self.ref(c) for c in syntax.closers if c in self.special)
+        inner = " | ".join(self.ref(t) for t in syntax.inner if t in self.special and t not in syntax.closers)
+        rules = [f"tagged: {self.ref(syntax.opener)} body"]
+        if not text_closers:
+            items = "TEXT" + (f" | {inner}" if inner else "")
+            return rules + [f"body: ({items})* ({token_closers})", "TEXT: /(?s:.+)/"]
+        closer = "(?:" + "|".join(_literal(c) for c in text_closers) + ")"
+        ends = ["LAST"] + ([f"MID? ({token_closers})"] if token_closers else [])
+        loop = f"(MID? ({inner}))* " if inner else ""
+        return rules + [f"body: {loop}({' | '.join(ends)})", f"MID: /(?s:.+)/ & ~/(?s:.*{closer}.*)/",
+                        f"LAST: /(?s:.*{closer})/ & ~/(?s:.*{closer}.+)/"]
 
 
 def _literal(text: str) -> str:
     return re.escape(text).replace("/", "\\/")
 
 
-def envelope_for(tool_syntax: str | None, is_special: Callable[[str], bool]) -> Envelope | None:
-    """The tool-call envelope of a declared tool syntax (None without one)."""
-    if tool_syntax not in TOOL_ENVELOPES:
+def envelope_for(tool_syntax: str | None, special_id: Callable[[str], int | None]) -> Envelope | None:
+    """The tool-call envelope of a declared tool syntax over one tokenizer (None without one)."""
+    syntax = TOOL_ENVELOPES.get(tool_syntax or "")
+    if syntax is None:
         return None
-    opener, closers = TOOL_ENVELOPES[tool_syntax]
-    return Envelope(opener, closers, is_special(opener), len(closers) == 1 and is_special(closers[0]),
-                    tool_syntax in JSON_CALL_SYNTAXES, tool_syntax == "qwen25_coder_json")
+    tags = (syntax.opener, *syntax.closers, *syntax.inner)
+    special = {tag: token for tag in tags if (token := special_id(tag)) is not None}
+    return Envelope(syntax, special, tool_syntax in JSON_CALL_SYNTAXES, tool_syntax == "qwen25_coder_json")
 
 
 def call_schema(tools: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -178,12 +186,11 @@ def structured_grammar(fmt: OutputFormat, envelope: Envelope | None, tools: dict
         return json.dumps({"grammars": [{"lark_grammar": top}, answer]})
     if envelope.json_calls:
         call = json.dumps(_styled(call_schema(tools)))
-        opener, closer = envelope.lark(envelope.open, envelope.open_special), \
-            envelope.lark(envelope.closers[0], envelope.close_special)
-        tagged = f"tagged: {opener} \"\\n\" %json {call} \"\\n\" {closer}"
+        opener, closer = envelope.ref(envelope.syntax.opener), envelope.ref(envelope.syntax.closers[0])
+        rules = [f"tagged: {opener} \"\\n\" %json {call} \"\\n\" {closer}"]
     else:
-        tagged = envelope.block_rule()
-    rules = [tagged, 'calls: tagged ("\\n" tagged)*']
+        rules = envelope.block_rules()
+    rules.append('calls: tagged ("\\n" tagged)*')
     bare = envelope.bare and bare_calls
     alternatives = ["@answer", "calls"]
     if bare:
@@ -202,7 +209,7 @@ class Compiler:
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]):
         self._args = (tokenizer_json, vocab_size, list(eos_token_ids))
-        self._special: dict[str, bool] = {}
+        self._special: dict[str, int | None] = {}
         self._llg: Any = None
 
     @property
@@ -211,12 +218,12 @@ class Compiler:
             self._llg = llg_tokenizer(*self._args)
         return self._llg
 
-    def is_special(self, text: str) -> bool:
-        """Whether the grammar tokenizer knows `text` as one special token."""
+    def special_id(self, text: str) -> int | None:
+        """The id of `text` when the grammar tokenizer holds it as one special token."""
         if text not in self._special:
             tok = self.llg
             ids = tok.tokenize_str(text, parse_special=True)
-            self._special[text] = len(ids) == 1 and tok.is_special_token(ids[0])
+            self._special[text] = ids[0] if len(ids) == 1 and tok.is_special_token(ids[0]) else None
         return self._special[text]
 
     def validate(self, grammar: str, what: str, param: str) -> str:
@@ -268,7 +275,7 @@ class Compiler:
                        param: str, bare_calls: bool = True) -> str:
         """`tools`: the presented tools' parameter schemas by model-facing name."""
         _check_size(fmt.source, "output", param)
-        envelope = envelope_for(tool_syntax, self.is_special)
+        envelope = envelope_for(tool_syntax, self.special_id)
         if envelope is not None and tools:  # a usable call path must not hide an unusable answer
             self.validate(structured_grammar(fmt, None, {}), "output", param)
         return self.validate(structured_grammar(fmt, envelope, tools, bare_calls), "output", param)

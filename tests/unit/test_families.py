@@ -22,18 +22,23 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import llguidance
 import numpy as np
 import pytest
 import torch
 from typer.testing import CliRunner
 
+from helios.engine.constraints import parser_limits
 from helios.engine.runner import Runner, StepRow
+from helios.frontend.grammar import OutputFormat, compiler_for
+from helios.frontend.tokenizer import Tokenizer
 from helios.manifest import Manifest
 from ignition.cli import app
 from ignition.recipes import COMPILED_FAMILIES, PLANNED_FAMILIES, available_recipes, load_recipe
 from tests.conftest import REPO, Server
 from tests.unit.family_checkpoints import build_reference as build_reference_model
 from tests.unit.family_checkpoints import write_family_checkpoint
+from tests.unit.test_parsers import CALL_BLOCKS, SCHEMAS
 
 pytest.importorskip("transformers")
 
@@ -193,8 +198,24 @@ def test_helios_serves_a_chat_round_trip(family_env, recipe):
             timeout=60,
         )
         assert counted.status_code == 200, counted.text
+        # api.md: under an output constraint the family's tool-call envelope stays open. The
+        # served request is accepted, and the grammar it enforces (compiled over this core's own
+        # tokenizer) admits the answer and a call block its parser reads (tests/unit/test_parsers.py).
+        constrained = {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}}}
+        response = httpx.post(server.url + "/v1/chat/completions", json={"model": manifest.model_id, **constrained},
+                              timeout=120)
+        assert response.status_code == 200, response.text
+        compiler = compiler_for(Tokenizer.from_core(core, manifest), manifest)
+        grammar = compiler.output_grammar(OutputFormat("json_schema", ANSWER), manifest.parsers.tool, SCHEMAS, "x")
+        for text in ('{"value": 7}', CALL_BLOCKS[manifest.parsers.tool]):
+            matcher = llguidance.LLMatcher(compiler.llg, grammar, log_level=0, limits=parser_limits())
+            tokens = compiler.llg.tokenize_str(text, parse_special=True)
+            assert matcher.consume_tokens(tokens) and matcher.is_accepting(), (recipe, text)
     finally:
         server.stop()
+
+
+ANSWER = {"type": "object", "properties": {"value": {"type": "integer"}}, "required": ["value"]}
 
 
 @pytest.mark.parametrize("recipe", [name for name in ("deepseek4", "deepseek41") if name in COMPILED])

@@ -16,7 +16,7 @@ from typing import Any
 
 from helios.frontend.parsers.base import ToolParseError, ToolParser, ToolSchemas
 from helios.frontend.parsers.deepseek import DeepSeekMarkupParser
-from helios.frontend.parsers.gemma import CLOSE as GEMMA_CLOSE, OPEN as GEMMA_OPEN, Gemma4Parser
+from helios.frontend.parsers.gemma import CLOSE as GEMMA_CLOSE, OPEN as GEMMA_OPEN, QUOTE as GEMMA_QUOTE, Gemma4Parser
 from helios.frontend.parsers.json_calls import HermesParser, KimiK2Parser, Qwen25CoderJsonParser
 from helios.frontend.parsers.reasoning import (
     ANSWER,
@@ -44,21 +44,34 @@ TOOL_SYNTAXES: dict[str, Callable[[ToolSchemas], ToolParser]] = {
     "kimi_k2": KimiK2Parser,
 }
 
-# The text around a whole tool-call block of each syntax: under an output constraint the grammar
-# keeps this path open (helios.frontend.grammar). JSON syntaxes constrain the call inside it.
-# (opener, closers): a block runs from the opener to the first of its closers.
-TOOL_ENVELOPES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "hermes": (HermesParser.openers[0], HermesParser.trailing_closers),
-    "qwen25_coder_json": (HermesParser.openers[0], HermesParser.trailing_closers),
-    "qwen3_xml": (QwenFunctionTagParser.TOOL_OPEN, (QwenFunctionTagParser.TOOL_CLOSE,)),
-    "qwen3_coder": (QwenFunctionTagParser.TOOL_OPEN, (QwenFunctionTagParser.TOOL_CLOSE,)),
-    "mimo": (MiMoFunctionTagParser.TOOL_OPEN, (MiMoFunctionTagParser.TOOL_CLOSE,)),
-    "glm45": (GlmParser.OPEN, (GlmParser.CLOSE,)),
-    "minimax": (MiniMaxParser.OPEN, (MiniMaxParser.CLOSE,)),
-    "gemma4": (GEMMA_OPEN, (GEMMA_CLOSE,)),
-    "deepseek_dsml": DeepSeekMarkupParser.region_tags("DSML"),
-    "deepseek_xtml": DeepSeekMarkupParser.region_tags("XTML"),
-    "kimi_k2": (KimiK2Parser.SECTION_OPEN, (KimiK2Parser.SECTION_CLOSE,)),
+@dataclass(frozen=True)
+class ToolEnvelope:
+    """A whole tool-call block of one syntax: it runs from `opener` to the first of `closers`;
+    `inner` are the tags inside it (a tokenizer may hold any of these as one special token)."""
+
+    opener: str
+    closers: tuple[str, ...]
+    inner: tuple[str, ...] = ()
+
+
+_FUNCTION_TAGS = (QwenFunctionTagParser.FUNC_OPEN, QwenFunctionTagParser.FUNC_CLOSE,
+                  QwenFunctionTagParser.PARAM_OPEN, QwenFunctionTagParser.PARAM_CLOSE)
+# Under an output constraint the grammar keeps each syntax's block open (helios.frontend.grammar);
+# JSON syntaxes also constrain the call object inside it.
+TOOL_ENVELOPES: dict[str, ToolEnvelope] = {
+    "hermes": ToolEnvelope(HermesParser.openers[0], HermesParser.trailing_closers),
+    "qwen25_coder_json": ToolEnvelope(HermesParser.openers[0], HermesParser.trailing_closers),
+    "qwen3_xml": ToolEnvelope(QwenFunctionTagParser.TOOL_OPEN, (QwenFunctionTagParser.TOOL_CLOSE,), _FUNCTION_TAGS),
+    "qwen3_coder": ToolEnvelope(QwenFunctionTagParser.TOOL_OPEN, (QwenFunctionTagParser.TOOL_CLOSE,), _FUNCTION_TAGS),
+    "mimo": ToolEnvelope(MiMoFunctionTagParser.TOOL_OPEN, (MiMoFunctionTagParser.TOOL_CLOSE,), _FUNCTION_TAGS),
+    "glm45": ToolEnvelope(GlmParser.OPEN, (GlmParser.CLOSE,),
+                          (GlmParser.KEY_OPEN, GlmParser.KEY_CLOSE, GlmParser.VALUE_OPEN, GlmParser.VALUE_CLOSE)),
+    "minimax": ToolEnvelope(MiniMaxParser.OPEN, (MiniMaxParser.CLOSE,)),
+    "gemma4": ToolEnvelope(GEMMA_OPEN, (GEMMA_CLOSE,), (GEMMA_QUOTE,)),
+    "deepseek_dsml": ToolEnvelope(*DeepSeekMarkupParser.region_tags("DSML")),
+    "deepseek_xtml": ToolEnvelope(*DeepSeekMarkupParser.region_tags("XTML")),
+    "kimi_k2": ToolEnvelope(KimiK2Parser.SECTION_OPEN, (KimiK2Parser.SECTION_CLOSE,),
+                            (KimiK2Parser.CALL_OPEN, KimiK2Parser.ARGS, KimiK2Parser.CALL_CLOSE)),
 }
 JSON_CALL_SYNTAXES = frozenset({"hermes", "qwen25_coder_json"})  # one JSON call object per envelope
 
