@@ -63,6 +63,33 @@ def test_messages_stop_sequence_and_inline_system(clients):
     assert limited.stop_reason == "max_tokens" and limited.usage.output_tokens == 3
 
 
+def test_token_sequence_stops_end_on_the_real_model(clients):
+    """api.md token stops: a run of ids the model is about to write ends generation; the run is
+    neither text nor logprob entries, and Messages reports end_turn (a token stop)."""
+    o, a, http = clients
+    SEEDED = {**GREEDY, "seed": 5}  # noqa: N806
+    count = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]
+    free = http.post("/v1/chat/completions", json={"messages": count, "max_tokens": 12, "return_token_ids": True,
+                                                   **SEEDED}).json()["choices"][0]
+    ids = free["token_ids"]
+    # The first two-token run past the start that the model has not written before.
+    at = next(i for i in range(2, len(ids) - 1) if all(ids[j:j + 2] != ids[i:i + 2] for j in range(i)))
+    run = ids[at:at + 2]
+    stopped = http.post("/v1/chat/completions", json={
+        "messages": count, "max_tokens": 12, "return_token_ids": True, "logprobs": True, "stream": False,
+        "stop_token_sequences": [run], **SEEDED}).json()["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == run
+    assert stopped["token_ids"] == ids[:at + 2] and len(stopped["logprobs"]["content"]) == at
+    assert free["message"]["content"].startswith(stopped["message"]["content"])
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in o.chat.completions.create(
+        model="local", messages=count, max_tokens=12, stream=True, extra_body={"stop_token_sequences": [run], **SEEDED})
+        if chunk.choices)
+    assert streamed == stopped["message"]["content"]
+    message = a.messages.create(model="local", messages=count, max_tokens=12,
+                                extra_body={"stop_token_sequences": [run], **SEEDED})
+    assert message.stop_reason == "end_turn" and message.usage.output_tokens == at + 2
+
+
 def test_responses_buffered_streamed_and_compressed(clients):
     o, _, http = clients
     response = o.responses.create(model="local", input=OK, max_output_tokens=16, **GREEDY)
