@@ -34,7 +34,6 @@ from helios.frontend.thinking import Budget, check_budget, check_effort, templat
 from helios.frontend.tools import EmittedCall, ToolChoice, unique_names
 from helios.protocols import common
 from helios.server.context import ServerContext
-from helios.server.errors import ApiError
 from helios.server.generation import Codec, Frame
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -273,13 +272,12 @@ def _delta(events: list[OutputEvent], calls_before: int) -> dict[str, Any]:
     return delta
 
 
-class ChatEncoder:
+class ChatEncoder(common.OpenAIStream):
     """One Answer per choice; a chat.completion object, or chat.completion.chunk frames."""
 
-    done_sentinel = True
 
     def __init__(self, ctx: ServerContext, p: ChatPlan):
-        self.ctx, self.p = ctx, p
+        self.ctx, self.p, self.options = ctx, p, p.options
         self.answers = [Answer(ctx.tokenizer, len(p.prompt_ids), p.output, index=i) for i in range(len(p.requests))]
         self.created = common.now()
         self.role_sent = [False] * len(self.answers)
@@ -343,12 +341,6 @@ class ChatEncoder:
         if last and p.return_token_ids and not p.options.include_usage:
             out["usage"] = self.usage()
         return frames + [(out, None)]
-
-    def end(self) -> list[Frame]:
-        return [({**self.chunk([]), "usage": self.usage()}, None)] if self.p.options.include_usage else []
-
-    def failure(self, error: ApiError) -> list[Frame]:
-        return [(common.stream_error(error), None)]
 
     def body(self) -> dict[str, Any]:
         p, tokenizer = self.p, self.ctx.tokenizer

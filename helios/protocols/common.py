@@ -198,6 +198,26 @@ def stream_error(error: ApiError) -> dict[str, Any]:
     return openai_error_body(error)
 
 
+class OpenAIStream:
+    """The stream ends Chat and Completions encoders share: the usage chunk when
+    stream_options.include_usage asked for it, then [DONE]; a failure is one error frame."""
+
+    done_sentinel = True
+    options: StreamOptions
+
+    def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def usage(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def end(self) -> list[tuple[Any, str | None]]:
+        return [({**self.chunk([]), "usage": self.usage()}, None)] if self.options.include_usage else []
+
+    def failure(self, error: ApiError) -> list[tuple[Any, str | None]]:
+        return [(stream_error(error), None)]
+
+
 def finish_reason_name(reason: FinishReason | None) -> str | None:
     if reason is None:
         return None

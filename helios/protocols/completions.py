@@ -22,7 +22,6 @@ from helios.frontend.sampling import check_top_logprobs, parse_token_ids, reques
 from helios.frontend.tokenizer import Tokenizer
 from helios.protocols import common
 from helios.server.context import ServerContext
-from helios.server.errors import ApiError
 from helios.server.generation import Codec, Frame
 
 
@@ -150,14 +149,13 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Completi
 
 # -- encoding --------------------------------------------------------------------------------------
 
-class CompletionEncoder:
+class CompletionEncoder(common.OpenAIStream):
     """One ChoiceState per (prompt, choice); a text_completion object or its chunks. Without
     engine requests (max_tokens 0, unscored) every choice is the echo alone, finished by length."""
 
-    done_sentinel = True
 
     def __init__(self, ctx: ServerContext, p: CompletionPlan):
-        self.ctx, self.p = ctx, p
+        self.ctx, self.p, self.options = ctx, p, p.options
         self.states = [ChoiceState(i, ctx.tokenizer) for i in range(len(p.prompts) * p.n)]
         self.created = common.now()
         self.echoed = [not p.echo] * len(self.states)
@@ -228,12 +226,6 @@ class CompletionEncoder:
             "finish_reason": common.finish_reason_name(state.finish_reason) if event.finished else None,
             "stop_reason": state.stop_reason if event.finished else None,
         }]), None)]
-
-    def end(self) -> list[Frame]:
-        return [({**self.chunk([]), "usage": self.usage()}, None)] if self.p.options.include_usage else []
-
-    def failure(self, error: ApiError) -> list[Frame]:
-        return [(common.stream_error(error), None)]
 
     def body(self) -> dict[str, Any]:
         p, tokenizer = self.p, self.ctx.tokenizer

@@ -151,15 +151,22 @@ class DeepSeekMarkupParser(ToolParser):
             hold -= 1  # newlines are dropped if the block follows them
         return False, self._release(hold)
 
-    def _region(self, final: bool) -> tuple[bool, list[Item]]:
-        """Between invokes: wait for an invoke header or the region's close; ignore the rest."""
+    def _skip_to_tag(self, final: bool) -> str | None:
+        """Drop the ignored text before the next DSML tag; the buffer from that tag, or None
+        while none has begun (the possible start of one is kept unless the output ended)."""
         buf = self.pending.text
         at = self._next_tag(buf)
         if at < 0:
             self.pending.drop(len(buf) - (0 if final else partial_suffix(buf, (self._open, self._close))))
-            return False, []
+            return None
         self.pending.drop(at)
-        buf = self.pending.text
+        return self.pending.text
+
+    def _region(self, final: bool) -> tuple[bool, list[Item]]:
+        """Between invokes: wait for an invoke header or the region's close; ignore the rest."""
+        buf = self._skip_to_tag(final)
+        if buf is None:
+            return False, []
         if self._settle(buf, self._region_ends, final) is None:
             return False, []
         if buf.startswith(self._region_ends):
@@ -186,13 +193,9 @@ class DeepSeekMarkupParser(ToolParser):
     def _invoke_body(self, final: bool) -> tuple[bool, list[Item]]:
         """Inside an invoke: parameter tags open values; any closing DSML tag closes the invoke
         (the region close too, which then leaves the region open: official)."""
-        buf = self.pending.text
-        at = self._next_tag(buf)
-        if at < 0:
-            self.pending.drop(len(buf) - (0 if final else partial_suffix(buf, (self._open, self._close))))
+        buf = self._skip_to_tag(final)
+        if buf is None:
             return False, []
-        self.pending.drop(at)
-        buf = self.pending.text
         if buf.startswith(self._close):
             return True, self._publish(len(self._close))
         is_param = self._settle(buf, self._param_prefixes, final)
