@@ -169,6 +169,7 @@ def test_a_step_that_raises_fails_its_requests_and_the_server_keeps_serving(tiny
             frames = sse(stream.text)
             assert stream.status_code == 200 and "injected device fault" in frames[-1][1]["error"]["message"]
             assert all(f[1] != "[DONE]" for f in frames)
+            assert len(frames) == 1  # it failed before the first token: no role chunk, only the error
             assert http.get("/health").json() == {"status": "ok"}  # the loop survived the fault
             ok = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4})
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
