@@ -14,7 +14,7 @@ from aiohttp import web
 from helios.frontend import decisions as d
 from helios.protocols.scoring import score_questions, scorer
 from helios.server.context import ServerContext, new_response_id, response_headers
-from helios.server.errors import bad_request, json_response
+from helios.server.errors import ApiError, bad_request, json_response
 
 QUESTION_KEYS = {"type", "instructions", "criteria"}
 MAX_CHOICE_CRITERIA = 128
@@ -118,6 +118,10 @@ def encode_answer(raw: dict[str, Any], question: d.Question, scored: d.Scored) -
 
 async def handle(request: web.Request, ctx: ServerContext) -> web.StreamResponse:
     if request.content_type.startswith("multipart/"):
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):  # api.md: multipart is never compressed
+            raise ApiError(415, "invalid_request_error", f"multipart bodies must not be compressed "
+                           f"(Content-Encoding {encoding!r}); send identity", "unsupported_content_encoding")
         raise bad_request("image assets need a vision model core; this core is text-only")
     body = await ctx.read_json_object(request)
     if body.get("assets") or request.headers.get("TypeSafe-Danger-Zone-Images"):

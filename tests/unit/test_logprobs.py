@@ -5,6 +5,8 @@ against a float64 evaluation of the same weights, and the three OpenAI protocols
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import json
 
 import httpx
 import numpy as np
@@ -291,6 +293,16 @@ def test_systemone_schema_errors_are_422_details(http):
     assert http.post("/v1/systemone", json={"model": "m", "state": "s", "questions": {}}).status_code == 422
     assert http.post("/v1/systemone", content=b"{oops", headers={"Content-Type": "application/json"}).status_code == 400
     assert http.post("/v1/systemone", json={**SYSTEMONE, "assets": {"img": {"data_base64": "AA=="}}}).status_code == 400
+    # Image assets: a text-only core refuses them even with the opt-in header; compressed multipart is a 415.
+    assert http.post("/v1/systemone", json={**SYSTEMONE, "assets": {"img": {"data_base64": "AA=="}}},
+                     headers={"TypeSafe-Danger-Zone-Images": "true"}).status_code == 400
+    parts = {"files": ("request", json.dumps(SYSTEMONE), "application/json")}
+    multipart = httpx.Request("POST", "http://x", files=parts)
+    headers = {"Content-Type": multipart.headers["Content-Type"]}
+    assert http.post("/v1/systemone", content=multipart.read(), headers=headers).status_code == 400
+    compressed = http.post("/v1/systemone", content=gzip.compress(multipart.read()),
+                           headers={**headers, "Content-Encoding": "gzip"})
+    assert compressed.status_code == 415 and compressed.json()["error"]["code"] == "unsupported_content_encoding"
 
 
 def test_decisions_answers_reuse_the_state_prefix(http):
