@@ -141,7 +141,7 @@ class GenerationEvent:
     prompt_logprobs: list[PromptLogprob | None] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None  # the matched stop string or stop token id
+    stop_reason: str | int | list[int] | None = None  # the matched stop string, stop token id or id run
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens reused from prefix checkpoints at admission
     completion_tokens: int = 0  # cumulative generated tokens so far

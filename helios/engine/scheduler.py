@@ -117,7 +117,7 @@ class Scheduler:
         self._release(seq)
         seq.status = SequenceStatus.FINISHED
 
-    def finish(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | list[int] | None = None) -> None:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         self.remove(seq)

@@ -44,7 +44,7 @@ class Sequence:
         self.state_slot: int | None = None  # recurrent-state slot while running (cores with state)
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
-        self.stop_reason: str | int | None = None
+        self.stop_reason: str | int | list[int] | None = None
         self.stop_checker = stop_checker
         self.sink = sink
         # Own generator: a seeded request samples the same tokens whatever its batch neighbours.

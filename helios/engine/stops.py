@@ -146,6 +146,9 @@ class StopChecker:
         self.eos_token_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
         self.detokenizer = detokenizer
         self.matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        # Held tokens bypass the string matcher: the frontend never combines the two kinds.
+        if params.stop and params.stop_token_sequences:
+            raise ValueError("string stops cannot be combined with token stops")
         self.sequences = TokenSequenceStops(params.stop_token_sequences)
         self._held_entries: list[TokenLogprob | None] = []
 

@@ -52,7 +52,7 @@ class ChoiceState:
     prompt_logprobs: list[PromptLogprob | None] = field(default_factory=list)
     finished: bool = False
     finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None
+    stop_reason: str | int | list[int] | None = None
     cached_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None

@@ -110,7 +110,7 @@ class Envelope:
     tokenizer: `special` maps the syntax's tags that are single special tokens there to their
     ids (referenced as tokens: they are never bytes of a text lexeme)."""
 
-    syntax: ToolEnvelope
+    forms: tuple[ToolEnvelope, ...]  # the block forms the syntax's parser reads
     special: dict[str, int]
     json_calls: bool  # one JSON call object inside, its arguments checked by the tool's schema
     bare: bool  # the whole answer may be bare or ```json-fenced call objects (qwen25_coder_json)
@@ -119,23 +119,31 @@ class Envelope:
         return f"<[{self.special[text]}]>" if text in self.special else json.dumps(text)
 
     def block_rules(self) -> list[str]:
-        """A markup block: its opener, then text and the syntax's special inner tags, then a
+        """Markup blocks, one rule set per form; blocks may follow each other directly (Gemma 4
+        concatenates its calls) or after a newline."""
+        rules = ["tagged: " + " | ".join(f"tagged{i}" for i in range(len(self.forms))),
+                 'calls: tagged ("\\n"? tagged)*']
+        for i, form in enumerate(self.forms):
+            rules += self._form_rules(form, i)
+        return rules
+
+    def _form_rules(self, form: ToolEnvelope, i: int) -> list[str]:
+        """One block form: its opener, then text and the syntax's special inner tags, then a
         closer. Text that ends in a text closer is one lexeme (LAST), because llguidance's lexer
         does not give back bytes a greedy text lexeme took; text before a special tag (MID) may
         not contain a text closer."""
-        syntax = self.syntax
-        text_closers = [c for c in syntax.closers if c not in self.special]
-        token_closers = " | ".join(self.ref(c) for c in syntax.closers if c in self.special)
-        inner = " | ".join(self.ref(t) for t in syntax.inner if t in self.special and t not in syntax.closers)
-        rules = [f"tagged: {self.ref(syntax.opener)} body"]
+        text_closers = [c for c in form.closers if c not in self.special]
+        token_closers = " | ".join(self.ref(c) for c in form.closers if c in self.special)
+        inner = " | ".join(self.ref(t) for t in form.inner if t in self.special and t not in form.closers)
+        rules = [f"tagged{i}: {self.ref(form.opener)} body{i}"]
         if not text_closers:
-            items = "TEXT" + (f" | {inner}" if inner else "")
-            return rules + [f"body: ({items})* ({token_closers})", "TEXT: /(?s:.+)/"]
+            items = f"TEXT{i}" + (f" | {inner}" if inner else "")
+            return rules + [f"body{i}: ({items})* ({token_closers})", f"TEXT{i}: /(?s:.+)/"]
         closer = "(?:" + "|".join(_literal(c) for c in text_closers) + ")"
-        ends = ["LAST"] + ([f"MID? ({token_closers})"] if token_closers else [])
-        loop = f"(MID? ({inner}))* " if inner else ""
-        return rules + [f"body: {loop}({' | '.join(ends)})", f"MID: /(?s:.+)/ & ~/(?s:.*{closer}.*)/",
-                        f"LAST: /(?s:.*{closer})/ & ~/(?s:.*{closer}.+)/"]
+        ends = [f"LAST{i}"] + ([f"MID{i}? ({token_closers})"] if token_closers else [])
+        loop = f"(MID{i}? ({inner}))* " if inner else ""
+        return rules + [f"body{i}: {loop}({' | '.join(ends)})", f"MID{i}: /(?s:.+)/ & ~/(?s:.*{closer}.*)/",
+                        f"LAST{i}: /(?s:.*{closer})/ & ~/(?s:.*{closer}.+)/"]
 
 
 def _literal(text: str) -> str:
@@ -144,12 +152,12 @@ def _literal(text: str) -> str:
 
 def envelope_for(tool_syntax: str | None, special_id: Callable[[str], int | None]) -> Envelope | None:
     """The tool-call envelope of a declared tool syntax over one tokenizer (None without one)."""
-    syntax = TOOL_ENVELOPES.get(tool_syntax or "")
-    if syntax is None:
+    forms = TOOL_ENVELOPES.get(tool_syntax or "")
+    if forms is None:
         return None
-    tags = (syntax.opener, *syntax.closers, *syntax.inner)
+    tags = {tag for form in forms for tag in (form.opener, *form.closers, *form.inner)}
     special = {tag: token for tag in tags if (token := special_id(tag)) is not None}
-    return Envelope(syntax, special, tool_syntax in JSON_CALL_SYNTAXES, tool_syntax == "qwen25_coder_json")
+    return Envelope(forms, special, tool_syntax in JSON_CALL_SYNTAXES, tool_syntax == "qwen25_coder_json")
 
 
 def call_schema(tools: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -186,11 +194,11 @@ def structured_grammar(fmt: OutputFormat, envelope: Envelope | None, tools: dict
         return json.dumps({"grammars": [{"lark_grammar": top}, answer]})
     if envelope.json_calls:
         call = json.dumps(_styled(call_schema(tools)))
-        opener, closer = envelope.ref(envelope.syntax.opener), envelope.ref(envelope.syntax.closers[0])
-        rules = [f"tagged: {opener} \"\\n\" %json {call} \"\\n\" {closer}"]
+        form = envelope.forms[0]
+        opener, closer = envelope.ref(form.opener), envelope.ref(form.closers[0])
+        rules = [f"tagged: {opener} \"\\n\" %json {call} \"\\n\" {closer}", 'calls: tagged ("\\n" tagged)*']
     else:
         rules = envelope.block_rules()
-    rules.append('calls: tagged ("\\n" tagged)*')
     bare = envelope.bare and bare_calls
     alternatives = ["@answer", "calls"]
     if bare:

@@ -364,6 +364,8 @@ def decode(ctx: ServerContext, body: dict[str, Any]) -> Decoded:
     options = ChatOptions(
         tools=tools, choice=choice, output_format=fmt, output_format_param=fmt_param, template_kwargs=kwargs,
         add_generation_prompt=not continue_final, continue_final=continue_final, budget=budget,
+        # Read from the body (count_tokens shares this decoder without resolving sampling); the
+        # same fields as SamplingParams.has_user_stops.
         user_stops=any(body.get(name) for name in ("stop_sequences", "stop_token_ids", "stop_token_sequences")),
         ignore_eos=body.get("ignore_eos") is True, cache_hints=hints[:MAX_CACHE_HINTS],
     )

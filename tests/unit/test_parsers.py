@@ -17,6 +17,7 @@ from helios.engine.constraints import parser_limits
 from helios.engine.detokenizer import IncrementalDetokenizer
 from helios.frontend.grammar import Compiler, OutputFormat
 from helios.frontend.parsers import (
+    JSON_CALL_SYNTAXES,
     ANSWER,
     REASONING,
     START,
@@ -363,3 +364,8 @@ def test_every_tool_syntax_keeps_its_calls_under_an_output_constraint(syntax: st
 
     assert accepts('{"value": 7}') and accepts(block) and accepts(block + "\n" + block)
     assert not accepts(block + " and more") and not accepts(block[:-3]) and not accepts("plain prose")
+    if syntax not in JSON_CALL_SYNTAXES:  # Gemma 4 writes its calls back to back
+        assert accepts(block + block)
+    if block.startswith("<tool_call>\n<function="):  # Qwen's parser also reads the bare function block
+        bare = block.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")
+        assert merged(run(bare, spec(syntax, schemas=SCHEMAS))) == [LOOKUP] and accepts(bare)

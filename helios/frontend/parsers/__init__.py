@@ -56,22 +56,26 @@ class ToolEnvelope:
 
 _FUNCTION_TAGS = (QwenFunctionTagParser.FUNC_OPEN, QwenFunctionTagParser.FUNC_CLOSE,
                   QwenFunctionTagParser.PARAM_OPEN, QwenFunctionTagParser.PARAM_CLOSE)
-# Under an output constraint the grammar keeps each syntax's block open (helios.frontend.grammar);
-# JSON syntaxes also constrain the call object inside it.
-TOOL_ENVELOPES: dict[str, ToolEnvelope] = {
-    "hermes": ToolEnvelope(HermesParser.openers[0], HermesParser.trailing_closers),
-    "qwen25_coder_json": ToolEnvelope(HermesParser.openers[0], HermesParser.trailing_closers),
-    "qwen3_xml": ToolEnvelope(QwenFunctionTagParser.TOOL_OPEN, (QwenFunctionTagParser.TOOL_CLOSE,), _FUNCTION_TAGS),
-    "qwen3_coder": ToolEnvelope(QwenFunctionTagParser.TOOL_OPEN, (QwenFunctionTagParser.TOOL_CLOSE,), _FUNCTION_TAGS),
-    "mimo": ToolEnvelope(MiMoFunctionTagParser.TOOL_OPEN, (MiMoFunctionTagParser.TOOL_CLOSE,), _FUNCTION_TAGS),
-    "glm45": ToolEnvelope(GlmParser.OPEN, (GlmParser.CLOSE,),
-                          (GlmParser.KEY_OPEN, GlmParser.KEY_CLOSE, GlmParser.VALUE_OPEN, GlmParser.VALUE_CLOSE)),
-    "minimax": ToolEnvelope(MiniMaxParser.OPEN, (MiniMaxParser.CLOSE,)),
-    "gemma4": ToolEnvelope(GEMMA_OPEN, (GEMMA_CLOSE,), (GEMMA_QUOTE,)),
-    "deepseek_dsml": ToolEnvelope(*DeepSeekMarkupParser.region_tags("DSML")),
-    "deepseek_xtml": ToolEnvelope(*DeepSeekMarkupParser.region_tags("XTML")),
-    "kimi_k2": ToolEnvelope(KimiK2Parser.SECTION_OPEN, (KimiK2Parser.SECTION_CLOSE,),
-                            (KimiK2Parser.CALL_OPEN, KimiK2Parser.ARGS, KimiK2Parser.CALL_CLOSE)),
+_QWEN_BLOCKS = (  # Qwen's parser also reads a bare function block without <tool_call>
+    ToolEnvelope(QwenFunctionTagParser.TOOL_OPEN, (QwenFunctionTagParser.TOOL_CLOSE,), _FUNCTION_TAGS),
+    ToolEnvelope(QwenFunctionTagParser.FUNC_OPEN, (QwenFunctionTagParser.FUNC_CLOSE,), _FUNCTION_TAGS[2:]),
+)
+# Under an output constraint the grammar keeps each syntax's block forms open
+# (helios.frontend.grammar); JSON syntaxes also constrain the call object inside them.
+TOOL_ENVELOPES: dict[str, tuple[ToolEnvelope, ...]] = {
+    "hermes": (ToolEnvelope(HermesParser.openers[0], HermesParser.trailing_closers),),
+    "qwen25_coder_json": (ToolEnvelope(HermesParser.openers[0], HermesParser.trailing_closers),),
+    "qwen3_xml": _QWEN_BLOCKS,
+    "qwen3_coder": _QWEN_BLOCKS,
+    "mimo": _QWEN_BLOCKS,
+    "glm45": (ToolEnvelope(GlmParser.OPEN, (GlmParser.CLOSE,),
+                           (GlmParser.KEY_OPEN, GlmParser.KEY_CLOSE, GlmParser.VALUE_OPEN, GlmParser.VALUE_CLOSE)),),
+    "minimax": (ToolEnvelope(MiniMaxParser.OPEN, (MiniMaxParser.CLOSE,)),),
+    "gemma4": (ToolEnvelope(GEMMA_OPEN, (GEMMA_CLOSE,), (GEMMA_QUOTE,)),),
+    "deepseek_dsml": (ToolEnvelope(*DeepSeekMarkupParser.region_tags("DSML")),),
+    "deepseek_xtml": (ToolEnvelope(*DeepSeekMarkupParser.region_tags("XTML")),),
+    "kimi_k2": (ToolEnvelope(KimiK2Parser.SECTION_OPEN, (KimiK2Parser.SECTION_CLOSE,),
+                             (KimiK2Parser.CALL_OPEN, KimiK2Parser.ARGS, KimiK2Parser.CALL_CLOSE)),),
 }
 JSON_CALL_SYNTAXES = frozenset({"hermes", "qwen25_coder_json"})  # one JSON call object per envelope
 

@@ -17,7 +17,8 @@ against the official package by tests/unit/test_deepseek_parser.py:
 - `<` + the token (`<｜DSML｜`) anywhere in content or reasoning starts the tool region,
   whatever tag follows; newlines right before it are dropped. Only the fullwidth bar counts.
 - Between invokes only `<｜DSML｜invoke name="N" ...>` (optional space before `invoke`) and the
-  region's close, `</｜DSML｜tool_calls>` or `</｜DSML｜ calls>`, matter; after the close all
+  region's close, `</｜DSML｜tool_calls>` or `</｜DSML｜ calls>` (or `function_calls` as helios' fallback
+  templates write the block), matter; after the close all
   output is discarded. Other text and tags are ignored.
 - In an invoke, `<｜DSML｜parameter name="K" string="true|false">` opens a value that runs to
   the next closing DSML tag, whichever; any other closing DSML tag closes the invoke and
@@ -71,7 +72,7 @@ class DeepSeekMarkupParser(ToolParser):
         self.word = word
         self._open = f"<{token}"
         self._close = f"</{token}"
-        self._region_ends = (f"</{token}tool_calls>", f"</{token} calls>")
+        self._region_ends = self.region_tags(word)[1]  # the grammar's closers too
         self._invoke_prefixes = (f"<{token}invoke name=\"", f"<{token} invoke name=\"")
         self._param_prefixes = (f"<{token}parameter", f"<{token} parameter")
         self._invoke = re.compile(rf'<{token} ?invoke name="([^"]*)"([^>]*)(>?)')
