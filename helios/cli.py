@@ -39,6 +39,9 @@ def serve(
     kv_pages: Optional[int] = typer.Option(None, help="KV pool size in pages"),
     threads: Optional[int] = typer.Option(None, help="engine compute threads"),
     dashboard: bool = typer.Option(False, "--dashboard", help="show the `helios top` dashboard while serving"),
+    host_store: Optional[Path] = typer.Option(None, help="directory of the host prefix store's disk tier"),
+    host_store_dram_gb: Optional[float] = typer.Option(None, help="DRAM tier budget in GiB (0: off)"),
+    host_store_disk_gb: Optional[float] = typer.Option(None, help="disk tier budget in GiB [default: 16]"),
 ) -> None:
     """Serve CORE over the OpenAI-compatible HTTP API."""
     # Imported here, not at the top: onnxruntime and the engine cost `helios top` and
@@ -58,6 +61,10 @@ def serve(
             settings.api_key = read_api_key_file(api_key_file)
         if max_concurrency is not None:
             settings.max_concurrency = max_concurrency
+        for name, value in (("host_store_dir", str(host_store) if host_store else None),
+                            ("host_store_dram_gb", host_store_dram_gb), ("host_store_disk_gb", host_store_disk_gb)):
+            if value is not None:
+                setattr(settings, name, value)
         check_startup(manifest, settings)
         for name, value in (("kv-pages", kv_pages), ("threads", threads)):
             if value is not None and value < 1:
@@ -68,7 +75,7 @@ def serve(
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = Engine(core, manifest, max_concurrency=settings.max_concurrency, kv_pages=kv_pages, threads=threads,
-                    prefix_cache=settings.prefix_cache_config())
+                    prefix_cache=settings.prefix_cache_config(), host_store=settings.host_store_config())
     engine.start()
     try:
         application = create_app(manifest, core, engine, settings)

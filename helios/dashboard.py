@@ -45,6 +45,7 @@ class Snapshot:
     free_pages: int = 0
     total_pages: int = 0
     host_reused_tokens: int = 0
+    host_hits: int = 0
     http_inflight_requests: int = 0
     uptime_seconds: int = 0
     learned_drafter: bool = False
@@ -165,7 +166,7 @@ class View:
         footer = Text(
             f"active {s.active}  pending {s.pending}  inflight {s.http_inflight_requests}  "
             f"completed {s.completed}  failed {s.failed}  cancelled {s.cancelled}  "
-            f"cached pages {s.cached_pages}  DEPTH {depth}  first response {first}  uptime {s.uptime_seconds}s"
+            f"cached pages {s.cached_pages}  host hits {s.host_hits}  DEPTH {depth}  first response {first}  uptime {s.uptime_seconds}s"
         )
         return Group(Panel(table, title=title, title_align="left"), footer)
 

@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 from helios.engine.api import FinishReason, GenerationEvent, GenerationRequest, PromptLogprob, TokenLogprob
 from helios.engine.block_manager import BlockManager
 from helios.engine.constraints import ConstraintError, Constraints
+from helios.engine.host_store import HostStore, HostStoreConfig, HostStoreStats, core_identity, page_callbacks
 from helios.engine.prefix_cache import PrefixCache, PrefixCacheConfig
 from helios.engine.runner import SPARE_STATE_SLOTS, PromptScores, Runner, StepOutput, StepRow
 from helios.engine.sampler import explicit_logprob, prompt_logprob_entries, sample, token_logprob
@@ -70,6 +71,15 @@ class EngineStats:
     # Seconds inside onnxruntime's graph runs (part of step_seconds_total): the rest of the step
     # time is host work (scheduling, packing inputs, KV scatter, sampling, detokenizing).
     graph_seconds_total: float = 0.0
+    host_store: HostStoreStats | None = None  # None: no host prefix store
+
+
+def _host_store(manifest: Manifest, runner: Any, config: HostStoreConfig | None) -> dict[str, Any]:
+    """PrefixCache arguments for the host prefix store (none without a config or page access)."""
+    callbacks = page_callbacks(runner)
+    if config is None or not callbacks or (config.dram_bytes <= 0 and config.directory is None):
+        return {}
+    return {"host": HostStore(core_identity(manifest), config), **callbacks}
 
 
 def _state_snapshots(manifest: Manifest, runner: Any) -> dict[str, Any]:
@@ -99,6 +109,7 @@ class Engine:
         runner: Runner | None = None,
         tokenizer: Any | None = None,
         prefix_cache: PrefixCacheConfig | None = None,
+        host_store: HostStoreConfig | None = None,
     ):
         self.core_dir = Path(core_dir)
         self.manifest = manifest
@@ -120,6 +131,7 @@ class Engine:
             page_bytes=kv.num_layers * 2 * kv.page_tokens * kv.kv_heads * kv.head_dim * 4,
             config=prefix_cache,
             **_state_snapshots(manifest, runner),
+            **_host_store(manifest, runner, host_store),
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -171,6 +183,8 @@ class Engine:
                 log.error("engine thread did not stop within %.0f s", timeout)
                 return
         self._fail_all("engine shut down")
+        if self.prefix_cache.host is not None:
+            self.prefix_cache.host.close()  # pending disk writes finish
 
     def healthy(self) -> bool:
         """The step loop is alive and accepting work."""
@@ -283,6 +297,7 @@ class Engine:
             reasoning_budget_cuts_total=self.constraints.budget_cuts,
             grammar_mask_seconds_total=self.constraints.mask_seconds,
             graph_seconds_total=getattr(self.runner, "graph_seconds", 0.0),
+            host_store=cache.host.stats() if cache.host is not None else None,
         )
 
     def generate(self, request: GenerationRequest, timeout: float | None = None) -> list[GenerationEvent]:

@@ -36,6 +36,10 @@ copied whenever p is not page aligned. Snapshots count against their own byte bu
 (`state_storage_bytes`, LRU eviction as for pages). Without state callbacks (or with no room for
 one snapshot) the cache neither captures nor restores; every offered candidate counts as a
 `recurrent_state` skip, and requests report no cached tokens.
+
+Host store (helios.engine.host_store). With one, every capture is also copied out of the pool
+(`read_pages`), and admission first `fetch`es a host record longer than the pool's best match
+back into fresh pages (`write_pages`) as a pool checkpoint, which the restore then serves.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ import numpy as np
 
 from helios.engine.api import CheckpointCandidate, CheckpointRole
 from helios.engine.block_manager import BlockManager
+from helios.engine.host_store import HostStore
 
 # Selection order: the anchor is shared by every conversation with the same preamble; hints are
 # the client's own boundaries; the endpoint serves repeats and the next turn; message ends last.
@@ -117,7 +122,9 @@ class PrefixCache:
     def __init__(self, bm: BlockManager, *, copy_page: Callable[[int, int], None] | None,
                  page_bytes: int, config: PrefixCacheConfig | None = None, recurrent_state: bool = False,
                  read_state: Callable[[int], np.ndarray] | None = None,
-                 write_state: Callable[[int, np.ndarray], None] | None = None, state_bytes: int = 0):
+                 write_state: Callable[[int, np.ndarray], None] | None = None, state_bytes: int = 0,
+                 host: HostStore | None = None, read_pages: Callable[[list[int]], np.ndarray] | None = None,
+                 write_pages: Callable[[list[int], np.ndarray], None] | None = None):
         self.config = config or PrefixCacheConfig()
         self.config.validate()
         # K/V pages alone cannot resume the core (see above): checkpoints need state snapshots,
@@ -146,6 +153,10 @@ class PrefixCache:
         self.copies = 0
         self.copy_seconds = 0.0  # measured, for reports
         self.extra_work_ns = 0
+        # Records carry no recurrent-state snapshot yet, so state cores keep no host records.
+        usable = host is not None and read_pages is not None and write_pages is not None and not recurrent_state
+        self.host = host if usable else None
+        self._read_pages, self._write_pages = read_pages, write_pages
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -387,12 +398,47 @@ class PrefixCache:
             self._copy(seq.page_table[last], page)
             pages.append(page)
         ckpt = Checkpoint(ids, pages, role, key, state)
-        self._by_length.setdefault(p, {})[key] = ckpt
-        self._lru[id(ckpt)] = ckpt
-        for page in pages:
-            self._page_owners[page] = self._page_owners.get(page, 0) + 1
+        self._register(ckpt)
         self.captures[role] += 1
+        if self.host is not None:
+            assert self._read_pages is not None
+            self.host.put(ids, self._read_pages(pages))
         return ckpt
+
+    def _register(self, ckpt: Checkpoint) -> None:
+        self._by_length.setdefault(ckpt.length, {})[ckpt.key] = ckpt
+        self._lru[id(ckpt)] = ckpt
+        for page in ckpt.pages:
+            self._page_owners[page] = self._page_owners.get(page, 0) + 1
+
+    # -- host store ------------------------------------------------------------------------------
+
+    def fetch(self, token_ids: list[int], free_pages: int) -> None:
+        """Bring the host store's longest record for `token_ids` into the pool when it covers more
+        than the pool's own checkpoints and fits in `free_pages` and the checkpoint budget."""
+        if self.host is None or not self.enabled or len(token_ids) < 2:
+            return
+        found = self.host.lookup(token_ids, len(token_ids))
+        held = self.lookup(token_ids)
+        if found is None or found[1] <= (held.length if held is not None else 0):
+            return
+        key, length = found
+        pages_needed = -(-length // self.pt)
+        if pages_needed > min(free_pages, self.storage_pages):
+            return
+        while self.cached_pages + pages_needed > self.storage_pages:
+            if not self._evict_one(protect=held):
+                return
+        record = self.host.get(key, token_ids)
+        if record is None or record.kv.shape[2] != pages_needed:
+            return
+        pages = self.bm.allocate(pages_needed)
+        assert self._write_pages is not None
+        self._write_pages(pages, record.kv)
+        ids = np.asarray(record.ids, dtype=np.int64)
+        self._register(Checkpoint(ids, pages, CheckpointRole.ENDPOINT, _digest(ids.tobytes())))
+        self.host.hits += 1
+        self.host.reused_tokens += min(length, len(token_ids) - 1)
 
     # -- eviction --------------------------------------------------------------------------------
 

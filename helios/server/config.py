@@ -28,6 +28,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from helios.engine.host_store import HostStoreConfig, default_dram_bytes
 from helios.engine.prefix_cache import PrefixCacheConfig
 from helios.frontend.thinking import INT32_MAX
 from helios.server.bodies import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, JsonLimits
@@ -65,6 +66,11 @@ class ServerConfig:
     prefix_cache: bool = True
     checkpoint_storage_fraction: float = 0.5
     checkpoint_work_allowance_us: int = 5000
+    # Host prefix store (helios.engine.host_store): the DRAM tier (None: a quarter of available
+    # memory, at most 8 GiB; 0: off) and the disk tier (on with a directory).
+    host_store_dram_gb: float | None = None
+    host_store_dir: str | None = None
+    host_store_disk_gb: float = 16.0
 
     @classmethod
     def load(cls, path: Path) -> "ServerConfig":
@@ -127,6 +133,12 @@ class ServerConfig:
         allowance = self.checkpoint_work_allowance_us
         if isinstance(allowance, bool) or not isinstance(allowance, int) or allowance < 0:
             raise ConfigError(f"{where}: checkpoint_work_allowance_us must be a nonnegative integer")
+        for name in ("host_store_dram_gb", "host_store_disk_gb"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+                raise ConfigError(f"{where}: {name} must be a number of GiB (0 or more)")
+        if self.host_store_dir is not None and (not isinstance(self.host_store_dir, str) or not self.host_store_dir):
+            raise ConfigError(f"{where}: host_store_dir must be a directory path")
 
     def effective_queue_size(self, max_concurrency: int) -> int:
         return self.queue_size if self.queue_size is not None else DEFAULT_QUEUE_PER_SEQUENCE * max_concurrency
@@ -138,6 +150,11 @@ class ServerConfig:
         if elements is None:
             elements = max(self.max_body_bytes // 128, 4 * context_length, 1024)
         return JsonLimits(max_elements=elements, max_depth=self.max_json_depth)
+
+    def host_store_config(self) -> HostStoreConfig:
+        dram = default_dram_bytes() if self.host_store_dram_gb is None else int(self.host_store_dram_gb * (1 << 30))
+        return HostStoreConfig(dram_bytes=dram, directory=Path(self.host_store_dir) if self.host_store_dir else None,
+                               disk_bytes=int(self.host_store_disk_gb * (1 << 30)))
 
     def prefix_cache_config(self) -> PrefixCacheConfig:
         return PrefixCacheConfig(enabled=self.prefix_cache, storage_fraction=float(self.checkpoint_storage_fraction),

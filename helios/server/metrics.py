@@ -15,6 +15,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from helios.engine.host_store import DROP_REASONS as HOST_DROP_REASONS, TIERS as HOST_TIERS
 from helios.server.errors import bad_request
 
 TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -80,8 +81,6 @@ INPUT_METRICS = (
 )
 CHECKPOINT_ROLES = ("anchor", "message", "endpoint")
 CHECKPOINT_SKIP_REASONS = ("unknown_cost", "work_budget", "storage", "recurrent_state")
-HOST_TIERS = ("dram", "nvme")
-HOST_DROP_REASONS = ("end_of_chain", "oversize", "io_error")
 HOST_HISTOGRAMS = (
     ("flare_host_cache_missing_tokens", "Prompt tokens a host prefix-store lookup could not cover"),
     ("flare_host_cache_estimated_transfer_ns", "Estimated host-to-GPU transfer time of a host prefix-store chain"),
@@ -92,10 +91,10 @@ HOST_HISTOGRAMS = (
 def engine_fields(s: Any, decode_weight_bytes: int, output_failures: int = 0) -> dict[str, Any]:
     """The api.md JSON table from one Engine.stats() snapshot.
 
-    Features this runtime does not have (speculation, host prefix store, replay timing) are 0.
-    Prefix reuse (engine-speed issue) is read from the stats when the engine reports it, so the
-    numbers appear here without touching this module.
+    Features this runtime does not have (speculation, replay timing) are 0; the host prefix
+    store's numbers are 0 when the engine runs without one.
     """
+    host = getattr(s, "host_store", None)
     return {
         "prefill_tokens": s.prefill_tokens_total,
         "generated_tokens": s.generated_tokens_total,
@@ -121,12 +120,12 @@ def engine_fields(s: Any, decode_weight_bytes: int, output_failures: int = 0) ->
         "free_pages": s.free_pages,
         "total_pages": s.total_pages,
         "page_tokens": s.page_tokens,
-        "host_hits": 0,
-        "host_reused_tokens": 0,
-        "host_memory_records": 0,
-        "host_disk_records": 0,
-        "host_bytes_out": 0,
-        "host_bytes_in": 0,
+        "host_hits": host.hits if host else 0,
+        "host_reused_tokens": host.reused_tokens if host else 0,
+        "host_memory_records": host.memory_records if host else 0,
+        "host_disk_records": host.disk_records if host else 0,
+        "host_bytes_out": host.bytes_out if host else 0,
+        "host_bytes_in": host.bytes_in if host else 0,
         "learned_drafter": False,
     }
 
@@ -143,6 +142,7 @@ class FlareCollector:
     def collect(self):  # noqa: ANN201 - prometheus_client protocol
         s = self.engine.stats()
         f = engine_fields(s, self.decode_weight_bytes, self.http.output_failures)
+        host = getattr(s, "host_store", None)
         counters = [
             ("flare_generated_tokens_total", "Committed generated tokens, including EOS and tokens withheld by stops",
              f["generated_tokens"]),
@@ -204,9 +204,10 @@ class FlareCollector:
              [([reason], (getattr(s, "checkpoint_skips", None) or {}).get(reason, 0))
               for reason in CHECKPOINT_SKIP_REASONS]),
             ("flare_host_cache_held_total", "Checkpoint records held by the host store by tier", ["tier"],
-             [([tier], 0) for tier in HOST_TIERS]),
+             [([tier], host.held.get(tier, 0) if host else 0) for tier in HOST_TIERS]),
             ("flare_host_cache_dropped_total", "Host store records dropped by tier and reason", ["tier", "reason"],
-             [([tier, reason], 0) for tier in HOST_TIERS for reason in HOST_DROP_REASONS]),
+             [([tier, reason], host.dropped.get((tier, reason), 0) if host else 0)
+              for tier in HOST_TIERS for reason in HOST_DROP_REASONS]),
         ]
         for name, doc, labels, samples in labelled:
             family = CounterMetricFamily(name, doc, labels=labels)
