@@ -37,7 +37,7 @@ WHAT = "the source files, their tests, the build scripts and the logs they write
 def agent_prompt(tag: str, tokens: int) -> list[dict]:
     """A system prompt of about `tokens` tokens (rules plus a tool list) and a question."""
     tools = json.dumps([json.loads(json.dumps(TOOL).replace("{i}", str(i)).replace("{what}", WHAT))
-                        for i in range(tokens // 75)], indent=1)
+                        for i in range(tokens // 150)], indent=1)  # ~150 tokens a tool
     system = f"Session {tag} {time.time_ns()}. You are a coding agent. Use the tools below.\n{tools}"
     return [{"role": "system", "content": system}, {"role": "user", "content": "Which tool reads part 3?"}]
 
