@@ -37,8 +37,8 @@ copied whenever p is not page aligned. Snapshots count against their own byte bu
 one snapshot) the cache neither captures nor restores; every offered candidate counts as a
 `recurrent_state` skip, and requests report no cached tokens.
 
-Host store (helios.engine.host_store). With one, every capture is also copied out of the pool
-(`read_pages`), and admission first `fetch`es a host record longer than the pool's best match
+Host store (helios.engine.host_store). With one, anchor, hint and endpoint captures are also
+copied out of the pool (`read_pages`), and admission first `fetch`es a host record longer than the pool's best match
 back into fresh pages (`write_pages`) as a pool checkpoint, which the restore then serves.
 """
 
@@ -400,7 +400,9 @@ class PrefixCache:
         ckpt = Checkpoint(ids, pages, role, key, state)
         self._register(ckpt)
         self.captures[role] += 1
-        if self.host is not None:
+        if self.host is not None and role is not CheckpointRole.MESSAGE:
+            # Records are whole prefixes: an earlier message end is a prefix of the same request's
+            # endpoint, which a later turn extends, so only anchors, hints and endpoints go out.
             assert self._read_pages is not None
             self.host.put(ids, self._read_pages(pages))
         return ckpt
