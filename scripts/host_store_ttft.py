@@ -25,6 +25,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from prefix_ttft import first_token  # noqa: E402 (a sibling script)
 from tests.conftest import Server  # noqa: E402
 
 TOOL = {"type": "function", "function": {
@@ -40,22 +41,6 @@ def agent_prompt(tag: str, tokens: int) -> list[dict]:
                         for i in range(tokens // 150)], indent=1)  # ~150 tokens a tool
     system = f"Session {tag} {time.time_ns()}. You are a coding agent. Use the tools below.\n{tools}"
     return [{"role": "system", "content": system}, {"role": "user", "content": "Which tool reads part 3?"}]
-
-
-def first_token(client: httpx.Client, messages: list[dict]) -> tuple[float, dict]:
-    body = {"messages": messages, "max_tokens": 1, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    first, usage = None, {}
-    with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[6:])
-                if first is None and chunk.get("choices"):
-                    first = time.perf_counter() - start
-                usage = chunk.get("usage") or usage
-    return (first if first is not None else time.perf_counter() - start), usage
 
 
 def metric(url: str, name: str) -> float:
