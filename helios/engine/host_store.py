@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,8 +76,21 @@ class HostRecord:
         return int(self.ids.nbytes + self.kv.nbytes)
 
 
-def record_key(ids: np.ndarray) -> str:
-    return hashlib.blake2b(ids.tobytes(), digest_size=16).hexdigest()
+def prefix_key(ids: np.ndarray) -> bytes:
+    """The digest a prefix is indexed by, in the pool's checkpoints and in host records."""
+    return hashlib.blake2b(np.asarray(ids, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
+def prefix_keys(token_ids: list[int], lengths: list[int]) -> Iterator[tuple[int, bytes]]:
+    """(length, prefix_key(token_ids[:length])) for each of the ascending `lengths`, from one
+    incremental hash over the prompt: O(prompt + lengths), not O(prompt x lengths)."""
+    ids = np.asarray(token_ids[: lengths[-1]], dtype=np.int64) if lengths else np.zeros(0, np.int64)
+    h = hashlib.blake2b(digest_size=16)
+    prev = 0
+    for length in lengths:
+        h.update(ids[prev:length].tobytes())
+        prev = length
+        yield length, h.copy().digest()
 
 
 @dataclass
@@ -156,7 +170,7 @@ class HostStore:
 
     def put(self, ids: np.ndarray, kv: np.ndarray) -> None:
         """Keep a captured checkpoint (ids and a fresh copy of its pages)."""
-        key = record_key(ids)
+        key = prefix_key(ids).hex()
         if key in self._dram:
             self._dram.move_to_end(key)
             return
@@ -184,17 +198,10 @@ class HostStore:
         with self._lock:
             lengths = sorted({n for n in self._lengths.values() if n <= min(limit, len(token_ids))})
             known = set(self._lengths)
-        if not lengths:
-            return None
-        ids = np.asarray(token_ids[: lengths[-1]], dtype=np.int64)
-        h = hashlib.blake2b(digest_size=16)
-        best, prev = None, 0
-        for length in lengths:  # one incremental hash over the prompt
-            h.update(ids[prev:length].tobytes())
-            prev = length
-            key = h.copy().hexdigest()
-            if key in known:
-                best = (key, length)
+        best = None
+        for length, digest in prefix_keys(token_ids, lengths):
+            if digest.hex() in known:
+                best = (digest.hex(), length)
         return best
 
     def get(self, key: str, token_ids: list[int]) -> HostRecord | None:

@@ -44,7 +44,6 @@ back into fresh pages (`write_pages`) as a pool checkpoint, which the restore th
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -54,7 +53,7 @@ import numpy as np
 
 from helios.engine.api import CheckpointCandidate, CheckpointRole
 from helios.engine.block_manager import BlockManager
-from helios.engine.host_store import HostStore
+from helios.engine.host_store import HostStore, prefix_key, prefix_keys
 
 # Selection order: the anchor is shared by every conversation with the same preamble; hints are
 # the client's own boundaries; the endpoint serves repeats and the next turn; message ends last.
@@ -106,10 +105,6 @@ class Checkpoint:
 
     def __repr__(self) -> str:
         return f"Checkpoint({self.role.value}, length={self.length}, pages={self.pages})"
-
-
-def _digest(data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 class PrefixCache:
@@ -194,17 +189,10 @@ class PrefixCache:
             return None
         n = len(token_ids) if limit is None else min(limit, len(token_ids))
         lengths = sorted(length for length in self._by_length if length <= n)
-        if not lengths:
-            return None
-        ids = np.asarray(token_ids[: lengths[-1]], dtype=np.int64)
-        h = hashlib.blake2b(digest_size=16)
         best: Checkpoint | None = None
-        prev = 0
-        for length in lengths:  # one incremental hash over the prompt: O(prompt + lengths)
-            h.update(ids[prev:length].tobytes())
-            prev = length
-            found = self._by_length[length].get(h.copy().digest())
-            if found is not None and np.array_equal(found.ids, ids[:length]):
+        for length, digest in prefix_keys(token_ids, lengths):
+            found = self._by_length[length].get(digest)
+            if found is not None and np.array_equal(found.ids, token_ids[:length]):
                 best = found
         return best
 
@@ -348,7 +336,7 @@ class PrefixCache:
         if not (0 < p <= seq.num_computed_tokens):
             raise ValueError(f"cannot capture position {p}: {seq.num_computed_tokens} tokens computed")
         ids = np.asarray(seq.token_ids[:p], dtype=np.int64)
-        key = _digest(ids.tobytes())
+        key = prefix_key(ids)
         existing = self._by_length.get(p, {}).get(key)
         if existing is not None and np.array_equal(existing.ids, ids):
             self._promote(existing, role)
@@ -438,7 +426,7 @@ class PrefixCache:
         assert self._write_pages is not None
         self._write_pages(pages, record.kv)
         ids = np.asarray(record.ids, dtype=np.int64)
-        self._register(Checkpoint(ids, pages, CheckpointRole.ENDPOINT, _digest(ids.tobytes())))
+        self._register(Checkpoint(ids, pages, CheckpointRole.ENDPOINT, prefix_key(ids)))
         self.host.hits += 1
         self.host.reused_tokens += min(length, len(token_ids) - 1)
 
@@ -505,7 +493,7 @@ class PrefixCache:
         if not bucket:
             return None
         ids = np.asarray(token_ids[:p], dtype=np.int64)
-        found = bucket.get(_digest(ids.tobytes()))
+        found = bucket.get(prefix_key(ids))
         return found if found is not None and np.array_equal(found.ids, ids) else None
 
     @staticmethod
