@@ -60,6 +60,8 @@ class EngineStats:
     reused_tokens_total: int = 0  # prompt tokens restored from checkpoints (every admission)
     cache_hits_total: int = 0  # admissions that restored a checkpoint
     cached_pages: int = 0  # pages owned by checkpoints
+    checkpoint_storage_pages: int = 0  # the most pages checkpoints may own
+    intake_pages: int = 0  # pages of checkpoints fetched from the host store
     checkpoints: int = 0  # checkpoints held
     checkpoint_captures: dict[str, int] = field(default_factory=dict)  # by role: anchor/message/endpoint
     checkpoint_skips: dict[str, int] = field(default_factory=dict)  # unknown_cost/work_budget/storage/recurrent_state
@@ -74,12 +76,21 @@ class EngineStats:
     host_store: HostStoreStats | None = None  # None: no host prefix store
 
 
+PREFILL_SAMPLE_TOKENS = 64  # smaller prefill steps are dominated by fixed per-step costs
+
+
 def _host_store(manifest: Manifest, runner: Any, config: HostStoreConfig | None) -> dict[str, Any]:
     """PrefixCache arguments for the host prefix store (none without a config or page access)."""
     callbacks = page_callbacks(runner)
     if config is None or not callbacks or (config.dram_bytes <= 0 and config.directory is None):
         return {}
-    return {"host": HostStore(core_identity(manifest), config), **callbacks}
+    store = HostStore(core_identity(manifest), config, manifest.kv.page_tokens, _page_bytes(manifest))
+    return {"host": store, **callbacks}
+
+
+def _page_bytes(manifest: Manifest) -> int:
+    kv = manifest.kv
+    return kv.num_layers * 2 * kv.page_tokens * kv.kv_heads * kv.head_dim * 4
 
 
 def _state_snapshots(manifest: Manifest, runner: Any) -> dict[str, Any]:
@@ -124,11 +135,10 @@ class Engine:
             tokenizer = Tokenizer.from_file(str(self.core_dir / manifest.tokenizer.file))
         self.tokenizer = tokenizer
         self.block_manager = BlockManager(runner.num_pages, manifest.kv.page_tokens)
-        kv = manifest.kv
         self.prefix_cache = PrefixCache(
             self.block_manager,
             copy_page=getattr(runner, "copy_page", None),
-            page_bytes=kv.num_layers * 2 * kv.page_tokens * kv.kv_heads * kv.head_dim * 4,
+            page_bytes=_page_bytes(manifest),
             config=prefix_cache,
             **_state_snapshots(manifest, runner),
             **_host_store(manifest, runner, host_store),
@@ -289,6 +299,8 @@ class Engine:
             reused_tokens_total=cache.reused_tokens,
             cache_hits_total=cache.hits,
             cached_pages=cache.cached_pages,
+            checkpoint_storage_pages=cache.storage_pages if cache.enabled else 0,
+            intake_pages=cache.intake_pages,
             checkpoints=cache.num_checkpoints,
             checkpoint_captures=cache.capture_counts(),
             checkpoint_skips=dict(cache.skips),
@@ -407,6 +419,7 @@ class Engine:
         ]
         # Grammar masks and forced tokens of the rows that sample, computed beside the forward pass.
         masking = self.constraints.begin([r.seq for r in batch.rows if r.samples])
+        started = time.perf_counter()
         try:
             out = self.runner.step(rows)
         except Exception as exc:
@@ -416,7 +429,11 @@ class Engine:
                     emitted.append((r.seq, self._fail(r.seq, f"runner step failed: {exc}")))
             return
         self.scheduler.commit(batch)
-        self._prefill_tokens += sum(r.num_tokens for r in batch.rows if not r.is_decode)
+        prefilled = sum(r.num_tokens for r in batch.rows if not r.is_decode)
+        self._prefill_tokens += prefilled
+        if self.prefix_cache.host is not None and prefilled >= PREFILL_SAMPLE_TOKENS:
+            # The host store prices a restore against the prefill it replaces: this step's rate.
+            self.prefix_cache.host.observe_prefill(prefilled, time.perf_counter() - started)
         if out.prompt_scores is not None:
             for r, scores in zip(batch.rows, out.prompt_scores):
                 if scores is not None:

@@ -38,8 +38,11 @@ one snapshot) the cache neither captures nor restores; every offered candidate c
 `recurrent_state` skip, and requests report no cached tokens.
 
 Host store (helios.engine.host_store). With one, anchor, hint and endpoint captures are also
-copied out of the pool (`read_pages`), and admission first `fetch`es a host record longer than the pool's best match
-back into fresh pages (`write_pages`) as a pool checkpoint, which the restore then serves.
+offered to it (the pages beyond the longest prefix it holds are copied out with `read_pages`,
+with the state snapshot on state cores), and admission first `fetch`es a host chain longer than
+the pool's best match back into fresh pages (`write_pages`) as a pool checkpoint (an `intake`
+checkpoint until evicted), which the restore then serves, when its predicted transfer is cheaper
+than the prefill it replaces.
 """
 
 from __future__ import annotations
@@ -148,10 +151,11 @@ class PrefixCache:
         self.copies = 0
         self.copy_seconds = 0.0  # measured, for reports
         self.extra_work_ns = 0
-        # Records carry no recurrent-state snapshot yet, so state cores keep no host records.
-        usable = host is not None and read_pages is not None and write_pages is not None and not recurrent_state
-        self.host = host if usable else None
+        # State cores keep host records only when they can snapshot (the record carries the state).
+        usable = host is not None and read_pages is not None and write_pages is not None
+        self.host = host if usable and (self.snapshots or not recurrent_state) else None
         self._read_pages, self._write_pages = read_pages, write_pages
+        self._intake: set[int] = set()  # ids of checkpoints fetched from the host store
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -172,6 +176,11 @@ class PrefixCache:
     @property
     def num_checkpoints(self) -> int:
         return len(self._lru)
+
+    @property
+    def intake_pages(self) -> int:
+        """Pages held by checkpoints that came from the host store."""
+        return sum(len(ckpt.pages) for ckpt in self._lru.values() if id(ckpt) in self._intake)
 
     def checkpoints(self) -> list[Checkpoint]:
         """Least recently used first."""
@@ -391,8 +400,9 @@ class PrefixCache:
         if self.host is not None and role is not CheckpointRole.MESSAGE:
             # Records are whole prefixes: an earlier message end is a prefix of the same request's
             # endpoint, which a later turn extends, so only anchors, hints and endpoints go out.
-            assert self._read_pages is not None
-            self.host.put(ids, self._read_pages(pages))
+            read = self._read_pages
+            assert read is not None
+            self.host.offer(ids, lambda first_page: read(pages[first_page:]), state)
         return ckpt
 
     def _register(self, ckpt: Checkpoint) -> None:
@@ -404,31 +414,45 @@ class PrefixCache:
     # -- host store ------------------------------------------------------------------------------
 
     def fetch(self, token_ids: list[int], free_pages: int) -> None:
-        """Bring the host store's longest record for `token_ids` into the pool when it covers more
-        than the pool's own checkpoints and fits in `free_pages` and the checkpoint budget."""
-        if self.host is None or not self.enabled or len(token_ids) < 2:
+        """Bring the host store's longest chain for `token_ids` into the pool when it covers more
+        than the pool's own checkpoints, fits in `free_pages` and the checkpoint budget, and is
+        predicted cheaper to restore than to recompute."""
+        host = self.host
+        if host is None or not self.enabled or len(token_ids) < 2:
             return
-        found = self.host.lookup(token_ids, len(token_ids))
-        held = self.lookup(token_ids)
-        if found is None or found[1] <= (held.length if held is not None else 0):
+        # With recurrent state only a whole checkpoint below the last token can be restored.
+        limit = len(token_ids) - 1 if self.recurrent_state else len(token_ids)
+        held = self.lookup(token_ids, limit)
+        chain = host.find(token_ids, limit)
+        if not host.worth_restoring(chain, held.length if held is not None else 0, len(token_ids)):
             return
-        key, length = found
-        pages_needed = -(-length // self.pt)
+        assert chain is not None
+        pages_needed = -(-chain.length // self.pt)
         if pages_needed > min(free_pages, self.storage_pages):
             return
-        while self.cached_pages + pages_needed > self.storage_pages:
+        while self.cached_pages + pages_needed > self.storage_pages or (
+                self.recurrent_state and len(self._lru) >= self.max_snapshots):
             if not self._evict_one(protect=held):
                 return
-        record = self.host.get(key, token_ids)
-        if record is None or record.kv.shape[2] != pages_needed:
+        records = host.load(chain, token_ids)
+        if records is None or (self.recurrent_state and records[-1].state is None):
+            return
+        if any(r.kv.shape[2] != -(-r.link.length // self.pt) - r.link.first_page for r in records):
             return
         pages = self.bm.allocate(pages_needed)
         assert self._write_pages is not None
-        self._write_pages(pages, record.kv)
-        ids = np.asarray(record.ids, dtype=np.int64)
-        self._register(Checkpoint(ids, pages, CheckpointRole.ENDPOINT, prefix_key(ids)))
-        self.host.hits += 1
-        self.host.reused_tokens += min(length, len(token_ids) - 1)
+        started = time.perf_counter()
+        for record in records:  # root first: each page ends up with the leaf's copy
+            first = record.link.first_page
+            self._write_pages(pages[first:first + record.kv.shape[2]], record.kv)
+        host.observe_copy(sum(r.nbytes for r in records), time.perf_counter() - started)
+        ids = np.concatenate([r.ids for r in records])
+        ckpt = Checkpoint(ids, pages, CheckpointRole.ENDPOINT, prefix_key(ids), records[-1].state)
+        self._register(ckpt)
+        self._intake.add(id(ckpt))
+        host.hits += 1
+        held_tokens = self.restorable(held, len(token_ids)) if held is not None else 0
+        host.reused_tokens += self.restorable(ckpt, len(token_ids)) - held_tokens
 
     # -- eviction --------------------------------------------------------------------------------
 
@@ -474,6 +498,7 @@ class PrefixCache:
 
     def _drop(self, ckpt: Checkpoint) -> None:
         del self._lru[id(ckpt)]
+        self._intake.discard(id(ckpt))
         bucket = self._by_length[ckpt.length]
         del bucket[ckpt.key]
         if not bucket:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from helios.engine.host_store import HostStoreConfig, default_dram_bytes
+from helios.engine.host_store import RESTORE_POLICIES, HostStoreConfig, default_dram_bytes
 from helios.engine.prefix_cache import PrefixCacheConfig
 from helios.frontend.thinking import INT32_MAX
 from helios.server.bodies import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, JsonLimits
@@ -71,6 +71,7 @@ class ServerConfig:
     host_store_dram_gb: float | None = None
     host_store_dir: str | None = None
     host_store_disk_gb: float = 16.0
+    host_store_restore: str = "predicted"  # or "always" (helios.engine.host_store.HostStoreConfig)
 
     @classmethod
     def load(cls, path: Path) -> "ServerConfig":
@@ -139,6 +140,8 @@ class ServerConfig:
                 raise ConfigError(f"{where}: {name} must be a number of GiB (0 or more)")
         if self.host_store_dir is not None and (not isinstance(self.host_store_dir, str) or not self.host_store_dir):
             raise ConfigError(f"{where}: host_store_dir must be a directory path")
+        if self.host_store_restore not in RESTORE_POLICIES:
+            raise ConfigError(f"{where}: host_store_restore must be one of {', '.join(RESTORE_POLICIES)}")
 
     def effective_queue_size(self, max_concurrency: int) -> int:
         return self.queue_size if self.queue_size is not None else DEFAULT_QUEUE_PER_SEQUENCE * max_concurrency
@@ -154,7 +157,7 @@ class ServerConfig:
     def host_store_config(self) -> HostStoreConfig:
         dram = default_dram_bytes() if self.host_store_dram_gb is None else int(self.host_store_dram_gb * (1 << 30))
         return HostStoreConfig(dram_bytes=dram, directory=Path(self.host_store_dir) if self.host_store_dir else None,
-                               disk_bytes=int(self.host_store_disk_gb * (1 << 30)))
+                               disk_bytes=int(self.host_store_disk_gb * (1 << 30)), restore=self.host_store_restore)
 
     def prefix_cache_config(self) -> PrefixCacheConfig:
         return PrefixCacheConfig(enabled=self.prefix_cache, storage_fraction=float(self.checkpoint_storage_fraction),

@@ -182,8 +182,10 @@ class FlareCollector:
             ("flare_host_cache_bytes_out_total", "Bytes copied from GPU checkpoints to the host store",
              f["host_bytes_out"]),
             ("flare_host_cache_bytes_in_total", "Bytes copied from the host store into GPU pages", f["host_bytes_in"]),
-            ("flare_host_cache_copyout_headroom_deferrals_total", "Copy-out offers deferred by the headroom check", 0),
-            ("flare_host_cache_store_skipped_total", "Host store offers skipped (duplicates and retries)", 0),
+            ("flare_host_cache_copyout_headroom_deferrals_total", "Copy-out offers deferred by the headroom check",
+             host.copyout_deferrals if host else 0),
+            ("flare_host_cache_store_skipped_total", "Host store offers skipped (duplicates and retries)",
+             host.store_skipped if host else 0),
             ("flare_checkpoint_extra_work_nanoseconds_total", "Charged predicted extra prefill and copy work",
              getattr(s, "checkpoint_extra_work_ns_total", 0)),
             ("flare_embedding_row_cache_hits_total", "Embedding row-cache hits", 0),
@@ -226,10 +228,12 @@ class FlareCollector:
              f["host_memory_records"]),
             ("flare_host_cache_disk_records", "Checkpoint records in the host store's directory",
              f["host_disk_records"]),
-            ("flare_host_cache_parked_records", "Complete DRAM copies awaiting disk writes", 0),
-            ("flare_host_cache_slots_in_use", "Local checkpoint pool slots in use", 0),
-            ("flare_host_cache_slots_total", "Local checkpoint pool slots", 0),
-            ("flare_host_cache_intake_slots", "Local checkpoint pool intake slots", 0),
+            ("flare_host_cache_parked_records", "Complete DRAM copies awaiting disk writes",
+             host.parked_records if host else 0),
+            # Slots are KV pages: those checkpoints own, their budget, and those fetched from the host.
+            ("flare_host_cache_slots_in_use", "Local checkpoint pool slots in use", f["cached_pages"]),
+            ("flare_host_cache_slots_total", "Local checkpoint pool slots", getattr(s, "checkpoint_storage_pages", 0)),
+            ("flare_host_cache_intake_slots", "Local checkpoint pool intake slots", getattr(s, "intake_pages", 0)),
             ("flare_history_drafts_enabled", "Whether shared decoded history augments learned proposals", 0),
             ("flare_http_inflight_requests", "HTTP generation requests in progress", self.http.inflight_requests),
             ("flare_http_admission_slots", "HTTP admission slots (one per generated choice)", self.admission.slots),
@@ -241,8 +245,10 @@ class FlareCollector:
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
+        histograms = host.histograms if host else {}
         for name, doc in HOST_HISTOGRAMS:
-            yield HistogramMetricFamily(name, doc, buckets=[("+Inf", 0)], sum_value=0)
+            buckets, total = histograms.get(name.removeprefix("flare_host_cache_"), ([("+Inf", 0)], 0.0))
+            yield HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
 
 
 def prometheus_text(collector: FlareCollector) -> bytes:
@@ -254,6 +260,7 @@ def prometheus_text(collector: FlareCollector) -> bytes:
 def json_snapshot(collector: FlareCollector) -> dict[str, Any]:
     """The api.md "Health and metrics" object; helios.dashboard.Snapshot reads it back."""
     s = collector.engine.stats()
+    host = getattr(s, "host_store", None)
     return {
         **engine_fields(s, collector.decode_weight_bytes, collector.http.output_failures),
         "first_response": collector.http.first_response.snapshot(),
@@ -272,6 +279,8 @@ def json_snapshot(collector: FlareCollector) -> dict[str, Any]:
         "engine_graph_ns": int(getattr(s, "graph_seconds_total", 0.0) * 1e9),
         "engine_schedule_ns": int(s.schedule_seconds_total * 1e9),
         "grammar_mask_ns": int(getattr(s, "grammar_mask_seconds_total", 0.0) * 1e9),
+        # Host prefix store beyond the table: chains declined because recomputing was predicted cheaper.
+        "host_restores_declined": host.restores_declined if host else 0,
     }
 
 

@@ -303,6 +303,38 @@ def test_checkpoints_snapshot_and_restore_recurrent_state(core):
     assert warm.stats().checkpoint_skips["recurrent_state"] == 0
 
 
+def test_host_records_carry_the_state_snapshot(core, tmp_path):
+    """A state core's host records hold the state after their last token: a restarted engine
+    restores a chain from disk (pages + state) and generates what an uncached engine does."""
+    from helios.engine.api import CheckpointRole
+    from helios.engine.engine import Engine
+    from helios.engine.host_store import HostStoreConfig
+    from helios.engine.prefix_cache import PrefixCacheConfig
+
+    A, E = CheckpointRole.ANCHOR, CheckpointRole.ENDPOINT
+    rng = np.random.default_rng(13)
+    first = rng.integers(0, 256, 45).tolist()
+    second = first + rng.integers(0, 256, 30).tolist()
+    want = _run(_engine(core, enabled=False), second)[0]
+
+    def engine() -> Engine:
+        return Engine(core, Manifest.load(core, verify_files=False), kv_pages=64, threads=1,
+                      prefix_cache=PrefixCacheConfig(),
+                      host_store=HostStoreConfig(dram_bytes=0, directory=tmp_path, restore="always"))
+
+    writer = engine()
+    assert writer.prefix_cache.host is not None
+    _run(writer, first, [(21, A), (45, E)])
+    writer.shutdown()
+    assert len(list(tmp_path.rglob("*.rec"))) == 2  # the anchor and a link from it to the endpoint
+    reader = engine()
+    got, cached = _run(reader, second, [(75, E)])
+    assert got == want and cached == 45
+    stats = reader.stats().host_store
+    assert stats.hits == 1 and stats.reused_tokens == 45 and stats.dropped[("nvme", "io_error")] == 0
+    reader.shutdown()
+
+
 def test_checkpoints_are_refused_without_state_snapshots(core):
     """With no room for a snapshot the cache neither captures nor restores and counts the skips."""
     from helios.engine.api import CheckpointRole
