@@ -166,7 +166,7 @@ class View:
         footer = Text(
             f"active {s.active}  pending {s.pending}  inflight {s.http_inflight_requests}  "
             f"completed {s.completed}  failed {s.failed}  cancelled {s.cancelled}  "
-            f"cached pages {s.cached_pages}  host hits {s.host_hits}  DEPTH {depth}  first response {first}  uptime {s.uptime_seconds}s"
+            f"cached pages {s.cached_pages}  host hits {s.host_hits} ({s.host_reused_tokens} tokens)  DEPTH {depth}  first response {first}  uptime {s.uptime_seconds}s"
         )
         return Group(Panel(table, title=title, title_align="left"), footer)
 

@@ -48,7 +48,9 @@ second_turn_cached_tokens), prefill_16k_ms, tokens (the prompt length the _16k k
 prefill_16k_vs_512 (16k prefill / helios's own 512-token prefill; target >= 0.5),
 decode_16k_bound_tps and decode_16k_bound_ratio (decode / the bandwidth bound; target >= 0.6),
 decode_16k_bytes_per_step, and prefill_16k_vs_best_peer / decode_16k_vs_best_peer (targets
->= 1.5 and >= 1.3).
+>= 1.5 and >= 1.3). With --host-store, "host_store" holds scripts/host_store_ttft.py's section
+(its own servers, after the rest: cold/restart/evicted TTFT of a 16k agent prompt and restore
+rates, targets restart and evicted <= 0.05x cold).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from bandwidth import read_bandwidth  # noqa: E402
+from host_store_ttft import measure as measure_host_store  # noqa: E402
 from prefix_ttft import measure as measure_prefix_reuse  # noqa: E402
 from tests.conftest import Server  # noqa: E402  (the same launcher the tests use)
 
@@ -516,6 +519,8 @@ def main() -> None:
                         help="skip the 16k-token long-context section (tens of seconds per runtime per round)")
     parser.add_argument("--long-rounds", type=int, default=None,
                         help="run the long-context section in the first N rounds only [every round]")
+    parser.add_argument("--host-store", action="store_true",
+                        help="add the host prefix store section (scripts/host_store_ttft.py: minutes of 16k prefill)")
     parser.add_argument("--long-tokens", type=int, default=LONG_TOKENS,
                         help=f"long-context prompt tokens, for smoke tests; the JSON keys keep their _16k names [{LONG_TOKENS}]")
     args = parser.parse_args()
@@ -602,6 +607,8 @@ def main() -> None:
         "core": str(args.core),
         "rounds": {"helios": helios_rounds, "peers": peer_rounds},
     }
+    if args.host_store:
+        results["host_store"] = measure_host_store(args.core, log=lambda line: print(f"host store: {line}", flush=True))
     print(table(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")

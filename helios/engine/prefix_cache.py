@@ -413,10 +413,11 @@ class PrefixCache:
 
     # -- host store ------------------------------------------------------------------------------
 
-    def fetch(self, token_ids: list[int], free_pages: int) -> None:
+    def fetch(self, token_ids: list[int], free_pages: int, request_pages: int) -> None:
         """Bring the host store's longest chain for `token_ids` into the pool when it covers more
-        than the pool's own checkpoints, fits in `free_pages` and the checkpoint budget, and is
-        predicted cheaper to restore than to recompute."""
+        than the pool's own checkpoints and is predicted cheaper to restore than to recompute.
+        `free_pages` are free for this admission, `request_pages` what the request needs in all;
+        less recently used checkpoints are evicted to make room for the chain beside it."""
         host = self.host
         if host is None or not self.enabled or len(token_ids) < 2:
             return
@@ -428,12 +429,17 @@ class PrefixCache:
             return
         assert chain is not None
         pages_needed = -(-chain.length // self.pt)
-        if pages_needed > min(free_pages, self.storage_pages):
+        # The request then shares the chain's whole pages and allocates only the rest.
+        need = pages_needed + request_pages - self.shared_pages(min(chain.length, len(token_ids) - 1))
+        if pages_needed > self.storage_pages or need > free_pages + self.reclaimable_pages(held):
             return
         while self.cached_pages + pages_needed > self.storage_pages or (
                 self.recurrent_state and len(self._lru) >= self.max_snapshots):
             if not self._evict_one(protect=held):
                 return
+        promised = self.bm.num_free - free_pages  # pages other admissions already hold a claim on
+        if not self.reclaim(need + promised, protect=held):
+            return
         records = host.load(chain, token_ids)
         if records is None or (self.recurrent_state and records[-1].state is None):
             return

@@ -44,8 +44,8 @@ def test_rates_weights_depth_and_render():
     text = render(view)
     assert "helios top" in text and "http://example:8000" in text and "DEPTH -" in text
     view.update(Snapshot(**{**base, "free_pages": 60}, generated_tokens=500, prefill_tokens=2000, completed=4,
-                         verify_steps=20, reused_tokens=100, verification_drafts=30, verification_rounds=10,
-                         active=2, pending=1), at=12.0)
+                         verify_steps=20, reused_tokens=60, host_reused_tokens=40, host_hits=1,
+                         verification_drafts=30, verification_rounds=10, active=2, pending=1), at=12.0)
     assert list(view.history["tokens"]) == [250.0]
     assert list(view.history["requests"]) == [2.0]
     assert list(view.history["reuse"]) == [50.0]
@@ -56,6 +56,7 @@ def test_rates_weights_depth_and_render():
     for label in ("tokens/s", "requests", "KV pages", "cache reuse", "WEIGHTS", "active+pending"):
         assert label in text, label
     assert "10.00 GB/s" in text and "40/100" in text and "250 tok/s" in text and "DEPTH 3.00" in text
+    assert "host hits 1 (40 tokens)" in text
     assert "█" in text
     for i in range(10):  # history is bounded
         view.update(Snapshot(**base), at=13.0 + i)

@@ -131,6 +131,26 @@ def test_a_turn_extends_the_chain_and_output_matches_an_engine_without_a_host_st
     reader.shutdown()
 
 
+def test_a_prompt_evicted_from_a_full_pool_comes_back_from_dram(tiny_core):
+    """Eviction order: other prompts push the first one's checkpoint out of the pool (LRU); its
+    restore then evicts their checkpoints in turn to make room for the chain beside the request."""
+    manifest = Manifest.load(tiny_core, verify_files=False)
+    engine = Engine(tiny_core, manifest, kv_pages=40, threads=1, prefix_cache=PrefixCacheConfig(storage_fraction=0.9),
+                    host_store=HostStoreConfig(dram_bytes=1 << 30, restore="always"))
+    rng = np.random.default_rng(21)
+    main = rng.integers(100, 5000, 200).tolist()  # 13 pages
+    expected, _ = run(engine, main, "main")
+    for index in range(3):  # 10 pages each: the third one evicts `main` from the 36-page budget
+        run(engine, rng.integers(100, 5000, 150).tolist(), f"other{index}")
+    assert 200 not in [c.length for c in engine.prefix_cache.checkpoints()]
+    assert engine.block_manager.num_free < 15  # the chain (13) + the request's own page (2) need more
+    out, cached = run(engine, main, "again")
+    assert out == expected and cached == 199
+    stats = engine.stats()
+    assert stats.host_store.hits == 1 and stats.checkpoint_evictions_total >= 2
+    engine.shutdown()
+
+
 def _usage_cached(protocol: str, body: dict) -> int:
     usage = body["usage"]
     if protocol == "messages":
