@@ -33,6 +33,11 @@ class RecordError(ValueError):
     """A record file that fails a check: torn, truncated, foreign or corrupted."""
 
 
+class RecordReplaced(RecordError):
+    """A sound record file whose link is not the one indexed: another process sharing the
+    directory wrote the same prefix as a link of another chain."""
+
+
 @dataclass
 class RecordLink:
     """Where a record sits in its chain; what the index keeps for every record of either tier."""
@@ -100,7 +105,7 @@ def read_record(path: Path, identity: str, link: RecordLink) -> HostRecord:
     with open(path, "rb") as source:
         header = _header(source.readline(), identity)
         if _link(header) != link:
-            raise RecordError("its header does not match the index")
+            raise RecordReplaced("its header does not match the index")
         kv_shape = [int(n) for n in header["kv_shape"]]
         state_shape = header["state_shape"]
         sizes = [(link.length - link.start) * 8, int(np.prod(kv_shape)) * 4]

@@ -43,7 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from helios.engine.host_records import HostRecord, RecordError, RecordLink, read_link, read_record, write_record
+from helios.engine.host_records import (HostRecord, RecordError, RecordLink, RecordReplaced, read_link, read_record,
+                                        write_record)
 from helios.manifest import Manifest
 
 log = logging.getLogger("helios.host_store")
@@ -234,7 +235,16 @@ class HostStore:
             start = parent.length if parent is not None else 0
             first_page = start // self.page_tokens
             pages = -(-ids.shape[0] // self.page_tokens) - first_page
-            if self._writer is not None and self._parked_bytes + pages * self.page_bytes > PARKED_LIMIT_BYTES:
+            nbytes = pages * self.page_bytes + (ids.shape[0] - start) * 8 + (0 if state is None else state.nbytes)
+            to_dram = 0 < nbytes <= self.config.dram_bytes
+            to_disk = self._writer is not None and nbytes <= self.config.disk_bytes
+            if self.config.dram_bytes > 0 and not to_dram:
+                self.dropped[("dram", "oversize")] += 1
+            if self._writer is not None and not to_disk:
+                self.dropped[("nvme", "oversize")] += 1
+            if not (to_dram or to_disk):
+                return  # nowhere to keep it: no copy
+            if to_disk and self._parked_bytes + nbytes > PARKED_LIMIT_BYTES:
                 self.copyout_deferrals += 1  # the writer is behind: no more copies in flight
                 return
         kv = read_pages(first_page)
@@ -242,15 +252,9 @@ class HostStore:
         record = HostRecord(link, ids[start:].copy(), kv, None if state is None else np.array(state, np.float32))
         link.nbytes = record.nbytes
         self.bytes_out += record.nbytes
-        to_dram = self.config.dram_bytes > 0 and record.nbytes <= self.config.dram_bytes
-        to_disk = self._writer is not None and record.nbytes <= self.config.disk_bytes
         with self._lock:
-            if self.config.dram_bytes > 0 and not to_dram:
-                self.dropped[("dram", "oversize")] += 1
-            if self._writer is not None and not to_disk:
-                self.dropped[("nvme", "oversize")] += 1
-            if not (to_dram or to_disk) or (link.parent is not None and link.parent not in self._links):
-                return  # nowhere to keep it, or its parent went while the pages were copied
+            if link.parent is not None and link.parent not in self._links:
+                return  # its parent went while the pages were copied
             self._links[key] = link
             if link.parent is not None:
                 self._children.setdefault(link.parent, set()).add(key)
@@ -279,12 +283,13 @@ class HostStore:
             self._rescan()
             return self._longest(token_ids, limit)
 
-    def worth_restoring(self, chain: Chain | None, held: int, prompt_tokens: int) -> bool:
+    def worth_restoring(self, chain: Chain | None, held: int, prompt_tokens: int, record: bool = True) -> bool:
         """Predict a chain's restore against the prefill it saves beyond the pool's own `held`-token
-        checkpoint (the last prompt token is always computed) and record the lookup in the
-        histograms."""
+        checkpoint (the last prompt token is always computed); `record` enters the lookup in the
+        histograms and the declined count."""
         covered = chain.length if chain is not None else 0
-        self.histograms["missing_tokens"].observe(max(0, prompt_tokens - max(covered, held)))
+        if record:
+            self.histograms["missing_tokens"].observe(max(0, prompt_tokens - max(covered, held)))
         if chain is None or chain.length <= held:
             return False
         saved = min(chain.length, prompt_tokens - 1) - min(held, prompt_tokens - 1)
@@ -293,10 +298,11 @@ class HostStore:
         on_disk = sum(link.nbytes for link in chain.links) - in_dram
         transfer_ns = (in_dram / self.copy_bytes_per_s + on_disk / self.disk_bytes_per_s) * 1e9
         prefill_ns = saved * self.prefill_ns_per_token
-        self.histograms["estimated_transfer_ns"].observe(transfer_ns)
-        self.histograms["estimated_prefill_ns"].observe(prefill_ns)
+        if record:
+            self.histograms["estimated_transfer_ns"].observe(transfer_ns)
+            self.histograms["estimated_prefill_ns"].observe(prefill_ns)
         if transfer_ns >= prefill_ns and self.config.restore != "always":
-            self.restores_declined += 1
+            self.restores_declined += int(record)
             return False
         return True
 
@@ -320,6 +326,8 @@ class HostStore:
                 return None  # a hash collision: never served
             records.append(record)
         with self._lock:
+            # A writer's disk trim may have dropped a link while it was read: the records passed
+            # every check and are served, but only what is still indexed is touched.
             self._touch(chain.links[-1].key)
             self._fit_dram()
         self.bytes_in += sum(r.nbytes for r in records)
@@ -356,7 +364,7 @@ class HostStore:
 
     def _touch(self, key: str | None) -> None:
         """Mark a record used, then its ancestors (more recent than any of their descendants)."""
-        while key is not None:
+        while key is not None and key in self._links:
             for tier in (self._dram, self._disk):
                 if key in tier:
                     tier.move_to_end(key)
@@ -388,6 +396,9 @@ class HostStore:
         record = self._dram.pop(key, None)
         if record is not None:
             self._dram_bytes -= record.nbytes
+        parked = self._parked.pop(key, None)
+        if parked is not None:  # its write still runs; _write sees the link gone and deletes the file
+            self._parked_bytes -= parked.nbytes
         size = self._disk.pop(key, None)
         if size is not None:
             self._disk_bytes -= size
@@ -434,26 +445,38 @@ class HostStore:
                 continue
             try:
                 link = read_link(path, self.identity)
+                size = path.stat().st_size
+                if link.key != key or link.length != int(length) or not self._well_formed(link):
+                    raise RecordError("its header does not match its name or its chain fields are inconsistent")
+            except FileNotFoundError:  # another process sharing the directory evicted it
+                continue
             except (OSError, RecordError) as exc:
                 log.warning("host store record %s is unreadable (%s): dropped", path.name, exc)
                 path.unlink(missing_ok=True)
                 self.dropped[("nvme", "io_error")] += 1
                 continue
             self._links[link.key] = link
-            self._disk[link.key] = path.stat().st_size
-            self._disk_bytes += self._disk[link.key]
+            self._disk[link.key] = size
+            self._disk_bytes += size
             fresh.append(link)
         for link in fresh:  # parents first (they were written first); orphans go
-            if link.key not in self._links:
+            if link.key not in self._links or link.parent is None:
                 continue
-            if link.parent is not None and link.parent not in self._links:
+            parent = self._links.get(link.parent)
+            if parent is None or parent.length != link.start:
                 self.dropped[("nvme", "end_of_chain")] += 1
                 self._forget(link.key)
-            elif link.parent is not None:
+            else:
                 self._children.setdefault(link.parent, set()).add(link.key)
         for link in fresh:
             if link.key in self._links:
                 self._touch(link.key)
+
+    def _well_formed(self, link: RecordLink) -> bool:
+        """A link's own fields agree (a chain root starts at 0, a link starts inside its parent's
+        last page), so walking parents always ends."""
+        return (0 <= link.start < link.length and (link.parent is None) == (link.start == 0)
+                and link.parent != link.key and link.first_page == link.start // self.page_tokens)
 
     def _write(self, record: HostRecord) -> None:
         """Writer thread: the record file, then the disk budget."""
@@ -466,16 +489,17 @@ class HostStore:
             with self._lock:
                 self.dropped[("nvme", "io_error")] += 1
                 self._unpark(record)
-                if link.key not in self._dram:
+                if self._links.get(link.key) is link and link.key not in self._dram:
                     self._forget(link.key)
             return
         with self._lock:
             self._unpark(record)
-            if link.key not in self._links:  # dropped while it was written (a lost ancestor)
-                path.unlink(missing_ok=True)
+            if self._links.get(link.key) is not link:  # dropped while it was written (a lost ancestor)
+                if link.key not in self._links:
+                    path.unlink(missing_ok=True)
                 return
+            self._disk_bytes += size - self._disk.get(link.key, 0)
             self._disk[link.key] = size
-            self._disk_bytes += size
             self.held["nvme"] += 1
             self._touch(link.key)
             self._folder_mtime = self.folder.stat().st_mtime if self.folder else 0.0
@@ -488,7 +512,8 @@ class HostStore:
                     self._forget(old_key)
 
     def _unpark(self, record: HostRecord) -> None:
-        if self._parked.pop(record.link.key, None) is not None:
+        if self._parked.get(record.link.key) is record:
+            del self._parked[record.link.key]
             self._parked_bytes -= record.nbytes
 
     def _read_disk(self, link: RecordLink) -> HostRecord | None:
@@ -503,6 +528,12 @@ class HostStore:
         except FileNotFoundError:  # another process sharing the directory evicted it
             with self._lock:
                 self._forget(link.key)
+            return None
+        except RecordReplaced:  # another process wrote the same prefix under another chain
+            with self._lock:
+                self._disk_bytes -= self._disk.pop(link.key, 0)  # keep its file: the next rescan indexes it
+                self._forget(link.key)
+                self._folder_mtime = 0.0
             return None
         except (OSError, RecordError) as exc:
             log.warning("host store record %s failed its checks (%s): dropped, its prefix is recomputed", path.name, exc)

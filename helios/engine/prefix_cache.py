@@ -413,19 +413,21 @@ class PrefixCache:
 
     # -- host store ------------------------------------------------------------------------------
 
-    def fetch(self, token_ids: list[int], free_pages: int, request_pages: int) -> None:
+    def fetch(self, token_ids: list[int], free_pages: int, request_pages: int, first_lookup: bool = True) -> None:
         """Bring the host store's longest chain for `token_ids` into the pool when it covers more
         than the pool's own checkpoints and is predicted cheaper to restore than to recompute.
         `free_pages` are free for this admission, `request_pages` what the request needs in all;
-        less recently used checkpoints are evicted to make room for the chain beside it."""
+        less recently used checkpoints are evicted to make room for the chain beside it. A request
+        waiting for room looks again each step; only its `first_lookup` enters the histograms."""
         host = self.host
         if host is None or not self.enabled or len(token_ids) < 2:
             return
+        promised = self.bm.num_free - free_pages  # pages other admissions already hold a claim on
         # With recurrent state only a whole checkpoint below the last token can be restored.
         limit = len(token_ids) - 1 if self.recurrent_state else len(token_ids)
         held = self.lookup(token_ids, limit)
         chain = host.find(token_ids, limit)
-        if not host.worth_restoring(chain, held.length if held is not None else 0, len(token_ids)):
+        if not host.worth_restoring(chain, held.length if held is not None else 0, len(token_ids), first_lookup):
             return
         assert chain is not None
         pages_needed = -(-chain.length // self.pt)
@@ -437,7 +439,6 @@ class PrefixCache:
                 self.recurrent_state and len(self._lru) >= self.max_snapshots):
             if not self._evict_one(protect=held):
                 return
-        promised = self.bm.num_free - free_pages  # pages other admissions already hold a claim on
         if not self.reclaim(need + promised, protect=held):
             return
         records = host.load(chain, token_ids)

@@ -225,8 +225,9 @@ class Scheduler:
                 continue
             # A scored prompt is computed from its start (api.md: scoring is never restored).
             reuse = self.cache is not None and not seq.scores_prompt
-            if reuse and seq.num_preemptions == 0:  # a longer host record joins the pool first
-                self.cache.fetch(seq.token_ids, bm.num_free - self._promised_pages(), total)
+            if reuse and seq.num_preemptions == 0:  # a longer host chain joins the pool first
+                self.cache.fetch(seq.token_ids, bm.num_free - self._promised_pages(), total, not seq.host_looked_up)
+                seq.host_looked_up = True
             ckpt, restored = self.cache.match(seq.token_ids) if reuse else (None, 0)
             # Pages a restore shares need no free page (its copied tail page does).
             need = total - (self.cache.shared_pages(restored) if ckpt else 0)

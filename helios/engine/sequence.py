@@ -59,6 +59,7 @@ class Sequence:
         # Prompt scoring: prompt positions whose entries were emitted (a recompute after
         # preemption scores nothing twice).
         self.prompt_scored = 0
+        self.host_looked_up = False  # its first admission attempt consulted the host store
 
     @classmethod
     def create(

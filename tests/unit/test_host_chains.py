@@ -221,3 +221,39 @@ def test_config_file_keys(tmp_path):
         path.write_text(f"[server]\n{bad}\n")
         with pytest.raises(ConfigError):
             ServerConfig.load(path)
+
+
+def test_a_prefix_rewritten_by_another_process_under_another_chain_is_reindexed(tmp_path):
+    """Two processes sharing a directory link the same prefix differently (one had the parent,
+    the other did not): the last rename wins, and the loser re-reads it instead of calling it
+    corrupt."""
+    root, leaf = [1] * 8, [1] * 8 + [2] * 8
+    ours = store(tmp_path, dram_pages=0)  # reads go to disk
+    offer(ours, root)
+    offer(ours, leaf)
+    ours.close()
+    (tmp_path / "elsewhere").mkdir()
+    other = store(tmp_path / "elsewhere")  # never saw the root: links the leaf as a chain root
+    offer(other, leaf)
+    other.close()
+    (theirs,) = (tmp_path / "elsewhere").rglob("16-*.rec")
+    (shared,) = tmp_path.glob("*/16-*.rec")
+    theirs.replace(shared)  # its rename lands last in the shared folder
+    chain = ours.find(leaf + [0], 17)
+    assert [link.start for link in chain.links] == [0, 8]  # what `ours` indexed
+    assert ours.load(chain, leaf + [0]) is None  # not served this time...
+    assert ours.dropped[("nvme", "io_error")] == 0 and shared.exists()  # ...nor taken for corruption
+    assert restored(ours, leaf + [0]) == leaf  # the next lookup indexed the file as it is
+    assert [link.start for link in ours.find(leaf + [0], 17).links] == [0]
+
+
+def test_malformed_chain_fields_are_dropped(tmp_path):
+    host = store(tmp_path)
+    offer(host, [4] * 8)
+    host.close()
+    (path,) = tmp_path.rglob("*.rec")
+    header, _, payload = path.read_bytes().partition(b"\n")
+    key = path.stem.partition("-")[2]
+    path.write_bytes(header.replace(b'"parent": null', f'"parent": "{key}"'.encode()) + b"\n" + payload)
+    reader = store(tmp_path)  # a record that is its own parent would never end a walk
+    assert reader.stats().disk_records == 0 and reader.dropped[("nvme", "io_error")] == 1
