@@ -42,6 +42,7 @@ def serve(
     host_store: Optional[Path] = typer.Option(None, help="directory of the host prefix store's disk tier"),
     host_store_dram_gb: Optional[float] = typer.Option(None, help="DRAM tier budget in GiB (0: off)"),
     host_store_disk_gb: Optional[float] = typer.Option(None, help="disk tier budget in GiB [default: 16]"),
+    speculation: Optional[str] = typer.Option(None, help="auto: history drafts verified in the step graph; off [default: auto]"),
 ) -> None:
     """Serve CORE over the OpenAI-compatible HTTP API."""
     # Imported here, not at the top: onnxruntime and the engine cost `helios top` and
@@ -62,7 +63,8 @@ def serve(
         if max_concurrency is not None:
             settings.max_concurrency = max_concurrency
         for name, value in (("host_store_dir", str(host_store) if host_store else None),
-                            ("host_store_dram_gb", host_store_dram_gb), ("host_store_disk_gb", host_store_disk_gb)):
+                            ("host_store_dram_gb", host_store_dram_gb), ("host_store_disk_gb", host_store_disk_gb),
+                            ("speculation", speculation)):
             if value is not None:
                 setattr(settings, name, value)
         check_startup(manifest, settings)
@@ -75,7 +77,8 @@ def serve(
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = Engine(core, manifest, max_concurrency=settings.max_concurrency, kv_pages=kv_pages, threads=threads,
-                    prefix_cache=settings.prefix_cache_config(), host_store=settings.host_store_config())
+                    prefix_cache=settings.prefix_cache_config(), host_store=settings.host_store_config(),
+                    speculation=settings.speculation_config())
     engine.start()
     try:
         application = create_app(manifest, core, engine, settings)

@@ -34,7 +34,9 @@ from typing import Any, get_type_hints
 # 1.6: optional `template.rejects`: request forms the core's native encoder refuses
 #      (drop_thinking, continuation, add_generation_prompt_false), refused by helios with a 400
 #      before rendering; such cores also validate chat_template_kwargs.reasoning_effort.
-FORMAT_VERSION = "1.6"
+# 1.7: the step graph's `logit_rows` / `logit_positions` inputs [N]: outputs at N chosen
+#      positions (a speculative round verifies k drafts of a row at k+1 positions in one step).
+FORMAT_VERSION = "1.7"
 TEMPLATE_REJECTS = ("drop_thinking", "continuation", "add_generation_prompt_false")
 CONTENT_DIGEST_SINCE = (1, 5)
 MANIFEST_NAME = "core.json"

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a type only: the plain-data module imports no engine machinery
+    from helios.engine.host_store import HostStoreStats
 
 
 @dataclass
@@ -146,3 +150,47 @@ class GenerationEvent:
     cached_tokens: int = 0  # prompt tokens reused from prefix checkpoints at admission
     completion_tokens: int = 0  # cumulative generated tokens so far
     error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    active: int  # admitted sequences (holding pages)
+    pending: int  # submitted, waiting for admission (new or preempted)
+    free_pages: int
+    total_pages: int
+    page_tokens: int
+    prefill_tokens_total: int  # prompt (and recomputed) tokens fed in prefill chunks
+    generated_tokens_total: int
+    completed_total: int  # finished with STOP or LENGTH
+    cancelled_total: int  # ABORT
+    failed_total: int  # ERROR
+    steps_total: int
+    admitted_total: int  # requests admitted for the first time
+    preempted_total: int
+    step_seconds_total: float
+    schedule_seconds_total: float
+    # Prefix checkpoints (helios.engine.prefix_cache).
+    reused_tokens_total: int = 0  # prompt tokens restored from checkpoints (every admission)
+    cache_hits_total: int = 0  # admissions that restored a checkpoint
+    cached_pages: int = 0  # pages owned by checkpoints
+    checkpoint_storage_pages: int = 0  # the most pages checkpoints may own
+    intake_pages: int = 0  # pages of checkpoints fetched from the host store
+    checkpoints: int = 0  # checkpoints held
+    checkpoint_captures: dict[str, int] = field(default_factory=dict)  # by role: anchor/message/endpoint
+    checkpoint_skips: dict[str, int] = field(default_factory=dict)  # unknown_cost/work_budget/storage/recurrent_state
+    checkpoint_evictions_total: int = 0
+    checkpoint_extra_work_ns_total: int = 0  # charged predicted copy work
+    # Output constraints (helios.engine.constraints).
+    reasoning_budget_cuts_total: int = 0  # requests whose reasoning was closed by their budget
+    grammar_mask_seconds_total: float = 0.0  # time computing grammar masks (beside the forward pass)
+    # Seconds inside onnxruntime's graph runs (part of step_seconds_total): the rest of the step
+    # time is host work (scheduling, packing inputs, KV scatter, sampling, detokenizing).
+    graph_seconds_total: float = 0.0
+    host_store: HostStoreStats | None = None  # None: no host prefix store
+    # Speculative decoding (helios.engine.speculation; api.md's table).
+    verification_rounds_total: int = 0  # progressing decode rounds, zero-draft ones included
+    verification_drafts_total: int = 0  # drafts offered in them, rejected ones included
+    accepted_drafts_total: int = 0  # drafts committed (the bonus token excluded)
+    draft_rounds_total: int = 0  # rounds that offered at least one draft
+    rounds_by_width: dict[int, int] = field(default_factory=dict)  # step graphs by their widest round's drafts
+    history_drafts_enabled: bool = False

@@ -13,22 +13,24 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer
 
-from helios.engine.api import FinishReason, GenerationEvent, GenerationRequest, PromptLogprob, TokenLogprob
+from helios.engine.api import (EngineStats, FinishReason, GenerationEvent, GenerationRequest, PromptLogprob,
+                               TokenLogprob)
 from helios.engine.block_manager import BlockManager
 from helios.engine.constraints import ConstraintError, Constraints
-from helios.engine.host_store import HostStore, HostStoreConfig, HostStoreStats, core_identity, page_callbacks
+from helios.engine.assembly import host_store_arguments, kv_page_bytes, speculator_for, state_snapshot_arguments
+from helios.engine.host_store import HostStoreConfig
 from helios.engine.prefix_cache import PrefixCache, PrefixCacheConfig
 from helios.engine.runner import SPARE_STATE_SLOTS, PromptScores, Runner, StepOutput, StepRow
 from helios.engine.sampler import explicit_logprob, prompt_logprob_entries, sample, token_logprob
 from helios.engine.scheduler import Batch, Scheduler
 from helios.engine.sequence import Sequence
+from helios.engine.speculation import SpeculationConfig
 from helios.manifest import Manifest
 
 log = logging.getLogger("helios.engine")
@@ -39,73 +41,7 @@ Sink = Callable[[GenerationEvent], None]
 QUEUE_DEADLINE_MESSAGE = "no model slot became free before the queue deadline; retry shortly"
 
 
-@dataclass
-class EngineStats:
-    active: int  # admitted sequences (holding pages)
-    pending: int  # submitted, waiting for admission (new or preempted)
-    free_pages: int
-    total_pages: int
-    page_tokens: int
-    prefill_tokens_total: int  # prompt (and recomputed) tokens fed in prefill chunks
-    generated_tokens_total: int
-    completed_total: int  # finished with STOP or LENGTH
-    cancelled_total: int  # ABORT
-    failed_total: int  # ERROR
-    steps_total: int
-    admitted_total: int  # requests admitted for the first time
-    preempted_total: int
-    step_seconds_total: float
-    schedule_seconds_total: float
-    # Prefix checkpoints (helios.engine.prefix_cache).
-    reused_tokens_total: int = 0  # prompt tokens restored from checkpoints (every admission)
-    cache_hits_total: int = 0  # admissions that restored a checkpoint
-    cached_pages: int = 0  # pages owned by checkpoints
-    checkpoint_storage_pages: int = 0  # the most pages checkpoints may own
-    intake_pages: int = 0  # pages of checkpoints fetched from the host store
-    checkpoints: int = 0  # checkpoints held
-    checkpoint_captures: dict[str, int] = field(default_factory=dict)  # by role: anchor/message/endpoint
-    checkpoint_skips: dict[str, int] = field(default_factory=dict)  # unknown_cost/work_budget/storage/recurrent_state
-    checkpoint_evictions_total: int = 0
-    checkpoint_extra_work_ns_total: int = 0  # charged predicted copy work
-    # Output constraints (helios.engine.constraints).
-    reasoning_budget_cuts_total: int = 0  # requests whose reasoning was closed by their budget
-    grammar_mask_seconds_total: float = 0.0  # time computing grammar masks (beside the forward pass)
-    # Seconds inside onnxruntime's graph runs (part of step_seconds_total): the rest of the step
-    # time is host work (scheduling, packing inputs, KV scatter, sampling, detokenizing).
-    graph_seconds_total: float = 0.0
-    host_store: HostStoreStats | None = None  # None: no host prefix store
-
-
 PREFILL_SAMPLE_TOKENS = 64  # smaller prefill steps are dominated by fixed per-step costs
-
-
-def _host_store(manifest: Manifest, runner: Any, config: HostStoreConfig | None) -> dict[str, Any]:
-    """PrefixCache arguments for the host prefix store (none without a config or page access)."""
-    callbacks = page_callbacks(runner)
-    if config is None or not callbacks or (config.dram_bytes <= 0 and config.directory is None):
-        return {}
-    store = HostStore(core_identity(manifest), config, manifest.kv.page_tokens, _page_bytes(manifest))
-    return {"host": store, **callbacks}
-
-
-def _page_bytes(manifest: Manifest) -> int:
-    kv = manifest.kv
-    return kv.num_layers * 2 * kv.page_tokens * kv.kv_heads * kv.head_dim * 4
-
-
-def _state_snapshots(manifest: Manifest, runner: Any) -> dict[str, Any]:
-    """PrefixCache arguments for a core with recurrent state: snapshots of the runner's slots."""
-    if manifest.state is None:
-        return {}
-    pool = getattr(runner, "state_pool", None)
-    if pool is None:
-        return {"recurrent_state": True}  # no slots to snapshot: checkpoints are refused
-
-    def write(slot: int, state: np.ndarray) -> None:
-        pool[slot] = state
-
-    return {"recurrent_state": True, "read_state": lambda slot: pool[slot], "write_state": write,
-            "state_bytes": pool.shape[1] * pool.itemsize}  # fmt: skip
 
 
 class Engine:
@@ -121,6 +57,7 @@ class Engine:
         tokenizer: Any | None = None,
         prefix_cache: PrefixCacheConfig | None = None,
         host_store: HostStoreConfig | None = None,
+        speculation: SpeculationConfig | None = None,
     ):
         self.core_dir = Path(core_dir)
         self.manifest = manifest
@@ -138,10 +75,10 @@ class Engine:
         self.prefix_cache = PrefixCache(
             self.block_manager,
             copy_page=getattr(runner, "copy_page", None),
-            page_bytes=_page_bytes(manifest),
+            page_bytes=kv_page_bytes(manifest),
             config=prefix_cache,
-            **_state_snapshots(manifest, runner),
-            **_host_store(manifest, runner, host_store),
+            **state_snapshot_arguments(manifest, runner),
+            **host_store_arguments(manifest, runner, host_store),
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -150,6 +87,7 @@ class Engine:
             prefill_chunk_size=limits.prefill_chunk_size,
             prefix_cache=self.prefix_cache,
             state_slots=getattr(runner, "num_state_slots", 0),
+            speculator=speculator_for(manifest, runner, speculation),
         )
         self.context_length = limits.context_length
         self.vocab_size = manifest.architecture.vocab_size
@@ -171,6 +109,11 @@ class Engine:
         self._cancelled = 0
         self._failed = 0
         self._steps = 0
+        self._rounds = 0  # verification rounds (decode rows), zero-draft ones included
+        self._offered = 0  # drafts offered
+        self._accepted = 0  # drafts committed
+        self._draft_rounds = 0
+        self._by_width: dict[int, int] = {}  # step graphs by the widest round's drafts
         self._step_seconds = 0.0
         self._schedule_seconds = 0.0
 
@@ -310,6 +253,12 @@ class Engine:
             grammar_mask_seconds_total=self.constraints.mask_seconds,
             graph_seconds_total=getattr(self.runner, "graph_seconds", 0.0),
             host_store=cache.host.stats() if cache.host is not None else None,
+            verification_rounds_total=self._rounds,
+            verification_drafts_total=self._offered,
+            accepted_drafts_total=self._accepted,
+            draft_rounds_total=self._draft_rounds,
+            rounds_by_width=dict(self._by_width),
+            history_drafts_enabled=self.scheduler.speculator is not None,
         )
 
     def generate(self, request: GenerationRequest, timeout: float | None = None) -> list[GenerationEvent]:
@@ -414,9 +363,13 @@ class Engine:
                 logprob_ids=r.seq.sampling.logprob_token_ids if r.samples else None,
                 score_targets=_score_targets(r.seq, r.start, r.num_tokens),
                 state_slot=r.seq.state_slot,
+                output_positions=list(range(1 + len(r.drafts))) if r.drafts else None,
             )
             for r in batch.rows
         ]
+        # Every step graph is a verification graph; its width is its widest round's drafts.
+        width = max(len(r.drafts) for r in batch.rows)
+        self._by_width[width] = self._by_width.get(width, 0) + 1
         # Grammar masks and forced tokens of the rows that sample, computed beside the forward pass.
         masking = self.constraints.begin([r.seq for r in batch.rows if r.samples])
         started = time.perf_counter()
@@ -462,7 +415,8 @@ class Engine:
         row_masks = [masks.get(j) for j in range(len(seqs))] if masks else None
         try:
             # The step graph's top ids let top-k rows sample without a vocabulary pass (sampler).
-            tokens = sample(out.logits[idx], seqs, row_masks, top_ids=out.top_ids[idx], logsumexp=out.logsumexp[idx])
+            at = [out.index(i) for i in idx]
+            tokens = sample(out.logits[at], seqs, row_masks, top_ids=out.top_ids[at], logsumexp=out.logsumexp[at])
         except Exception as exc:
             log.exception("sampling failed")
             for seq in seqs:
@@ -474,13 +428,59 @@ class Engine:
                 emitted.append((seq, self._fail(seq, "the model produced non-finite logits")))
                 continue
             forced = row_masks is not None and row_masks[j] is not None and row_masks[j].forced is not None
+            self._commit_safely(seq, token, out, out.index(i), forced, emitted)
+        self._verify(batch, out, emitted)
+
+    def _commit_safely(self, seq: Sequence, token: int, out: StepOutput, at: int, forced: bool,
+                       emitted: list[tuple[Sequence, GenerationEvent]]) -> None:
+        try:
+            emitted.append((seq, self._commit_token(seq, token, out, at, forced)))
+        except ConstraintError as exc:
+            emitted.append((seq, self._fail(seq, str(exc))))
+        except Exception as exc:  # e.g. a detokenizer failure: only this request fails
+            log.exception("postprocessing failed for %s", seq.request_id)
+            emitted.append((seq, self._fail(seq, f"postprocessing failed: {exc}")))
+
+    def _verify(self, batch: Batch, out: StepOutput, emitted: list[tuple[Sequence, GenerationEvent]]) -> None:
+        """Speculative rounds (helios.engine.speculation): while the token a row committed at a
+        position equals its draft there, that draft's K/V stands and the next position's output
+        gives the next token; the first mismatch's token (or the bonus) ends the round."""
+        decodes = [r for r in batch.rows if r.is_decode]
+        if not decodes:
+            return
+        self._rounds += len(decodes)
+        self._offered += sum(len(r.drafts) for r in decodes)
+        drafted = [(i, r) for i, r in enumerate(batch.rows) if r.drafts]
+        self._draft_rounds += len(drafted)
+        accepted = dict.fromkeys((i for i, _ in drafted), 0)
+        active = [(i, r) for i, r in drafted if not r.seq.is_finished and r.seq.token_ids[-1] == r.drafts[0]]
+        position = 1
+        while active:
+            for i, r in active:  # draft `position` is committed: its K/V is the sequence's now
+                r.seq.num_computed_tokens += 1
+                accepted[i] += 1
+            seqs = [r.seq for _, r in active]
+            at = [out.index(i, position) for i, _ in active]
             try:
-                emitted.append((seq, self._commit_token(seq, token, out, i, forced)))
-            except ConstraintError as exc:
-                emitted.append((seq, self._fail(seq, str(exc))))
-            except Exception as exc:  # e.g. a detokenizer failure: only this request fails
-                log.exception("postprocessing failed for %s", seq.request_id)
-                emitted.append((seq, self._fail(seq, f"postprocessing failed: {exc}")))
+                tokens = sample(out.logits[at], seqs, None, top_ids=out.top_ids[at], logsumexp=out.logsumexp[at])
+            except Exception as exc:
+                log.exception("sampling failed")
+                emitted.extend((seq, self._fail(seq, f"sampling failed: {exc}")) for seq in seqs)
+                break
+            following = []
+            for (i, r), o, token in zip(active, at, tokens.tolist()):
+                if token < 0:
+                    emitted.append((r.seq, self._fail(r.seq, "the model produced non-finite logits")))
+                    continue
+                self._commit_safely(r.seq, token, out, o, False, emitted)
+                if not r.seq.is_finished and position < len(r.drafts) and token == r.drafts[position]:
+                    following.append((i, r))
+            active, position = following, position + 1
+        speculator = self.scheduler.speculator
+        for i, r in drafted:
+            self._accepted += accepted[i]
+            if speculator is not None:
+                speculator.record(r.seq, len(r.drafts), accepted[i])
 
     def _commit_token(self, seq: Sequence, token: int, out: StepOutput, i: int,
                       forced: bool = False) -> GenerationEvent:

@@ -54,6 +54,13 @@ class StepRow:
     score_targets: list[int] | None = None
     # The sequence's recurrent-state slot (cores with manifest `state`; ignored without one).
     state_slot: int | None = None
+    # Positions among the new tokens whose outputs the step returns, ascending (None: the last
+    # one). A speculative round asks for every position of [last token, draft 1..k].
+    output_positions: list[int] | None = None
+
+    @property
+    def num_outputs(self) -> int:
+        return 1 if self.output_positions is None else len(self.output_positions)
 
 
 @dataclass
@@ -68,13 +75,21 @@ class PromptScores:
 
 @dataclass
 class StepOutput:
-    logits: np.ndarray  # [B, V] float32, at each row's last new token
-    logsumexp: np.ndarray  # [B] float32
-    top_logprobs: np.ndarray  # [B, K] float32, decreasing
-    top_ids: np.ndarray  # [B, K] int64
-    # [B, E] float32: logprobs of each row's logprob_ids (padded columns are meaningless).
+    """Outputs at N positions: row b's outputs are rows first[b], first[b] + 1, ... (one per entry
+    of its output_positions; first[b] == b when every row asks for its last token only)."""
+
+    logits: np.ndarray  # [N, V] float32
+    logsumexp: np.ndarray  # [N] float32
+    top_logprobs: np.ndarray  # [N, K] float32, decreasing
+    top_ids: np.ndarray  # [N, K] int64
+    # [N, E] float32: logprobs of the row's logprob_ids (padded columns are meaningless).
     token_logprobs: np.ndarray | None = None
     prompt_scores: list[PromptScores | None] | None = None  # per row, for rows with score_targets
+    first: list[int] | None = None  # None: first[b] == b
+
+    def index(self, row: int, position: int = 0) -> int:
+        """The output row of `row`'s `position`-th requested output."""
+        return (row if self.first is None else self.first[row]) + position
 
 
 class Runner:
@@ -165,8 +180,8 @@ class Runner:
     # -- public API -----------------------------------------------------------------------------
 
     def step(self, rows: list[StepRow]) -> StepOutput:
-        """Run one engine step over `rows`, write their new K/V into the pool, return one output
-        row per input row (same order)."""
+        """Run one engine step over `rows`, write their new K/V into the pool, return each row's
+        outputs (one, or one per output position), in row order."""
         if not rows:
             raise ValueError("step needs at least one row")
         for row in rows:
@@ -177,25 +192,33 @@ class Runner:
         if len(groups) == 1:
             return self._run(rows)
         parts = [(g, self._run([rows[i] for i in g])) for g in groups]
-        order = np.argsort(np.concatenate([np.asarray(g) for g, _ in parts]), kind="stable")
-        arrays = {
-            f: np.concatenate([getattr(out, f) for _, out in parts])[order]
-            for f in ("logits", "logsumexp", "top_logprobs", "top_ids")
-        }
+        # Outputs in row order: each row's block of outputs, taken from its group's output.
+        first, take, at = [0] * len(rows), [], 0
+        offsets = np.cumsum([0] + [len(out.logits) for _, out in parts])
+        where = {i: (k, j) for k, (g, _) in enumerate(parts) for j, i in enumerate(g)}
+        for i, row in enumerate(rows):
+            k, j = where[i]
+            start = offsets[k] + parts[k][1].index(j)
+            first[i] = at
+            take.extend(range(start, start + row.num_outputs))
+            at += row.num_outputs
+        arrays = {f: np.concatenate([getattr(out, f) for _, out in parts])[take]
+                  for f in ("logits", "logsumexp", "top_logprobs", "top_ids")}
         explicit = None
         if any(out.token_logprobs is not None for _, out in parts):
             width = max(out.token_logprobs.shape[1] for _, out in parts if out.token_logprobs is not None)
-            explicit = np.zeros((len(rows), width), dtype=np.float32)
-            for g, out in parts:
+            merged = np.zeros((int(offsets[-1]), width), dtype=np.float32)
+            for k, (_, out) in enumerate(parts):
                 if out.token_logprobs is not None:
-                    explicit[g, : out.token_logprobs.shape[1]] = out.token_logprobs
+                    merged[offsets[k]:offsets[k + 1], : out.token_logprobs.shape[1]] = out.token_logprobs
+            explicit = merged[take]
         scores = None
         if any(out.prompt_scores is not None for _, out in parts):
             scores = [None] * len(rows)
             for g, out in parts:
                 for i, score in zip(g, out.prompt_scores or [None] * len(g)):
                     scores[i] = score
-        return StepOutput(**arrays, token_logprobs=explicit, prompt_scores=scores)
+        return StepOutput(**arrays, token_logprobs=explicit, prompt_scores=scores, first=first)
 
     @property
     def can_score_prompts(self) -> bool:
@@ -212,6 +235,10 @@ class Runner:
     def _check(self, row: StepRow) -> None:
         if not row.token_ids:
             raise ValueError("a step row needs at least one token")
+        if row.output_positions is not None:
+            wanted = row.output_positions
+            if not wanted or wanted != sorted(set(wanted)) or wanted[0] < 0 or wanted[-1] >= len(row.token_ids):
+                raise ValueError("output_positions must be ascending positions among the row's new tokens")
         if self.max_positions is not None and row.history_len + len(row.token_ids) > self.max_positions:
             raise ValueError(f"row reaches position {row.history_len + len(row.token_ids)} > {self.max_positions}")
         need = -(-(row.history_len + len(row.token_ids)) // self.kv.page_tokens)
@@ -247,7 +274,14 @@ class Runner:
             current.append(i)
         return [g for g in groups + [current] if g]
 
+    @property
+    def can_verify(self) -> bool:
+        """The step graph returns outputs at chosen positions (format 1.7): speculation can run."""
+        return "logit_positions" in self._input_names
+
     def _run(self, rows: list[StepRow]) -> StepOutput:
+        if not self.can_verify and any(r.output_positions is not None for r in rows):
+            raise ValueError("this core's step graph returns each row's last position only (re-export it)")
         binding = self.session.io_binding()
         for name, value in pack_rows(rows, self.kv.page_tokens).items():
             if name in self._input_names:  # a 1.1 core's graph has no logprob_token_ids
@@ -277,7 +311,10 @@ class Runner:
         scores = None
         if any(r.score_targets is not None for r in rows):
             scores = self._score(rows, values["hidden"].numpy())
-        return StepOutput(**out, token_logprobs=explicit, prompt_scores=scores)
+        first = None
+        if any(r.output_positions is not None for r in rows):
+            first = np.cumsum([0] + [r.num_outputs for r in rows])[:-1].tolist()
+        return StepOutput(**out, token_logprobs=explicit, prompt_scores=scores, first=first)
 
     def _score(self, rows: list[StepRow], hidden: np.ndarray) -> list[PromptScores | None]:
         """Run the score graph over every scored position of `rows` (hidden: [B, L, H])."""
@@ -338,6 +375,8 @@ def pack_rows(rows: list[StepRow], page_tokens: int) -> dict[str, np.ndarray]:
     for b, row in enumerate(rows):
         if row.logprob_ids:
             logprob_ids[b, : len(row.logprob_ids)] = row.logprob_ids
+    out_rows = [b for b, row in enumerate(rows) for _ in range(row.num_outputs)]
+    out_positions = [p for row in rows for p in (row.output_positions or [len(row.token_ids) - 1])]
     return {
         "input_ids": input_ids,
         "positions": positions,
@@ -345,6 +384,8 @@ def pack_rows(rows: list[StepRow], page_tokens: int) -> dict[str, np.ndarray]:
         "query_lens": np.array([len(r.token_ids) for r in rows], dtype=np.int64),
         "block_tables": block_tables,
         "logprob_token_ids": logprob_ids,
+        "logit_rows": np.array(out_rows, dtype=np.int64),
+        "logit_positions": np.array(out_positions, dtype=np.int64),
     }
 
 

@@ -42,18 +42,20 @@ from helios.engine.api import FinishReason
 from helios.engine.block_manager import BlockManager
 from helios.engine.prefix_cache import PrefixCache
 from helios.engine.sequence import Sequence, SequenceStatus
+from helios.engine.speculation import Speculator
 
 
 @dataclass
 class ScheduledRow:
     seq: Sequence
     start: int  # tokens already in the pool (the row's history_len)
-    num_tokens: int  # new tokens fed this step
+    num_tokens: int  # new tokens fed this step (of seq.token_ids)
     is_decode: bool
+    drafts: list[int] = field(default_factory=list)  # fed after them: a speculative round
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start : self.start + self.num_tokens]
+        return self.seq.token_ids[self.start : self.start + self.num_tokens] + self.drafts
 
     @property
     def samples(self) -> bool:
@@ -82,6 +84,7 @@ class Scheduler:
         prefill_chunk_size: int,
         prefix_cache: PrefixCache | None = None,
         state_slots: int = 0,
+        speculator: Speculator | None = None,
     ):
         if min(max_concurrency, max_batch_tokens, prefill_chunk_size) < 1:
             raise ValueError("max_concurrency, max_batch_tokens and prefill_chunk_size must be >= 1")
@@ -92,6 +95,7 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.prefill_chunk_size = prefill_chunk_size
         self.cache = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
+        self.speculator = speculator
         self.waiting: deque[Sequence] = deque()  # arrival order
         self.running: list[Sequence] = []  # arrival order; the last one is preempted first
         self.num_preemptions = 0
@@ -172,6 +176,7 @@ class Scheduler:
         bm = self.bm
 
         # 1. Decodes, oldest first.
+        decoding = sum(1 for seq in self.running if seq.is_decoding)
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -195,9 +200,14 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break  # it was the newest running sequence: nothing after it is left
-            bm.grow(seq.page_table, need)
-            batch.rows.append(ScheduledRow(seq, seq.num_computed_tokens, 1, True))
-            budget -= 1
+            # Drafts ride along only where they fit as they are: they never evict or preempt.
+            drafts = self.speculator.drafts(seq, decoding, budget - 1) if self.speculator is not None else []
+            if drafts and not (self._fits_alone(seq, need + len(drafts))
+                               and bm.can_grow(seq.page_table, need + len(drafts))):
+                drafts = []
+            bm.grow(seq.page_table, need + len(drafts))
+            batch.rows.append(ScheduledRow(seq, seq.num_computed_tokens, 1, True, drafts))
+            budget -= 1 + len(drafts)
 
         # 2. Next chunks of partially prefilled running sequences, oldest first.
         for seq in self.running:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -60,6 +61,7 @@ class Sequence:
         # preemption scores nothing twice).
         self.prompt_scored = 0
         self.host_looked_up = False  # its first admission attempt consulted the host store
+        self.speculation: Any = None  # helios.engine.speculation.HistoryDrafts, made at its first round
 
     @classmethod
     def create(

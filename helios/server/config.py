@@ -19,6 +19,10 @@
     prefix_cache = true           # reuse KV prefix checkpoints across requests
     checkpoint_storage_fraction = 0.5    # most of the KV pool that checkpoints may own
     checkpoint_work_allowance_us = 5000  # predicted capture copy work allowed per request
+    speculation = "auto"          # history drafts verified in the step graph; "off" disables them
+    speculation_max_width = 4     # drafts per decode round at most
+    speculation_adaptive = true   # false: always the full width when drafts are found
+    speculation_max_batch_rows = 2  # more decoding requests than this: no drafts
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 
 from helios.engine.host_store import RESTORE_POLICIES, HostStoreConfig, default_dram_bytes
 from helios.engine.prefix_cache import PrefixCacheConfig
+from helios.engine.speculation import SpeculationConfig
 from helios.frontend.thinking import INT32_MAX
 from helios.server.bodies import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, JsonLimits
 
@@ -72,6 +77,11 @@ class ServerConfig:
     host_store_dir: str | None = None
     host_store_disk_gb: float = 16.0
     host_store_restore: str = "predicted"  # or "always" (helios.engine.host_store.HostStoreConfig)
+    # Speculative decoding (helios.engine.speculation.SpeculationConfig).
+    speculation: str = "auto"
+    speculation_max_width: int = 4
+    speculation_adaptive: bool = True
+    speculation_max_batch_rows: int = 2
 
     @classmethod
     def load(cls, path: Path) -> "ServerConfig":
@@ -140,6 +150,12 @@ class ServerConfig:
                 raise ConfigError(f"{where}: {name} must be a number of GiB (0 or more)")
         if self.host_store_dir is not None and (not isinstance(self.host_store_dir, str) or not self.host_store_dir):
             raise ConfigError(f"{where}: host_store_dir must be a directory path")
+        try:
+            self.speculation_config().validate()
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        if not isinstance(self.speculation_adaptive, bool):
+            raise ConfigError(f"{where}: speculation_adaptive must be true or false")
         if self.host_store_restore not in RESTORE_POLICIES:
             raise ConfigError(f"{where}: host_store_restore must be one of {', '.join(RESTORE_POLICIES)}")
 
@@ -158,6 +174,10 @@ class ServerConfig:
         dram = default_dram_bytes() if self.host_store_dram_gb is None else int(self.host_store_dram_gb * (1 << 30))
         return HostStoreConfig(dram_bytes=dram, directory=Path(self.host_store_dir) if self.host_store_dir else None,
                                disk_bytes=int(self.host_store_disk_gb * (1 << 30)), restore=self.host_store_restore)
+
+    def speculation_config(self) -> SpeculationConfig:
+        return SpeculationConfig(mode=self.speculation, max_width=self.speculation_max_width,
+                                 adaptive=self.speculation_adaptive, max_batch_rows=self.speculation_max_batch_rows)
 
     def prefix_cache_config(self) -> PrefixCacheConfig:
         return PrefixCacheConfig(enabled=self.prefix_cache, storage_fraction=float(self.checkpoint_storage_fraction),

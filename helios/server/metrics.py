@@ -99,14 +99,14 @@ def engine_fields(s: Any, decode_weight_bytes: int, output_failures: int = 0) ->
         "prefill_tokens": s.prefill_tokens_total,
         "generated_tokens": s.generated_tokens_total,
         "decode_weight_bytes": decode_weight_bytes,
-        "draft_steps": 0,
-        # Every step graph is the verification graph of a zero-draft round: it reads the weights
-        # once, so decode_weight_bytes x verify_steps/s is the WEIGHTS bandwidth.
+        "draft_steps": 0,  # history drafts run no drafter graph
+        # Every step graph is a verification graph (of zero-draft rounds when nothing is drafted):
+        # it reads the weights once, so decode_weight_bytes x verify_steps/s is the WEIGHTS bandwidth.
         "verify_steps": s.steps_total,
-        "verification_drafts": 0,
-        "verification_rounds": 0,
-        "accepted_drafts": 0,
-        "draft_rounds": 0,
+        "verification_drafts": getattr(s, "verification_drafts_total", 0),
+        "verification_rounds": getattr(s, "verification_rounds_total", 0),
+        "accepted_drafts": getattr(s, "accepted_drafts_total", 0),
+        "draft_rounds": getattr(s, "draft_rounds_total", 0),
         "active": s.active,
         "pending": s.pending,
         "completed": s.completed_total,
@@ -198,7 +198,7 @@ class FlareCollector:
             yield CounterMetricFamily(name, doc, value=value)
         labelled = [
             ("flare_speculative_rounds_total", "Completed speculative or verification graphs by draft width",
-             ["width"], [(["0"], f["verify_steps"])]),
+             ["width"], [([str(w)], n) for w, n in sorted((getattr(s, "rounds_by_width", None) or {0: 0}).items())]),
             ("flare_graph_launches_total", "Graph launches by kind", ["kind"], [(["step"], s.steps_total)]),
             ("flare_checkpoint_captures_total", "GPU prefix checkpoints captured by role", ["role"],
              [([role], (getattr(s, "checkpoint_captures", None) or {}).get(role, 0)) for role in CHECKPOINT_ROLES]),
@@ -234,7 +234,8 @@ class FlareCollector:
             ("flare_host_cache_slots_in_use", "Local checkpoint pool slots in use", f["cached_pages"]),
             ("flare_host_cache_slots_total", "Local checkpoint pool slots", getattr(s, "checkpoint_storage_pages", 0)),
             ("flare_host_cache_intake_slots", "Local checkpoint pool intake slots", getattr(s, "intake_pages", 0)),
-            ("flare_history_drafts_enabled", "Whether shared decoded history augments learned proposals", 0),
+            ("flare_history_drafts_enabled", "Whether shared decoded history augments learned proposals",
+             int(getattr(s, "history_drafts_enabled", False))),
             ("flare_http_inflight_requests", "HTTP generation requests in progress", self.http.inflight_requests),
             ("flare_http_admission_slots", "HTTP admission slots (one per generated choice)", self.admission.slots),
             ("flare_http_admission_slots_used", "HTTP admission slots in use", self.admission.used),

@@ -23,7 +23,8 @@ from ignition.models import TOP_K, DecoderLM
 # The exporter logs a warning per missing torchvision op it would have registered.
 logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
 
-INPUT_NAMES = ["input_ids", "positions", "history_lens", "query_lens", "block_tables", "kv_pool", "logprob_token_ids"]
+INPUT_NAMES = ["input_ids", "positions", "history_lens", "query_lens", "block_tables", "kv_pool", "logprob_token_ids",
+               "logit_rows", "logit_positions"]
 OUTPUT_NAMES = ["logits", "logsumexp", "top_logprobs", "top_ids", "token_logprobs", "new_kv", "hidden"]
 # A state-bearing graph (manifest `state`) appends these (docs/architecture.md, "Recurrent state").
 STATE_INPUT_NAMES = ["state_pool", "state_slots"]
@@ -40,8 +41,8 @@ STRIPPED_METADATA = ("pkg.torch.onnx.stack_trace",)
 def step_signature(
     arch: Architecture, kv: KVLayout, state: StateLayout | None = None
 ) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """The contract's I/O specs; symbolic dims are B, L, M, E, pool_rows (= layers*2*P) and S
-    (state slots)."""
+    """The contract's I/O specs; symbolic dims are B, L, M, E, N (output positions: one per row in
+    a plain step, k+1 for a row verifying k drafts), pool_rows (= layers*2*P) and S (state slots)."""
     t, h, d = kv.page_tokens, kv.kv_heads, kv.head_dim
     inputs = [
         TensorSpec("input_ids", "int64", ["B", "L"]),
@@ -51,13 +52,15 @@ def step_signature(
         TensorSpec("block_tables", "int64", ["B", "M"]),
         TensorSpec("kv_pool", kv.dtype, ["pool_rows", t, h, d]),
         TensorSpec("logprob_token_ids", "int64", ["B", "E"]),
+        TensorSpec("logit_rows", "int64", ["N"]),
+        TensorSpec("logit_positions", "int64", ["N"]),
     ]
     outputs = [
-        TensorSpec("logits", "float32", ["B", arch.vocab_size]),
-        TensorSpec("logsumexp", "float32", ["B"]),
-        TensorSpec("top_logprobs", "float32", ["B", TOP_K]),
-        TensorSpec("top_ids", "int64", ["B", TOP_K]),
-        TensorSpec("token_logprobs", "float32", ["B", "E"]),
+        TensorSpec("logits", "float32", ["N", arch.vocab_size]),
+        TensorSpec("logsumexp", "float32", ["N"]),
+        TensorSpec("top_logprobs", "float32", ["N", TOP_K]),
+        TensorSpec("top_ids", "int64", ["N", TOP_K]),
+        TensorSpec("token_logprobs", "float32", ["N", "E"]),
         TensorSpec("new_kv", kv.dtype, [kv.num_layers, 2, "B", "L", h, d]),
         TensorSpec("hidden", "float32", ["B", "L", arch.hidden_size]),
     ]
@@ -68,8 +71,8 @@ def step_signature(
 
 
 def sample_inputs(kv: KVLayout, state: StateLayout | None = None) -> tuple[torch.Tensor, ...]:
-    """Trace inputs with pairwise-distinct sizes (B=2, L=3, M=4, P=5, E=7, S=6) so the exporter
-    cannot mistake one dynamic dim for another or specialize a 0/1-sized one."""
+    """Trace inputs with pairwise-distinct sizes (B=2, L=3, M=4, P=5, E=7, S=6, N=8) so the
+    exporter cannot mistake one dynamic dim for another or specialize a 0/1-sized one."""
     batch, length, pool_pages = 2, 3, 5  # and M=4 block-table columns below
     history = torch.tensor([5, 17])
     positions = history.unsqueeze(1) + torch.arange(length)
@@ -84,6 +87,8 @@ def sample_inputs(kv: KVLayout, state: StateLayout | None = None) -> tuple[torch
         torch.tensor([[0, 1, 2, 3], [4, 3, 2, 1]]),
         torch.zeros(kv.num_layers * 2 * pool_pages, kv.page_tokens, kv.kv_heads, kv.head_dim),
         torch.zeros(batch, 7, dtype=torch.int64),
+        torch.tensor([0, 0, 0, 1, 0, 1, 0, 0]),  # logit_rows (row 1 has one valid token)
+        torch.tensor([0, 1, 2, 0, 2, 0, 1, 2]),  # logit_positions
         *extra,
     )
 
@@ -110,6 +115,7 @@ def export_step_graph(
     batch, length, pages = (torch.export.Dim(n, min=1) for n in ("B", "L", "M"))
     pool_rows = torch.export.Dim("pool_rows", min=1)
     explicit = torch.export.Dim("E", min=1, max=MAX_LOGPROB_TOKEN_IDS)
+    outputs = torch.export.Dim("N", min=1)
     dynamic_shapes = (
         {0: batch, 1: length},
         {0: batch, 1: length},
@@ -118,6 +124,8 @@ def export_step_graph(
         {0: batch, 1: pages},
         {0: pool_rows},
         {0: batch, 1: explicit},
+        {0: outputs},
+        {0: outputs},
     )
     if state is not None:
         if getattr(model, "state_width", 0) != state.width:

@@ -69,14 +69,20 @@ class StepModel(nn.Module):
         return self.lm_head(h)
 
     def step_outputs(
-        self, normed: torch.Tensor, query_lens: torch.Tensor, logprob_token_ids: torch.Tensor
+        self, normed: torch.Tensor, query_lens: torch.Tensor, logprob_token_ids: torch.Tensor,
+        logit_rows: torch.Tensor | None = None, logit_positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
-        """(logits [B, V], logsumexp [B], top_logprobs [B, K], top_ids [B, K], token_logprobs [B, E])
-        of each row's last valid token of the final-normed hidden states [B, L, H]."""
-        hidden = normed.shape[-1]
-        last = (query_lens - 1).view(-1, 1, 1).expand(-1, 1, hidden)
-        logits = self.logits_of(torch.gather(normed, 1, last).squeeze(1))
+        """(logits [N, V], logsumexp [N], top_logprobs [N, K], top_ids [N, K], token_logprobs [N, E])
+        at N output positions of the final-normed hidden states [B, L, H]: position
+        logit_positions[n] of row logit_rows[n] (a verification round asks for several positions
+        of one row). Without them, each row's last valid token (N = B)."""
+        batch, length, hidden = normed.shape
+        if logit_rows is None or logit_positions is None:
+            logit_rows = torch.arange(batch, dtype=torch.int64)
+            logit_positions = query_lens - 1
+        flat = normed.reshape(batch * length, hidden)
+        logits = self.logits_of(torch.index_select(flat, 0, logit_rows * length + logit_positions))
         logprobs, lse, top_logprobs, top_ids = logprob_stats(logits)
         # Explicit ids: gathered from the full-vocabulary log-softmax (api.md logprob_token_ids).
-        token_logprobs = torch.gather(logprobs, 1, logprob_token_ids)
+        token_logprobs = torch.gather(logprobs, 1, torch.index_select(logprob_token_ids, 0, logit_rows))
         return logits, lse, top_logprobs, top_ids, token_logprobs

@@ -255,7 +255,7 @@ class ConfiguredLM(StepModel):
         return logits
 
     def forward(self, input_ids, positions, history_lens, query_lens, block_tables, kv_pool, logprob_token_ids,  # noqa: ANN001, ANN201
-                state_pool=None, state_slots=None):  # fmt: skip
+                logit_rows=None, logit_positions=None, state_pool=None, state_slots=None):  # fmt: skip
         state = None
         if self.state_width:
             # Each row continues its slot's state; a row without history starts from zeros, so a
@@ -266,7 +266,7 @@ class ConfiguredLM(StepModel):
             input_ids, positions, history_lens, block_tables, kv_pool, query_lens, state
         )
         batch, length, _ = normed.shape
-        outputs = self.step_outputs(normed, query_lens, logprob_token_ids)
+        outputs = self.step_outputs(normed, query_lens, logprob_token_ids, logit_rows, logit_positions)
         kv = torch.stack(new_kv, dim=0).reshape(
             len(self.kv_layers), 2, batch, length, self.arch.num_kv_heads, self.arch.head_dim
         )

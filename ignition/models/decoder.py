@@ -178,9 +178,11 @@ class DecoderLM(StepModel):
         block_tables: torch.Tensor,  # [B, M] int64
         kv_pool: torch.Tensor,  # [layers*2*P, page_tokens, kvh, D] float32
         logprob_token_ids: torch.Tensor,  # [B, E] int64: caller-chosen ids to score
+        logit_rows: torch.Tensor | None = None,  # [N] int64: the row of each output position
+        logit_positions: torch.Tensor | None = None,  # [N] int64: its position in the row
     ) -> tuple[torch.Tensor, ...]:
-        """The step graph: (logits [B,V], logsumexp [B], top_logprobs [B,K], top_ids [B,K],
-        token_logprobs [B,E], new_kv [layers, 2, B, L, kvh, D], hidden [B, L, H])."""
+        """The step graph: (logits [N,V], logsumexp [N], top_logprobs [N,K], top_ids [N,K],
+        token_logprobs [N,E], new_kv [layers, 2, B, L, kvh, D], hidden [B, L, H])."""
         ctx = StepContext(self.arch.num_layers, positions, history_lens, query_lens, block_tables, kv_pool)
         x, residual = self.embed_tokens(input_ids), None
         new_kv = []
@@ -192,7 +194,7 @@ class DecoderLM(StepModel):
         # row's last valid token goes through the lm_head here.
         batch, length, _ = x.shape
         normed, _ = ops.add_rms_norm(x, residual, self.norm.weight, self.arch.rms_norm_eps)
-        outputs = self.step_outputs(normed, query_lens, logprob_token_ids)
+        outputs = self.step_outputs(normed, query_lens, logprob_token_ids, logit_rows, logit_positions)
         # One concat for every layer's K/V, then one small transpose into the contract layout.
         kv = torch.cat(new_kv, dim=-1).reshape(
             batch, length, self.arch.num_layers, 2, self.arch.num_kv_heads, self.arch.head_dim

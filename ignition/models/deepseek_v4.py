@@ -266,9 +266,11 @@ class DeepseekV4LM(StepModel):
             new_kv.append(new.reshape(batch, length, 2, kv_heads, head_dim).permute(2, 0, 1, 3, 4))
         return self.norm(self.hc_head(streams)), torch.stack(new_kv, dim=0)
 
-    def forward(self, input_ids, positions, history_lens, query_lens, block_tables, kv_pool, logprob_token_ids):  # noqa: ANN001, ANN201
+    def forward(self, input_ids, positions, history_lens, query_lens, block_tables, kv_pool, logprob_token_ids,  # noqa: ANN001, ANN201
+                logit_rows=None, logit_positions=None):  # fmt: skip
         normed, new_kv = self.hidden_states(input_ids, positions, history_lens, block_tables, kv_pool)
-        return *self.step_outputs(normed, query_lens, logprob_token_ids), new_kv, normed
+        outputs = self.step_outputs(normed, query_lens, logprob_token_ids, logit_rows, logit_positions)
+        return *outputs, new_kv, normed
 
     @torch.no_grad()
     def reference(self, ids: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,7 @@ def _step(model, chunks, histories, slots, pool, kv_pool=None):  # noqa: ANN001,
     with torch.no_grad():
         out = model(ids, positions, torch.tensor(histories), torch.tensor([len(c) for c in chunks]),
                     torch.zeros(batch, 1, dtype=torch.int64), kv_pool, torch.zeros(batch, 1, dtype=torch.int64),
-                    pool, torch.tensor(slots))  # fmt: skip
+                    state_pool=pool, state_slots=torch.tensor(slots))  # fmt: skip
     return out[0], out[-1]  # logits [B, V], new_state [B, W]
 
 
@@ -89,7 +89,7 @@ def _prefill_in_chunks(model, tokens, splits):  # noqa: ANN001, ANN202
         positions = torch.arange(start, end).unsqueeze(0)
         with torch.no_grad():
             res = model(ids, positions, torch.tensor([start]), torch.tensor([len(chunk)]), table, kv,
-                        torch.zeros(1, 1, dtype=torch.int64), pool, torch.tensor([1]))  # fmt: skip
+                        torch.zeros(1, 1, dtype=torch.int64), state_pool=pool, state_slots=torch.tensor([1]))  # fmt: skip
         new_kv = res[5]  # [kv layers, 2, 1, L, heads, dim] -> pool rows (layer*2+kind)*P + page
         for j in range(len(model.kv_layers)):
             for kind in (0, 1):
@@ -219,7 +219,7 @@ def test_scheduler_slots_and_prefix_cache_skips():
 def test_manifest_state_layout_is_checked():
     from helios.manifest import FORMAT_VERSION, _build
 
-    assert FORMAT_VERSION == "1.6"
+    assert FORMAT_VERSION == "1.7"
     good = {"width": 30, "dtype": "float32", "layers": [
         {"layer": 0, "kind": "gated_deltanet", "offset": 0, "size": 10},
         {"layer": 2, "kind": "gated_deltanet", "offset": 10, "size": 20}]}  # fmt: skip
@@ -253,7 +253,7 @@ def core(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("q35-core") / "core"
     manifest = export_core(ExportOptions(recipe=load_recipe("qwen38_dense"), checkpoint=str(folder), out=out,
                                          precision="fp32", cache=False))  # fmt: skip
-    assert manifest.state is not None and manifest.kv.num_layers == 1 and manifest.format_version == "1.6"
+    assert manifest.state is not None and manifest.kv.num_layers == 1 and manifest.format_version == "1.7"
     return out
 
 

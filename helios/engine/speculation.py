@@ -1,0 +1,138 @@
+"""Speculative decoding with history drafts (api.md speculative execution).
+
+A decode round may carry k drafted tokens after a row's last committed token. The step graph
+returns the target's outputs at each of the k+1 positions (manifest 1.7 `logit_positions`), and
+the engine commits one position at a time through the ordinary sampler, penalties, stops and
+logprobs: position j's token is drawn from the target's distribution given the tokens committed
+so far, and the round moves to position j+1 only while that token equals draft j+1. History
+drafts are deterministic, so this is speculative rejection sampling against a point-mass draft:
+draft d is kept with probability p(d) and, when it is not, the committed token is distributed as
+p given not d. Each committed token takes one draw from the request's generator, as without
+speculation, so seeded and greedy outputs match the non-speculative ones given the same logits.
+
+Rollback: rejected positions' K/V stay in pool slots past `num_computed_tokens`, which later
+steps overwrite; pages are shared only below the computed length, so prefix checkpoints only
+ever hold committed tokens. Cores with recurrent state do not speculate (a rejected position
+would already have advanced the state).
+
+Drafts come from the request's own tokens (prompt and output): the longest n-gram (up to
+`max_ngram`) ending at the last token that occurred earlier proposes what followed it. Depth is
+adaptive: each request keeps a running acceptance rate, and a round offers the width that
+maximizes expected tokens per unit of step cost; rounds offer nothing while more rows decode
+than `max_batch_rows` (a batch that is already compute-bound gains nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+MODES = ("auto", "off")
+
+
+@dataclass
+class SpeculationConfig:
+    mode: str = "auto"  # "off": no drafts
+    history_drafts: bool = True
+    max_width: int = 4  # drafts per round at most; a fixed width when adaptive is False
+    adaptive: bool = True
+    max_batch_rows: int = 2  # more decoding rows than this: rounds carry no drafts
+    min_ngram: int = 2
+    max_ngram: int = 4
+    # Step cost of one more position in a round, relative to a one-token decode step: measured on
+    # this CPU with the default core at 1.5k tokens of history (a step of 1, 3, 5 and 9 positions:
+    # 19.2, 25.4, 35.4 and 47.9 ms; docs/performance.md), so a draft pays only when it is
+    # accepted about one time in five or more.
+    position_cost: float = 0.2
+
+    def validate(self) -> None:
+        for name in ("max_width", "max_batch_rows", "min_ngram", "max_ngram"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+                raise ValueError(f"speculation {name} must be an integer")
+        if self.mode not in MODES:
+            raise ValueError(f"speculation mode must be one of {', '.join(MODES)}")
+        if not 0 <= self.max_width <= 16:
+            raise ValueError("speculation max_width must be in 0..16")
+        if not 1 <= self.min_ngram <= self.max_ngram <= 16:
+            raise ValueError("speculation n-gram sizes must satisfy 1 <= min_ngram <= max_ngram <= 16")
+        if self.max_batch_rows < 1:
+            raise ValueError("speculation max_batch_rows must be >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off" and self.history_drafts and self.max_width > 0
+
+
+class HistoryDrafts:
+    """One request's n-gram index: for each n-gram, the position after its latest occurrence."""
+
+    ACCEPTANCE_WEIGHT = 0.25  # weight of the latest round in the running acceptance rate
+
+    def __init__(self, config: SpeculationConfig):
+        self.config = config
+        self.indexed = 0  # tokens[:indexed] are in the index
+        self.follow: dict[tuple[int, ...], int] = {}
+        self.acceptance = 1.0  # optimistic until measured
+
+    def propose(self, tokens: list[int], width: int) -> list[int]:
+        """Up to `width` tokens that followed the longest earlier occurrence of the text's tail."""
+        self._index(tokens)
+        end = len(tokens)
+        for n in range(self.config.max_ngram, self.config.min_ngram - 1, -1):
+            if end <= n:
+                continue
+            start = self.follow.get(tuple(tokens[end - n:]))
+            if start is not None:
+                return tokens[start:start + width]
+        return []
+
+    def record(self, offered: int, accepted: int) -> None:
+        if offered:
+            self.acceptance += self.ACCEPTANCE_WEIGHT * (accepted / offered - self.acceptance)
+
+    def width(self) -> int:
+        """The round width with the most expected tokens per unit of step cost."""
+        config = self.config
+        if not config.adaptive:
+            return config.max_width
+        best, best_gain, expected = 0, 1.0, 1.0
+        for k in range(1, config.max_width + 1):
+            expected += self.acceptance ** k  # the k-th draft survives only if all before it do
+            gain = expected / (1 + config.position_cost * k)
+            if gain > best_gain:
+                best, best_gain = k, gain
+        return best
+
+    def _index(self, tokens: list[int]) -> None:
+        """Add the n-grams that end before the last token (the last one is what we look up)."""
+        lo, hi = self.config.min_ngram, self.config.max_ngram
+        for end in range(max(self.indexed, lo), len(tokens)):
+            for n in range(lo, min(hi, end) + 1):
+                self.follow[tuple(tokens[end - n:end])] = end
+        self.indexed = max(self.indexed, len(tokens))
+
+
+class Speculator:
+    """The scheduler's draft source: each decode round's drafts for one request (plain data)."""
+
+    def __init__(self, config: SpeculationConfig):
+        config.validate()
+        self.config = config
+
+    def drafts(self, seq: Any, decoding_rows: int, room: int) -> list[int]:
+        """Drafts for `seq`'s next round: none for constrained requests (grammar masks and
+        reasoning budgets see one token at a time) or when more than max_batch_rows decode."""
+        config = self.config
+        if not config.enabled or decoding_rows > config.max_batch_rows or getattr(seq, "constraint", None) is not None:
+            return []
+        # A draft at or past the last allowed token could never be committed.
+        room = min(room, seq.stop_checker.max_new_tokens - seq.num_generated - 1)
+        if seq.speculation is None:
+            seq.speculation = HistoryDrafts(config)
+        width = min(seq.speculation.width(), room)
+        return seq.speculation.propose(seq.token_ids, width) if width > 0 else []
+
+    @staticmethod
+    def record(seq: Any, offered: int, accepted: int) -> None:
+        if seq.speculation is not None:
+            seq.speculation.record(offered, accepted)

@@ -1,0 +1,137 @@
+"""Speculative decoding speed through the real HTTP API (prints numbers, asserts nothing).
+
+    python scripts/speculative_tps.py [--core cores/default] [--json OUT]
+    python scripts/bench.py --speculative ...     # the same section inside bench.py's JSON
+
+Workloads, each on a `helios serve CORE --speculation off` and then an `--speculation auto`
+server (same process settings otherwise), greedy, streamed:
+- edit: a completion whose prompt shows a ~150-line Python module and starts its copy with one
+  identifier renamed (what coding agents do most: re-emit code they were just shown);
+- free: an open-ended writing request (nothing to copy);
+- b8: eight concurrent free-writing streams.
+Decode tokens/s = (tokens after the first) / (time after the first token); b8 is the aggregate.
+The edit outputs of both servers are compared (greedy: they must be the same text).
+Targets: edit on >= 2.5x off; free on >= 0.95x off; b8 on >= 0.95x off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.conftest import Server  # noqa: E402
+
+TARGETS = {"edit": 2.5, "free": 0.95, "b8": 0.95}
+
+
+def source_module(functions: int = 14) -> str:
+    """A plausible ~150-line module: a class with methods that use `record_store` often."""
+    lines = ['"""Inventory bookkeeping for the warehouse service."""', "", "import json", "from pathlib import Path",
+             "", "", "class Inventory:", "    def __init__(self, path: Path):", "        self.path = path",
+             "        self.record_store = {}", ""]
+    for i in range(functions):
+        lines += [f"    def update_item_{i}(self, sku: str, count: int) -> int:",
+                  f'        """Adjust the stock of item group {i} and return the new count."""',
+                  "        current = self.record_store.get(sku, 0)",
+                  f"        current += count * {i + 1}",
+                  "        if current < 0:",
+                  f'            raise ValueError(f"stock of {{sku}} would drop below zero in group {i}")',
+                  "        self.record_store[sku] = current",
+                  "        return current", ""]
+    lines += ["    def save(self) -> None:", "        self.path.write_text(json.dumps(self.record_store, indent=2))", ""]
+    return "\n".join(lines)
+
+
+def edit_prompt() -> str:
+    """The file, then the start of its edited copy (a completion, as an editor integration sends
+    it: the 0.5B model asked in chat rewrites the file into something else)."""
+    return ("# inventory.py\n```python\n" + source_module() + "\n```\n\n"
+            "# inventory.py after renaming the attribute `record_store` to `stock_levels` everywhere\n```python\n")
+
+
+FREE = [{"role": "user", "content": "Write an original short story about a lighthouse keeper who finds a map."}]
+
+
+def stream(client: httpx.Client, prompt: list[dict] | str, max_tokens: int) -> tuple[str, int, float]:
+    """(text, tokens, seconds after the first token) of one greedy streamed chat (messages) or
+    completion (a string)."""
+    chat = not isinstance(prompt, str)
+    body = {"max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            **({"messages": prompt} if chat else {"prompt": prompt, "stop": ["```"]})}
+    text, first, tokens = [], None, 0
+    with client.stream("POST", "/v1/chat/completions" if chat else "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices", []):
+                piece = choice.get("delta", {}).get("content") if chat else choice.get("text")
+                if piece:
+                    if first is None:
+                        first = time.perf_counter()
+                    text.append(piece)
+    return "".join(text), tokens, time.perf_counter() - (first or time.perf_counter())
+
+
+def rates(core: Path, mode: str, log: Callable[[str], None]) -> dict:
+    server = Server(core, "--speculation", mode)
+    try:
+        with httpx.Client(base_url=server.url, timeout=1800) as client:
+            stream(client, [{"role": "user", "content": "warm up"}], 8)
+            text, tokens, seconds = stream(client, edit_prompt(), 1200)
+            edit = (tokens - 1) / seconds
+            _, tokens, seconds = stream(client, FREE, 200)
+            free = (tokens - 1) / seconds
+            started = time.perf_counter()
+            with ThreadPoolExecutor(8) as pool:
+                results = list(pool.map(lambda _: stream(client, FREE, 96), range(8)))
+            b8 = sum(t for _, t, _ in results) / (time.perf_counter() - started)
+            metrics = client.get("/metrics", params={"format": "json"}).json()
+    finally:
+        server.stop()
+    accepted, offered = metrics.get("accepted_drafts", 0), metrics.get("verification_drafts", 0)
+    log(f"{mode:5s} edit {edit:7.1f} tok/s  free {free:7.1f}  b8 {b8:7.1f}  drafts {offered} accepted {accepted}")
+    return {"edit_tps": round(edit, 2), "free_tps": round(free, 2), "b8_tps": round(b8, 2), "edit_text": text,
+            "accepted": accepted, "offered": offered, "rounds": metrics.get("verification_rounds", 0)}
+
+
+def measure(core: Path, log: Callable[[str], None] = print) -> dict:
+    """bench.py's `speculative` section for one core."""
+    off = rates(core, "off", log)
+    on = rates(core, "auto", log)
+    result = {"edit_on_tps": on["edit_tps"], "edit_off_tps": off["edit_tps"], "free_on_tps": on["free_tps"],
+              "free_off_tps": off["free_tps"], "b8_on_tps": on["b8_tps"], "b8_off_tps": off["b8_tps"],
+              "acceptance": round(on["accepted"] / on["offered"], 3) if on["offered"] else None,
+              "edit_identical": on["edit_text"] == off["edit_text"]}
+    result["ratios"] = {name: round(result[f"{name}_on_tps"] / result[f"{name}_off_tps"], 3) for name in TARGETS}
+    result["targets"] = {name: {"target": f">= {bound}x off", "met": result["ratios"][name] >= bound}
+                         for name, bound in TARGETS.items()}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--core", type=Path, default=Path("cores/default"))
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    result = {args.core.name: measure(args.core, log=lambda line: print(line, flush=True))}
+    print(json.dumps({"speculative": result}, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps({"speculative": result}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
