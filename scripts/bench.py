@@ -50,7 +50,9 @@ decode_16k_bound_tps and decode_16k_bound_ratio (decode / the bandwidth bound; t
 decode_16k_bytes_per_step, and prefill_16k_vs_best_peer / decode_16k_vs_best_peer (targets
 >= 1.5 and >= 1.3). With --host-store, "host_store" holds scripts/host_store_ttft.py's section
 (its own servers, after the rest: cold/restart/evicted TTFT of a 16k agent prompt and restore
-rates, targets restart and evicted <= 0.05x cold).
+rates, targets restart and evicted <= 0.05x cold). With --speculative, "speculative" holds
+scripts/speculative_tps.py's section for the core ({CORE_NAME: {edit_on_tps, edit_off_tps,
+free_on_tps, free_off_tps, b8_on_tps, b8_off_tps, acceptance, ...}}).
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from bandwidth import read_bandwidth  # noqa: E402
 from host_store_ttft import measure as measure_host_store  # noqa: E402
 from prefix_ttft import measure as measure_prefix_reuse  # noqa: E402
+from speculative_tps import measure as measure_speculative  # noqa: E402
 from tests.conftest import Server  # noqa: E402  (the same launcher the tests use)
 
 STORY = "Write a long story about a lighthouse keeper."
@@ -519,6 +522,8 @@ def main() -> None:
                         help="skip the 16k-token long-context section (tens of seconds per runtime per round)")
     parser.add_argument("--long-rounds", type=int, default=None,
                         help="run the long-context section in the first N rounds only [every round]")
+    parser.add_argument("--speculative", action="store_true",
+                        help="add the speculative decoding section (scripts/speculative_tps.py: two more servers)")
     parser.add_argument("--host-store", action="store_true",
                         help="add the host prefix store section (scripts/host_store_ttft.py: minutes of 16k prefill)")
     parser.add_argument("--long-tokens", type=int, default=LONG_TOKENS,
@@ -607,6 +612,9 @@ def main() -> None:
         "core": str(args.core),
         "rounds": {"helios": helios_rounds, "peers": peer_rounds},
     }
+    if args.speculative:
+        results["speculative"] = {args.core.name: measure_speculative(
+            args.core, log=lambda line: print(f"speculative: {line}", flush=True))}
     if args.host_store:
         results["host_store"] = measure_host_store(args.core, log=lambda line: print(f"host store: {line}", flush=True))
     print(table(results))

@@ -34,7 +34,7 @@ MODES = ("auto", "off")
 class SpeculationConfig:
     mode: str = "auto"  # "off": no drafts
     history_drafts: bool = True
-    max_width: int = 4  # drafts per round at most; a fixed width when adaptive is False
+    max_width: int = 8  # drafts per round at most; a fixed width when adaptive is False
     adaptive: bool = True
     max_batch_rows: int = 2  # more decoding rows than this: rounds carry no drafts
     min_ngram: int = 2

@@ -20,7 +20,7 @@
     checkpoint_storage_fraction = 0.5    # most of the KV pool that checkpoints may own
     checkpoint_work_allowance_us = 5000  # predicted capture copy work allowed per request
     speculation = "auto"          # history drafts verified in the step graph; "off" disables them
-    speculation_max_width = 4     # drafts per decode round at most
+    speculation_max_width = 8     # drafts per decode round at most
     speculation_adaptive = true   # false: always the full width when drafts are found
     speculation_max_batch_rows = 2  # more decoding requests than this: no drafts
 """
@@ -79,7 +79,7 @@ class ServerConfig:
     host_store_restore: str = "predicted"  # or "always" (helios.engine.host_store.HostStoreConfig)
     # Speculative decoding (helios.engine.speculation.SpeculationConfig).
     speculation: str = "auto"
-    speculation_max_width: int = 4
+    speculation_max_width: int = 8
     speculation_adaptive: bool = True
     speculation_max_batch_rows: int = 2
 

@@ -106,3 +106,29 @@ def test_disconnect_frees_the_slot(http):
     assert after["flare_requests_cancelled_total"] >= before["flare_requests_cancelled_total"] + 2
     # Pages not free are owned by immutable prefix checkpoints, never by the cancelled requests.
     assert after["flare_free_kv_pages"] + after["flare_cached_kv_pages"] == after["flare_total_kv_pages"]
+
+
+def test_speculation_is_exact_and_fires_on_an_edit(default_core, default_server, http):
+    """Greedy output of an edit (a file re-emitted with one name changed) is byte-identical with
+    speculation (the default server) and without it, and history drafts were accepted."""
+    from tests.conftest import Server
+
+    module = "class Inventory:\n    def __init__(self):\n        self.record_store = {}\n" + "".join(
+        f"\n    def add_{i}(self, sku: str, count: int) -> int:\n"
+        f"        self.record_store[sku] = self.record_store.get(sku, 0) + count * {i + 1}\n"
+        f"        return self.record_store[sku]\n" for i in range(5))
+    prompt = ("# inventory.py\n```python\n" + module + "```\n\n"
+              "# inventory.py after renaming `record_store` to `stock_levels`\n```python\n")
+    body = {"prompt": prompt, "max_tokens": 160, "temperature": 0, "stop": ["```"], "logprobs": 1}
+    before = http.get("/metrics", params={"format": "json"}).json()
+    fast = http.post("/v1/completions", json=body).json()["choices"][0]
+    after = http.get("/metrics", params={"format": "json"}).json()
+    assert after["accepted_drafts"] - before["accepted_drafts"] > 40
+    plain = Server(default_core, "--speculation", "off")
+    try:
+        slow = httpx.post(plain.url + "/v1/completions", json=body, timeout=300).json()["choices"][0]
+    finally:
+        plain.stop()
+    assert fast["text"] == slow["text"] and "stock_levels" in fast["text"]
+    for a, b in zip(fast["logprobs"]["token_logprobs"], slow["logprobs"]["token_logprobs"]):
+        assert abs(a - b) < 1e-3  # the target's own distribution at every committed position

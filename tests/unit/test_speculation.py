@@ -44,7 +44,7 @@ def test_history_drafts_propose_what_followed_the_tail():
     assert drafts.propose(text + [7], 3) == []  # "2 3 7" / "3 7" never occurred
     assert HistoryDrafts(SpeculationConfig()).propose([5, 6, 5, 6, 5, 6], 4) == [5, 6]  # latest, cut at the end
     drafts.acceptance = 1.0
-    assert drafts.width() == 4
+    assert drafts.width() == SpeculationConfig().max_width == 8
     drafts.acceptance = 0.05
     assert drafts.width() == 0  # drafts that are never kept only cost
 
