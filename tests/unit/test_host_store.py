@@ -5,6 +5,7 @@ recomputed, never served."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from helios.engine.api import CheckpointCandidate, CheckpointRole, GenerationRequest, SamplingParams
 from helios.engine.engine import Engine
+from helios.engine import host_store as host_store_module
 from helios.engine.host_store import HostStoreConfig
 from helios.engine.prefix_cache import PrefixCacheConfig
 from helios.manifest import Manifest
@@ -104,6 +106,25 @@ def test_unwritable_directory_degrades_to_memory(tiny_core, tmp_path):
     out, cached = run(engine, ids, "warm")
     assert out == expected and cached == LENGTH - 1 and engine.stats().host_store.disk_records == 0
     engine.shutdown()
+
+
+def test_a_full_disk_degrades_to_memory_without_failing_a_request(tiny_core, tmp_path, monkeypatch):
+    """Every record write fails with ENOSPC: requests succeed, records stay in DRAM (restored from
+    there after the pool forgets), and the failures are counted, never raised."""
+    def full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(host_store_module, "write_record", full)
+    engine = make_engine(tiny_core, tmp_path)
+    ids = prompt()
+    expected, _ = run(engine, ids, "cold")
+    engine.prefix_cache.clear()
+    out, cached = run(engine, ids, "warm")
+    assert out == expected and cached == LENGTH - 1
+    engine.shutdown()
+    stats = engine.stats().host_store
+    assert stats.dropped[("nvme", "io_error")] >= 1 and stats.disk_records == 0 and stats.memory_records >= 1
+    assert not list(tmp_path.rglob("*.rec")) and not list(tmp_path.rglob("*.tmp"))
 
 
 def test_a_turn_extends_the_chain_and_output_matches_an_engine_without_a_host_store(tiny_core, tmp_path):
