@@ -11,14 +11,20 @@ server (same process settings otherwise), greedy, streamed:
 - b8: eight concurrent free-writing streams.
 Decode tokens/s = (tokens after the first) / (time after the first token); b8 is the aggregate.
 The edit outputs of both servers are compared (greedy: they must be the same text).
-Targets: edit on >= 2.5x off; free on >= 0.95x off; b8 on >= 0.95x off.
+Peer: llama.cpp (llama-cpp-python on the GGUF the core came from, same threads) on the same edit
+prompt, plainly and with its prompt-lookup speculation (scripts/peers/llamacpp_run.py --edit);
+`peer_edit_best_tps` is the better of the two.
+Targets: edit on >= 2.5x off and >= 2x the peer's best mode; free on >= 0.95x off; b8 on >=
+0.95x off.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -108,7 +114,32 @@ def rates(core: Path, mode: str, log: Callable[[str], None]) -> dict:
             "accepted": accepted, "offered": offered, "rounds": metrics.get("verification_rounds", 0)}
 
 
-def measure(core: Path, log: Callable[[str], None] = print) -> dict:
+def peer_edit(core: Path, log: Callable[[str], None]) -> dict:
+    """llama.cpp on the same edit prompt, plain and with prompt-lookup drafts ({"error"} when it
+    cannot run: no packaged GGUF for this core, or its venv fails to build)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from peers import envs as setup
+
+        from helios.manifest import Manifest
+        from ignition.checkpoints.packaged import PACKAGED_MODELS, resolve_packaged
+
+        name = Manifest.load(core, verify_files=False).identity.checkpoint_id
+        if name not in PACKAGED_MODELS:
+            return {"error": f"no packaged GGUF for {name!r}"}
+        gguf = resolve_packaged(PACKAGED_MODELS[name], report=setup.log)
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as handle:
+            handle.write(edit_prompt())
+        result = setup.run_peer(setup.ensure_llamacpp(), "llamacpp_run.py",
+                                [str(gguf), "--threads", str(os.cpu_count() or 1), "--edit", handle.name,
+                                 "--decode", "1200"], timeout=1800)
+    except Exception as exc:  # a peer failing must not lose helios's numbers
+        return {"error": str(exc)[-500:]}
+    log(f"llama.cpp edit {result['edit_plain_tps']:7.1f} tok/s plain, {result['edit_lookup_tps']:7.1f} prompt-lookup")
+    return result
+
+
+def measure(core: Path, log: Callable[[str], None] = print, peers: bool = True) -> dict:
     """bench.py's `speculative` section for one core."""
     off = rates(core, "off", log)
     on = rates(core, "auto", log)
@@ -119,6 +150,15 @@ def measure(core: Path, log: Callable[[str], None] = print) -> dict:
     result["ratios"] = {name: round(result[f"{name}_on_tps"] / result[f"{name}_off_tps"], 3) for name in TARGETS}
     result["targets"] = {name: {"target": f">= {bound}x off", "met": result["ratios"][name] >= bound}
                          for name, bound in TARGETS.items()}
+    if peers:
+        peer = peer_edit(core, log)
+        result["peer"] = peer
+        if "error" not in peer:
+            best = max(peer["edit_plain_tps"], peer["edit_lookup_tps"])
+            result["peer_edit_best_tps"] = best
+            result["ratios"]["edit_vs_peer"] = round(result["edit_on_tps"] / best, 3)
+            result["targets"]["edit_vs_peer"] = {"target": ">= 2x the peer's best mode",
+                                                 "met": result["ratios"]["edit_vs_peer"] >= 2}
     return result
 
 
@@ -126,8 +166,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--core", type=Path, default=Path("cores/default"))
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--no-peers", action="store_true", help="helios only")
     args = parser.parse_args()
-    result = {args.core.name: measure(args.core, log=lambda line: print(line, flush=True))}
+    result = {args.core.name: measure(args.core, log=lambda line: print(line, flush=True), peers=not args.no_peers)}
     print(json.dumps({"speculative": result}, indent=2))
     if args.json:
         args.json.write_text(json.dumps({"speculative": result}, indent=2) + "\n")

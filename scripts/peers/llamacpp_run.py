@@ -2,6 +2,7 @@
 
     python llamacpp_run.py MODEL.gguf --threads 2 --decode 64 --prefill 512 --repeats 2
     python llamacpp_run.py MODEL.gguf --threads 2 --long 16384 --decode 64
+    python llamacpp_run.py MODEL.gguf --threads 2 --edit PROMPT.txt --decode 1200
 
 Prints one JSON line: decode_b1_tps (greedy single-stream decode after a short prompt, tokens
 after the first), prefill_tps (a fresh prompt of --prefill token ids, best of --repeats).
@@ -13,6 +14,11 @@ tokens with that prompt as history (long_decode_tps). The context holds N + --de
 the KV cache keeps llama.cpp's default type (f16; no type_k/type_v). Flash attention is on,
 which is what llama.cpp's own default ("auto") resolves to on a CPU; llama-cpp-python's wrapper
 defaults it off, --no-flash-attn measures that configuration.
+
+--edit FILE (the speculative-decoding peer; only these figures): greedy completion of the file's
+text up to --decode tokens (stopping at a closing ```), once plainly (edit_plain_tps) and once
+with llama-cpp-python's prompt-lookup drafts (LlamaPromptLookupDecoding, its speculative mode
+for a single model; edit_lookup_tps); tokens after the first over the time after the first.
 """
 
 import argparse
@@ -21,6 +27,7 @@ import time
 
 import numpy as np
 from llama_cpp import Llama
+from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
 BATCH = 512
 
@@ -60,6 +67,24 @@ def long_context(a: argparse.Namespace) -> dict:
             "long_decode_tokens": a.decode, "flash_attn": not a.no_flash_attn, "n_ctx": llm.n_ctx()}
 
 
+def edit(a: argparse.Namespace) -> dict:
+    prompt = open(a.edit, encoding="utf-8").read()
+    result = {}
+    for label, draft in (("plain", None), ("lookup", LlamaPromptLookupDecoding(num_pred_tokens=10))):
+        # The wrapper verifies drafts against every position's logits: it needs logits_all.
+        llm = Llama(a.model, n_ctx=3072, n_threads=a.threads, n_threads_batch=a.threads, n_batch=BATCH,
+                    n_ubatch=BATCH, verbose=False, draft_model=draft, logits_all=draft is not None)
+        first, tokens = None, 0
+        for chunk in llm.create_completion(prompt, max_tokens=a.decode, temperature=0.0, top_k=1, stop=["```"],
+                                           stream=True):
+            tokens += 1
+            if first is None:
+                first = time.perf_counter()
+        result[f"edit_{label}_tps"] = round((tokens - 1) / (time.perf_counter() - first), 2)
+        result[f"edit_{label}_tokens"] = tokens
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -69,7 +94,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--long", type=int, default=0, help="long-context mode: prompt tokens (e.g. 16384)")
     ap.add_argument("--no-flash-attn", action="store_true", help="long mode: flash attention off")
+    ap.add_argument("--edit", help="edit mode: a prompt file (plain and prompt-lookup decode)")
     a = ap.parse_args()
+    if a.edit:
+        print(json.dumps(edit(a)))
+        return
     if a.long:
         print(json.dumps(long_context(a)))
         return
