@@ -109,8 +109,9 @@ def test_disconnect_frees_the_slot(http):
 
 
 def test_speculation_is_exact_and_fires_on_an_edit(default_core, default_server, http):
-    """Greedy output of an edit (a file re-emitted with one name changed) is byte-identical with
-    speculation (the default server) and without it, and history drafts were accepted."""
+    """Greedy output of an edit (a file re-emitted with one name changed), and of a chat with a
+    tool, is byte-identical with speculation (the default server) and without it, and history
+    drafts were accepted."""
     from tests.conftest import Server
 
     module = "class Inventory:\n    def __init__(self):\n        self.record_store = {}\n" + "".join(
@@ -120,15 +121,26 @@ def test_speculation_is_exact_and_fires_on_an_edit(default_core, default_server,
     prompt = ("# inventory.py\n```python\n" + module + "```\n\n"
               "# inventory.py after renaming `record_store` to `stock_levels`\n```python\n")
     body = {"prompt": prompt, "max_tokens": 160, "temperature": 0, "stop": ["```"], "logprobs": 1}
+    tool = {"type": "function", "function": {"name": "write_file", "description": "Write a file",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+                           "required": ["path", "content"]}}}
+    chat = {"messages": [{"role": "user", "content": "Save this module as inventory.py:\n" + module}],
+            "tools": [tool], "max_tokens": 200, "temperature": 0}
     before = http.get("/metrics", params={"format": "json"}).json()
     fast = http.post("/v1/completions", json=body).json()["choices"][0]
     after = http.get("/metrics", params={"format": "json"}).json()
     assert after["accepted_drafts"] - before["accepted_drafts"] > 40
+    fast_chat = http.post("/v1/chat/completions", json=chat).json()["choices"][0]
     plain = Server(default_core, "--speculation", "off")
     try:
         slow = httpx.post(plain.url + "/v1/completions", json=body, timeout=300).json()["choices"][0]
+        slow_chat = httpx.post(plain.url + "/v1/chat/completions", json=chat, timeout=300).json()["choices"][0]
     finally:
         plain.stop()
+    for message in (fast_chat["message"], slow_chat["message"]):
+        for call in message.get("tool_calls") or []:
+            call.pop("id")  # random per response
+    assert fast_chat["message"] == slow_chat["message"]  # with tools: the same text or the same calls
     assert fast["text"] == slow["text"] and "stock_levels" in fast["text"]
     for a, b in zip(fast["logprobs"]["token_logprobs"], slow["logprobs"]["token_logprobs"]):
         assert abs(a - b) < 1e-3  # the target's own distribution at every committed position
