@@ -16,7 +16,7 @@ from helios.engine.api import GenerationRequest, SamplingParams
 from helios.engine.engine import Engine
 from helios.engine.prefix_cache import PrefixCacheConfig
 from helios.engine.runner import StepRow
-from helios.engine.speculation import HistoryDrafts, SpeculationConfig
+from helios.engine.speculation import HistoryDrafts, SpeculationConfig, Speculator
 from helios.frontend.grammar import OutputFormat, compiler_for
 from helios.frontend.tokenizer import Tokenizer
 from helios.manifest import Manifest
@@ -134,6 +134,75 @@ def test_seeded_sampling_matches_without_speculation(tiny_core):
         want = generate(off, echo, f"off{seed}", seed=seed, **sampling)[0]
         assert generate(on, echo, f"on{seed}", seed=seed, **sampling)[0] == want
     assert on.stats().accepted_drafts_total > 0
+    off.shutdown()
+    on.shutdown()
+
+
+class FixedDraft(Speculator):
+    """Drafts one token per round, looked up by the last committed token: a deterministic draft
+    source, so the test exercises the commit rule alone."""
+
+    def __init__(self, after: dict[int, int]):
+        super().__init__(SpeculationConfig())
+        self.after = after
+
+    def drafts(self, seq, decoding_rows: int, room: int) -> list[int]:  # noqa: ANN001
+        room = min(room, seq.stop_checker.max_new_tokens - seq.num_generated - 1)
+        draft = self.after.get(seq.token_ids[-1])
+        return [draft] if room > 0 and draft is not None else []
+
+
+def test_sampled_tokens_after_an_accepted_draft_follow_the_target_distribution(tiny_core):
+    """Chi-square: with a draft D offered after the first token t1 (t1's likeliest successor), D
+    is accepted at the target's rate p(D | prompt, t1), and the token committed after an accepted
+    D is drawn from the target's top-5 distribution given (prompt, t1, D) (temperature 1, top-k 5)."""
+    prompt = REPEATED[:12]
+    sampling = {"temperature": 1.0, "top_k": 5}
+    off = engine(tiny_core, mode="off")
+
+    def top5(ids: list[int]) -> dict[int, float]:
+        (entry,) = generate(off, ids, f"p{len(ids)}-{ids[-1]}", max_tokens=1, logprobs=5, **sampling)[1]
+        weights = {token: float(np.exp(logprob)) for token, logprob in entry.top[:5]}
+        total = sum(weights.values())
+        return {token: w / total for token, w in weights.items()}
+
+    first = top5(prompt)
+    second = {t1: top5(prompt + [t1]) for t1 in first}
+    drafts = {t1: max(dist, key=dist.get) for t1, dist in second.items()}  # each t1's likeliest next
+    on = engine(tiny_core)
+    on.scheduler.speculator = FixedDraft(drafts)
+    draws = 800
+    runs = [generate(on, prompt, f"s{seed}", max_tokens=3, seed=seed, **sampling)[0] for seed in range(draws)]
+    assert on.stats().draft_rounds_total == draws
+    chi2, dof = 0.0, 0
+    for t1 in first:
+        after = [run for run in runs if run[0] == t1]
+        if len(after) < 40:
+            continue
+        draft = drafts[t1]
+        p_draft = second[t1][draft]
+        accepted = [run for run in after if run[1] == draft]
+        expected = len(after) * p_draft
+        if 5 <= expected <= len(after) - 5:  # the acceptance rate, a binomial
+            chi2 += (len(accepted) - expected) ** 2 / (expected * (1 - p_draft))
+            dof += 1
+        if len(accepted) >= 40:  # what follows an accepted draft
+            target = top5(prompt + [t1, draft])
+            counts = {token: sum(run[2] == token for run in accepted) for token in target}
+            assert sum(counts.values()) == len(accepted)  # never a token outside the target's top 5
+            cells, rest = [], [0, 0.0]  # cells expecting fewer than 5 draws are pooled
+            for token, prob in target.items():
+                if prob * len(accepted) >= 5:
+                    cells.append((counts[token], prob * len(accepted)))
+                else:
+                    rest[0] += counts[token]
+                    rest[1] += prob * len(accepted)
+            if rest[1] >= 5:
+                cells.append((rest[0], rest[1]))
+            chi2 += sum((count - want) ** 2 / want for count, want in cells)
+            dof += max(0, len(cells) - 1)
+    assert dof >= 3
+    assert chi2 < dof + 4 * np.sqrt(2 * dof)  # ~p < 0.001 for these degrees of freedom
     off.shutdown()
     on.shutdown()
 
