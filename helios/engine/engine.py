@@ -545,6 +545,8 @@ class Engine:
             self._failed += 1
         else:
             self._completed += 1
+            if self.scheduler.speculator is not None:
+                self.scheduler.speculator.remember(seq)
         self._seqs.pop(seq.request_id, None)
         with self._cv:
             self._live.discard(seq.request_id)

@@ -16,7 +16,9 @@ ever hold committed tokens. Cores with recurrent state do not speculate (a rejec
 would already have advanced the state).
 
 Drafts come from the request's own tokens (prompt and output): the longest n-gram (up to
-`max_ngram`) ending at the last token that occurred earlier proposes what followed it. Depth is
+`max_ngram`) ending at the last token that occurred earlier proposes what followed it; when the
+request has no such match, the outputs of recently finished requests (shared decoded history)
+are searched the same way. Depth is
 adaptive: each request keeps a running acceptance rate, and a round offers the width that
 maximizes expected tokens per unit of step cost; rounds offer nothing while more rows decode
 than `max_batch_rows` (a batch that is already compute-bound gains nothing).
@@ -24,6 +26,7 @@ than `max_batch_rows` (a batch that is already compute-bound gains nothing).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +42,8 @@ class SpeculationConfig:
     max_batch_rows: int = 2  # more decoding rows than this: rounds carry no drafts
     min_ngram: int = 2
     max_ngram: int = 4
+    # Tokens of recently finished outputs every request may draft from (0: its own tokens only).
+    shared_history_tokens: int = 1 << 18
     # Step cost of one more position in a round, relative to a one-token decode step: measured on
     # this CPU with the default core at 1.5k tokens of history (a step of 1, 3, 5 and 9 positions:
     # 19.2, 25.4, 35.4 and 47.9 ms; docs/performance.md), so a draft pays only when it is
@@ -46,7 +51,7 @@ class SpeculationConfig:
     position_cost: float = 0.2
 
     def validate(self) -> None:
-        for name in ("max_width", "max_batch_rows", "min_ngram", "max_ngram"):
+        for name in ("max_width", "max_batch_rows", "min_ngram", "max_ngram", "shared_history_tokens"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
                 raise ValueError(f"speculation {name} must be an integer")
         if self.mode not in MODES:
@@ -57,6 +62,8 @@ class SpeculationConfig:
             raise ValueError("speculation n-gram sizes must satisfy 1 <= min_ngram <= max_ngram <= 16")
         if self.max_batch_rows < 1:
             raise ValueError("speculation max_batch_rows must be >= 1")
+        if self.shared_history_tokens < 0:
+            raise ValueError("speculation shared_history_tokens must be >= 0")
 
     @property
     def enabled(self) -> bool:
@@ -112,12 +119,57 @@ class HistoryDrafts:
         self.indexed = max(self.indexed, len(tokens))
 
 
+class SharedHistory:
+    """Outputs of recently finished requests, indexed like a request's own tokens: a request whose
+    text has no earlier match of its own can copy what another request wrote (an agent's next
+    session re-emitting the file or command the last one produced). Bounded in tokens; the oldest
+    output and its index entries go first."""
+
+    def __init__(self, config: SpeculationConfig, capacity_tokens: int):
+        self.config = config
+        self.capacity_tokens = capacity_tokens
+        self.outputs: OrderedDict[int, list[int]] = OrderedDict()  # id -> tokens, oldest first
+        self.follow: dict[tuple[int, ...], tuple[int, int]] = {}  # n-gram -> (output id, next position)
+        self.tokens = 0
+        self.next_id = 0
+
+    def remember(self, tokens: list[int]) -> None:
+        lo, hi = self.config.min_ngram, self.config.max_ngram
+        if len(tokens) <= lo or len(tokens) > self.capacity_tokens:
+            return
+        key, self.next_id = self.next_id, self.next_id + 1
+        self.outputs[key] = list(tokens)
+        self.tokens += len(tokens)
+        for end in range(lo, len(tokens)):
+            for n in range(lo, min(hi, end) + 1):
+                self.follow[tuple(tokens[end - n:end])] = (key, end)
+        while self.tokens > self.capacity_tokens:
+            old_key, old = self.outputs.popitem(last=False)
+            self.tokens -= len(old)
+            for end in range(lo, len(old)):
+                for n in range(lo, min(hi, end) + 1):
+                    gram = tuple(old[end - n:end])
+                    if self.follow.get(gram, (None,))[0] == old_key:
+                        del self.follow[gram]
+
+    def propose(self, tokens: list[int], width: int) -> list[int]:
+        for n in range(self.config.max_ngram, self.config.min_ngram - 1, -1):
+            if len(tokens) < n:
+                continue
+            found = self.follow.get(tuple(tokens[len(tokens) - n:]))
+            if found is not None:
+                key, start = found
+                return self.outputs[key][start:start + width]
+        return []
+
+
 class Speculator:
     """The scheduler's draft source: each decode round's drafts for one request (plain data)."""
 
     def __init__(self, config: SpeculationConfig):
         config.validate()
         self.config = config
+        self.shared = SharedHistory(config, config.shared_history_tokens) if config.shared_history_tokens else None
 
     def drafts(self, seq: Any, decoding_rows: int, room: int) -> list[int]:
         """Drafts for `seq`'s next round: none for constrained requests (grammar masks and
@@ -130,7 +182,17 @@ class Speculator:
         if seq.speculation is None:
             seq.speculation = HistoryDrafts(config)
         width = min(seq.speculation.width(), room)
-        return seq.speculation.propose(seq.token_ids, width) if width > 0 else []
+        if width <= 0:
+            return []
+        drafts = seq.speculation.propose(seq.token_ids, width)
+        if not drafts and self.shared is not None:
+            drafts = self.shared.propose(seq.token_ids, width)
+        return drafts
+
+    def remember(self, seq: Any) -> None:
+        """A finished request's output joins the shared history."""
+        if self.shared is not None and seq.num_generated:
+            self.shared.remember(seq.output_ids)
 
     @staticmethod
     def record(seq: Any, offered: int, accepted: int) -> None:

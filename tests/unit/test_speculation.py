@@ -207,6 +207,28 @@ def test_sampled_tokens_after_an_accepted_draft_follow_the_target_distribution(t
     on.shutdown()
 
 
+def test_shared_history_drafts_from_other_requests_outputs(tiny_core):
+    """A request whose own tokens hold no earlier match drafts from what a finished request wrote
+    (an agent's next session re-emitting what the last one produced); output unchanged."""
+    on, off = engine(tiny_core, max_batch_rows=8), engine(tiny_core, mode="off")
+    written, _ = generate(on, REPEATED, "writer", max_tokens=40)
+    # The same context up to written[8]: its continuation is the writer's, whose n-grams only the
+    # shared history holds (the reader's own tokens end where the writer's output went on).
+    reader = REPEATED + written[:8]
+    before = on.stats().accepted_drafts_total
+    got, _ = generate(on, reader, "reader", max_tokens=20)
+    shared = on.stats().accepted_drafts_total - before
+    assert shared > 0
+    assert got == generate(off, reader, "plain", max_tokens=20)[0]
+    alone = engine(tiny_core, max_batch_rows=8, shared_history_tokens=0)  # its own tokens only
+    generate(alone, REPEATED, "writer", max_tokens=40)
+    before = alone.stats().accepted_drafts_total
+    generate(alone, reader, "reader", max_tokens=20)
+    assert alone.stats().accepted_drafts_total - before < shared
+    for e in (on, off, alone):
+        e.shutdown()
+
+
 def test_constrained_requests_and_off_mode_never_draft(tiny_core):
     e = engine(tiny_core, max_batch_rows=8)
     manifest = Manifest.load(tiny_core, verify_files=False)
