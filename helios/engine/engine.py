@@ -30,7 +30,7 @@ from helios.engine.runner import SPARE_STATE_SLOTS, PromptScores, Runner, StepOu
 from helios.engine.sampler import explicit_logprob, prompt_logprob_entries, sample, token_logprob
 from helios.engine.scheduler import Batch, Scheduler
 from helios.engine.sequence import Sequence
-from helios.engine.speculation import SpeculationConfig
+from helios.engine.speculation import RoundCounts, SpeculationConfig
 from helios.manifest import Manifest
 
 log = logging.getLogger("helios.engine")
@@ -109,11 +109,7 @@ class Engine:
         self._cancelled = 0
         self._failed = 0
         self._steps = 0
-        self._rounds = 0  # verification rounds (decode rows), zero-draft ones included
-        self._offered = 0  # drafts offered
-        self._accepted = 0  # drafts committed
-        self._draft_rounds = 0
-        self._by_width: dict[int, int] = {}  # step graphs by the widest round's drafts
+        self._rounds = RoundCounts()  # speculative rounds (api.md)
         self._step_seconds = 0.0
         self._schedule_seconds = 0.0
 
@@ -253,11 +249,11 @@ class Engine:
             grammar_mask_seconds_total=self.constraints.mask_seconds,
             graph_seconds_total=getattr(self.runner, "graph_seconds", 0.0),
             host_store=cache.host.stats() if cache.host is not None else None,
-            verification_rounds_total=self._rounds,
-            verification_drafts_total=self._offered,
-            accepted_drafts_total=self._accepted,
-            draft_rounds_total=self._draft_rounds,
-            rounds_by_width=dict(self._by_width),
+            verification_rounds_total=self._rounds.rounds,
+            verification_drafts_total=self._rounds.offered,
+            accepted_drafts_total=self._rounds.accepted,
+            draft_rounds_total=self._rounds.draft_rounds,
+            rounds_by_width=dict(self._rounds.by_width),
             history_drafts_enabled=self.scheduler.speculator is not None,
         )
 
@@ -367,9 +363,6 @@ class Engine:
             )
             for r in batch.rows
         ]
-        # Every step graph is a verification graph; its width is its widest round's drafts.
-        width = max(len(r.drafts) for r in batch.rows)
-        self._by_width[width] = self._by_width.get(width, 0) + 1
         # Grammar masks and forced tokens of the rows that sample, computed beside the forward pass.
         masking = self.constraints.begin([r.seq for r in batch.rows if r.samples])
         started = time.perf_counter()
@@ -382,6 +375,8 @@ class Engine:
                     emitted.append((r.seq, self._fail(r.seq, f"runner step failed: {exc}")))
             return
         self.scheduler.commit(batch)
+        # Every completed step graph is a verification graph (api.md counts its rounds and width).
+        self._rounds.step([len(r.drafts) for r in batch.rows], [len(r.drafts) for r in batch.rows if r.is_decode])
         prefilled = sum(r.num_tokens for r in batch.rows if not r.is_decode)
         self._prefill_tokens += prefilled
         if self.prefix_cache.host is not None and prefilled >= PREFILL_SAMPLE_TOKENS:
@@ -445,13 +440,7 @@ class Engine:
         """Speculative rounds (helios.engine.speculation): while the token a row committed at a
         position equals its draft there, that draft's K/V stands and the next position's output
         gives the next token; the first mismatch's token (or the bonus) ends the round."""
-        decodes = [r for r in batch.rows if r.is_decode]
-        if not decodes:
-            return
-        self._rounds += len(decodes)
-        self._offered += sum(len(r.drafts) for r in decodes)
         drafted = [(i, r) for i, r in enumerate(batch.rows) if r.drafts]
-        self._draft_rounds += len(drafted)
         accepted = dict.fromkeys((i for i, _ in drafted), 0)
         active = [(i, r) for i, r in drafted if not r.seq.is_finished and r.seq.token_ids[-1] == r.drafts[0]]
         position = 1
@@ -478,7 +467,7 @@ class Engine:
             active, position = following, position + 1
         speculator = self.scheduler.speculator
         for i, r in drafted:
-            self._accepted += accepted[i]
+            self._rounds.accepted += accepted[i]
             if speculator is not None:
                 speculator.record(r.seq, len(r.drafts), accepted[i])
 

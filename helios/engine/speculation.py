@@ -27,7 +27,7 @@ than `max_batch_rows` (a batch that is already compute-bound gains nothing).
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 MODES = ("auto", "off")
@@ -161,6 +161,25 @@ class SharedHistory:
                 key, start = found
                 return self.outputs[key][start:start + width]
         return []
+
+
+@dataclass
+class RoundCounts:
+    """api.md's speculative counters (EngineStats reads them)."""
+
+    rounds: int = 0  # decode rounds, zero-draft ones included
+    offered: int = 0  # drafts offered in them
+    accepted: int = 0  # drafts committed (the bonus token excluded)
+    draft_rounds: int = 0  # rounds that offered at least one draft
+    by_width: dict[int, int] = field(default_factory=dict)  # step graphs by their widest round's drafts
+
+    def step(self, widths: list[int], decode_widths: list[int]) -> None:
+        """One step graph: each row's drafts, and those of its decode rounds."""
+        width = max(widths, default=0)
+        self.by_width[width] = self.by_width.get(width, 0) + 1
+        self.rounds += len(decode_widths)
+        self.offered += sum(decode_widths)
+        self.draft_rounds += sum(1 for w in decode_widths if w)
 
 
 class Speculator:
