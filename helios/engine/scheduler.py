@@ -200,10 +200,12 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break  # it was the newest running sequence: nothing after it is left
-            # Drafts ride along only where they fit as they are: they never evict or preempt.
+            bm.grow(seq.page_table, need)
+            # Drafts ride along only in pages free beyond what other running sequences were
+            # promised: they never evict, preempt or hold back anyone.
             drafts = self.speculator.drafts(seq, decoding, budget - 1) if self.speculator is not None else []
-            if drafts and not (self._fits_alone(seq, need + len(drafts))
-                               and bm.can_grow(seq.page_table, need + len(drafts))):
+            if drafts and not (self._fits_alone(seq, need + len(drafts)) and bm.pages_to_grow(
+                    seq.page_table, need + len(drafts)) <= bm.num_free - self._promised_pages()):
                 drafts = []
             bm.grow(seq.page_table, need + len(drafts))
             batch.rows.append(ScheduledRow(seq, seq.num_computed_tokens, 1, True, drafts))
