@@ -441,13 +441,13 @@ class Engine:
         position equals its draft there, that draft's K/V stands and the next position's output
         gives the next token; the first mismatch's token (or the bonus) ends the round."""
         drafted = [(i, r) for i, r in enumerate(batch.rows) if r.drafts]
-        accepted = dict.fromkeys((i for i, _ in drafted), 0)
-        active = [(i, r) for i, r in drafted if not r.seq.is_finished and r.seq.token_ids[-1] == r.drafts[0]]
+        # A committed token equal to the draft at its position accepts it (even if it ended the request).
+        accepted = {i: int(r.seq.token_ids[-1] == r.drafts[0]) for i, r in drafted}
+        active = [(i, r) for i, r in drafted if accepted[i] and not r.seq.is_finished]
         position = 1
         while active:
-            for i, r in active:  # draft `position` is committed: its K/V is the sequence's now
+            for _, r in active:  # draft `position` is committed: its K/V is the sequence's now
                 r.seq.num_computed_tokens += 1
-                accepted[i] += 1
             seqs = [r.seq for _, r in active]
             at = [out.index(i, position) for i, _ in active]
             try:
@@ -462,8 +462,10 @@ class Engine:
                     emitted.append((r.seq, self._fail(r.seq, "the model produced non-finite logits")))
                     continue
                 self._commit_safely(r.seq, token, out, o, False, emitted)
-                if not r.seq.is_finished and position < len(r.drafts) and token == r.drafts[position]:
-                    following.append((i, r))
+                if position < len(r.drafts) and token == r.drafts[position] and r.seq.token_ids[-1] == token:
+                    accepted[i] += 1
+                    if not r.seq.is_finished:
+                        following.append((i, r))
             active, position = following, position + 1
         speculator = self.scheduler.speculator
         for i, r in drafted:

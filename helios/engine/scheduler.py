@@ -201,15 +201,10 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 break  # it was the newest running sequence: nothing after it is left
             bm.grow(seq.page_table, need)
-            # Drafts ride along only in pages free beyond what other running sequences were
-            # promised: they never evict, preempt or hold back anyone.
-            drafts = self.speculator.drafts(seq, decoding, budget - 1) if self.speculator is not None else []
-            if drafts and not (self._fits_alone(seq, need + len(drafts)) and bm.pages_to_grow(
-                    seq.page_table, need + len(drafts)) <= bm.num_free - self._promised_pages()):
-                drafts = []
-            bm.grow(seq.page_table, need + len(drafts))
-            batch.rows.append(ScheduledRow(seq, seq.num_computed_tokens, 1, True, drafts))
-            budget -= 1 + len(drafts)
+            batch.rows.append(ScheduledRow(seq, seq.num_computed_tokens, 1, True))
+            budget -= 1
+        if self.speculator is not None:
+            budget = self._add_drafts(batch, decoding, budget)
 
         # 2. Next chunks of partially prefilled running sequences, oldest first.
         for seq in self.running:
@@ -290,6 +285,24 @@ class Scheduler:
         cache = self.cache
         if cache is not None and free_pages <= self.bm.num_free + cache.reclaimable_pages():
             cache.reclaim(free_pages)
+
+    def _add_drafts(self, batch: Batch, decoding: int, budget: int) -> int:
+        """Drafts for the step's decode rows, once every decode has its page and token: they take
+        only budget and pages left beyond what other running sequences' prefill was promised,
+        so they never evict, preempt or hold back anyone. Returns the budget left."""
+        assert self.speculator is not None
+        for row in batch.rows:
+            if budget == 0:
+                break
+            seq, need = row.seq, row.seq.num_tokens
+            drafts = self.speculator.drafts(seq, decoding, budget)
+            if drafts and not (self._fits_alone(seq, need + len(drafts)) and self.bm.pages_to_grow(
+                    seq.page_table, need + len(drafts)) <= self.bm.num_free - self._promised_pages()):
+                drafts = []
+            self.bm.grow(seq.page_table, need + len(drafts))
+            row.drafts = drafts
+            budget -= len(drafts)
+        return budget
 
     def _promised_pages(self) -> int:
         """Pages running sequences still need to finish their prefill and take a first decode."""

@@ -74,12 +74,14 @@ class HistoryDrafts:
     """One request's n-gram index: for each n-gram, the position after its latest occurrence."""
 
     ACCEPTANCE_WEIGHT = 0.25  # weight of the latest round in the running acceptance rate
+    PROBE_EVERY = 16  # rounds without drafts between one-draft probes
 
     def __init__(self, config: SpeculationConfig):
         self.config = config
         self.indexed = 0  # tokens[:indexed] are in the index
         self.follow: dict[tuple[int, ...], int] = {}
         self.acceptance = 1.0  # optimistic until measured
+        self.idle_rounds = 0
 
     def propose(self, tokens: list[int], width: int) -> list[int]:
         """Up to `width` tokens that followed the longest earlier occurrence of the text's tail."""
@@ -108,6 +110,13 @@ class HistoryDrafts:
             gain = expected / (1 + config.position_cost * k)
             if gain > best_gain:
                 best, best_gain = k, gain
+        if best == 0:
+            # A rate measured on rejected drafts never rises by itself: probe with one draft now
+            # and then, so a request that starts copying later gets its drafts back.
+            self.idle_rounds += 1
+            if self.idle_rounds >= self.PROBE_EVERY:
+                self.idle_rounds = 0
+                return 1
         return best
 
     def _index(self, tokens: list[int]) -> None:

@@ -23,6 +23,7 @@
     speculation_max_width = 8     # drafts per decode round at most
     speculation_adaptive = true   # false: always the full width when drafts are found
     speculation_max_batch_rows = 2  # more decoding requests than this: no drafts
+    speculation_shared_history_tokens = 262144  # finished outputs all requests draft from (0: off)
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class ServerConfig:
     speculation_max_width: int = 8
     speculation_adaptive: bool = True
     speculation_max_batch_rows: int = 2
+    speculation_shared_history_tokens: int = 1 << 18
 
     @classmethod
     def load(cls, path: Path) -> "ServerConfig":
@@ -177,7 +179,8 @@ class ServerConfig:
 
     def speculation_config(self) -> SpeculationConfig:
         return SpeculationConfig(mode=self.speculation, max_width=self.speculation_max_width,
-                                 adaptive=self.speculation_adaptive, max_batch_rows=self.speculation_max_batch_rows)
+                                 adaptive=self.speculation_adaptive, max_batch_rows=self.speculation_max_batch_rows,
+                                 shared_history_tokens=self.speculation_shared_history_tokens)
 
     def prefix_cache_config(self) -> PrefixCacheConfig:
         return PrefixCacheConfig(enabled=self.prefix_cache, storage_fraction=float(self.checkpoint_storage_fraction),
