@@ -27,6 +27,7 @@ than `max_batch_rows` (a batch that is already compute-bound gains nothing).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +71,21 @@ class SpeculationConfig:
         return self.mode != "off" and self.history_drafts and self.max_width > 0
 
 
+def ngrams(tokens: list[int], lo: int, hi: int, first_end: int = 0) -> Iterator[tuple[tuple[int, ...], int]]:
+    """(n-gram, the position after it) for each n-gram of lo..hi tokens that a token follows,
+    ending at `first_end` or later."""
+    for end in range(max(first_end, lo), len(tokens)):
+        for n in range(lo, min(hi, end) + 1):
+            yield tuple(tokens[end - n:end]), end
+
+
+def tails(tokens: list[int], lo: int, hi: int) -> Iterator[tuple[int, ...]]:
+    """The text's last hi..lo tokens, longest first (what an index is asked for)."""
+    for n in range(hi, lo - 1, -1):
+        if len(tokens) >= n:
+            yield tuple(tokens[len(tokens) - n:])
+
+
 class HistoryDrafts:
     """One request's n-gram index: for each n-gram, the position after its latest occurrence."""
 
@@ -85,12 +101,12 @@ class HistoryDrafts:
 
     def propose(self, tokens: list[int], width: int) -> list[int]:
         """Up to `width` tokens that followed the longest earlier occurrence of the text's tail."""
-        self._index(tokens)
-        end = len(tokens)
-        for n in range(self.config.max_ngram, self.config.min_ngram - 1, -1):
-            if end <= n:
-                continue
-            start = self.follow.get(tuple(tokens[end - n:]))
+        config = self.config
+        for gram, end in ngrams(tokens, config.min_ngram, config.max_ngram, self.indexed):
+            self.follow[gram] = end  # the latest occurrence wins
+        self.indexed = max(self.indexed, len(tokens))
+        for gram in tails(tokens, config.min_ngram, config.max_ngram):
+            start = self.follow.get(gram)
             if start is not None:
                 return tokens[start:start + width]
         return []
@@ -119,14 +135,6 @@ class HistoryDrafts:
                 return 1
         return best
 
-    def _index(self, tokens: list[int]) -> None:
-        """Add the n-grams that end before the last token (the last one is what we look up)."""
-        lo, hi = self.config.min_ngram, self.config.max_ngram
-        for end in range(max(self.indexed, lo), len(tokens)):
-            for n in range(lo, min(hi, end) + 1):
-                self.follow[tuple(tokens[end - n:end])] = end
-        self.indexed = max(self.indexed, len(tokens))
-
 
 class SharedHistory:
     """Outputs of recently finished requests, indexed like a request's own tokens: a request whose
@@ -149,23 +157,18 @@ class SharedHistory:
         key, self.next_id = self.next_id, self.next_id + 1
         self.outputs[key] = list(tokens)
         self.tokens += len(tokens)
-        for end in range(lo, len(tokens)):
-            for n in range(lo, min(hi, end) + 1):
-                self.follow[tuple(tokens[end - n:end])] = (key, end)
+        for gram, end in ngrams(tokens, lo, hi):
+            self.follow[gram] = (key, end)
         while self.tokens > self.capacity_tokens:
             old_key, old = self.outputs.popitem(last=False)
             self.tokens -= len(old)
-            for end in range(lo, len(old)):
-                for n in range(lo, min(hi, end) + 1):
-                    gram = tuple(old[end - n:end])
-                    if self.follow.get(gram, (None,))[0] == old_key:
-                        del self.follow[gram]
+            for gram, _ in ngrams(old, lo, hi):
+                if self.follow.get(gram, (None,))[0] == old_key:
+                    del self.follow[gram]
 
     def propose(self, tokens: list[int], width: int) -> list[int]:
-        for n in range(self.config.max_ngram, self.config.min_ngram - 1, -1):
-            if len(tokens) < n:
-                continue
-            found = self.follow.get(tuple(tokens[len(tokens) - n:]))
+        for gram in tails(tokens, self.config.min_ngram, self.config.max_ngram):
+            found = self.follow.get(gram)
             if found is not None:
                 key, start = found
                 return self.outputs[key][start:start + width]
