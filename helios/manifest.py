@@ -36,7 +36,10 @@ from typing import Any, get_type_hints
 #      before rendering; such cores also validate chat_template_kwargs.reasoning_effort.
 # 1.7: the step graph's `logit_rows` / `logit_positions` inputs [N]: outputs at N chosen
 #      positions (a speculative round verifies k drafts of a row at k+1 positions in one step).
-FORMAT_VERSION = "1.7"
+# 1.8: optional `drafter`: a smaller model with the target's tokenizer compiled into the core
+#      (`ignition export --drafter`), its step graph an engine of its own; helios proposes drafts
+#      with it (helios/engine/drafter.py). An older 1.x helios ignores it and serves the target.
+FORMAT_VERSION = "1.8"
 TEMPLATE_REJECTS = ("drop_thinking", "continuation", "add_generation_prompt_false")
 CONTENT_DIGEST_SINCE = (1, 5)
 MANIFEST_NAME = "core.json"
@@ -247,6 +250,33 @@ class Quantization:
 
 
 @dataclass
+class Drafter:
+    """(1.8) The learned drafter: a smaller model with the target's tokenizer whose greedy
+    continuations a speculative round verifies. Its step graph (the engine named `engine`) has the
+    target's graph contract; its KV pool has as many pages as the target's, of the same
+    page_tokens, and shares the target's block tables (docs/architecture.md, "Learned drafter")."""
+
+    engine: str  # the Engine entry holding its step graph
+    checkpoint_id: str
+    checkpoint_sha256: str
+    architecture: Architecture
+    kv: KVLayout
+    decode_weight_bytes: int  # weights one drafter step reads (its cost beside the target's)
+    parity: Parity | None = None  # its own graph against its torch reference, at export
+
+    def check(self, manifest: "Manifest") -> None:
+        """Raise ManifestError unless the drafter can share the target's pages and token ids."""
+        manifest.engine(self.engine)
+        if self.engine == "step":
+            raise ManifestError("core.drafter.engine must name an engine other than the step graph")
+        if self.kv.page_tokens != manifest.kv.page_tokens:
+            raise ManifestError(f"core.drafter.kv.page_tokens {self.kv.page_tokens} differs from the target's "
+                                f"{manifest.kv.page_tokens} (the drafter shares the target's block tables)")
+        if self.architecture.vocab_size > manifest.architecture.vocab_size:
+            raise ManifestError("core.drafter proposes token ids past the target's vocabulary")
+
+
+@dataclass
 class Manifest:
     identity: Identity
     architecture: Architecture
@@ -268,6 +298,7 @@ class Manifest:
     format_version: str = FORMAT_VERSION
     state: StateLayout | None = None  # recurrent per-sequence state (1.3); None: attention only
     quantization: Quantization | None = None  # (1.3) weight storage of a quantized core; None: fp32 or older
+    drafter: Drafter | None = None  # (1.8) the learned drafter; None: history drafts only
 
     @property
     def model_id(self) -> str:
@@ -310,6 +341,8 @@ class Manifest:
         manifest = _build(cls, data, "core")
         if manifest.state is not None:
             manifest.state.check(manifest.architecture.num_layers)
+        if manifest.drafter is not None:
+            manifest.drafter.check(manifest)
         return manifest
 
     @classmethod

@@ -45,6 +45,11 @@ def export(
     ] = None,
     precision: Annotated[str, typer.Option(help="Weight precision: int4, int8 or fp32")] = "int4",
     prompt_logprobs: Annotated[bool, typer.Option("--prompt-logprobs", help="Add scored prefill graphs")] = False,
+    drafter: Annotated[
+        Optional[str],
+        typer.Option(help="A smaller checkpoint with the same tokenizer (a .gguf, a folder or a packaged name), "
+                     "compiled into the core as its learned drafter for speculative decoding"),
+    ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing core at --out")] = False,
     no_cache: Annotated[
         bool, typer.Option("--no-cache", help="Neither read nor fill the export cache ($FLARE_CACHE/export)")
@@ -66,6 +71,7 @@ def export(
             force=force,
             cache=not no_cache,
             context_length=context_length,
+            drafter=drafter,
         )
         started = time.monotonic()
         current: dict = {"stage": None, "detail": "", "t": started}
@@ -126,6 +132,10 @@ def _summary(out: Path, manifest: Manifest, seconds: float) -> None:
             + (f", mean KL {p.mean_kl:.2g} nats" if p.mean_kl is not None else "")
             + f" over {p.prompt_tokens}+{p.decode_steps} positions",
         )
+    if manifest.drafter is not None:
+        d = manifest.drafter
+        table.add_row("drafter", f"{d.checkpoint_id}: {d.architecture.num_layers} layers, hidden "
+                      f"{d.architecture.hidden_size}, {d.decode_weight_bytes / 1e6:.1f} MB per token")
     lim = manifest.limits
     table.add_row(
         "limits",

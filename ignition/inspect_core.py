@@ -105,6 +105,12 @@ def render_inspect(data: dict[str, Any]) -> Table:
             f"{state['width']} {state['dtype']} per sequence slot: {len(state['layers'])} layers "
             f"({', '.join(kinds)}: {', '.join(str(layer['layer']) for layer in state['layers'])})",
         )
+    drafter = data.get("drafter")
+    if drafter:
+        darch = drafter["architecture"]
+        table.add_row("drafter", f"{drafter['checkpoint_id']}: {darch['family']}, {darch['num_layers']} layers, hidden "
+                      f"{darch['hidden_size']}; engine {drafter['engine']}, {_mb(drafter['decode_weight_bytes'])} "
+                      "read per draft token")
     table.add_row("sampling", _sampling_table(data["sampling"]))
     parsers = data["parsers"]
     table.add_row("parsers", f"tool {parsers['tool'] or 'none'}, reasoning {parsers['reasoning'] or 'none'}")

@@ -17,6 +17,7 @@ from helios.manifest import Manifest
 from ignition.checkpoints.load import peek_config, peek_family
 from ignition.export import stages
 from ignition.export.cache import CachedStages
+from ignition.export.drafter import add_drafter, describe_drafter
 from ignition.export.manifest import assemble, serving_limits
 from ignition.export.output import check_out, work_folder
 from ignition.export.quantize import PRECISIONS
@@ -41,7 +42,9 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
             stages.quantize_step_graph(state)
             stages.add_score_graph(state)
             stages.free_scratch(state)
+            add_drafter(state, export_core)
             state.manifest = assemble(state)
+            describe_drafter(state, state.manifest)
             try:
                 stages.validate_engines(state)
             except ParityError as exc:
@@ -67,6 +70,9 @@ def check_request(options: ExportOptions) -> None:
     if not options.checkpoint:
         raise ExportError(f"recipe {recipe.name!r} has no default checkpoint: pass --checkpoint")
     check_out(Path(options.out), options.force)
+    if options.drafter is not None and (drafter := peek_family(options.drafter)) != recipe.family:
+        raise ExportError(f"drafter {options.drafter} is a {drafter!r} model but recipe {recipe.name!r} compiles "
+                          f"{recipe.family!r}: the drafter is compiled with the target's recipe")
     family = peek_family(options.checkpoint)
     if family != recipe.family:
         raise ExportError(

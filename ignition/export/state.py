@@ -33,6 +33,7 @@ class ExportOptions:
     force: bool = False
     cache: bool = True  # reuse/populate the export cache ($FLARE_CACHE/export)
     context_length: int | None = None  # narrows the checkpoint's native context (--context-length)
+    drafter: str | None = None  # a smaller checkpoint with the same tokenizer, compiled in (--drafter)
 
 
 class Reference(Protocol):
@@ -66,6 +67,8 @@ class ExportState:
     engines: list[Engine] = field(default_factory=list)
     # the manifest (ignition/export/manifest.py), sealed by write once validate set its parity
     manifest: Manifest | None = None
+    # --drafter: the drafter's own manifest (its step engine is already among `engines`)
+    drafter: Manifest | None = None
 
     def __post_init__(self) -> None:
         self.fp32_dir = self.scratch_dir
