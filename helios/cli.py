@@ -42,7 +42,7 @@ def serve(
     host_store: Optional[Path] = typer.Option(None, help="directory of the host prefix store's disk tier"),
     host_store_dram_gb: Optional[float] = typer.Option(None, help="DRAM tier budget in GiB (0: off)"),
     host_store_disk_gb: Optional[float] = typer.Option(None, help="disk tier budget in GiB [default: 16]"),
-    speculation: Optional[str] = typer.Option(None, help="auto: history drafts verified in the step graph; off [default: auto]"),
+    speculation: Optional[str] = typer.Option(None, help="auto: history drafts (and the core's learned drafter) verified in the step graph; off [default: auto]"),
 ) -> None:
     """Serve CORE over the OpenAI-compatible HTTP API."""
     # Imported here, not at the top: onnxruntime and the engine cost `helios top` and
@@ -93,6 +93,11 @@ def serve(
                 getattr(engine.runner, "kernels", ""), "")  # fmt: skip
             console.print(f"[bold green]helios[/] serving [bold]{escape(manifest.model_id)}[/] at {escape(url)}/v1 ({auth}{kernels})")
             console.print(_pool_line(manifest, engine.runner))
+            speculator = engine.scheduler.speculator
+            if speculator is not None and speculator.learned is not None:
+                drafter = speculator.learned.runner
+                console.print(f"learned drafter: {escape(manifest.drafter.checkpoint_id)}, its own KV pool "
+                              f"{drafter.pool.nbytes / 2**30:.2f} GiB over the same pages")
 
         stop = _start_dashboard(settings) if dashboard else None
         try:

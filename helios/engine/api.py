@@ -194,3 +194,5 @@ class EngineStats:
     draft_rounds_total: int = 0  # rounds that offered at least one draft
     rounds_by_width: dict[int, int] = field(default_factory=dict)  # step graphs by their widest round's drafts
     history_drafts_enabled: bool = False
+    draft_steps_total: int = 0  # draft positions the learned drafter ran
+    learned_drafter: bool = False  # the core's learned drafter proposes drafts

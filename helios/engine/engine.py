@@ -23,7 +23,8 @@ from helios.engine.api import (EngineStats, FinishReason, GenerationEvent, Gener
                                TokenLogprob)
 from helios.engine.block_manager import BlockManager
 from helios.engine.constraints import ConstraintError, Constraints
-from helios.engine.assembly import host_store_arguments, kv_page_bytes, speculator_for, state_snapshot_arguments
+from helios.engine.assembly import (host_store_arguments, kv_page_bytes, page_copier, speculator_for,
+                                   state_snapshot_arguments)
 from helios.engine.host_store import HostStoreConfig
 from helios.engine.prefix_cache import PrefixCache, PrefixCacheConfig
 from helios.engine.runner import SPARE_STATE_SLOTS, PromptScores, Runner, StepOutput, StepRow
@@ -72,9 +73,10 @@ class Engine:
             tokenizer = Tokenizer.from_file(str(self.core_dir / manifest.tokenizer.file))
         self.tokenizer = tokenizer
         self.block_manager = BlockManager(runner.num_pages, manifest.kv.page_tokens)
+        speculator = speculator_for(self.core_dir, manifest, runner, speculation)
         self.prefix_cache = PrefixCache(
             self.block_manager,
-            copy_page=getattr(runner, "copy_page", None),
+            copy_page=page_copier(runner, speculator),
             page_bytes=kv_page_bytes(manifest),
             config=prefix_cache,
             **state_snapshot_arguments(manifest, runner),
@@ -87,7 +89,7 @@ class Engine:
             prefill_chunk_size=limits.prefill_chunk_size,
             prefix_cache=self.prefix_cache,
             state_slots=getattr(runner, "num_state_slots", 0),
-            speculator=speculator_for(manifest, runner, speculation),
+            speculator=speculator,
         )
         self.context_length = limits.context_length
         self.vocab_size = manifest.architecture.vocab_size
@@ -219,6 +221,8 @@ class Engine:
             inbox = len(self._inbox)
         sched = self.scheduler
         cache = self.prefix_cache
+        spec = sched.speculator
+        learned = spec.learned if spec is not None else None
         return EngineStats(
             active=len(sched.running),
             pending=len(sched.waiting) + inbox,
@@ -254,7 +258,9 @@ class Engine:
             accepted_drafts_total=self._rounds.accepted,
             draft_rounds_total=self._rounds.draft_rounds,
             rounds_by_width=dict(self._rounds.by_width),
-            history_drafts_enabled=self.scheduler.speculator is not None,
+            history_drafts_enabled=spec is not None and spec.config.history_drafts,
+            draft_steps_total=learned.steps if learned is not None else 0,
+            learned_drafter=learned is not None,
         )
 
     def generate(self, request: GenerationRequest, timeout: float | None = None) -> list[GenerationEvent]:
@@ -351,6 +357,8 @@ class Engine:
                 and seq.request.queue_deadline <= now]
 
     def _run_batch(self, batch: Batch, emitted: list[tuple[Sequence, GenerationEvent]]) -> None:
+        if self.scheduler.speculator is not None and self.scheduler.speculator.learned is not None:
+            self.scheduler.speculator.learned.draft(batch.rows)  # learned drafts, before the target verifies
         rows = [
             StepRow(
                 token_ids=r.token_ids,

@@ -94,7 +94,7 @@ class PrefixCacheConfig:
 
 
 class Checkpoint:
-    __slots__ = ("ids", "length", "pages", "role", "key", "uses", "state")
+    __slots__ = ("ids", "length", "pages", "role", "key", "uses", "state", "drafter_len")
 
     def __init__(self, ids: np.ndarray, pages: list[int], role: CheckpointRole, key: bytes,
                  state: np.ndarray | None = None):
@@ -105,6 +105,7 @@ class Checkpoint:
         self.key = key
         self.uses = 0  # restores served
         self.state = state  # recurrent state after `length` tokens (cores with state), else None
+        self.drafter_len = 0  # leading tokens whose learned-drafter K/V its pages hold too
 
     def __repr__(self) -> str:
         return f"Checkpoint({self.role.value}, length={self.length}, pages={self.pages})"
@@ -246,6 +247,7 @@ class PrefixCache:
             table.append(page)
         seq.page_table = table
         seq.num_computed_tokens = r
+        seq.drafter_len, seq.shared_checkpoints = min(r, ckpt.drafter_len), [ckpt]
         if self.recurrent_state:
             assert ckpt.state is not None and r == ckpt.length and seq.state_slot is not None
             self._write_state(seq.state_slot, ckpt.state)
@@ -395,6 +397,9 @@ class PrefixCache:
             self._copy(seq.page_table[last], page)
             pages.append(page)
         ckpt = Checkpoint(ids, pages, role, key, state)
+        ckpt.drafter_len = min(p, getattr(seq, "drafter_len", 0))
+        if hasattr(seq, "shared_checkpoints"):  # its pages may hold more drafter K/V later
+            seq.shared_checkpoints.append(ckpt)
         self._register(ckpt)
         self.captures[role] += 1
         if self.host is not None and role is not CheckpointRole.MESSAGE:

@@ -52,6 +52,7 @@ class ScheduledRow:
     num_tokens: int  # new tokens fed this step (of seq.token_ids)
     is_decode: bool
     drafts: list[int] = field(default_factory=list)  # fed after them: a speculative round
+    learned_width: int = 0  # drafts the learned drafter is to fill in before the step runs
 
     @property
     def token_ids(self) -> list[int]:
@@ -141,6 +142,7 @@ class Scheduler:
         self.bm.release(seq.page_table)
         seq.page_table = []
         seq.num_computed_tokens = 0
+        seq.drafter_len, seq.drafter_pending, seq.shared_checkpoints = 0, [], []
         if seq.state_slot is not None and self.free_state_slots is not None:
             self.free_state_slots.append(seq.state_slot)
         seq.state_slot = None
@@ -289,19 +291,23 @@ class Scheduler:
     def _add_drafts(self, batch: Batch, decoding: int, budget: int) -> int:
         """Drafts for the step's decode rows, once every decode has its page and token: they take
         only budget and pages left beyond what other running sequences' prefill was promised,
-        so they never evict, preempt or hold back anyone. Returns the budget left."""
-        assert self.speculator is not None
+        so they never evict, preempt or hold back anyone. History drafts are set here; a row the
+        learned drafter serves gets its width (and pages) and the engine fills it in. Returns the
+        budget left."""
+        speculator = self.speculator
+        assert speculator is not None
         for row in batch.rows:
             if budget == 0:
                 break
             seq, need = row.seq, row.seq.num_tokens
-            drafts = self.speculator.drafts(seq, decoding, budget)
-            if drafts and not (self._fits_alone(seq, need + len(drafts)) and self.bm.pages_to_grow(
-                    seq.page_table, need + len(drafts)) <= self.bm.num_free - self._promised_pages()):
-                drafts = []
-            self.bm.grow(seq.page_table, need + len(drafts))
-            row.drafts = drafts
-            budget -= len(drafts)
+            drafts = speculator.drafts(seq, decoding, budget)
+            width = len(drafts) or speculator.learned_width(seq, decoding, budget)
+            if width and not (self._fits_alone(seq, need + width) and self.bm.pages_to_grow(
+                    seq.page_table, need + width) <= self.bm.num_free - self._promised_pages()):
+                drafts, width = [], 0
+            self.bm.grow(seq.page_table, need + width)
+            row.drafts, row.learned_width = drafts, 0 if drafts else width
+            budget -= width
         return budget
 
     def _promised_pages(self) -> int:

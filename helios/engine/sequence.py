@@ -61,7 +61,14 @@ class Sequence:
         # preemption scores nothing twice).
         self.prompt_scored = 0
         self.host_looked_up = False  # its first admission attempt consulted the host store
-        self.speculation: Any = None  # helios.engine.speculation.HistoryDrafts, made at its first round
+        self.speculation: Any = None  # helios.engine.speculation.RequestDrafts, made at its first round
+        # Learned drafter (helios.engine.drafter): leading tokens whose drafter K/V its pages hold,
+        # and the drafts it fed past them in its last round (valid while they get committed).
+        self.drafter_len = 0
+        self.drafter_pending: list[int] = []
+        # Checkpoints whose leading pages are this sequence's pages: the drafter K/V it reads
+        # into them is theirs too (helios.engine.drafter.share_reads).
+        self.shared_checkpoints: list[Any] = []
 
     @classmethod
     def create(

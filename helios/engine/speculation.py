@@ -1,4 +1,4 @@
-"""Speculative decoding with history drafts (api.md speculative execution).
+"""Speculative decoding with history drafts and a learned drafter (api.md speculative execution).
 
 A decode round may carry k drafted tokens after a row's last committed token. The step graph
 returns the target's outputs at each of the k+1 positions (manifest 1.7 `logit_positions`), and
@@ -18,10 +18,13 @@ would already have advanced the state).
 Drafts come from the request's own tokens (prompt and output): the longest n-gram (up to
 `max_ngram`) ending at the last token that occurred earlier proposes what followed it; when the
 request has no such match, the outputs of recently finished requests (shared decoded history)
-are searched the same way. Depth is
-adaptive: each request keeps a running acceptance rate, and a round offers the width that
-maximizes expected tokens per unit of step cost; rounds offer nothing while more rows decode
-than `max_batch_rows` (a batch that is already compute-bound gains nothing).
+are searched the same way. When history has nothing, a core with a learned drafter (manifest
+`drafter`, helios.engine.drafter) proposes the drafter's greedy continuation: deterministic given
+the context, so the same point-mass rule keeps the output exact. Depth is adaptive: each request
+keeps a running acceptance rate per source, and a round offers the width that maximizes expected
+tokens per unit of cost (the target's positions, plus the drafter's own steps for learned drafts);
+rounds offer nothing while more rows decode than `max_batch_rows` (a batch that is already
+compute-bound gains nothing).
 """
 
 from __future__ import annotations
@@ -37,7 +40,13 @@ MODES = ("auto", "off")
 @dataclass
 class SpeculationConfig:
     mode: str = "auto"  # "off": no drafts
-    history_drafts: bool = True
+    history_drafts: bool = True  # n-gram drafts from the request's tokens and shared history
+    learned_drafter: bool = True  # the core's drafter (manifest `drafter`), when it has one
+    # A request whose drafter K/V lags its tokens by more than this (a long prompt the drafter has
+    # not read, a prefix restored from the host store) drafts from history only: catching up would
+    # cost more drafter prefill than its drafts save (on this CPU a 0.5B drafter reads ~1.5k
+    # tokens in ~3 s, what 60 decode steps of the 1.5B take; docs/performance.md).
+    drafter_catch_up_tokens: int = 256
     max_width: int = 8  # drafts per round at most; a fixed width when adaptive is False
     adaptive: bool = True
     max_batch_rows: int = 2  # more decoding rows than this: rounds carry no drafts
@@ -52,7 +61,8 @@ class SpeculationConfig:
     position_cost: float = 0.2
 
     def validate(self) -> None:
-        for name in ("max_width", "max_batch_rows", "min_ngram", "max_ngram", "shared_history_tokens"):
+        for name in ("max_width", "max_batch_rows", "min_ngram", "max_ngram", "shared_history_tokens",
+                     "drafter_catch_up_tokens"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
                 raise ValueError(f"speculation {name} must be an integer")
         if self.mode not in MODES:
@@ -65,10 +75,12 @@ class SpeculationConfig:
             raise ValueError("speculation max_batch_rows must be >= 1")
         if self.shared_history_tokens < 0:
             raise ValueError("speculation shared_history_tokens must be >= 0")
+        if self.drafter_catch_up_tokens < 0:
+            raise ValueError("speculation drafter_catch_up_tokens must be >= 0")
 
     @property
     def enabled(self) -> bool:
-        return self.mode != "off" and self.history_drafts and self.max_width > 0
+        return self.mode != "off" and (self.history_drafts or self.learned_drafter) and self.max_width > 0
 
 
 def ngrams(tokens: list[int], lo: int, hi: int, first_end: int = 0) -> Iterator[tuple[tuple[int, ...], int]]:
@@ -86,30 +98,17 @@ def tails(tokens: list[int], lo: int, hi: int) -> Iterator[tuple[int, ...]]:
             yield tuple(tokens[len(tokens) - n:])
 
 
-class HistoryDrafts:
-    """One request's n-gram index: for each n-gram, the position after its latest occurrence."""
+class DraftRate:
+    """One draft source's running acceptance for one request, and the round width it pays to offer."""
 
     ACCEPTANCE_WEIGHT = 0.25  # weight of the latest round in the running acceptance rate
     PROBE_EVERY = 16  # rounds without drafts between one-draft probes
 
-    def __init__(self, config: SpeculationConfig):
+    def __init__(self, config: SpeculationConfig, draft_cost: float = 0.0, prior: float = 1.0):
         self.config = config
-        self.indexed = 0  # tokens[:indexed] are in the index
-        self.follow: dict[tuple[int, ...], int] = {}
-        self.acceptance = 1.0  # optimistic until measured
+        self.draft_cost = draft_cost  # what proposing one draft costs, relative to a one-token step
+        self.acceptance = prior  # until measured
         self.idle_rounds = 0
-
-    def propose(self, tokens: list[int], width: int) -> list[int]:
-        """Up to `width` tokens that followed the longest earlier occurrence of the text's tail."""
-        config = self.config
-        for gram, end in ngrams(tokens, config.min_ngram, config.max_ngram, self.indexed):
-            self.follow[gram] = end  # the latest occurrence wins
-        self.indexed = max(self.indexed, len(tokens))
-        for gram in tails(tokens, config.min_ngram, config.max_ngram):
-            start = self.follow.get(gram)
-            if start is not None:
-                return tokens[start:start + width]
-        return []
 
     def record(self, offered: int, accepted: int) -> None:
         if offered:
@@ -123,7 +122,7 @@ class HistoryDrafts:
         best, best_gain, expected = 0, 1.0, 1.0
         for k in range(1, config.max_width + 1):
             expected += self.acceptance ** k  # the k-th draft survives only if all before it do
-            gain = expected / (1 + config.position_cost * k)
+            gain = expected / (1 + (config.position_cost + self.draft_cost) * k)
             if gain > best_gain:
                 best, best_gain = k, gain
         if best == 0:
@@ -134,6 +133,42 @@ class HistoryDrafts:
                 self.idle_rounds = 0
                 return 1
         return best
+
+
+class HistoryDrafts(DraftRate):
+    """One request's n-gram index: for each n-gram, the position after its latest occurrence."""
+
+    def __init__(self, config: SpeculationConfig):
+        super().__init__(config)
+        self.indexed = 0  # tokens[:indexed] are in the index
+        self.follow: dict[tuple[int, ...], int] = {}
+
+    def propose(self, tokens: list[int], width: int) -> list[int]:
+        """Up to `width` tokens that followed the longest earlier occurrence of the text's tail."""
+        config = self.config
+        for gram, end in ngrams(tokens, config.min_ngram, config.max_ngram, self.indexed):
+            self.follow[gram] = end  # the latest occurrence wins
+        self.indexed = max(self.indexed, len(tokens))
+        for gram in tails(tokens, config.min_ngram, config.max_ngram):
+            start = self.follow.get(gram)
+            if start is not None:
+                return tokens[start:start + width]
+        return []
+
+
+class RequestDrafts:
+    """A request's draft sources (its history index, the learned drafter's rate) and which one
+    the round in flight draws from, so its outcome updates that source's rate."""
+
+    # Acceptance assumed for the learned drafter until measured: history drafts are free to try
+    # (1.0), learned ones cost drafter steps, and a 0.5B drafting for the 1.5B agrees on about
+    # half the tokens of prose (docs/performance.md), so it starts at one draft per round.
+    LEARNED_PRIOR = 0.6
+
+    def __init__(self, config: SpeculationConfig, drafter_cost: float):
+        self.history = HistoryDrafts(config)
+        self.learned = DraftRate(config, drafter_cost, self.LEARNED_PRIOR)
+        self.source: DraftRate | None = None
 
 
 class SharedHistory:
@@ -195,30 +230,55 @@ class RoundCounts:
 
 
 class Speculator:
-    """The scheduler's draft source: each decode round's drafts for one request (plain data)."""
+    """The scheduler's draft planner (plain data): each decode round's history drafts for one
+    request, or the width the learned drafter (helios.engine.drafter) is to fill in."""
 
-    def __init__(self, config: SpeculationConfig):
+    def __init__(self, config: SpeculationConfig, learned: Any = None):
         config.validate()
         self.config = config
+        self.learned = learned  # a LearnedDrafter, or None
         self.shared = SharedHistory(config, config.shared_history_tokens) if config.shared_history_tokens else None
 
-    def drafts(self, seq: Any, decoding_rows: int, room: int) -> list[int]:
-        """Drafts for `seq`'s next round: none for constrained requests (grammar masks and
-        reasoning budgets see one token at a time) or when more than max_batch_rows decode."""
-        config = self.config
-        if not config.enabled or decoding_rows > config.max_batch_rows or getattr(seq, "constraint", None) is not None:
-            return []
-        # A draft at or past the last allowed token could never be committed.
-        room = min(room, seq.stop_checker.max_new_tokens - seq.num_generated - 1)
+    def _room(self, seq: Any, decoding_rows: int, room: int) -> int:
+        """Drafts `seq` may take: none for constrained requests (grammar masks and reasoning
+        budgets see one token at a time) or when more than max_batch_rows decode."""
+        if decoding_rows > self.config.max_batch_rows or getattr(seq, "constraint", None) is not None:
+            return 0
         if seq.speculation is None:
-            seq.speculation = HistoryDrafts(config)
-        width = min(seq.speculation.width(), room)
+            cost = self.learned.cost if self.learned is not None else 0.0
+            seq.speculation = RequestDrafts(self.config, cost)
+        seq.speculation.source = None
+        # A draft at or past the last allowed token could never be committed.
+        return min(room, seq.stop_checker.max_new_tokens - seq.num_generated - 1)
+
+    def drafts(self, seq: Any, decoding_rows: int, room: int) -> list[int]:
+        """History drafts for `seq`'s next round (its own tokens first, then shared history)."""
+        config = self.config
+        if not (config.enabled and config.history_drafts) or (room := self._room(seq, decoding_rows, room)) <= 0:
+            return []
+        history = seq.speculation.history
+        width = min(history.width(), room)
         if width <= 0:
             return []
-        drafts = seq.speculation.propose(seq.token_ids, width)
+        drafts = history.propose(seq.token_ids, width)
         if not drafts and self.shared is not None:
             drafts = self.shared.propose(seq.token_ids, width)
+        if drafts:
+            seq.speculation.source = history
         return drafts
+
+    def learned_width(self, seq: Any, decoding_rows: int, room: int) -> int:
+        """How many drafts the learned drafter is to propose for `seq` this round (after history
+        had none): 0 without one, or when its acceptance or lag says it would not pay."""
+        learned = self.learned
+        if learned is None or not self.config.enabled or (room := self._room(seq, decoding_rows, room)) <= 0:
+            return 0
+        rate = seq.speculation.learned
+        width = min(rate.width(), room)
+        if width <= 0 or not learned.can_draft(seq, width):
+            return 0
+        seq.speculation.source = rate
+        return width
 
     def remember(self, seq: Any) -> None:
         """A finished request's output joins the shared history."""
@@ -227,5 +287,5 @@ class Speculator:
 
     @staticmethod
     def record(seq: Any, offered: int, accepted: int) -> None:
-        if seq.speculation is not None:
-            seq.speculation.record(offered, accepted)
+        if seq.speculation is not None and seq.speculation.source is not None:
+            seq.speculation.source.record(offered, accepted)

@@ -81,6 +81,8 @@ def model_card(ctx: ServerContext) -> dict[str, Any]:
             "max_image_bytes": 0,
             "input_modalities": ["text"],
             "output_modalities": ["text"],
+            # A smaller model compiled into the core proposes speculative drafts (api.md learned_drafter).
+            "learned_drafter": m.drafter is not None,
         },
     }
 

@@ -19,7 +19,10 @@
     prefix_cache = true           # reuse KV prefix checkpoints across requests
     checkpoint_storage_fraction = 0.5    # most of the KV pool that checkpoints may own
     checkpoint_work_allowance_us = 5000  # predicted capture copy work allowed per request
-    speculation = "auto"          # history drafts verified in the step graph; "off" disables them
+    speculation = "auto"          # drafts verified in the step graph; "off" disables them
+    speculation_history_drafts = true   # n-gram drafts from the request and recent outputs
+    speculation_learned_drafter = true  # the core's learned drafter (ignition export --drafter)
+    speculation_drafter_catch_up_tokens = 256  # a request whose drafter lags more drafts from history
     speculation_max_width = 8     # drafts per decode round at most
     speculation_adaptive = true   # false: always the full width when drafts are found
     speculation_max_batch_rows = 2  # more decoding requests than this: no drafts
@@ -80,6 +83,9 @@ class ServerConfig:
     host_store_restore: str = "predicted"  # or "always" (helios.engine.host_store.HostStoreConfig)
     # Speculative decoding (helios.engine.speculation.SpeculationConfig).
     speculation: str = "auto"
+    speculation_history_drafts: bool = True
+    speculation_learned_drafter: bool = True
+    speculation_drafter_catch_up_tokens: int = 256
     speculation_max_width: int = 8
     speculation_adaptive: bool = True
     speculation_max_batch_rows: int = 2
@@ -156,8 +162,9 @@ class ServerConfig:
             self.speculation_config().validate()
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{where}: {exc}") from None
-        if not isinstance(self.speculation_adaptive, bool):
-            raise ConfigError(f"{where}: speculation_adaptive must be true or false")
+        for name in ("speculation_adaptive", "speculation_history_drafts", "speculation_learned_drafter"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{where}: {name} must be true or false")
         if self.host_store_restore not in RESTORE_POLICIES:
             raise ConfigError(f"{where}: host_store_restore must be one of {', '.join(RESTORE_POLICIES)}")
 
@@ -180,7 +187,10 @@ class ServerConfig:
     def speculation_config(self) -> SpeculationConfig:
         return SpeculationConfig(mode=self.speculation, max_width=self.speculation_max_width,
                                  adaptive=self.speculation_adaptive, max_batch_rows=self.speculation_max_batch_rows,
-                                 shared_history_tokens=self.speculation_shared_history_tokens)
+                                 shared_history_tokens=self.speculation_shared_history_tokens,
+                                 history_drafts=self.speculation_history_drafts,
+                                 learned_drafter=self.speculation_learned_drafter,
+                                 drafter_catch_up_tokens=self.speculation_drafter_catch_up_tokens)
 
     def prefix_cache_config(self) -> PrefixCacheConfig:
         return PrefixCacheConfig(enabled=self.prefix_cache, storage_fraction=float(self.checkpoint_storage_fraction),

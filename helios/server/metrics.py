@@ -91,7 +91,7 @@ HOST_HISTOGRAMS = (
 def engine_fields(s: Any, decode_weight_bytes: int, output_failures: int = 0) -> dict[str, Any]:
     """The api.md JSON table from one Engine.stats() snapshot.
 
-    Features this runtime does not have (speculation, replay timing) are 0; the host prefix
+    Features this runtime does not have (replay timing) are 0; the host prefix
     store's numbers are 0 when the engine runs without one.
     """
     host = getattr(s, "host_store", None)
@@ -99,7 +99,7 @@ def engine_fields(s: Any, decode_weight_bytes: int, output_failures: int = 0) ->
         "prefill_tokens": s.prefill_tokens_total,
         "generated_tokens": s.generated_tokens_total,
         "decode_weight_bytes": decode_weight_bytes,
-        "draft_steps": 0,  # history drafts run no drafter graph
+        "draft_steps": getattr(s, "draft_steps_total", 0),  # history drafts run no drafter graph
         # Every step graph is a verification graph (of zero-draft rounds when nothing is drafted):
         # it reads the weights once, so decode_weight_bytes x verify_steps/s is the WEIGHTS bandwidth.
         "verify_steps": s.steps_total,
@@ -126,7 +126,7 @@ def engine_fields(s: Any, decode_weight_bytes: int, output_failures: int = 0) ->
         "host_disk_records": host.disk_records if host else 0,
         "host_bytes_out": host.bytes_out if host else 0,
         "host_bytes_in": host.bytes_in if host else 0,
-        "learned_drafter": False,
+        "learned_drafter": bool(getattr(s, "learned_drafter", False)),
     }
 
 
