@@ -51,8 +51,10 @@ decode_16k_bytes_per_step, and prefill_16k_vs_best_peer / decode_16k_vs_best_pee
 >= 1.5 and >= 1.3). With --host-store, "host_store" holds scripts/host_store_ttft.py's section
 (its own servers, after the rest: cold/restart/evicted TTFT of a 16k agent prompt and restore
 rates, targets restart and evicted <= 0.05x cold). With --speculative, "speculative" holds
-scripts/speculative_tps.py's section for the core ({CORE_NAME: {edit_on_tps, edit_off_tps,
-free_on_tps, free_off_tps, b8_on_tps, b8_off_tps, acceptance, ...}}).
+scripts/speculative_tps.py's section for the core and each --speculative-core (a core with a
+learned drafter, e.g. the 1.5B with the 0.5B: {CORE_NAME: {edit_on_tps, edit_off_tps,
+free_on_tps, free_off_tps, b8_on_tps, b8_off_tps, acceptance, peer_edit_best_tps, ...}}, plus
+peer_edit_best_tps: the --core's peer).
 """
 
 from __future__ import annotations
@@ -524,6 +526,9 @@ def main() -> None:
                         help="run the long-context section in the first N rounds only [every round]")
     parser.add_argument("--speculative", action="store_true",
                         help="add the speculative decoding section (scripts/speculative_tps.py: two more servers)")
+    parser.add_argument("--speculative-core", type=Path, action="append", default=[],
+                        help="with --speculative: one more core for that section (e.g. the 1.5B exported with "
+                             "--drafter qwen2.5-coder-0.5b); repeatable")
     parser.add_argument("--host-store", action="store_true",
                         help="add the host prefix store section (scripts/host_store_ttft.py: minutes of 16k prefill)")
     parser.add_argument("--long-tokens", type=int, default=LONG_TOKENS,
@@ -613,8 +618,10 @@ def main() -> None:
         "rounds": {"helios": helios_rounds, "peers": peer_rounds},
     }
     if args.speculative:
-        results["speculative"] = {args.core.name: measure_speculative(
-            args.core, log=lambda line: print(f"speculative: {line}", flush=True))}
+        section = {core.name: measure_speculative(core, log=lambda line: print(f"speculative: {line}", flush=True))
+                   for core in [args.core, *args.speculative_core]}
+        section["peer_edit_best_tps"] = section[args.core.name].get("peer_edit_best_tps")
+        results["speculative"] = section
     if args.host_store:
         results["host_store"] = measure_host_store(args.core, log=lambda line: print(f"host store: {line}", flush=True))
     print(table(results))

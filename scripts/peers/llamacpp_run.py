@@ -18,7 +18,9 @@ defaults it off, --no-flash-attn measures that configuration.
 --edit FILE (the speculative-decoding peer; only these figures): greedy completion of the file's
 text up to --decode tokens (stopping at a closing ```), once plainly (edit_plain_tps) and once
 with llama-cpp-python's prompt-lookup drafts (LlamaPromptLookupDecoding, its speculative mode
-for a single model; edit_lookup_tps); tokens after the first over the time after the first.
+for a single model; edit_lookup_tps), and with --draft SMALL.gguf also with greedy drafts from
+that smaller model through the binding's draft-model hook (LlamaDraftModel; edit_draft_tps);
+tokens after the first over the time after the first.
 """
 
 import argparse
@@ -27,7 +29,7 @@ import time
 
 import numpy as np
 from llama_cpp import Llama
-from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+from llama_cpp.llama_speculative import LlamaDraftModel, LlamaPromptLookupDecoding
 
 BATCH = 512
 
@@ -67,10 +69,31 @@ def long_context(a: argparse.Namespace) -> dict:
             "long_decode_tokens": a.decode, "flash_attn": not a.no_flash_attn, "n_ctx": llm.n_ctx()}
 
 
+class ModelDraft(LlamaDraftModel):
+    """Greedy drafts from a second, smaller model with the same tokenizer: llama-cpp-python's
+    draft-model hook with a Llama of its own (its KV cache keeps the common prefix between calls)."""
+
+    def __init__(self, path: str, threads: int, width: int):
+        self.llm = Llama(path, n_ctx=3072, n_threads=threads, n_threads_batch=threads, n_batch=BATCH,
+                         n_ubatch=BATCH, verbose=False, logits_all=False)
+        self.width = width
+
+    def __call__(self, input_ids, /, **kwargs):  # noqa: ANN001, ANN003, ANN204
+        drafts = []
+        for token in self.llm.generate(input_ids.tolist(), top_k=1, temp=0.0):
+            drafts.append(token)
+            if len(drafts) >= self.width:
+                break
+        return np.array(drafts, dtype=np.intc)
+
+
 def edit(a: argparse.Namespace) -> dict:
     prompt = open(a.edit, encoding="utf-8").read()
     result = {}
-    for label, draft in (("plain", None), ("lookup", LlamaPromptLookupDecoding(num_pred_tokens=10))):
+    modes = [("plain", None), ("lookup", LlamaPromptLookupDecoding(num_pred_tokens=10))]
+    if a.draft:
+        modes.append(("draft", ModelDraft(a.draft, a.threads, a.draft_width)))
+    for label, draft in modes:
         # The wrapper verifies drafts against every position's logits: it needs logits_all.
         llm = Llama(a.model, n_ctx=3072, n_threads=a.threads, n_threads_batch=a.threads, n_batch=BATCH,
                     n_ubatch=BATCH, verbose=False, draft_model=draft, logits_all=draft is not None)
@@ -95,6 +118,8 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=0, help="long-context mode: prompt tokens (e.g. 16384)")
     ap.add_argument("--no-flash-attn", action="store_true", help="long mode: flash attention off")
     ap.add_argument("--edit", help="edit mode: a prompt file (plain and prompt-lookup decode)")
+    ap.add_argument("--draft", help="edit mode: a smaller GGUF with the same tokenizer, as a draft model")
+    ap.add_argument("--draft-width", type=int, default=4, help="draft-model tokens per round")
     a = ap.parse_args()
     if a.edit:
         print(json.dumps(edit(a)))
