@@ -104,11 +104,13 @@ class DraftRate:
     ACCEPTANCE_WEIGHT = 0.25  # weight of the latest round in the running acceptance rate
     PROBE_EVERY = 16  # rounds without drafts between one-draft probes
 
-    def __init__(self, config: SpeculationConfig, draft_cost: float = 0.0, prior: float = 1.0):
+    def __init__(self, config: SpeculationConfig, draft_cost: float = 0.0, prior: float = 1.0,
+                 probe_every: int | None = None):
         self.config = config
         self.draft_cost = draft_cost  # what proposing one draft costs, relative to a one-token step
         self.acceptance = prior  # until measured
         self.idle_rounds = 0
+        self.probe_every = self.PROBE_EVERY if probe_every is None else probe_every  # 0: never
 
     def record(self, offered: int, accepted: int) -> None:
         if offered:
@@ -125,11 +127,11 @@ class DraftRate:
             gain = expected / (1 + (config.position_cost + self.draft_cost) * k)
             if gain > best_gain:
                 best, best_gain = k, gain
-        if best == 0:
+        if best == 0 and self.probe_every:
             # A rate measured on rejected drafts never rises by itself: probe with one draft now
             # and then, so a request that starts copying later gets its drafts back.
             self.idle_rounds += 1
-            if self.idle_rounds >= self.PROBE_EVERY:
+            if self.idle_rounds >= self.probe_every:
                 self.idle_rounds = 0
                 return 1
         return best
@@ -164,10 +166,16 @@ class RequestDrafts:
     # (1.0), learned ones cost drafter steps, and a 0.5B drafting for the 1.5B agrees on about
     # half the tokens of prose (docs/performance.md), so it starts at one draft per round.
     LEARNED_PRIOR = 0.6
+    # The learned drafter does not probe: a probe would first make it read every token written
+    # since its last round, ~0.04 of a target step per token for the 0.5B beside the 1.5B, more
+    # than one draft can win back on text it does not predict (measured: probes every 16 or 64
+    # rounds cost free writing 12% and 6%; docs/performance.md). Once its rate says it does not
+    # pay, the request drafts from history only.
+    LEARNED_PROBE_EVERY = 0
 
     def __init__(self, config: SpeculationConfig, drafter_cost: float):
         self.history = HistoryDrafts(config)
-        self.learned = DraftRate(config, drafter_cost, self.LEARNED_PRIOR)
+        self.learned = DraftRate(config, drafter_cost, self.LEARNED_PRIOR, self.LEARNED_PROBE_EVERY)
         self.source: DraftRate | None = None
 
 
