@@ -29,6 +29,8 @@
 #include "onnxruntime_cxx_api.h"
 #undef ORT_API_MANUAL_INIT
 
+#include "int4_gemm.h"
+
 namespace {
 
 std::atomic<uint64_t> moe_calls{0}, moe_expert_reads{0};
@@ -59,6 +61,52 @@ inline float Dot(const float* a, const float* b, int n) {
   }
   return _mm512_reduce_add_ps(acc);
 }
+
+// The (row, choice) pairs grouped by expert (a counting sort, stable in pair order).
+struct Routing {
+  std::vector<int> first;     // [E + 1]: expert e's pairs are first[e] .. first[e + 1] - 1
+  std::vector<int> pair_row;  // grouped pair -> its row
+  std::vector<int> where;     // pair n * k + j -> its grouped position
+  std::vector<int> active;    // experts with at least one pair
+
+  // False when idx names an expert outside 0..E-1.
+  bool Build(const int64_t* choice, int64_t N, int64_t k, int64_t E) {
+    const int64_t R = N * k;
+    first.assign(E + 1, 0);
+    for (int64_t r = 0; r < R; ++r) {
+      if (choice[r] < 0 || choice[r] >= E) return false;
+      ++first[choice[r] + 1];
+    }
+    active.clear();
+    for (int64_t e = 0; e < E; ++e) {
+      if (first[e + 1] > 0) active.push_back(static_cast<int>(e));
+      first[e + 1] += first[e];
+    }
+    std::vector<int> slot(first.begin(), first.end() - 1);
+    pair_row.resize(R);
+    where.resize(R);
+    for (int64_t r = 0; r < R; ++r) {
+      const int s = slot[choice[r]]++;
+      pair_row[s] = static_cast<int>(r / k);
+      where[r] = s;
+    }
+    moe_expert_reads.fetch_add(active.size(), std::memory_order_relaxed);
+    return true;
+  }
+
+  // out[n] = sum_j weights[n, j] * expert_out[where[n k + j]], in choice order.
+  void Combine(const float* weights, const float* expert_out, int64_t N, int64_t k, int64_t W, float* y) const {
+    for (int64_t n = 0; n < N; ++n) {
+      float* row = y + n * W;
+      std::fill(row, row + W, 0.0f);
+      for (int64_t j = 0; j < k; ++j) {
+        const float weight = weights[n * k + j];
+        const float* x = expert_out + static_cast<size_t>(where[n * k + j]) * W;
+        for (int64_t o = 0; o < W; ++o) row[o] += weight * x[o];
+      }
+    }
+  }
+};
 
 struct MoEProblem {
   const float *h, *up, *down, *gate;
@@ -141,28 +189,8 @@ struct MoEKernel {
       std::fill(y, y + N * W, 0.0f);
       return;
     }
-    const int64_t* choice = idx.GetTensorData<int64_t>();
-    // Group the (row, choice) pairs by expert (a counting sort, stable in pair order).
-    thread_local std::vector<int> first, slot, pair_row, where, active;
-    first.assign(E + 1, 0);
-    for (int64_t r = 0; r < R; ++r) {
-      if (choice[r] < 0 || choice[r] >= E) fail("idx names an expert outside 0..E-1");
-      ++first[choice[r] + 1];
-    }
-    active.clear();
-    for (int64_t e = 0; e < E; ++e) {
-      if (first[e + 1] > 0) active.push_back(static_cast<int>(e));
-      first[e + 1] += first[e];
-    }
-    slot.assign(first.begin(), first.end() - 1);
-    pair_row.resize(R);
-    where.resize(R);
-    for (int64_t r = 0; r < R; ++r) {
-      const int s = slot[choice[r]]++;
-      pair_row[s] = static_cast<int>(r / k);
-      where[r] = s;
-    }
-    moe_expert_reads.fetch_add(active.size(), std::memory_order_relaxed);
+    thread_local Routing routing;
+    if (!routing.Build(idx.GetTensorData<int64_t>(), N, k, E)) fail("idx names an expert outside 0..E-1");
     thread_local std::vector<float> hidden, expert_out;
     hidden.resize(R * I);
     expert_out.resize(R * W);
@@ -174,25 +202,16 @@ struct MoEKernel {
     p.W = static_cast<int>(W);
     p.I = static_cast<int>(I);
     p.act = act;
-    p.pair_row = pair_row.data();
-    p.first = first.data();
-    p.active = active.data();
+    p.pair_row = routing.pair_row.data();
+    p.first = routing.first.data();
+    p.active = routing.active.data();
     p.up_items = static_cast<int>((I + kMoEColumns - 1) / kMoEColumns);
     p.down_items = static_cast<int>((W + kMoEColumns - 1) / kMoEColumns);
     p.hidden = hidden.data();
     p.expert_out = expert_out.data();
-    ctx.ParallelFor(UpItem, active.size() * p.up_items, 0, &p);
-    ctx.ParallelFor(DownItem, active.size() * p.down_items, 0, &p);
-    const float* w = weights.GetTensorData<float>();
-    for (int64_t n = 0; n < N; ++n) {
-      float* row = y + n * W;
-      std::fill(row, row + W, 0.0f);
-      for (int64_t j = 0; j < k; ++j) {
-        const float weight = w[n * k + j];
-        const float* x = expert_out.data() + static_cast<size_t>(where[n * k + j]) * W;
-        for (int64_t o = 0; o < W; ++o) row[o] += weight * x[o];
-      }
-    }
+    ctx.ParallelFor(UpItem, routing.active.size() * p.up_items, 0, &p);
+    ctx.ParallelFor(DownItem, routing.active.size() * p.down_items, 0, &p);
+    routing.Combine(weights.GetTensorData<float>(), expert_out.data(), N, k, W, y);
   }
 };
 
@@ -211,12 +230,180 @@ struct MoEOp : Ort::CustomOpBase<MoEOp, MoEKernel> {
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 };
 
+// ---------------------------------------------------------------------------------------------
+// ai.flare.MoEInt4: ai.flare.MoE with int4 expert weights in MatMulInt4's tiled layout, experts
+// back to back. Per expert: gate_up [tiles(N1) * W * 8] bytes, N1 = 2I with tiles alternating 16
+// gate and the same 16 up columns (glu = 1) or N1 = I (glu = 0), scales [tiles(N1), W / block_up,
+// 16]; down [tiles(W) * I * 8], scales [tiles(W), I / block_down, 16].
+// Inputs:  h, idx, weights (as MoE); gate_up uint8; gate_up_scales float; down uint8; down_scales float.
+// Attributes: activation, glu (0 or 1), inter (I), block_up, block_down.
+// Each routed expert's rows are quantized to int8 per block (as MatMulInt4 does, accuracy level
+// 4) and run through MatMulInt4's passes against that expert's tiles only.
+
+struct Int4Item {
+  int expert, t0, t1, r0, r1;
+};
+
+struct Int4Gemm {
+  std::vector<Problem> experts;  // by expert id (only the active ones are used)
+  std::vector<Int4Item> items;
+  float* out;
+  int ld;
+
+  // Problems for the active experts (weights at `w` + e * bytes, scales likewise) and work
+  // items of up to kMaxTilesPerItem tiles x kRowChunk grouped rows.
+  void Plan(const Routing& routing, QuantizedRows* rows, const uint8_t* w, const float* scales, int N, int K,
+            int block, int64_t E, float* dst) {
+    const int tiles = (N + kTileN - 1) / kTileN, blocks = K / block;
+    const size_t bytes = static_cast<size_t>(tiles) * K * 8, scale_count = static_cast<size_t>(tiles) * blocks * kTileN;
+    experts.assign(E, Problem{});
+    items.clear();
+    const int per_item = std::clamp(tiles / 4, 1, kMaxTilesPerItem);
+    for (int e : routing.active) {
+      Problem& p = experts[e];
+      p.w = w + e * bytes;
+      p.wscale = scales + e * scale_count;
+      p.a = rows;
+      p.bias = nullptr;
+      p.N = N;
+      p.K = K;
+      p.block = block;
+      p.blocks = blocks;
+      p.tiles = tiles;
+      for (int r0 = routing.first[e]; r0 < routing.first[e + 1]; r0 += kRowChunk)
+        for (int t0 = 0; t0 < tiles; t0 += per_item)
+          items.push_back({e, t0, std::min(tiles, t0 + per_item), r0, std::min(routing.first[e + 1], r0 + kRowChunk)});
+    }
+    out = dst;
+    ld = N;
+  }
+};
+
+void Int4GemmItem(void* data, size_t i) {
+  const Int4Gemm& g = *static_cast<const Int4Gemm*>(data);
+  const Int4Item& it = g.items[i];
+  const Problem& p = g.experts[it.expert];
+  for (int r = it.r0; r < it.r1; r += kPassRows)
+    RunRows(p, it.t0, it.t1 - it.t0, r, std::min(kPassRows, it.r1 - r),
+            g.out + static_cast<size_t>(r) * g.ld + it.t0 * kTileN, g.ld);
+}
+
+void QuantizeRows(const float* x, const int* row_of, int rows, int K, int block, QuantizedRows& q) {
+  const int blocks = K / block;
+  q.q.resize(static_cast<size_t>(rows) * K);
+  q.scale.resize(static_cast<size_t>(rows) * blocks);
+  q.zsum.resize(static_cast<size_t>(rows) * blocks);
+  for (int r = 0; r < rows; ++r)
+    QuantizeRow(x + static_cast<size_t>(row_of ? row_of[r] : r) * K, K, block, q.q.data() + static_cast<size_t>(r) * K,
+                q.scale.data() + static_cast<size_t>(r) * blocks, q.zsum.data() + static_cast<size_t>(r) * blocks);
+}
+
+struct MoEInt4Kernel {
+  Activation act;
+  bool glu;
+  int64_t I, block_up, block_down;
+
+  MoEInt4Kernel(const OrtApi&, const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo ki(info);
+    const std::string name = ki.GetAttribute<std::string>("activation");
+    act = name == "silu" ? Activation::kSilu : name == "gelu_tanh" ? Activation::kGeluTanh : Activation::kRelu2;
+    if (name != "silu" && name != "gelu_tanh" && name != "relu2")
+      ORT_CXX_API_THROW("MoEInt4: activation must be silu, gelu_tanh or relu2", ORT_INVALID_ARGUMENT);
+    glu = ki.GetAttribute<int64_t>("glu") != 0;
+    I = ki.GetAttribute<int64_t>("inter");
+    block_up = ki.GetAttribute<int64_t>("block_up");
+    block_down = ki.GetAttribute<int64_t>("block_down");
+    if (I <= 0 || block_up <= 0 || block_up % 16 || block_down <= 0 || block_down % 16 || I % block_down ||
+        (glu && I % kTileN))
+      ORT_CXX_API_THROW("MoEInt4: needs blocks that are multiples of 16 dividing K, and I a multiple of 16 with glu",
+                        ORT_INVALID_ARGUMENT);
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    auto h = ctx.GetInput(0), idx = ctx.GetInput(1), weights = ctx.GetInput(2);
+    auto gu = ctx.GetInput(3), gus = ctx.GetInput(4), dn = ctx.GetInput(5), dns = ctx.GetInput(6);
+    auto fail = [](const char* what) { ORT_CXX_API_THROW(std::string("MoEInt4: ") + what, ORT_INVALID_ARGUMENT); };
+    const auto hs = h.GetTensorTypeAndShapeInfo().GetShape(), is = idx.GetTensorTypeAndShapeInfo().GetShape();
+    if (hs.size() != 2 || is.size() != 2 || weights.GetTensorTypeAndShapeInfo().GetShape() != is || is[0] != hs[0])
+      fail("needs h [N, W], idx and weights [N, k]");
+    const int64_t N = hs[0], W = hs[1], k = is[1], N1 = glu ? 2 * I : I;
+    if (W % block_up) fail("block_up does not divide W");
+    const int64_t tiles1 = (N1 + kTileN - 1) / kTileN, tiles2 = (W + kTileN - 1) / kTileN;
+    const int64_t per1 = tiles1 * W * 8, per2 = tiles2 * I * 8;
+    const int64_t gu_bytes = static_cast<int64_t>(gu.GetTensorTypeAndShapeInfo().GetElementCount());
+    const int64_t E = per1 ? gu_bytes / per1 : 0;
+    if (E <= 0 || gu_bytes != E * per1 ||
+        static_cast<int64_t>(gus.GetTensorTypeAndShapeInfo().GetElementCount()) != E * tiles1 * (W / block_up) * kTileN ||
+        static_cast<int64_t>(dn.GetTensorTypeAndShapeInfo().GetElementCount()) != E * per2 ||
+        static_cast<int64_t>(dns.GetTensorTypeAndShapeInfo().GetElementCount()) != E * tiles2 * (I / block_down) * kTileN)
+      fail("weight or scale sizes do not match W, inter and the blocks");
+    auto out = ctx.GetOutput(0, {N, W});
+    float* y = out.GetTensorMutableData<float>();
+    moe_calls.fetch_add(1, std::memory_order_relaxed);
+    const int64_t R = N * k;
+    if (N == 0) return;
+    if (R == 0) {
+      std::fill(y, y + N * W, 0.0f);
+      return;
+    }
+    thread_local Routing routing;
+    if (!routing.Build(idx.GetTensorData<int64_t>(), N, k, E)) fail("idx names an expert outside 0..E-1");
+    thread_local QuantizedRows rows, hidden_rows;
+    thread_local std::vector<float> first_out, hidden, expert_out;
+    thread_local Int4Gemm gemm;
+    QuantizeRows(h.GetTensorData<float>(), routing.pair_row.data(), static_cast<int>(R), static_cast<int>(W),
+                 static_cast<int>(block_up), rows);
+    first_out.resize(R * N1);
+    gemm.Plan(routing, &rows, gu.GetTensorData<uint8_t>(), gus.GetTensorData<float>(), static_cast<int>(N1),
+              static_cast<int>(W), static_cast<int>(block_up), E, first_out.data());
+    ctx.ParallelFor(Int4GemmItem, gemm.items.size(), 0, &gemm);
+    hidden.resize(R * I);
+    for (int64_t r = 0; r < R; ++r) {
+      const float* g = first_out.data() + r * N1;
+      float* o = hidden.data() + r * I;
+      for (int64_t c = 0; c < I; ++c) {
+        if (glu) {  // tiles alternate 16 gate and the same 16 up columns
+          const int64_t at = (c / kTileN) * 2 * kTileN + c % kTileN;
+          o[c] = Activate(act, g[at]) * g[at + kTileN];
+        } else {
+          o[c] = Activate(act, g[c]);
+        }
+      }
+    }
+    QuantizeRows(hidden.data(), nullptr, static_cast<int>(R), static_cast<int>(I), static_cast<int>(block_down),
+                 hidden_rows);
+    expert_out.resize(R * W);
+    gemm.Plan(routing, &hidden_rows, dn.GetTensorData<uint8_t>(), dns.GetTensorData<float>(), static_cast<int>(W),
+              static_cast<int>(I), static_cast<int>(block_down), E, expert_out.data());
+    ctx.ParallelFor(Int4GemmItem, gemm.items.size(), 0, &gemm);
+    routing.Combine(weights.GetTensorData<float>(), expert_out.data(), N, k, W, y);
+  }
+};
+
+struct MoEInt4Op : Ort::CustomOpBase<MoEInt4Op, MoEInt4Kernel> {
+  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new MoEInt4Kernel(api, info); }
+  const char* GetName() const { return "MoEInt4"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 7; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64
+           : (i == 3 || i == 5) ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
 const MoEOp moe_op;
+const MoEInt4Op moe_int4_op;
 
 }  // namespace
 
 namespace flare {
-void AddMoEOps(Ort::CustomOpDomain& domain) { domain.Add(&moe_op); }
+void AddMoEOps(Ort::CustomOpDomain& domain) {
+  domain.Add(&moe_op);
+  domain.Add(&moe_int4_op);
+}
 }  // namespace flare
 
 extern "C" uint64_t flare_moe_calls() { return moe_calls.load(); }

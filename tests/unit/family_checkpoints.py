@@ -403,7 +403,8 @@ def write_tokenizer_files(folder: Path, family: str) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
 
-def write_quantizable_checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
+def write_quantizable_checkpoint(folder: Path, family: str, seed: int = 0,
+                                 overrides: dict[str, Any] | None = None) -> Path:
     """A tiny checkpoint of `family` that a quantized (default int4) export validates.
 
     write_family_checkpoint's re-drawn weights make a chaotic network: int4 noise on one weight
@@ -416,7 +417,7 @@ def write_quantizable_checkpoint(folder: Path, family: str, seed: int = 0) -> Pa
     specials = SPECIALS[family]
     eos = 256 + specials.index(EOS[family])
     config = config_cls(vocab_size=256 + len(specials), bos_token_id=256, eos_token_id=eos, pad_token_id=eos,
-                        **{**TINY_CONFIGS[family], "tie_word_embeddings": True})
+                        **{**TINY_CONFIGS[family], **(overrides or {}), "tie_word_embeddings": True})
     torch.manual_seed(seed)
     model_cls(config).eval().save_pretrained(folder, max_shard_size="300KB")
     write_tokenizer_files(folder, family)

@@ -15,7 +15,7 @@ from helios.manifest import Manifest
 from ignition.export.manifest import _initializer_bytes, decode_weight_bytes
 from ignition.export.pipeline import ExportOptions, export_core
 from ignition.recipes import load_recipe
-from tests.unit.family_checkpoints import write_family_checkpoint
+from tests.unit.family_checkpoints import write_family_checkpoint, write_quantizable_checkpoint
 
 RELATIVE = 1e-4
 # recipe -> (family, config overrides): 32 experts with each family's routing.
@@ -80,3 +80,25 @@ def test_routed_experts_match_transformers_at_32_experts(recipe, tmp_path):
         errors += [_relative(out.logits[b], sequences[b][1][len(prompts[b]) + step]) for b in range(2)]
     assert max(errors) <= RELATIVE, f"logits differ by {max(errors):.3g} relative"
 
+
+
+def test_int4_cores_route_packed_experts(tmp_path, monkeypatch):
+    """An int4 export packs each routed expert's tables into MoEInt4 (4-bit, MatMulInt4's tiles),
+    passes the same validation as dense families, and runs the same with flare's kernel and
+    with the dense rewrite helios uses where that kernel cannot run."""
+    checkpoint = write_quantizable_checkpoint(tmp_path / "ckpt", "qwen3_5_moe", overrides=VARIANTS["qwen38"][1])
+    core = tmp_path / "core"
+    manifest = export_core(ExportOptions(recipe=load_recipe("qwen38"), checkpoint=str(checkpoint), out=core,
+                                         precision="int4", cache=False))
+    model = onnx.load(str(core / "step.onnx"), load_external_data=False)
+    packed = [n for n in model.graph.node if n.op_type == "MoEInt4"]
+    assert packed and not [n for n in model.graph.node if n.op_type in ("MoE", "Einsum")]
+    assert manifest.parity is not None and manifest.parity.top1_agreement >= 0.9
+    ids = list(range(260, 300))
+    logits = []
+    for kernels in ("on", "off"):
+        monkeypatch.setenv("FLARE_KERNELS", kernels)
+        runner = Runner(core, manifest, num_pages=8)
+        assert runner.kernels == ("flare" if kernels == "on" else "onnxruntime")
+        logits.append(runner.step([StepRow(ids, 0, list(range(4)), state_slot=0)]).logits[0])
+    assert np.abs(logits[0] - logits[1]).max() <= 0.05 * np.abs(logits[1]).max()
