@@ -34,7 +34,7 @@ def code_digest() -> str:
                 h.update(path.read_bytes())
     h.update((REPO / "helios" / "manifest.py").read_bytes())
     for path in sorted((REPO / "helios" / "kernels").glob("*")):  # the int4 layout, the kernels
-        if path.suffix in {".py", ".cc"}:
+        if path.suffix in {".py", ".cc", ".h"}:
             h.update(path.read_bytes())
     return h.hexdigest()[:16]
 

@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 DOMAIN = "ai.flare"  # the ONNX domain of flare's operators
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cc")
+SOURCES = (Path(__file__).with_name("cpu_kernels.cc"), Path(__file__).with_name("moe_kernels.cc"))
+LOCAL_HEADERS = (Path(__file__).with_name("int4_gemm.h"),)  # included by the sources
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
 HEADERS_DEB = (
     "http://deb.debian.org/debian/pool/main/o/onnxruntime/libonnxruntime-dev_1.21.0+dfsg-1_amd64.deb",
@@ -109,7 +110,7 @@ def _headers() -> Path:
 
 
 def _build() -> Path:
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *LOCAL_HEADERS))
     digest = hashlib.sha256(source + " ".join(COMPILE_FLAGS).encode()).hexdigest()[:16]
     out = _cache_root() / f"flare_kernels-{digest}.so"
     if out.is_file():
@@ -121,11 +122,11 @@ def _build() -> Path:
     include = _headers()
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     result = subprocess.run(
-        [compiler, *COMPILE_FLAGS, f"-I{include}", str(SOURCE), "-o", str(tmp)], capture_output=True, text=True
+        [compiler, *COMPILE_FLAGS, f"-I{include}", *map(str, SOURCES), "-o", str(tmp)], capture_output=True, text=True
     )
     if result.returncode != 0:
         tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"compiling {SOURCE.name} failed:\n{result.stderr[-2000:]}")
+        raise RuntimeError(f"compiling {', '.join(p.name for p in SOURCES)} failed:\n{result.stderr[-2000:]}")
     tmp.rename(out)
     log.info("built %s", out)
     return out

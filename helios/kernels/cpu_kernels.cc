@@ -1,5 +1,6 @@
 // Flare's CPU kernels for x86-64 with AVX512-VNNI, as onnxruntime custom operators (domain
-// "ai.flare"): MatMulInt4 (below) and PagedAttention (further down).
+// "ai.flare"): MatMulInt4 (below) and PagedAttention (further down); MoE lives in
+// moe_kernels.cc, compiled into the same library and registered here.
 //
 // MatMulInt4: an int4 x int8 matmul.
 //
@@ -33,143 +34,9 @@
 #include "onnxruntime_cxx_api.h"
 #undef ORT_API_MANUAL_INIT
 
+#include "int4_gemm.h"
+
 namespace {
-
-constexpr int kTileN = 16;     // output columns per tile: one zmm of lanes
-constexpr int kPassRows = 8;   // activation rows sharing one unpacked weight vector
-constexpr int kRowChunk = 64;  // rows whose int8 copy stays in L2 while the tiles stream past
-constexpr int kMaxTilesPerItem = 8;  // fewer when a matrix has few tiles, so both threads get work
-
-struct QuantizedRows {
-  std::vector<int8_t> q;        // [M, K]
-  std::vector<float> scale;     // [M, blocks]
-  std::vector<int32_t> zsum;    // [M, blocks]: 8 * sum(q) of the block (the weights' zero point)
-};
-
-void QuantizeRow(const float* a, int K, int block, int8_t* q, float* scale, int32_t* zsum) {
-  const int blocks = K / block;
-  for (int b = 0; b < blocks; ++b) {
-    const float* x = a + b * block;
-    __m512 amax = _mm512_setzero_ps();
-    for (int k = 0; k < block; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
-    const float m = _mm512_reduce_max_ps(amax);
-    const __m512 inv = _mm512_set1_ps(m > 0.f ? 127.f / m : 0.f);
-    __m512i sum = _mm512_setzero_si512();
-    for (int k = 0; k < block; k += 16) {
-      const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), inv));
-      sum = _mm512_add_epi32(sum, qi);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * block + k), _mm512_cvtsepi32_epi8(qi));
-    }
-    scale[b] = m / 127.f;
-    zsum[b] = 8 * _mm512_reduce_add_epi32(sum);
-  }
-}
-
-// acc += u8 x s8 dot products of 4 (VPDPBUSD). Inline assembly because GCC 12 copies the
-// accumulator around every _mm512_dpbusd_epi32 (two extra moves each, in the hottest loop).
-inline void Dot4(__m512i& acc, __m512i u8, __m512i s8) {
-  asm("vpdpbusd %[s8], %[u8], %[acc]" : [acc] "+v"(acc) : [u8] "v"(u8), [s8] "v"(s8));
-}
-
-inline __m512i Broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
-
-struct Problem {
-  const float* a_float;  // [M, K]
-  const float* bias;
-  const uint8_t* w;
-  const float* wscale;
-  float* y;
-  QuantizedRows* a;
-  int M, N, K, block, blocks, tiles, tiles_per_item, items_per_chunk;
-  bool swiglu;  // N = 2 x the output width; tiles alternate gate, up
-};
-
-// Rows [row, row + MR) against NT consecutive tiles of 16 columns, over all of K. With few
-// rows x tiles, the low and high nibbles feed separate int32 chains so that VPDPBUSD's latency
-// is hidden; with many, one chain each keeps everything in the 32 vector registers.
-// Writes tile t's columns of row m to dst + m * ld + 16 t (masked to the matrix's last column).
-template <int MR, int NT>
-void Pass(const Problem& p, int tile, int row, float* dst, size_t ld) {
-  constexpr int kChains = MR * NT >= 4 ? 1 : 2;
-  const size_t tile_bytes = static_cast<size_t>(p.blocks) * p.block * 8;
-  const uint8_t* w = p.w + tile * tile_bytes;
-  const float* ws = p.wscale + static_cast<size_t>(tile) * p.blocks * kTileN;
-  const int8_t* aq = p.a->q.data() + static_cast<size_t>(row) * p.K;
-  const float* as = p.a->scale.data() + static_cast<size_t>(row) * p.blocks;
-  const int32_t* az = p.a->zsum.data() + static_cast<size_t>(row) * p.blocks;
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  __m512 out[MR][NT];
-  for (int m = 0; m < MR; ++m)
-    for (int t = 0; t < NT; ++t) out[m][t] = _mm512_setzero_ps();
-  for (int b = 0; b < p.blocks; ++b) {
-    __m512i acc[kChains][MR][NT];
-    for (int c = 0; c < kChains; ++c)
-      for (int m = 0; m < MR; ++m)
-        for (int t = 0; t < NT; ++t) acc[c][m][t] = _mm512_setzero_si512();
-    const int8_t* ak = aq + b * p.block;
-    for (int k = 0; k < p.block; k += 8) {
-      __m512i lo[NT], hi[NT];
-      for (int t = 0; t < NT; ++t) {
-        const __m512i v = _mm512_loadu_si512(w + t * tile_bytes);
-        lo[t] = _mm512_and_si512(v, low4);
-        hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      }
-      w += 64;
-      for (int m = 0; m < MR; ++m) {
-        const __m512i a0 = Broadcast4(ak + m * p.K + k), a1 = Broadcast4(ak + m * p.K + k + 4);
-        for (int t = 0; t < NT; ++t) {
-          Dot4(acc[0][m][t], lo[t], a0);
-          Dot4(acc[kChains - 1][m][t], hi[t], a1);
-        }
-      }
-    }
-    for (int m = 0; m < MR; ++m) {
-      const __m512i zero_point = _mm512_set1_epi32(az[m * p.blocks + b]);
-      const __m512 a_scale = _mm512_set1_ps(as[m * p.blocks + b]);
-      for (int t = 0; t < NT; ++t) {
-        const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(ws + (t * p.blocks + b) * kTileN), a_scale);
-        __m512i dot = acc[0][m][t];
-        if constexpr (kChains == 2) dot = _mm512_add_epi32(dot, acc[1][m][t]);
-        out[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot, zero_point)), scale, out[m][t]);
-      }
-    }
-  }
-  for (int t = 0; t < NT; ++t) {
-    const int n0 = (tile + t) * kTileN;
-    const int cols = std::min(kTileN, p.N - n0);
-    const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
-    const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + n0) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(dst + m * ld + t * kTileN, mask, _mm512_add_ps(out[m][t], bias));
-  }
-}
-
-// Few rows: several tiles per pass for independent chains; many rows: one tile, 8 rows.
-void RunRows(const Problem& p, int tile, int tiles, int row, int rows, float* dst, size_t ld) {
-  int t = 0;
-  switch (rows) {
-    case 1: for (; t + 4 <= tiles; t += 4) Pass<1, 4>(p, tile + t, row, dst + t * kTileN, ld); break;
-    case 2: for (; t + 2 <= tiles; t += 2) Pass<2, 2>(p, tile + t, row, dst + t * kTileN, ld); break;
-    case 3: for (; t + 2 <= tiles; t += 2) Pass<3, 2>(p, tile + t, row, dst + t * kTileN, ld); break;
-    case 4: for (; t + 2 <= tiles; t += 2) Pass<4, 2>(p, tile + t, row, dst + t * kTileN, ld); break;
-    default: break;
-  }
-  for (; t < tiles; ++t) {
-    switch (rows) {
-      case 1: Pass<1, 1>(p, tile + t, row, dst + t * kTileN, ld); break;
-      case 2: Pass<2, 1>(p, tile + t, row, dst + t * kTileN, ld); break;
-      case 3: Pass<3, 1>(p, tile + t, row, dst + t * kTileN, ld); break;
-      case 4: Pass<4, 1>(p, tile + t, row, dst + t * kTileN, ld); break;
-      case 5: Pass<5, 1>(p, tile + t, row, dst + t * kTileN, ld); break;
-      case 6: Pass<6, 1>(p, tile + t, row, dst + t * kTileN, ld); break;
-      case 7: Pass<7, 1>(p, tile + t, row, dst + t * kTileN, ld); break;
-      default: Pass<8, 1>(p, tile + t, row, dst + t * kTileN, ld); break;
-    }
-  }
-}
 
 void QuantizeItem(void* data, size_t row) {
   const Problem& p = *static_cast<const Problem*>(data);
@@ -653,6 +520,10 @@ const PagedAttentionOp paged_attention_op;
 
 }  // namespace
 
+namespace flare {
+void AddMoEOps(Ort::CustomOpDomain& domain);  // moe_kernels.cc
+}  // namespace flare
+
 extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
   if (api == nullptr) {  // an onnxruntime older than these headers: register nothing (unknown op later)
@@ -665,6 +536,7 @@ extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
     auto domain = std::make_unique<Ort::CustomOpDomain>("ai.flare");
     domain->Add(&matmul_int4_op);
     domain->Add(&paged_attention_op);
+    flare::AddMoEOps(*domain);
     Ort::UnownedSessionOptions(options).Add(*domain);
     std::lock_guard<std::mutex> lock(domains_mutex);
     domains.push_back(std::move(domain));

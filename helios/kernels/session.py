@@ -12,6 +12,7 @@ import onnxruntime as ort
 from helios.kernels import DOMAIN, available
 from helios.kernels.attention import to_group_query_attention
 from helios.kernels.int4_layout import to_matmul_nbits
+from helios.kernels.moe import to_dense_experts
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +24,8 @@ def uses_flare_ops(model: onnx.ModelProto) -> bool:
 def open_session(path: Path, options: ort.SessionOptions, providers: list[str]) -> tuple[ort.InferenceSession, str]:
     """(session, kernels) for the graph at `path`; `kernels` says what runs its ai.flare
     operators: "flare" (flare's kernel library), "onnxruntime" (rewritten to onnxruntime's
-    MatMulNBits and GroupQueryAttention because the library cannot run here: the reason is
-    logged) or "" (the graph has none)."""
+    MatMulNBits and GroupQueryAttention, and routed experts to dense Einsums, because the library
+    cannot run here: the reason is logged) or "" (the graph has none)."""
     header = onnx.load(str(path), load_external_data=False)
     if not uses_flare_ops(header):
         return ort.InferenceSession(str(path), options, providers=providers), ""
@@ -37,6 +38,7 @@ def open_session(path: Path, options: ort.SessionOptions, providers: list[str]) 
     model = onnx.load(str(path))
     to_matmul_nbits(model)
     to_group_query_attention(model)
+    to_dense_experts(model)
     with tempfile.TemporaryDirectory(prefix="flare-graph-") as tmp:
         rewritten = Path(tmp) / path.name
         onnx.save(model, str(rewritten), save_as_external_data=True, location=path.name + ".data")

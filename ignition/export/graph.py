@@ -17,7 +17,7 @@ import onnx
 import torch
 
 from helios.manifest import Architecture, Engine, KVLayout, StateLayout, TensorSpec
-from ignition.models import ops
+from ignition.models import moe_ops, ops
 from ignition.models import TOP_K, DecoderLM
 
 # The exporter logs a warning per missing torchvision op it would have registered.
@@ -144,7 +144,7 @@ def export_step_graph(
             dynamic_shapes=dynamic_shapes,
             opset_version=OPSET,
             dynamo=True,
-            custom_translation_table=ops.TRANSLATIONS if fused else None,
+            custom_translation_table={**ops.TRANSLATIONS, **moe_ops.TRANSLATIONS} if fused else None,
             optimize=True,
             verbose=False,
         )

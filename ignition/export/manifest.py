@@ -150,18 +150,30 @@ def decode_weight_bytes(onnx_path: Path) -> int:
 
     Every initializer counts in full except embedding tables read by Gather, of which a decode
     step reads one row (for a 4-bit table, GatherBlockQuantized: one row of its data, scales and
-    zero points).
+    zero points), and the expert tables of flare's routed MoE / MoEInt4, of which a decode row
+    reads its top_k experts (top_k / E of them).
     """
     model = onnx.load(str(onnx_path), load_external_data=False)
     gathered = {node.input[0] for node in model.graph.node if node.op_type == "Gather"}
+    dims = {init.name: list(init.dims) for init in model.graph.initializer}
+    routed: dict[str, tuple[int, int]] = {}  # expert table -> (top_k, experts)
     for node in model.graph.node:
         if node.op_type == "GatherBlockQuantized":  # inputs: data, indices, scales[, zero_points]
             gathered.update(name for i, name in enumerate(node.input) if i != 1 and name)
+        if node.op_type in ("MoE", "MoEInt4") and node.domain == "ai.flare":  # h, idx, weights, tables...
+            attrs = {a.name: a.i for a in node.attribute if a.name in ("top_k", "experts")}
+            top_k = attrs.get("top_k")
+            experts = attrs.get("experts") or dims.get(node.input[3], [0])[0]  # MoEInt4's tables are flat
+            if top_k and experts:
+                routed.update((name, (min(top_k, experts), experts)) for name in node.input[3:] if name)
     total = 0
     for init in model.graph.initializer:
         size = _initializer_bytes(init)
         if init.name in gathered and len(init.dims) == 2:
             size //= max(int(init.dims[0]), 1)
+        if init.name in routed:
+            top_k, experts = routed[init.name]
+            size = size * top_k // experts
         total += size
     return total
 

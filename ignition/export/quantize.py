@@ -17,6 +17,7 @@ from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
 from helios.kernels import DOMAIN
 from helios.kernels.int4_layout import OP, to_int4_tiles
+from helios.kernels.moe import quantize_experts
 from helios.manifest import Quantization
 from ignition.export.graph import save_with_external_data
 
@@ -143,6 +144,9 @@ def quantize_weights(model: onnx.ModelProto, s: QuantSettings) -> None:
     fold_bias_adds(model)
     if s.int4_tiles:
         to_int4_tiles(model)
+        # Routed experts (ai.flare.MoE): each expert's tables in the same 4-bit scheme, run by
+        # MoEInt4 (blocks of 64, or 32/16 where the width needs them).
+        quantize_experts(model)
 
 
 def quantize_score(onnx_in: Path, onnx_out: Path, precision: str) -> None:

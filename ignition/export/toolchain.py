@@ -22,7 +22,7 @@ def exporter_version() -> str:
     repo = Path(__file__).resolve().parents[2]
     files = [p for p in (repo / "ignition").rglob("*.py") if p.relative_to(repo).as_posix() not in _NOT_EXPORTER]
     files += [repo / "helios" / "manifest.py", repo / "helios" / "engine" / "runner.py"]
-    files += sorted((repo / "helios" / "kernels").glob("*.py")) + sorted((repo / "helios" / "kernels").glob("*.cc"))
+    files += sorted(p for p in (repo / "helios" / "kernels").iterdir() if p.suffix in (".py", ".cc", ".h"))
     h = hashlib.sha256()
     for path in sorted(files, key=lambda p: p.relative_to(repo).as_posix()):
         if "__pycache__" in path.parts or not path.is_file():

@@ -316,14 +316,16 @@ def _byte_of(char: str) -> int:
     return others[code - 256]
 
 
-def build_reference(family: str, seed: int = 0):  # noqa: ANN201
-    """The transformers model of a tiny `family` checkpoint (eval, float32, eager attention)."""
+def build_reference(family: str, seed: int = 0, overrides: dict[str, Any] | None = None):  # noqa: ANN201
+    """The transformers model of a tiny `family` checkpoint (eval, float32, eager attention);
+    `overrides` replace TINY_CONFIGS entries (e.g. more experts)."""
     config_cls, model_cls = _classes(family)
     specials = SPECIALS[family]
     vocab = 256 + len(specials)
     eos = 256 + specials.index(EOS[family])
     extra = {"vocab_size_per_layer_input": vocab} if family == "gemma4" else {}
-    config = config_cls(vocab_size=vocab, bos_token_id=256, eos_token_id=eos, pad_token_id=eos, **TINY_CONFIGS[family], **extra)
+    config = config_cls(vocab_size=vocab, bos_token_id=256, eos_token_id=eos, pad_token_id=eos,
+                        **{**TINY_CONFIGS[family], **(overrides or {})}, **extra)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = model_cls(config).eval()
@@ -375,10 +377,11 @@ def randomise_deepseek_v4(model, generator: torch.Generator) -> None:  # noqa: A
                 buffer.copy_(torch.randint(0, experts, buffer.shape, generator=generator))
 
 
-def write_family_checkpoint(folder: Path, family: str, seed: int = 0) -> tuple[Path, Any]:
+def write_family_checkpoint(folder: Path, family: str, seed: int = 0,
+                            overrides: dict[str, Any] | None = None) -> tuple[Path, Any]:
     """Write the tiny checkpoint of `family` into `folder`; return (folder, reference model)."""
     folder = Path(folder)
-    model = build_reference(family, seed)
+    model = build_reference(family, seed, overrides)
     if isinstance(model, torch.nn.Module) and hasattr(model, "can_generate"):
         # Sharded, as the real checkpoints are: model-0000N-of-0000M.safetensors + the index.
         model.save_pretrained(folder, max_shard_size="300KB")
@@ -400,7 +403,8 @@ def write_tokenizer_files(folder: Path, family: str) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
 
-def write_quantizable_checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
+def write_quantizable_checkpoint(folder: Path, family: str, seed: int = 0,
+                                 overrides: dict[str, Any] | None = None) -> Path:
     """A tiny checkpoint of `family` that a quantized (default int4) export validates.
 
     write_family_checkpoint's re-drawn weights make a chaotic network: int4 noise on one weight
@@ -413,7 +417,7 @@ def write_quantizable_checkpoint(folder: Path, family: str, seed: int = 0) -> Pa
     specials = SPECIALS[family]
     eos = 256 + specials.index(EOS[family])
     config = config_cls(vocab_size=256 + len(specials), bos_token_id=256, eos_token_id=eos, pad_token_id=eos,
-                        **{**TINY_CONFIGS[family], "tie_word_embeddings": True})
+                        **{**TINY_CONFIGS[family], **(overrides or {}), "tie_word_embeddings": True})
     torch.manual_seed(seed)
     model_cls(config).eval().save_pretrained(folder, max_shard_size="300KB")
     write_tokenizer_files(folder, family)

@@ -12,16 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ignition.models.blocks.loading import TensorLoader
-
-
-def activation(name: str, x: torch.Tensor) -> torch.Tensor:
-    if name == "silu":
-        return F.silu(x)
-    if name == "gelu_tanh":
-        return F.gelu(x, approximate="tanh")
-    if name == "relu2":  # squared ReLU
-        return torch.square(F.relu(x))
-    raise ValueError(f"unknown activation {name!r}")
+from ignition.models.moe_ops import ACTIVATIONS, activation, experts
 
 
 @dataclass(frozen=True)
@@ -149,9 +140,11 @@ class TopKRouter(nn.Module):
 
 
 class Experts(nn.Module):
-    """Stacked expert weights, computed densely and combined with the sparse routing weights:
-    exact, and one einsum per projection in the graph (a gather-by-expert decode path is future
-    work). Gated (glu(gate h, up h)) or, with glu None, plain (act(up h))."""
+    """Stacked expert weights. Gated (glu(gate h, up h)) or, with glu None, plain (act(up h)).
+    Eager torch computes every expert and combines them with the sparse routing weights (exact);
+    the exported graph computes only the routed ones (moe_ops: flare's ai.flare.MoE) when the
+    unit is a plain GLU or activation and `outputs` is this class's (subclasses and clamped GLU
+    variants keep the dense einsums)."""
 
     def __init__(self, num: int, intermediate: int, width: int, glu: GLU | None, act: str = "silu") -> None:
         super().__init__()
@@ -169,7 +162,17 @@ class Experts(nn.Module):
         gate = torch.einsum("nh,eih->eni", h, self.gate)
         return torch.einsum("eni,ehi->enh", self.glu(gate, up), self.down)
 
+    def routed_activation(self) -> str | None:
+        """The activation flare's MoE kernel computes this unit with, or None when it cannot."""
+        if type(self).outputs is not Experts.outputs:
+            return None
+        act = self.act if self.glu is None else self.glu.act if type(self.glu) is GLU else None
+        return act if act in ACTIVATIONS else None
+
     def forward(self, h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        act = self.routed_activation()
+        if act is not None:
+            return experts(h, idx, weights, self.up, self.down, self.gate if self.glu is not None else None, act)
         # scatter_add: a routing table may name one expert twice (its weight then counts twice)
         dense = torch.zeros(h.shape[0], self.num).scatter_add(1, idx, weights)  # [N, E]
         return (self.outputs(h) * dense.t().unsqueeze(-1)).sum(0)
