@@ -54,7 +54,9 @@ rates, targets restart and evicted <= 0.05x cold). With --speculative, "speculat
 scripts/speculative_tps.py's section for the core and each --speculative-core (a core with a
 learned drafter, e.g. the 1.5B with the 0.5B: {CORE_NAME: {edit_on_tps, edit_off_tps,
 free_on_tps, free_off_tps, b8_on_tps, b8_off_tps, acceptance, peer_edit_best_tps, ...}}, plus
-peer_edit_best_tps: the --core's peer).
+peer_edit_best_tps: the --core's peer). With --moe, "moe" holds scripts/moe_tps.py's section
+({sparse_b1_tps, dense_b1_tps, bound_b1_tps, sparse_b8_tps, sparse_prefill_tps, dense_prefill_tps,
+...}).
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from bandwidth import read_bandwidth  # noqa: E402
 from host_store_ttft import measure as measure_host_store  # noqa: E402
 from prefix_ttft import measure as measure_prefix_reuse  # noqa: E402
+from moe_tps import measure as measure_moe  # noqa: E402
 from speculative_tps import measure as measure_speculative  # noqa: E402
 from tests.conftest import Server  # noqa: E402  (the same launcher the tests use)
 
@@ -529,6 +532,8 @@ def main() -> None:
     parser.add_argument("--speculative-core", type=Path, action="append", default=[],
                         help="with --speculative: one more core for that section (e.g. the 1.5B exported with "
                              "--drafter qwen2.5-coder-0.5b); repeatable")
+    parser.add_argument("--moe", action="store_true",
+                        help="add the sparse MoE section (scripts/moe_tps.py: a synthetic 64-expert core)")
     parser.add_argument("--host-store", action="store_true",
                         help="add the host prefix store section (scripts/host_store_ttft.py: minutes of 16k prefill)")
     parser.add_argument("--long-tokens", type=int, default=LONG_TOKENS,
@@ -622,6 +627,8 @@ def main() -> None:
                    for core in [args.core, *args.speculative_core]}
         section["peer_edit_best_tps"] = section[args.core.name].get("peer_edit_best_tps")
         results["speculative"] = section
+    if args.moe:
+        results["moe"] = measure_moe(threads, log=lambda line: print(f"moe: {line}", flush=True))
     if args.host_store:
         results["host_store"] = measure_host_store(args.core, log=lambda line: print(f"host store: {line}", flush=True))
     print(table(results))

@@ -89,6 +89,7 @@ def to_dense_experts(model: onnx.ModelProto) -> int:
     nodes: list[onnx.NodeProto] = []
     inits: list[onnx.TensorProto] = []
     tables = {init.name: init for init in model.graph.initializer}
+    packed: set[str] = set()
     converted = 0
     for node in model.graph.node:
         if node.op_type not in (OP, INT4_OP) or node.domain != DOMAIN:
@@ -96,6 +97,7 @@ def to_dense_experts(model: onnx.ModelProto) -> int:
             continue
         attrs = _attrs(node)
         if node.op_type == INT4_OP:
+            packed.update(node.input[3:7])  # replaced by their dequantized copies
             node, dequantized = _dequantized(node, attrs, tables)
             inits += dequantized
         new_nodes, new_inits = _expand(node, attrs["activation"])
@@ -106,6 +108,10 @@ def to_dense_experts(model: onnx.ModelProto) -> int:
         del model.graph.node[:]
         model.graph.node.extend(nodes)
         model.graph.initializer.extend(inits)
+        used = {name for node in model.graph.node for name in node.input}
+        kept = [init for init in model.graph.initializer if init.name in used or init.name not in packed]
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(kept)
     return converted
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from pathlib import Path
 
@@ -32,6 +33,13 @@ def open_session(path: Path, options: ort.SessionOptions, providers: list[str]) 
     library, why = available()
     if library is not None and providers == ["CPUExecutionProvider"]:
         options.register_custom_ops_library(str(library))
+        if os.environ.get("FLARE_EXPERTS", "").lower() == "dense" and any(
+                n.op_type in ("MoE", "MoEInt4") and n.domain == DOMAIN for n in header.graph.node):
+            # A comparison switch (scripts/moe_tps.py): routed experts computed densely, as
+            # ignition's graphs did before ai.flare.MoE.
+            model = onnx.load(str(path))
+            to_dense_experts(model)
+            return _open_rewritten(model, path, options, providers), "flare"
         return ort.InferenceSession(str(path), options, providers=providers), "flare"
     why = why or f"providers {providers} are not the CPU's"
     log.warning("%s: running flare's operators as onnxruntime kernels (%s)", path.name, why)
@@ -39,8 +47,13 @@ def open_session(path: Path, options: ort.SessionOptions, providers: list[str]) 
     to_matmul_nbits(model)
     to_group_query_attention(model)
     to_dense_experts(model)
+    return _open_rewritten(model, path, options, providers), "onnxruntime"
+
+
+def _open_rewritten(model: onnx.ModelProto, path: Path, options: ort.SessionOptions,
+                    providers: list[str]) -> ort.InferenceSession:
     with tempfile.TemporaryDirectory(prefix="flare-graph-") as tmp:
         rewritten = Path(tmp) / path.name
         onnx.save(model, str(rewritten), save_as_external_data=True, location=path.name + ".data")
         del model
-        return ort.InferenceSession(str(rewritten), options, providers=providers), "onnxruntime"
+        return ort.InferenceSession(str(rewritten), options, providers=providers)
