@@ -5,6 +5,7 @@ a call reads the experts its rows are routed to, not the others."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -89,21 +90,27 @@ def test_rewrite_into_dense_einsums_matches(kind, glu, tmp_path, monkeypatch):
     np.testing.assert_allclose(session.run(None, feeds)[0], _want(feeds, weights, kind), rtol=1e-4, atol=1e-5)
 
 
-def test_a_call_reads_only_the_routed_experts(tmp_path):
+def _expert_reads() -> Callable[[], int]:
+    """The kernel library's count of routed experts read (skips where it cannot run)."""
     library, why = kernels.available()
     if library is None:
         pytest.skip(why)
-    counters = ctypes.CDLL(str(library))
+    counters = ctypes.CDLL(str(library))  # the library onnxruntime loaded: the same counters
     counters.flare_moe_expert_reads.restype = ctypes.c_uint64
+    return counters.flare_moe_expert_reads
+
+
+def test_a_call_reads_only_the_routed_experts(tmp_path):
+    reads = _expert_reads()
     session, _ = _session(_model("silu", True, seed=1)[0], tmp_path)
-    before = counters.flare_moe_expert_reads()
+    before = reads()
     feeds = _routing(1, 4, seed=2)  # one decode row: 4 of 32 experts
     session.run(None, feeds)
-    assert counters.flare_moe_expert_reads() - before == 4
+    assert reads() - before == 4
     batch = _routing(8, 2, seed=3)  # 8 rows x 2 choices: each distinct expert read once
-    before = counters.flare_moe_expert_reads()
+    before = reads()
     session.run(None, batch)
-    assert counters.flare_moe_expert_reads() - before == len(np.unique(batch["idx"]))
+    assert reads() - before == len(np.unique(batch["idx"]))
 
 
 def test_kernel_rejects_an_expert_outside_the_table(tmp_path):
@@ -150,15 +157,10 @@ def test_int4_experts_match_their_dequantized_numbers(kind, glu, rows, k, tmp_pa
 
 
 def test_int4_call_reads_only_the_routed_experts(tmp_path):
-    library, why = kernels.available()
-    if library is None:
-        pytest.skip(why)
-    counters = ctypes.CDLL(str(library))
-    counters.flare_moe_expert_reads.restype = ctypes.c_uint64
+    reads = _expert_reads()
     model, _ = _model("silu", True, seed=1, inter=64, width=96)
     quantize_experts(model)
     session, _ = _session(model, tmp_path)
-    feeds = _routing(1, 4, seed=2, width=96)
-    before = counters.flare_moe_expert_reads()
-    session.run(None, feeds)
-    assert counters.flare_moe_expert_reads() - before == 4
+    before = reads()
+    session.run(None, _routing(1, 4, seed=2, width=96))
+    assert reads() - before == 4
