@@ -70,7 +70,7 @@ def quantize_experts(model: onnx.ModelProto) -> int:
         for name, key in zip(names, ("gu", "gus", "dn", "dns")):
             model.graph.initializer.append(numpy_helper.from_array(np.concatenate(parts[key]), name))
         attrs = _attrs(node)
-        extra = {"top_k": attrs["top_k"]} if "top_k" in attrs else {}
+        extra = {key: attrs[key] for key in ("top_k", "unit", "limit", "alpha") if key in attrs}
         new = helper.make_node(INT4_OP, [*node.input[:3], *names], list(node.output), name=node.name, domain=DOMAIN,
                                activation=attrs["activation"], glu=int(gate is not None), inter=inter,
                                block_up=block_up, block_down=block_down, experts=experts, **extra)
@@ -100,7 +100,7 @@ def to_dense_experts(model: onnx.ModelProto) -> int:
             packed.update(node.input[3:7])  # replaced by their dequantized copies
             node, dequantized = _dequantized(node, attrs, tables)
             inits += dequantized
-        new_nodes, new_inits = _expand(node, attrs["activation"])
+        new_nodes, new_inits = _expand(node, attrs)
         nodes += new_nodes
         inits += new_inits
         converted += 1
@@ -141,11 +141,13 @@ def _dequantized(node: onnx.NodeProto, attrs: dict, tables: dict) -> tuple[onnx.
     if glu:
         arrays[f"{base}.dense_gate"] = np.stack(gates)
     dense = helper.make_node(OP, [*node.input[:3], *arrays], list(node.output), name=node.name, domain=DOMAIN,
-                             activation=attrs["activation"])
+                             activation=attrs["activation"])  # the caller expands it with `attrs`
     return dense, [numpy_helper.from_array(a.astype(np.float32), name) for name, a in arrays.items()]
 
 
-def _expand(node: onnx.NodeProto, kind: str) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+def _expand(node: onnx.NodeProto, attrs: dict) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    kind, unit = attrs["activation"], attrs.get("unit", "glu")
+    limit, alpha = float(attrs.get("limit", 0.0)), float(attrs.get("alpha", 0.0))
     h, idx, weights, up, down, *rest = node.input
     gate = rest[0] if rest and rest[0] else None
     (out,) = node.output
@@ -200,8 +202,7 @@ def _expand(node: onnx.NodeProto, kind: str) -> tuple[list[onnx.NodeProto], list
         glu = act(name("upped"), "act")
     else:
         nodes.append(make("Einsum", [h, gate], [name("gated")], equation="nh,eih->eni"))
-        nodes.append(make("Mul", [act(name("gated"), "act"), name("upped")], [name("glu")]))
-        glu = name("glu")
+        glu = _unit(unit, limit, alpha, name("gated"), name("upped"), act, nodes, name, const, make)
     nodes += [
         make("Einsum", [glu, down], [name("outputs")], equation="eni,ehi->enh"),
         make("Transpose", [name("dense")], [name("dense_t")], perm=[1, 0]),
@@ -210,3 +211,30 @@ def _expand(node: onnx.NodeProto, kind: str) -> tuple[list[onnx.NodeProto], list
         make("ReduceSum", [name("weighted"), const("axis0", [0])], [out], keepdims=0),
     ]
     return nodes, inits
+
+
+def _unit(unit: str, limit: float, alpha: float, g: str, u: str, act, nodes: list, name, const, make) -> str:  # noqa: ANN001
+    """The gated unit (ignition.models.moe_ops.gated) of tensors g and u as plain ops."""
+    f32 = np.float32
+    if unit == "glu":
+        nodes.append(make("Mul", [act(g, "act"), u], [name("glu")]))
+        return name("glu")
+    lim, neg = const("limit", limit, f32), const("neg_limit", -limit, f32)
+    nodes.append(make("Clip", [u, neg, lim], [name("u_clip")]))
+    if unit == "clamp_after":
+        nodes.append(make("Min", [act(g, "act"), lim], [name("g_unit")]))
+    elif unit == "clamp_before":
+        nodes.append(make("Min", [g, lim], [name("g_min")]))
+        nodes.append(make("Identity", [act(name("g_min"), "act")], [name("g_unit")]))
+    elif unit == "alpha":  # (u + 1) * g' * sigmoid(alpha g')
+        nodes += [make("Min", [g, lim], [name("g_min")]),
+                  make("Mul", [name("g_min"), const("alpha", alpha, f32)], [name("g_alpha")]),
+                  make("Sigmoid", [name("g_alpha")], [name("g_sig")]),
+                  make("Mul", [name("g_min"), name("g_sig")], [name("g_unit")]),
+                  make("Add", [name("u_clip"), const("one_u", 1.0, f32)], [name("u_plus")])]
+        nodes.append(make("Mul", [name("g_unit"), name("u_plus")], [name("glu")]))
+        return name("glu")
+    else:
+        raise ValueError(f"unknown gated unit {unit!r}")
+    nodes.append(make("Mul", [name("g_unit"), name("u_clip")], [name("glu")]))
+    return name("glu")

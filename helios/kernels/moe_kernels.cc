@@ -5,7 +5,10 @@
 //          down float [E, W, I]; gate float [E, I, W] (optional: absent for a plain expert).
 // Output:  out float [N, W]: out[n] = sum_j weights[n, j] * down_e(glu(h_n)), e = idx[n, j], with
 //          glu(x) = act(gate_e x) * up_e x, or act(up_e x) without gate.
-// Attributes: activation ("silu", "gelu_tanh" or "relu2").
+// Attributes: activation ("silu", "gelu_tanh" or "relu2"); unit, limit L, alpha (optional, the
+//          gated unit of glu(x) with gate: "glu" act(g) * u, the default; "clamp_after"
+//          min(act(g), L) * clamp(u, -L, L); "clamp_before" act(min(g, L)) * clamp(u, -L, L);
+//          "alpha" (clamp(u, -L, L) + 1) * g' * sigmoid(alpha g'), g' = min(g, L)).
 //
 // Why: a mixture-of-experts layer computed densely reads every expert's weights per step; decode
 // needs only the k routed ones (k / E of the bytes: 4 of 64 experts, say). The (row, choice)
@@ -49,6 +52,59 @@ inline float Activate(Activation a, float x) {
       return x > 0.0f ? x * x : 0.0f;
   }
   return x;
+}
+
+enum class UnitKind { kGlu, kClampAfter, kClampBefore, kAlpha };
+
+// The gated unit of one (gate, up) pair (ignition.models.moe_ops.gated).
+struct Unit {
+  Activation act;
+  UnitKind kind = UnitKind::kGlu;
+  float limit = 0.0f, alpha = 0.0f;
+
+  float operator()(float g, float u) const {
+    if (kind == UnitKind::kGlu) return Activate(act, g) * u;
+    u = std::clamp(u, -limit, limit);
+    if (kind == UnitKind::kClampAfter) return std::min(Activate(act, g), limit) * u;
+    if (kind == UnitKind::kClampBefore) return Activate(act, std::min(g, limit)) * u;
+    g = std::min(g, limit);
+    return (u + 1.0f) * (g / (1.0f + std::exp(-alpha * g)));
+  }
+};
+
+// The activation and unit attributes (MoE and MoEInt4 share them).
+Unit ReadUnit(const Ort::ConstKernelInfo& ki, const char* op) {
+  Unit unit;
+  const std::string name = ki.GetAttribute<std::string>("activation");
+  if (name == "silu") {
+    unit.act = Activation::kSilu;
+  } else if (name == "gelu_tanh") {
+    unit.act = Activation::kGeluTanh;
+  } else if (name == "relu2") {
+    unit.act = Activation::kRelu2;
+  } else {
+    ORT_CXX_API_THROW(std::string(op) + ": activation must be silu, gelu_tanh or relu2", ORT_INVALID_ARGUMENT);
+  }
+  std::string kind = "glu";
+  try {
+    kind = ki.GetAttribute<std::string>("unit");
+    unit.limit = ki.GetAttribute<float>("limit");
+    unit.alpha = ki.GetAttribute<float>("alpha");
+  } catch (const Ort::Exception&) {
+    if (kind != "glu") ORT_CXX_API_THROW(std::string(op) + ": a unit needs limit and alpha", ORT_INVALID_ARGUMENT);
+  }
+  if (kind == "glu") {
+    unit.kind = UnitKind::kGlu;
+  } else if (kind == "clamp_after") {
+    unit.kind = UnitKind::kClampAfter;
+  } else if (kind == "clamp_before") {
+    unit.kind = UnitKind::kClampBefore;
+  } else if (kind == "alpha") {
+    unit.kind = UnitKind::kAlpha;
+  } else {
+    ORT_CXX_API_THROW(std::string(op) + ": unit must be glu, clamp_after, clamp_before or alpha", ORT_INVALID_ARGUMENT);
+  }
+  return unit;
 }
 
 inline float Dot(const float* a, const float* b, int n) {
@@ -111,7 +167,7 @@ struct Routing {
 struct MoEProblem {
   const float *h, *up, *down, *gate;
   int W, I;
-  Activation act;
+  Unit unit;
   const int* pair_row;       // grouped pair r -> the row it belongs to
   const int* first;          // [E + 1]: expert e's pairs are first[e] .. first[e + 1] - 1
   const int* active;         // experts with at least one pair
@@ -131,7 +187,7 @@ void UpItem(void* data, size_t item) {
     for (int r = p.first[e]; r < p.first[e + 1]; ++r) {
       const float* x = p.h + static_cast<size_t>(p.pair_row[r]) * p.W;
       const float u = Dot(x, up, p.W);
-      p.hidden[static_cast<size_t>(r) * p.I + i] = gate ? Activate(p.act, Dot(x, gate, p.W)) * u : Activate(p.act, u);
+      p.hidden[static_cast<size_t>(r) * p.I + i] = gate ? p.unit(Dot(x, gate, p.W), u) : Activate(p.unit.act, u);
     }
   }
 }
@@ -149,21 +205,9 @@ void DownItem(void* data, size_t item) {
 }
 
 struct MoEKernel {
-  Activation act;
+  Unit unit;
 
-  MoEKernel(const OrtApi&, const OrtKernelInfo* info) {
-    Ort::ConstKernelInfo ki(info);
-    const std::string name = ki.GetAttribute<std::string>("activation");
-    if (name == "silu") {
-      act = Activation::kSilu;
-    } else if (name == "gelu_tanh") {
-      act = Activation::kGeluTanh;
-    } else if (name == "relu2") {
-      act = Activation::kRelu2;
-    } else {
-      ORT_CXX_API_THROW("MoE: activation must be silu, gelu_tanh or relu2", ORT_INVALID_ARGUMENT);
-    }
-  }
+  MoEKernel(const OrtApi&, const OrtKernelInfo* info) : unit(ReadUnit(Ort::ConstKernelInfo(info), "MoE")) {}
 
   void Compute(OrtKernelContext* context) {
     Ort::KernelContext ctx(context);
@@ -201,7 +245,7 @@ struct MoEKernel {
     p.gate = gate ? gate.GetTensorData<float>() : nullptr;
     p.W = static_cast<int>(W);
     p.I = static_cast<int>(I);
-    p.act = act;
+    p.unit = unit;
     p.pair_row = routing.pair_row.data();
     p.first = routing.first.data();
     p.active = routing.active.data();
@@ -236,7 +280,7 @@ struct MoEOp : Ort::CustomOpBase<MoEOp, MoEKernel> {
 // gate and the same 16 up columns (glu = 1) or N1 = I (glu = 0), scales [tiles(N1), W / block_up,
 // 16]; down [tiles(W) * I * 8], scales [tiles(W), I / block_down, 16].
 // Inputs:  h, idx, weights (as MoE); gate_up uint8; gate_up_scales float; down uint8; down_scales float.
-// Attributes: activation, glu (0 or 1), inter (I), block_up, block_down.
+// Attributes: activation, unit, limit, alpha (as MoE), glu (0 or 1), inter (I), block_up, block_down.
 // Each routed expert's rows are quantized to int8 per block (as MatMulInt4 does, accuracy level
 // 4) and run through MatMulInt4's passes against that expert's tiles only.
 
@@ -299,16 +343,12 @@ void QuantizeRows(const float* x, const int* row_of, int rows, int K, int block,
 }
 
 struct MoEInt4Kernel {
-  Activation act;
+  Unit unit;
   bool glu;
   int64_t I, block_up, block_down;
 
-  MoEInt4Kernel(const OrtApi&, const OrtKernelInfo* info) {
+  MoEInt4Kernel(const OrtApi&, const OrtKernelInfo* info) : unit(ReadUnit(Ort::ConstKernelInfo(info), "MoEInt4")) {
     Ort::ConstKernelInfo ki(info);
-    const std::string name = ki.GetAttribute<std::string>("activation");
-    act = name == "silu" ? Activation::kSilu : name == "gelu_tanh" ? Activation::kGeluTanh : Activation::kRelu2;
-    if (name != "silu" && name != "gelu_tanh" && name != "relu2")
-      ORT_CXX_API_THROW("MoEInt4: activation must be silu, gelu_tanh or relu2", ORT_INVALID_ARGUMENT);
     glu = ki.GetAttribute<int64_t>("glu") != 0;
     I = ki.GetAttribute<int64_t>("inter");
     block_up = ki.GetAttribute<int64_t>("block_up");
@@ -365,9 +405,9 @@ struct MoEInt4Kernel {
       for (int64_t c = 0; c < I; ++c) {
         if (glu) {  // tiles alternate 16 gate and the same 16 up columns
           const int64_t at = (c / kTileN) * 2 * kTileN + c % kTileN;
-          o[c] = Activate(act, g[at]) * g[at + kTileN];
+          o[c] = unit(g[at], g[at + kTileN]);
         } else {
-          o[c] = Activate(act, g[c]);
+          o[c] = Activate(unit.act, g[c]);
         }
       }
     }

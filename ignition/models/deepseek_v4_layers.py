@@ -222,8 +222,8 @@ class ClampedSiLUGLU(GLU):
 
     limit: float = 10.0
 
-    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
+    def unit(self) -> tuple[str, float, float]:  # act is silu
+        return "clamp_before", self.limit, 0.0
 
 
 class HashRouter(TopKRouter):

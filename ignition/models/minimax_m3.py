@@ -34,9 +34,8 @@ class AlphaGLU(GLU):
     alpha: float = 1.702
     limit: float = 7.0
 
-    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
-        return (up + 1.0) * (gate * torch.sigmoid(gate * self.alpha))
+    def unit(self) -> tuple[str, float, float]:
+        return "alpha", self.limit, self.alpha
 
 
 @dataclass

@@ -10,10 +10,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ignition.models.base import FamilyError
-from ignition.models.blocks.mlp import GLU, MoEPlan, activation
+from ignition.models.blocks.mlp import GLU, MoEPlan
 from ignition.models.configured import ConfiguredLM
 from ignition.models.plans import LayerPlan, ModelPlan, per_layer_overrides
 
@@ -24,9 +22,8 @@ class ClampedGLU(GLU):
 
     limit: float = 0.0
 
-    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        gate, up = activation(self.act, gate).clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
-        return gate * up
+    def unit(self) -> tuple[str, float, float]:
+        return "clamp_after", self.limit, 0.0
 
 
 def clamped(limit: float | None) -> GLU:

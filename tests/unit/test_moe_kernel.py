@@ -23,8 +23,11 @@ from ignition.models.moe_ops import experts_ref
 EXPERTS, INTER, WIDTH = 32, 48, 40  # widths that are not multiples of 16: the kernels' masked tails
 
 
-def _model(kind: str, glu: bool, seed: int, inter: int = INTER, width: int = WIDTH,
-           top_k: int | None = None) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+LIMIT, ALPHA = 0.7, 1.702  # a limit small enough that random activations hit it
+
+
+def _model(kind: str, glu: bool, seed: int, inter: int = INTER, width: int = WIDTH, top_k: int | None = None,
+           unit: str = "glu") -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     rng = np.random.default_rng(seed)
     weights = {"up": rng.standard_normal((EXPERTS, inter, width)) / np.sqrt(width),
                "down": rng.standard_normal((EXPERTS, width, inter)) / np.sqrt(inter)}
@@ -32,8 +35,10 @@ def _model(kind: str, glu: bool, seed: int, inter: int = INTER, width: int = WID
         weights["gate"] = rng.standard_normal((EXPERTS, inter, width)) / np.sqrt(width)
     weights = {k: v.astype(np.float32) for k, v in weights.items()}
     names = ["h", "idx", "weights", "up", "down"] + (["gate"] if glu else [])
-    node = helper.make_node("MoE", names, ["out"], domain="ai.flare", name="moe", activation=kind,
-                            **({"top_k": top_k} if top_k else {}))
+    extra = {"top_k": top_k} if top_k else {}
+    if unit != "glu":
+        extra |= {"unit": unit, "limit": LIMIT, "alpha": ALPHA}
+    node = helper.make_node("MoE", names, ["out"], domain="ai.flare", name="moe", activation=kind, **extra)
     f, i = TensorProto.FLOAT, TensorProto.INT64
     inputs = [helper.make_tensor_value_info("h", f, ["N", width]), helper.make_tensor_value_info("idx", i, ["N", "k"]),
               helper.make_tensor_value_info("weights", f, ["N", "k"])]  # fmt: skip
@@ -52,9 +57,10 @@ def _routing(rows: int, k: int, seed: int, width: int = WIDTH) -> dict[str, np.n
             "weights": rng.random((rows, k)).astype(np.float32)}
 
 
-def _want(feeds: dict[str, np.ndarray], weights: dict[str, np.ndarray], kind: str) -> np.ndarray:
+def _want(feeds: dict[str, np.ndarray], weights: dict[str, np.ndarray], kind: str, unit: str = "glu") -> np.ndarray:
     t = {k: torch.from_numpy(v) for k, v in {**feeds, **weights}.items()}
-    return experts_ref(t["h"], t["idx"], t["weights"], t["up"], t["down"], t.get("gate"), kind).numpy()
+    return experts_ref(t["h"], t["idx"], t["weights"], t["up"], t["down"], t.get("gate"), kind, unit, LIMIT,
+                       ALPHA).numpy()
 
 
 def _session(model: onnx.ModelProto, tmp_path) -> tuple[ort.InferenceSession, str]:  # noqa: ANN001
@@ -63,31 +69,33 @@ def _session(model: onnx.ModelProto, tmp_path) -> tuple[ort.InferenceSession, st
     return open_session(path, ort.SessionOptions(), ["CPUExecutionProvider"])
 
 
-CASES = [("silu", True), ("gelu_tanh", True), ("relu2", False)]
+# activation, gated (with a gate table), unit: every expert unit the families use.
+CASES = [("silu", True, "glu"), ("gelu_tanh", True, "glu"), ("relu2", False, "glu"), ("silu", True, "clamp_after"),
+         ("silu", True, "clamp_before"), ("silu", True, "alpha")]
 
 
-@pytest.mark.parametrize("kind,glu", CASES)
+@pytest.mark.parametrize("kind,glu,unit", CASES)
 @pytest.mark.parametrize("rows,k", [(1, 4), (8, 2), (37, 6), (0, 4)])
-def test_kernel_matches_the_torch_meaning(kind, glu, rows, k, tmp_path):
+def test_kernel_matches_the_torch_meaning(kind, glu, unit, rows, k, tmp_path):
     if kernels.cpu_missing_flags():
         pytest.skip("no AVX512-VNNI")
-    model, weights = _model(kind, glu, seed=rows + k)
+    model, weights = _model(kind, glu, seed=rows + k, unit=unit)
     session, used = _session(model, tmp_path)
     assert used == "flare"
     feeds = _routing(rows, k, seed=rows)
     got = session.run(None, feeds)[0]
     assert got.shape == (rows, WIDTH)
-    np.testing.assert_allclose(got, _want(feeds, weights, kind), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got, _want(feeds, weights, kind, unit), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind,glu", CASES)
-def test_rewrite_into_dense_einsums_matches(kind, glu, tmp_path, monkeypatch):
-    model, weights = _model(kind, glu, seed=5)
+@pytest.mark.parametrize("kind,glu,unit", CASES)
+def test_rewrite_into_dense_einsums_matches(kind, glu, unit, tmp_path, monkeypatch):
+    model, weights = _model(kind, glu, seed=5, unit=unit)
     monkeypatch.setenv("FLARE_KERNELS", "off")
     session, used = _session(model, tmp_path)
     assert used == "onnxruntime"
     feeds = _routing(9, 3, seed=9)
-    np.testing.assert_allclose(session.run(None, feeds)[0], _want(feeds, weights, kind), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(session.run(None, feeds)[0], _want(feeds, weights, kind, unit), rtol=1e-4, atol=1e-5)
 
 
 def _expert_reads() -> Callable[[], int]:
@@ -123,16 +131,16 @@ def test_kernel_rejects_an_expert_outside_the_table(tmp_path):
         session.run(None, feeds)
 
 
-@pytest.mark.parametrize("kind,glu", CASES)
+@pytest.mark.parametrize("kind,glu,unit", CASES)
 @pytest.mark.parametrize("rows,k", [(1, 4), (8, 2), (70, 4)])
-def test_int4_experts_match_their_dequantized_numbers(kind, glu, rows, k, tmp_path):
+def test_int4_experts_match_their_dequantized_numbers(kind, glu, unit, rows, k, tmp_path):
     """MoEInt4 (the packed tables, int8 activation blocks) against the same int4 numbers
     dequantized into the dense fp32 chain: within activation-quantization error; and near the
     fp32 experts they came from."""
     library, why = kernels.available()
     if library is None:
         pytest.skip(why)
-    model, weights = _model(kind, glu, seed=rows, inter=64, width=96, top_k=k)
+    model, weights = _model(kind, glu, seed=rows, inter=64, width=96, top_k=k, unit=unit)
     assert quantize_experts(model) == 1
     (node,) = model.graph.node
     assert node.op_type == "MoEInt4" and {i.name for i in model.graph.initializer} == set(node.input[3:])
@@ -146,7 +154,7 @@ def test_int4_experts_match_their_dequantized_numbers(kind, glu, rows, k, tmp_pa
     want = ort.InferenceSession(dense.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     scale = np.abs(want).max()
     assert np.abs(got - want).max() <= 0.03 * scale  # int8 activations per block of the int4 numbers
-    fp32 = _want(feeds, weights, kind)
+    fp32 = _want(feeds, weights, kind, unit)
     rms = float(np.sqrt(np.mean(fp32 ** 2)))
     # Gaussian weights at 4 bits: ~9% RMS error each, compounded through two projections and the GLU.
     assert float(np.sqrt(np.mean((got - fp32) ** 2))) <= 0.25 * rms

@@ -26,6 +26,9 @@ VARIANTS = {
     "nemotron_h": ("nemotron_h", dict(n_routed_experts=32, num_experts_per_tok=4, n_group=4, topk_group=2)),  # relu2
     "gemma4": ("gemma4", dict(num_experts=32, top_k_experts=4)),  # gelu_tanh, per-expert scales
     "mimo_v2": ("mimo_v2_flash", dict(n_routed_experts=32, num_experts_per_tok=4)),
+    "step5": ("step3p7", dict(n_routed_experts=32, num_experts_per_tok=4)),  # clamped SwiGLU (clamp_after)
+    "minimax_m3": ("minimax_m3_vl", dict(num_local_experts=32, num_experts_per_tok=4)),  # SwiGLU-alpha
+    "deepseek4": ("deepseek_v4", dict(n_routed_experts=32, num_experts_per_tok=4)),  # hash routing, clamp_before
 }
 
 

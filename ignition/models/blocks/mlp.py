@@ -12,17 +12,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from ignition.models.blocks.loading import TensorLoader
-from ignition.models.moe_ops import ACTIVATIONS, activation, experts
+from ignition.models.moe_ops import ACTIVATIONS, activation, experts, gated
 
 
 @dataclass(frozen=True)
 class GLU:
-    """The gated unit act(gate) * up; families subclass it for clamped variants."""
+    """The gated unit act(gate) * up; families subclass it for clamped variants, each one of
+    moe_ops.UNITS (which flare's routed-expert kernels compute too)."""
 
     act: str = "silu"
 
+    def unit(self) -> tuple[str, float, float]:
+        """(moe_ops unit, limit, alpha)."""
+        return "glu", 0.0, 0.0
+
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return activation(self.act, gate) * up
+        return gated(self.act, *self.unit(), gate, up)
 
 
 class SwiGLU(nn.Module):
@@ -142,9 +147,8 @@ class TopKRouter(nn.Module):
 class Experts(nn.Module):
     """Stacked expert weights. Gated (glu(gate h, up h)) or, with glu None, plain (act(up h)).
     Eager torch computes every expert and combines them with the sparse routing weights (exact);
-    the exported graph computes only the routed ones (moe_ops: flare's ai.flare.MoE) when the
-    unit is a plain GLU or activation and `outputs` is this class's (subclasses and clamped GLU
-    variants keep the dense einsums)."""
+    the exported graph computes only the routed ones (moe_ops: flare's ai.flare.MoE) unless a
+    subclass computes its own `outputs` (those keep the dense einsums)."""
 
     def __init__(self, num: int, intermediate: int, width: int, glu: GLU | None, act: str = "silu") -> None:
         super().__init__()
@@ -163,16 +167,19 @@ class Experts(nn.Module):
         return torch.einsum("eni,ehi->enh", self.glu(gate, up), self.down)
 
     def routed_activation(self) -> str | None:
-        """The activation flare's MoE kernel computes this unit with, or None when it cannot."""
+        """The activation flare's MoE kernel computes this unit with, or None when it cannot
+        (a subclass with its own `outputs`)."""
         if type(self).outputs is not Experts.outputs:
             return None
-        act = self.act if self.glu is None else self.glu.act if type(self.glu) is GLU else None
+        act = self.act if self.glu is None else self.glu.act
         return act if act in ACTIVATIONS else None
 
     def forward(self, h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         act = self.routed_activation()
         if act is not None:
-            return experts(h, idx, weights, self.up, self.down, self.gate if self.glu is not None else None, act)
+            if self.glu is None:
+                return experts(h, idx, weights, self.up, self.down, None, act)
+            return experts(h, idx, weights, self.up, self.down, self.gate, act, *self.glu.unit())
         # scatter_add: a routing table may name one expert twice (its weight then counts twice)
         dense = torch.zeros(h.shape[0], self.num).scatter_add(1, idx, weights)  # [N, E]
         return (self.outputs(h) * dense.t().unsqueeze(-1)).sum(0)
