@@ -29,11 +29,9 @@ log = logging.getLogger("helios.engine")
 
 
 class LearnedDrafter:
-    def __init__(self, runner: Runner, *, cost: float, max_positions: int, stop_ids: list[int],
-                 catch_up_tokens: int):
-        self.runner = runner
+    def __init__(self, runner: Runner, *, cost: float, stop_ids: list[int], catch_up_tokens: int):
+        self.runner = runner  # its max_positions bounds what it may draft
         self.cost = cost  # one drafter step relative to one target decode step
-        self.max_positions = max_positions
         self.stop_ids = set(stop_ids)  # a draft ends at a token that would end the request
         self.catch_up_tokens = catch_up_tokens
         self.steps = 0  # draft positions run (api.md draft_steps)
@@ -48,8 +46,7 @@ class LearnedDrafter:
         # Decode is bound by reading the weights: a drafter step costs about what it reads, and
         # what the two graphs' one-token steps take here says how much more.
         cost = step_cost(target, runner) or spec.decode_weight_bytes / max(1, manifest.decode_weight_bytes)
-        return cls(runner, cost=cost, max_positions=spec.architecture.max_position_embeddings,
-                   stop_ids=list(manifest.tokenizer.eos_token_ids), catch_up_tokens=catch_up_tokens)
+        return cls(runner, cost=cost, stop_ids=list(manifest.tokenizer.eos_token_ids), catch_up_tokens=catch_up_tokens)
 
     def copy_page(self, src: int, dst: int) -> None:
         self.runner.copy_page(src, dst)
@@ -59,7 +56,7 @@ class LearnedDrafter:
         catch_up_tokens, and every drafted position lies within the drafter's positions."""
         settle(seq)
         lag = seq.num_tokens - seq.drafter_len
-        return lag <= self.catch_up_tokens and seq.num_tokens + width - 1 <= self.max_positions
+        return lag <= self.catch_up_tokens and seq.num_tokens + width - 1 <= self.runner.max_positions
 
     def draft(self, rows: list[Any]) -> None:
         """Fill `drafts` of the scheduled rows with a `learned_width`: one drafter step reads each
