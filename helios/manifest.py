@@ -39,7 +39,11 @@ from typing import Any, get_type_hints
 # 1.8: optional `drafter`: a smaller model with the target's tokenizer compiled into the core
 #      (`ignition export --drafter`), its step graph an engine of its own; helios proposes drafts
 #      with it (helios/engine/drafter.py). An older 1.x helios ignores it and serves the target.
-FORMAT_VERSION = "1.8"
+# 1.9: optional `vision`: a prepared vision graph (an engine of its own) with its image profile
+#      and limits; the step graph of such a core also takes `mrope_positions`, `image_embeds`
+#      and `image_slots` (docs/architecture.md, "Images"). An older 1.x helios cannot feed those
+#      inputs: it refuses the step graph's extra inputs when it binds them.
+FORMAT_VERSION = "1.9"
 TEMPLATE_REJECTS = ("drop_thinking", "continuation", "add_generation_prompt_false")
 CONTENT_DIGEST_SINCE = (1, 5)
 MANIFEST_NAME = "core.json"
@@ -277,6 +281,48 @@ class Drafter:
 
 
 @dataclass
+class Vision:
+    """(1.9) Image input: how helios turns an image into patches (the profile), what the vision
+    graph (engine `engine`) makes of them, and how the step graph places the features.
+
+    The profile follows the checkpoint's image processor: resize (Pillow, `resample`) so height
+    and width are multiples of patch_size * merge_size and the area lies in [min_pixels,
+    max_pixels], scale to [0, 1], normalize by image_mean / image_std, cut into patch_size squares
+    repeated temporal_patch_size times; merge_size x merge_size patches make one image token."""
+
+    engine: str  # the Engine entry holding the vision graph
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    min_pixels: int
+    max_pixels: int
+    image_mean: list[float]
+    image_std: list[float]
+    resample: str  # Pillow filter name: "bicubic"
+    position_grid: int  # side of the learned square position table the graph resamples per image
+    image_token_id: int  # the placeholder id each image token occupies in the prompt
+    placeholder: str  # text the conversation writes per image (it holds the image token once)
+    mrope_section: list[int]  # rotary frequencies per (t, h, w) axis, interleaved
+    max_image_tokens_per_image: int
+    max_image_pixels: int  # decoded width x height accepted before resizing
+    max_image_bytes: int  # encoded size accepted
+    image_feature_window_tokens: int  # feature storage one active image request holds
+
+    def check(self, manifest: "Manifest") -> None:
+        manifest.engine(self.engine)
+        if self.engine == "step":
+            raise ManifestError("core.vision.engine must name an engine other than the step graph")
+        if min(self.patch_size, self.temporal_patch_size, self.merge_size) < 1 or self.min_pixels > self.max_pixels:
+            raise ManifestError("core.vision has an invalid image profile")
+        if len(self.image_mean) != 3 or len(self.image_std) != 3 or min(self.image_std) <= 0:
+            raise ManifestError("core.vision.image_mean / image_std need 3 channels (std > 0)")
+        if not 0 <= self.image_token_id < manifest.architecture.vocab_size:
+            raise ManifestError("core.vision.image_token_id is outside the vocabulary")
+        if len(self.mrope_section) != 3:
+            raise ManifestError("core.vision.mrope_section needs (t, h, w) sizes")
+
+
+@dataclass
 class Manifest:
     identity: Identity
     architecture: Architecture
@@ -299,6 +345,7 @@ class Manifest:
     state: StateLayout | None = None  # recurrent per-sequence state (1.3); None: attention only
     quantization: Quantization | None = None  # (1.3) weight storage of a quantized core; None: fp32 or older
     drafter: Drafter | None = None  # (1.8) the learned drafter; None: history drafts only
+    vision: Vision | None = None  # (1.9) prepared image input; None: a text-only core
 
     @property
     def model_id(self) -> str:
@@ -343,6 +390,8 @@ class Manifest:
             manifest.state.check(manifest.architecture.num_layers)
         if manifest.drafter is not None:
             manifest.drafter.check(manifest)
+        if manifest.vision is not None:
+            manifest.vision.check(manifest)
         return manifest
 
     @classmethod

@@ -105,6 +105,25 @@ def export(
     console.print(f"core written to [bold]{escape(str(out))}[/]; serve it with:\n  helios serve {escape(_shell_path(out))}")
 
 
+@app.command("tiny-checkpoint")
+def tiny_checkpoint(
+    recipe: Annotated[str, typer.Option(help="Recipe name (recipes/NAME.toml) or path to a .toml")],
+    out: Annotated[Path, typer.Option(help="Folder to write the checkpoint into")],
+    seed: Annotated[int, typer.Option(help="Seed of the random weights")] = 0,
+) -> None:
+    """Write a tiny random checkpoint of RECIPE's architecture (vision tower included) with the real
+    Qwen tokenizer, for tests and demos: `ignition export --recipe RECIPE --checkpoint OUT` compiles it."""
+    from ignition.tiny import TinyError, write_tiny_checkpoint  # torch and transformers: only here
+
+    try:
+        folder = write_tiny_checkpoint(load_recipe(recipe), out, seed)
+    except (RecipeError, CheckpointError, TinyError) as exc:
+        console.print(f"[red]error:[/] {escape(str(exc))}")
+        raise typer.Exit(code=2) from None
+    console.print(f"tiny checkpoint written to [bold]{escape(str(folder))}[/]; compile it with:\n"
+                  f"  ignition export --recipe {escape(recipe)} --checkpoint {escape(_shell_path(folder))}")
+
+
 def _shell_path(path: Path) -> str:
     return shlex.quote(str(path))
 
@@ -122,7 +141,8 @@ def _summary(out: Path, manifest: Manifest, seconds: float) -> None:
     )
     for engine in manifest.engines:
         size = sum((out / f).stat().st_size for f in [engine.file, *engine.data_files])
-        table.add_row(f"engine {engine.name}", f"{engine.file}  {size / 1e6:.1f} MB  ({manifest.precision})")
+        precision = "fp32" if manifest.vision is not None and engine.name == manifest.vision.engine else manifest.precision
+        table.add_row(f"engine {engine.name}", f"{engine.file}  {size / 1e6:.1f} MB  ({precision})")
     if manifest.parity:
         p = manifest.parity
         table.add_row(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # a type only: the plain-data module imports no engine machinery
     from helios.engine.host_store import HostStoreStats
@@ -71,6 +71,19 @@ class CheckpointCandidate:
 
 
 @dataclass
+class ImageInput:
+    """One image of a prompt (a core with a vision graph): where its tokens sit, what the profile
+    made of it, and its decoded pixels (helios.engine.vision turns them into features)."""
+
+    offset: int  # prompt index of its first image token
+    tokens: int  # image tokens it occupies (its features)
+    grid: tuple[int, int]  # (rows, cols) of encoder patches after resizing
+    size: tuple[int, int]  # (height, width) after resizing
+    pixels: Any  # decoded RGB, uint8 [height0, width0, 3] (numpy)
+    digest: bytes  # content and processing settings: the image's part of prefix identity
+
+
+@dataclass
 class GenerationRequest:
     request_id: str
     prompt_token_ids: list[int]
@@ -90,6 +103,8 @@ class GenerationRequest:
     # time.monotonic() after which a request never yet admitted to a batch gives up waiting:
     # it ends with ABORT and an error saying so (the server's bounded queue wait). None: no bound.
     queue_deadline: float | None = None
+    # Images of the prompt, in prompt order (a core with a vision graph; empty otherwise).
+    images: list[ImageInput] = field(default_factory=list)
 
 
 @dataclass

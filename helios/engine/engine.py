@@ -32,16 +32,13 @@ from helios.engine.sampler import explicit_logprob, prompt_logprob_entries, samp
 from helios.engine.scheduler import Batch, Scheduler
 from helios.engine.sequence import Sequence
 from helios.engine.speculation import RoundCounts, SpeculationConfig
+from helios.engine.vision import ImagePlacer
 from helios.manifest import Manifest
 
 log = logging.getLogger("helios.engine")
 
 Sink = Callable[[GenerationEvent], None]
-
-
 QUEUE_DEADLINE_MESSAGE = "no model slot became free before the queue deadline; retry shortly"
-
-
 PREFILL_SAMPLE_TOKENS = 64  # smaller prefill steps are dominated by fixed per-step costs
 
 
@@ -95,6 +92,7 @@ class Engine:
         self.vocab_size = manifest.architecture.vocab_size
         self.eos_token_ids = list(manifest.tokenizer.eos_token_ids)
         self.constraints = Constraints(tokenizer, self.vocab_size, self.eos_token_ids)
+        self.images = ImagePlacer.for_core(self.core_dir, manifest, threads)  # a text-only core's does nothing
 
         self._cv = threading.Condition()
         self._inbox: list[Sequence] = []  # guarded by _cv
@@ -153,6 +151,7 @@ class Engine:
                 request, self._next_arrival, self.tokenizer, self.eos_token_ids, self.context_length, sink
             )
             self.constraints.attach(seq)
+            self.images.mark(seq)
             self._next_arrival += 1
             self._live.add(request.request_id)
             self._inbox.append(seq)
@@ -371,6 +370,7 @@ class Engine:
             )
             for r in batch.rows
         ]
+        self.images.place(rows, [r.seq for r in batch.rows])
         # Grammar masks and forced tokens of the rows that sample, computed beside the forward pass.
         masking = self.constraints.begin([r.seq for r in batch.rows if r.samples])
         started = time.perf_counter()

@@ -57,6 +57,11 @@ class StepRow:
     # Positions among the new tokens whose outputs the step returns, ascending (None: the last
     # one). A speculative round asks for every position of [last token, draft 1..k].
     output_positions: list[int] | None = None
+    # Multimodal step graphs: per-axis (t, h, w) rotary positions of the new tokens [3, n] (None:
+    # every axis at the token's index), and image features placed at some of them: (offsets
+    # among the new tokens [k], features [k, hidden]).
+    rope_positions: np.ndarray | None = None
+    image_features: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def num_outputs(self) -> int:
@@ -145,6 +150,9 @@ class Runner:
         self._pages = self.pool.reshape(kv.num_layers, 2, num_pages, kv.page_tokens, kv.kv_heads, kv.head_dim)
         self._output_names = [o.name for o in self.session.get_outputs()]
         self._input_names = {i.name for i in self.session.get_inputs()}
+        # A multimodal step graph (manifest `vision`) takes image features of this width.
+        self.takes_images = "image_embeds" in self._input_names
+        self.hidden_size = next((i.shape[1] for i in self.session.get_inputs() if i.name == "image_embeds"), 0)
         # Recurrent state: [slots, width], zeroed; the graph ignores a slot's contents for a row
         # without history, so a slot is reused without clearing.
         self.state = state
@@ -283,7 +291,12 @@ class Runner:
         if not self.can_verify and any(r.output_positions is not None for r in rows):
             raise ValueError("this core's step graph returns each row's last position only (re-export it)")
         binding = self.session.io_binding()
-        for name, value in pack_rows(rows, self.kv.page_tokens).items():
+        packed = pack_rows(rows, self.kv.page_tokens)
+        if self.takes_images:
+            packed.update(pack_images(rows, packed["positions"], self.hidden_size))
+        elif any(r.image_features is not None for r in rows):
+            raise ValueError("this core's step graph takes no image features")
+        for name, value in packed.items():
             if name in self._input_names:  # a 1.1 core's graph has no logprob_token_ids
                 binding.bind_cpu_input(name, value)
         binding.bind_ortvalue_input("kv_pool", self._pool_value)
@@ -406,3 +419,26 @@ def scatter_new_kv(pages: np.ndarray, rows: list[StepRow], new_kv: np.ndarray) -
         slot_off.append(pos % page_tokens)
     cat = np.concatenate
     pages[:, :, cat(slot_page), cat(slot_off)] = new_kv[:, :, cat(b_idx), cat(t_idx)]
+
+
+def pack_images(rows: list[StepRow], positions: np.ndarray, hidden: int) -> dict[str, np.ndarray]:
+    """A multimodal step graph's inputs: mrope_positions [3, B, L] (each row's rope_positions, else
+    its token positions on every axis), image_embeds [I, hidden] and their flat slots [I]."""
+    batch, length = positions.shape
+    mrope = np.repeat(positions[None], 3, axis=0)
+    slots, features = [], []
+    for b, row in enumerate(rows):
+        if row.rope_positions is not None:
+            mrope[:, b, : len(row.token_ids)] = row.rope_positions
+        if row.image_features is not None:
+            offsets, values = row.image_features
+            if values.shape != (len(offsets), hidden):
+                raise ValueError(f"image features of shape {values.shape} for {len(offsets)} slots of width {hidden}")
+            slots.append(b * length + np.asarray(offsets, dtype=np.int64))
+            features.append(values)
+    return {
+        "mrope_positions": mrope,
+        "image_embeds": np.ascontiguousarray(np.concatenate(features), dtype=np.float32) if features
+        else np.zeros((0, hidden), np.float32),
+        "image_slots": np.concatenate(slots) if slots else np.zeros(0, np.int64),
+    }

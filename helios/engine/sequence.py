@@ -124,7 +124,8 @@ class Sequence:
     def prompt_unique_ids(self) -> np.ndarray:
         """Distinct prompt ids, computed once (repetition penalty needs them every step)."""
         if self._prompt_unique is None:
-            self._prompt_unique = np.unique(np.asarray(self.token_ids[: self.prompt_len], dtype=np.int64))
+            unique = np.unique(np.asarray(self.token_ids[: self.prompt_len], dtype=np.int64))
+            self._prompt_unique = unique[unique >= 0]  # image tokens carry negative identity ids
         return self._prompt_unique
 
     def append_token(self, token_id: int) -> None:

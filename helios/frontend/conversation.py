@@ -30,8 +30,11 @@ class TextPart:
 
 @dataclass
 class ImagePart:
-    data: bytes  # decoded PNG/JPEG/WebP bytes (decoders check the media type)
+    data: bytes  # encoded PNG/JPEG/WebP bytes (decoders check the media type)
     media_type: str
+    # The text the template sees for this image: the core's vision placeholder, set by lowering
+    # on a core with a vision graph (None: image input is a 400).
+    placeholder: str | None = None
 
 
 @dataclass
@@ -201,24 +204,48 @@ def reorder_tool_results(messages: list[Message]) -> list[Message]:
     return out
 
 
+def content_text(parts: list[Any]) -> str:
+    """A message's text parts joined by PART_SEPARATOR, each image's placeholder in its place (as
+    Qwen-style templates write an image item: directly beside the text around it)."""
+    out = ""
+    previous_text = False
+    for part in parts:
+        if isinstance(part, TextPart):
+            out += (PART_SEPARATOR if previous_text else "") + part.text
+            previous_text = True
+        elif isinstance(part, ImagePart):
+            if part.placeholder is None:
+                raise RequestError("this model core does not accept image input", param="messages")
+            out += part.placeholder
+            previous_text = False
+    return out
+
+
+def image_parts(messages: list[Message]) -> list[ImagePart]:
+    """Every image of the messages, in the order to_template_messages writes them."""
+    found: list[ImagePart] = []
+    for message in messages:
+        for part in message.parts:
+            if isinstance(part, ImagePart):
+                found.append(part)
+            elif isinstance(part, ToolResultPart):
+                found.extend(p for p in part.content if isinstance(p, ImagePart))
+    return found
+
+
 def to_template_messages(messages: list[Message]) -> list[dict[str, Any]]:
     """Plain dicts in the shape Hugging Face chat templates read."""
     out: list[dict[str, Any]] = []
     for message in messages:
-        if any(isinstance(p, ImagePart) for p in message.parts):
-            raise RequestError("this model core does not accept image input", param="messages")
         if message.role == "tool":
             results = [p for p in message.parts if isinstance(p, ToolResultPart)]
             if results:
                 for result in results:
-                    text = PART_SEPARATOR.join(p.text for p in result.content if isinstance(p, TextPart))
-                    if any(isinstance(p, ImagePart) for p in result.content):
-                        raise RequestError("this model core does not accept image input", param="messages")
-                    out.append({"role": "tool", "tool_call_id": result.call_id, "content": text})
+                    out.append({"role": "tool", "tool_call_id": result.call_id, "content": content_text(result.content)})
                 continue
-            out.append({"role": "tool", "content": message.text(PART_SEPARATOR)})
+            out.append({"role": "tool", "content": content_text(message.parts)})
             continue
-        entry: dict[str, Any] = {"role": message.role, "content": message.text(PART_SEPARATOR)}
+        entry: dict[str, Any] = {"role": message.role, "content": content_text(message.parts)}
         if message.name:
             entry["name"] = message.name
         reasoning = "".join(p.text for p in message.parts if isinstance(p, ReasoningPart))
@@ -257,6 +284,11 @@ def template_tools(tools: list[ToolSpec]) -> list[dict[str, Any]] | None:
     ]
 
 
+def template_order(conversation: Conversation, template: ChatTemplate) -> list[Message]:
+    """The messages as the template receives them (instruction, tool-result and system rules)."""
+    return inline_system_fallback(reorder_tool_results(merge_instructions(conversation.messages)), template)
+
+
 def render_text(
     conversation: Conversation,
     template: ChatTemplate | None,
@@ -267,8 +299,7 @@ def render_text(
 ) -> str:
     if template is None:
         raise RequestError("this model core has no chat template; use /v1/completions")
-    messages = reorder_tool_results(merge_instructions(conversation.messages))
-    messages = to_template_messages(inline_system_fallback(messages, template))
+    messages = to_template_messages(template_order(conversation, template))
     return template.render(
         messages,
         tools=template_tools(conversation.tools),

@@ -14,7 +14,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from helios.frontend.conversation import Conversation, Message, Part, TextPart, ToolResultPart, render_text
+from helios.frontend.conversation import (
+    Conversation,
+    ImagePart,
+    Message,
+    Part,
+    TextPart,
+    ToolResultPart,
+    render_text,
+)
 from helios.frontend.template import ChatTemplate
 from helios.frontend.tokenizer import Tokenizer
 
@@ -29,13 +37,12 @@ def _marker(i: int) -> str:
 def _marked(part: Part, marker: str) -> Part:
     if isinstance(part, TextPart):
         return TextPart(part.text + marker)
+    if isinstance(part, ImagePart) and part.placeholder is not None:  # after the image's placeholder
+        return dataclasses.replace(part, placeholder=part.placeholder + marker)
     if isinstance(part, ToolResultPart):
         content = list(part.content)
-        for j in range(len(content) - 1, -1, -1):
-            item = content[j]
-            if isinstance(item, TextPart):
-                content[j] = TextPart(item.text + marker)
-                break
+        if content:
+            content[-1] = _marked(content[-1], marker)
         else:
             content.append(TextPart(marker))
         return dataclasses.replace(part, content=content)

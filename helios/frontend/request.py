@@ -22,12 +22,21 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from helios.engine.api import CheckpointCandidate, GenerationRequest, ReasoningControl, SamplingParams
+from helios.engine.api import CheckpointCandidate, GenerationRequest, ImageInput, ReasoningControl, SamplingParams
 from helios.frontend.checkpoints import conversation_candidates
-from helios.frontend.conversation import Conversation, Part, ToolSpec, render_text, with_instruction
+from helios.frontend.conversation import (
+    Conversation,
+    Part,
+    ToolSpec,
+    image_parts,
+    render_text,
+    template_order,
+    with_instruction,
+)
 from helios.frontend.errors import RequestError
 from helios.frontend.grammar import OutputFormat, compiler_for
 from helios.frontend.hints import boundary_positions
+from helios.frontend.images import expand_placeholders, prepare_images
 from helios.frontend.parsers import (
     REASONING,
     TOOL_OPENER_TEXT,
@@ -81,19 +90,25 @@ class Lowered:
     grammar: str | None = None
     reasoning: ReasoningControl | None = None
     checkpoints: list[CheckpointCandidate] = field(default_factory=list)
+    images: list[ImageInput] = field(default_factory=list)  # the prompt's images, in prompt order
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(image.tokens for image in self.images)
 
     def requests(self, response_id: str, sampling: SamplingParams, choices: int = 1,
                  prompt_logprobs: int | None = None) -> list[GenerationRequest]:
         """One engine request per choice; the shared prompt is scored once (the first choice)."""
         return engine_requests(response_id, self.prompt_ids, sampling, choices=choices,
                                checkpoints=self.checkpoints, grammar=self.grammar, reasoning=self.reasoning,
-                               prompt_logprobs=prompt_logprobs, scored_choices=1)
+                               prompt_logprobs=prompt_logprobs, scored_choices=1, images=self.images)
 
 
 def engine_requests(response_id: str, prompt_ids: list[int], sampling: SamplingParams, *, choices: int = 1,
                     first_index: int = 0, checkpoints: list[CheckpointCandidate] | None = None,
                     grammar: str | None = None, reasoning: ReasoningControl | None = None,
-                    prompt_logprobs: int | None = None, scored_choices: int | None = None) -> list[GenerationRequest]:
+                    prompt_logprobs: int | None = None, scored_choices: int | None = None,
+                    images: list[ImageInput] | None = None) -> list[GenerationRequest]:
     """One prompt's engine requests: choice j is `{response_id}-{first_index + j}` with the seed
     advanced by j (n > 1 stays reproducible); the first `scored_choices` (default all) score it."""
     scored = choices if scored_choices is None else scored_choices
@@ -106,6 +121,7 @@ def engine_requests(response_id: str, prompt_ids: list[int], sampling: SamplingP
             grammar=grammar,
             reasoning=reasoning,
             prompt_logprobs=prompt_logprobs if j < scored else None,
+            images=list(images or []),
         )
         for j in range(choices)
     ]
@@ -136,6 +152,7 @@ def lower(conversation: Conversation, options: ChatOptions, *, manifest: Manifes
     if fmt is not None and (instruction := fmt.instruction(with_tools=bool(tools))):
         effective = with_instruction(effective, instruction)
 
+    images = prepare_images(image_parts(template_order(effective, template)) if template else [], manifest)
     prompt_text = render_text(
         effective, template,
         add_generation_prompt=options.add_generation_prompt,
@@ -172,7 +189,13 @@ def lower(conversation: Conversation, options: ChatOptions, *, manifest: Manifes
             fmt, spec.tool_syntax, {t.name: t.parameters for t in tools}, options.output_format_param,
             bare_calls=not after_results)
     checkpoints = _checkpoints(effective, options, template, tokenizer, prompt_ids) if prepare else []
-    return Lowered(effective, prompt_text, prompt_ids, OutputPlan(spec, tools, choice), grammar, control, checkpoints)
+    inputs: list[ImageInput] = []
+    if images:
+        assert manifest.vision is not None
+        prompt_ids, inputs, moved = expand_placeholders(prompt_ids, images, manifest.vision.image_token_id)
+        checkpoints = [dataclasses.replace(c, position=moved[c.position]) for c in checkpoints]
+    return Lowered(effective, prompt_text, prompt_ids, OutputPlan(spec, tools, choice), grammar, control, checkpoints,
+                   inputs)
 
 
 def check_encoder_rules(conversation: Conversation, options: ChatOptions, manifest: Manifest) -> None:

@@ -25,6 +25,7 @@ from helios.frontend.conversation import (
     ToolSpec,
 )
 from helios.frontend.errors import RequestError
+from helios.frontend.images import decode_data_url
 from helios.frontend.fields import choice_count, opt_bool, opt_int, opt_object
 from helios.frontend.grammar import OutputFormat
 from helios.frontend.output import BlockDelta, BlockOpened, OutputEvent
@@ -107,9 +108,12 @@ def _decode_content(content: Any, where: str, role: str) -> list[Part]:
             parts.append(TextPart(part["text"]))
         elif kind == "refusal" and role == "assistant" and isinstance(part.get("refusal"), str):
             parts.append(TextPart(part["refusal"]))
-        elif kind == "image_url":
-            # Text-only cores advertise input_modalities ["text"]; the vision issue decodes these.
-            raise RequestError("this model core does not accept image input", param="messages")
+        elif kind == "image_url" and role in ("user", "tool"):
+            image = part.get("image_url")
+            url = image.get("url") if isinstance(image, dict) else image
+            if not isinstance(url, str):
+                raise RequestError(f"{where}.content[{j}].image_url.url must be a string", param="messages")
+            parts.append(ImagePart(*decode_data_url(url, "messages")))
         else:
             raise RequestError(f"{where}.content[{j}] has an unsupported content part type {kind!r}",
                                param="messages")
@@ -289,6 +293,7 @@ class ChatEncoder(common.OpenAIStream):
             sum(a.completion_tokens for a in self.answers),
             self.answers[0].cached_tokens,  # the first choice's admission count (prompt counted once)
             reasoning_tokens=sum(a.reasoning_tokens for a in self.answers),
+            image_tokens=sum(image.tokens for image in self.p.requests[0].images) if self.p.requests else 0,
         )
 
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:

@@ -179,15 +179,18 @@ def prompt_logprobs_count(value: Any, *, streaming: bool, manifest: Manifest, na
 # -- usage and errors ------------------------------------------------------------------------------
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, *,
-          reasoning_tokens: int | None = None) -> dict[str, Any]:
+          reasoning_tokens: int | None = None, image_tokens: int = 0) -> dict[str, Any]:
     """OpenAI usage with prompt_tokens_details.cached_tokens always present (vLLM's
-    --enable-prompt-tokens-details); chat adds completion_tokens_details.reasoning_tokens."""
+    --enable-prompt-tokens-details); chat adds completion_tokens_details.reasoning_tokens, and
+    image requests prompt_tokens_details.multimodal_tokens.image (already in prompt_tokens)."""
     out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if image_tokens:
+        out["prompt_tokens_details"]["multimodal_tokens"] = {"image": image_tokens}
     if reasoning_tokens is not None:
         out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return out

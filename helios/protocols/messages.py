@@ -33,6 +33,7 @@ from helios.frontend.conversation import (
     ToolSpec,
 )
 from helios.frontend.errors import RequestError
+from helios.frontend.images import decode_base64
 from helios.frontend.fields import opt_bool, opt_int, opt_object
 from helios.frontend.grammar import OutputFormat
 from helios.frontend.output import Block, BlockClosed, BlockDelta, BlockOpened, OutputEvent
@@ -110,18 +111,34 @@ def _text_of(value: Any, where: str) -> str:
     return value
 
 
-def _text_blocks(value: Any, where: str, hints: list[Part] | None) -> list[TextPart]:
-    """A string or an array of text blocks (system prompts, tool_result content)."""
+def image_block(block: dict[str, Any], at: str) -> ImagePart:
+    """An image block with a base64 source (URL and file sources are refused)."""
+    source = block.get("source")
+    if not isinstance(source, dict) or source.get("type") != "base64":
+        kind = source.get("type") if isinstance(source, dict) else None
+        raise RequestError(f"{at}.source must be a base64 image source (got {kind!r}); remote image URLs and files "
+                           "are not supported", param="messages")  # fmt: skip
+    data, media = source.get("data"), source.get("media_type")
+    if not isinstance(data, str) or not isinstance(media, str):
+        raise RequestError(f"{at}.source needs string data and media_type", param="messages")
+    return ImagePart(decode_base64(data, media.lower(), "messages"), media.lower())
+
+
+def _text_blocks(value: Any, where: str, hints: list[Part] | None, images: bool = False) -> list[TextPart | ImagePart]:
+    """A string or an array of text blocks (system prompts), also image blocks (tool_result content)."""
     if isinstance(value, str):
         return [TextPart(value)] if value else []
     if not isinstance(value, list):
         raise RequestError(f"{where} must be a string or an array of text blocks", param=where)
-    parts = []
+    parts: list[TextPart | ImagePart] = []
     for j, block in enumerate(value):
+        if images and isinstance(block, dict) and block.get("type") == "image":
+            parts.append(image_block(block, f"{where}[{j}]"))
+            continue
         if not isinstance(block, dict) or block.get("type") != "text":
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "image":
-                raise RequestError("this model core does not accept image input", param=where)
+                raise RequestError(f"{where}[{j}]: image blocks are not accepted here", param=where)
             raise RequestError(f"{where}[{j}] must be a text block", param=where)
         part = TextPart(_text_of(block.get("text"), f"{where}[{j}].text"))
         parts.append(part)
@@ -180,8 +197,11 @@ def _decode_message(raw: Any, where: str, hints: list[Part]) -> list[Message]:
             current.append(part)
             if hinted:
                 hints.append(part)
-        elif kind == "image":
-            raise RequestError("this model core does not accept image input", param="messages")
+        elif kind == "image" and role == "user":
+            part = image_block(block, at)
+            current.append(part)
+            if hinted:
+                hints.append(part)
         elif kind == "tool_use" and role == "assistant":
             current.append(_tool_use(block, at))
         elif kind == "thinking" and role == "assistant":
@@ -230,7 +250,7 @@ def _tool_result(block: dict[str, Any], at: str) -> ToolResultPart:
     is_error = block.get("is_error", False)
     if not isinstance(is_error, bool):
         raise RequestError(f"{at}.is_error must be a boolean", param="messages")
-    content: list[TextPart | ImagePart] = list(_text_blocks(block.get("content", ""), f"{at}.content", None))
+    content = _text_blocks(block.get("content", ""), f"{at}.content", None, images=True)
     return ToolResultPart(call_id, content, is_error=is_error)
 
 

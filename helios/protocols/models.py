@@ -11,6 +11,7 @@ from urllib.parse import unquote
 
 from aiohttp import web
 
+from helios.frontend.images import image_budget, max_images
 from helios.frontend.sampling import DISTRIBUTION_FIELDS, INTEGER_FIELDS
 from helios.server.context import ServerContext
 from helios.server.errors import json_response, not_found
@@ -72,14 +73,14 @@ def model_card(ctx: ServerContext) -> dict[str, Any]:
             },
             "thinking_token_budget": ctx.config.thinking_token_budget,
             "sampling_ranges": ranges,
-            # Text-only cores: no vision graphs are prepared.
-            "max_images_per_prompt": 0,
-            "max_image_tokens_per_prompt": 0,
-            "image_feature_window_tokens": 0,
-            "max_image_tokens_per_image": 0,
-            "max_image_pixels": 0,
-            "max_image_bytes": 0,
-            "input_modalities": ["text"],
+            # Zero on text-only cores (no vision graph is prepared).
+            "max_images_per_prompt": max_images(m),
+            "max_image_tokens_per_prompt": image_budget(m),
+            "image_feature_window_tokens": m.vision.image_feature_window_tokens if m.vision else 0,
+            "max_image_tokens_per_image": m.vision.max_image_tokens_per_image if m.vision else 0,
+            "max_image_pixels": m.vision.max_image_pixels if m.vision else 0,
+            "max_image_bytes": m.vision.max_image_bytes if m.vision else 0,
+            "input_modalities": ["text", "image"] if m.vision else ["text"],
             "output_modalities": ["text"],
             # A smaller model compiled into the core proposes speculative drafts (api.md learned_drafter).
             "learned_drafter": m.drafter is not None,

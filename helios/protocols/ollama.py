@@ -43,7 +43,8 @@ def details(ctx: ServerContext) -> dict[str, Any]:
 def capabilities(ctx: ServerContext) -> list[str]:
     m = ctx.manifest
     caps = ["completion"]
-    # No core prepares vision graphs yet; "vision" joins when one does.
+    if m.vision is not None:
+        caps.append("vision")
     if m.parsers.tool:
         caps.append("tools")
     if m.parsers.reasoning:

@@ -18,6 +18,7 @@ from helios.engine.api import GenerationEvent, GenerationRequest, SamplingParams
 from helios.frontend.answer import Answer
 from helios.frontend.conversation import (
     Conversation,
+    ImagePart,
     Message,
     Part,
     ReasoningPart,
@@ -27,6 +28,7 @@ from helios.frontend.conversation import (
     ToolSpec,
 )
 from helios.frontend.errors import RequestError
+from helios.frontend.images import decode_data_url
 from helios.frontend.fields import opt_bool, opt_int, opt_object
 from helios.frontend.grammar import Compiler, OutputFormat, compiler_for
 from helios.frontend.output import Block, BlockDelta, BlockOpened, OutputEvent
@@ -89,7 +91,10 @@ def _content_parts(content: Any, where: str) -> list[Part]:
             key = "refusal" if kind == "refusal" else "text"
             parts.append(TextPart(_string(part.get(key), f"{where}.content[{j}].{key}")))
         elif kind == "input_image":
-            raise _bad("this model core does not accept image input")
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise _bad(f"{where}.content[{j}].image_url must be a data URL string (file ids are not supported)")
+            parts.append(ImagePart(*decode_data_url(url, "input")))
         elif kind in ("input_file", "input_audio"):
             raise _bad(f"{kind} content is not supported")
         else:

@@ -39,6 +39,8 @@ class Checkpoint:
     # The Hugging Face config.json of configured families: their layer plan (MLA, MoE routing,
     # windows, ...) is derived from it (each family's module in ignition/models). Empty for qwen2/llama.
     model_config: dict[str, Any] = field(default_factory=dict)
+    # The checkpoint's image processor settings (preprocessor_config.json), empty without one.
+    image_processor: dict[str, Any] = field(default_factory=dict)
 
     def model_inputs(self) -> tuple[Architecture, dict[str, Any], dict[str, np.ndarray]]:
         """The arguments of `ignition.models.build_model`."""

@@ -224,4 +224,5 @@ def read_safetensors_dir(path: Path, checkpoint_id: str | None = None) -> Checkp
         source_format="safetensors",
         source_quantization="+".join(sorted(dtypes)),
         model_config={} if arch.family in SUPPORTED_FAMILIES else config,
+        image_processor=_read_json(folder / "preprocessor_config.json", required=False),
     )

@@ -29,6 +29,8 @@ OUTPUT_NAMES = ["logits", "logsumexp", "top_logprobs", "top_ids", "token_logprob
 # A state-bearing graph (manifest `state`) appends these (docs/architecture.md, "Recurrent state").
 STATE_INPUT_NAMES = ["state_pool", "state_slots"]
 STATE_OUTPUT_NAMES = ["new_state"]
+# A multimodal step graph (manifest `vision`) appends these (docs/architecture.md, "Images").
+VISION_INPUT_NAMES = ["mrope_positions", "image_embeds", "image_slots"]
 # Explicit logprob ids one step can score per row (api.md: at most 128 caller ids + the sampled one).
 MAX_LOGPROB_TOKEN_IDS = 129
 OPSET = 18
@@ -39,10 +41,11 @@ STRIPPED_METADATA = ("pkg.torch.onnx.stack_trace",)
 
 
 def step_signature(
-    arch: Architecture, kv: KVLayout, state: StateLayout | None = None
+    arch: Architecture, kv: KVLayout, state: StateLayout | None = None, vision: bool = False
 ) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """The contract's I/O specs; symbolic dims are B, L, M, E, N (output positions: one per row in
-    a plain step, k+1 for a row verifying k drafts), pool_rows (= layers*2*P) and S (state slots)."""
+    a plain step, k+1 for a row verifying k drafts), pool_rows (= layers*2*P), S (state slots) and
+    I (image tokens among the step's new tokens)."""
     t, h, d = kv.page_tokens, kv.kv_heads, kv.head_dim
     inputs = [
         TensorSpec("input_ids", "int64", ["B", "L"]),
@@ -67,18 +70,28 @@ def step_signature(
     if state is not None:
         inputs += [TensorSpec("state_pool", state.dtype, ["S", state.width]), TensorSpec("state_slots", "int64", ["B"])]
         outputs.append(TensorSpec("new_state", state.dtype, ["B", state.width]))
+    if vision:
+        inputs += [TensorSpec("mrope_positions", "int64", [3, "B", "L"]),
+                   TensorSpec("image_embeds", "float32", ["I", arch.hidden_size]),
+                   TensorSpec("image_slots", "int64", ["I"])]  # fmt: skip
     return inputs, outputs
 
 
-def sample_inputs(kv: KVLayout, state: StateLayout | None = None) -> tuple[torch.Tensor, ...]:
-    """Trace inputs with pairwise-distinct sizes (B=2, L=3, M=4, P=5, E=7, S=6, N=8) so the
-    exporter cannot mistake one dynamic dim for another or specialize a 0/1-sized one."""
+def sample_inputs(kv: KVLayout, state: StateLayout | None = None, hidden: int = 0) -> tuple[torch.Tensor | None, ...]:
+    """Trace inputs with pairwise-distinct sizes (B=2, L=3, M=4, P=5, E=7, S=6, N=8, I=9) so the
+    exporter cannot mistake one dynamic dim for another or specialize a 0/1-sized one. hidden > 0:
+    a multimodal graph's inputs too."""
     batch, length, pool_pages = 2, 3, 5  # and M=4 block-table columns below
     history = torch.tensor([5, 17])
     positions = history.unsqueeze(1) + torch.arange(length)
     extra: tuple[torch.Tensor, ...] = ()
     if state is not None:
         extra = (torch.zeros(6, state.width), torch.tensor([4, 1]))
+    if hidden:
+        if state is None:
+            extra = (None, None)
+        slots = torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 2])  # duplicates: only the trace sees them
+        extra += (positions.unsqueeze(0).expand(3, batch, length).clone(), torch.zeros(9, hidden), slots)
     return (
         torch.zeros(batch, length, dtype=torch.int64),
         positions,
@@ -131,6 +144,12 @@ def export_step_graph(
         if getattr(model, "state_width", 0) != state.width:
             raise ValueError(f"the model's state width {getattr(model, 'state_width', 0)} != the layout's {state.width}")
         dynamic_shapes += ({0: torch.export.Dim("S", min=1)}, {0: batch})
+    vision = getattr(model, "mrope_section", None) is not None
+    if vision:
+        if state is None:
+            dynamic_shapes += (None, None)
+        images = torch.export.Dim("I", min=1)
+        dynamic_shapes += ({1: batch, 2: length}, {0: images}, {0: images})
     # The dynamo exporter: ~3x fewer nodes than the legacy tracer, no tracer warnings, and
     # dynamic shapes are checked symbolically rather than guessed from one trace.
     fusion = ops.fused_export() if fused else contextlib.nullcontext()
@@ -138,8 +157,8 @@ def export_step_graph(
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             model.eval(),
-            sample_inputs(kv_layout, state),
-            input_names=INPUT_NAMES + (STATE_INPUT_NAMES if state else []),
+            sample_inputs(kv_layout, state, arch.hidden_size if vision else 0),
+            input_names=INPUT_NAMES + (STATE_INPUT_NAMES if state else []) + (VISION_INPUT_NAMES if vision else []),
             output_names=OUTPUT_NAMES + (STATE_OUTPUT_NAMES if state else []),
             dynamic_shapes=dynamic_shapes,
             opset_version=OPSET,
@@ -150,15 +169,17 @@ def export_step_graph(
         )
     proto = program.model_proto
     _trim_unused_outputs(proto)
-    _name_dims(proto, arch, kv_layout, state)
+    _name_dims(proto, arch, kv_layout, state, vision)
     save_with_external_data(proto, path, data_name)
-    inputs, outputs = step_signature(arch, kv_layout, state)
+    inputs, outputs = step_signature(arch, kv_layout, state, vision)
     return Engine(name="step", file=file_name, inputs=inputs, outputs=outputs, data_files=[data_name])
 
 
-def _name_dims(proto: onnx.ModelProto, arch: Architecture, kv: KVLayout, state: StateLayout | None = None) -> None:
+def _name_dims(
+    proto: onnx.ModelProto, arch: Architecture, kv: KVLayout, state: StateLayout | None = None, vision: bool = False
+) -> None:
     """Give graph I/O the contract's dim names (the exporter's symbols are s0, s1, ...)."""
-    inputs, outputs = step_signature(arch, kv, state)
+    inputs, outputs = step_signature(arch, kv, state, vision)
     specs = {s.name: s for s in inputs + outputs}
     for value in list(proto.graph.input) + list(proto.graph.output):
         spec = specs[value.name]

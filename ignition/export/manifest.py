@@ -69,6 +69,7 @@ def assemble(state: ExportState) -> Manifest:
         toolchain=toolchain(),
         state=state.state_layout,
         quantization=manifest_quantization(options.precision),
+        vision=state.vision,
     )
 
 

@@ -41,6 +41,7 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
             state.limits = serving_limits(state.recipe, state.checkpoint, options.context_length)
             stages.quantize_step_graph(state)
             stages.add_score_graph(state)
+            stages.add_vision_graph(state)
             stages.free_scratch(state)
             add_drafter(state, export_core)
             state.manifest = assemble(state)

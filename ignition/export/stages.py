@@ -14,6 +14,8 @@ import dataclasses
 import shutil
 from pathlib import Path
 
+import onnx
+
 from ignition.checkpoints.load import load_checkpoint
 from ignition.export.cache import CachedReference, ReferenceMiss
 from ignition.export.graph import canonicalize_graph, export_step_graph
@@ -23,7 +25,9 @@ from ignition.export.quantize import quantize, quantize_score
 from ignition.export.score import export_score_graph, lm_head_from_step_graph
 from ignition.export.state import ExportError, ExportState
 from ignition.export.validate import validate, validate_scores, validation_prompt
+from ignition.export.vision import VISION_GRAPH_FILE, export_vision_graph, vision_engine, vision_spec
 from ignition.models import build_model
+from ignition.models.qwen3_5_vision import build_vision_tower
 
 SCORE_SCRATCH_DIR = "score-fp32"  # in the work folder: the fp32 score graph before quantization
 
@@ -50,6 +54,25 @@ def trace_step_graph(state: ExportState) -> None:
     state.kv, state.state_layout = cache_layouts(state.recipe, checkpoint)
     engine = export_step_graph(model, checkpoint.architecture, state.kv, state.fp32_dir, state=state.state_layout)
     state.fp32_engine, state.fp32_graph = engine, state.fp32_dir / engine.file
+    tower = build_vision_tower(checkpoint.model_config, checkpoint.tensors) if model.mrope_section else None
+    if tower is not None:  # beside the step graph, so the export cache keeps it too
+        state.progress("export", "tracing the vision graph to ONNX")
+        export_vision_graph(tower, state.fp32_dir)
+
+
+def add_vision_graph(state: ExportState) -> None:
+    """A multimodal core's vision graph (traced beside the fp32 step graph) and its manifest
+    section. The tower stays fp32: it runs once per image, not once per token."""
+    assert state.fp32_graph is not None and state.checkpoint is not None and state.limits is not None
+    source = state.fp32_graph.parent / VISION_GRAPH_FILE
+    if not source.is_file():
+        return
+    state.progress("export", "adding the vision graph")
+    for name in (VISION_GRAPH_FILE, VISION_GRAPH_FILE + ".data"):
+        shutil.copyfile(source.parent / name, state.core_dir / name)
+    engine = vision_engine(onnx.load(str(source), load_external_data=False))
+    state.engines.append(engine)
+    state.vision = vision_spec(state.checkpoint, engine, state.limits.context_length)
 
 
 def quantize_step_graph(state: ExportState) -> None:

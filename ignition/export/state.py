@@ -9,7 +9,7 @@ from typing import Protocol
 
 import torch
 
-from helios.manifest import Engine, KVLayout, Limits, Manifest, StateLayout
+from helios.manifest import Engine, KVLayout, Limits, Manifest, StateLayout, Vision
 from ignition.checkpoints.base import Checkpoint
 from ignition.models import DecoderLM
 from ignition.recipes import Recipe
@@ -69,6 +69,8 @@ class ExportState:
     manifest: Manifest | None = None
     # --drafter: the drafter's own manifest (its step engine is already among `engines`)
     drafter: Manifest | None = None
+    # a checkpoint with a vision tower: the manifest's image section (its engine is among `engines`)
+    vision: Vision | None = None
 
     def __post_init__(self) -> None:
         self.fp32_dir = self.scratch_dir

@@ -44,6 +44,9 @@ class StepModel(nn.Module):
     model_types: tuple[str, ...] = ()
     arch: Architecture
     lm_head: nn.Linear
+    # A multimodal step graph (a vision tower is exported beside it): its rotary axes' frequency
+    # counts (t, h, w); the graph then takes mrope_positions / image_embeds / image_slots.
+    mrope_section: list[int] | None = None
 
     @classmethod
     def architecture(cls, config: dict[str, Any]) -> Architecture:

@@ -206,15 +206,23 @@ class ConfiguredLM(StepModel):
             out.append(kv.transpose(1, 2))
         return out
 
-    def hidden_states(self, input_ids, positions, history_lens, block_tables, kv_pool, query_lens=None, state=None):  # noqa: ANN001, ANN201
+    def hidden_states(self, input_ids, positions, history_lens, block_tables, kv_pool, query_lens=None, state=None,  # noqa: ANN001, ANN201
+                      images=None):  # fmt: skip
         """Final-normed hidden states [B, L, H], the attention layers' new (k, v) padded to the pool,
         and the recurrent layers' new state [B, W] (None without recurrent layers).
 
         state: [B, W] each row's state after its history (zeros for none given); query_lens: valid
-        new tokens per row (all L when None)."""
+        new tokens per row (all L when None); images: (mrope positions [3, B, L], image features
+        [I, H], their flat token slots [I] = row * L + position) of a multimodal step graph."""
         heads, dim = self.arch.num_kv_heads, self.arch.head_dim
         x, per_layer = self.embed(input_ids)
-        step = StepState(positions, history_lens)
+        mrope = None
+        if images is not None:
+            mrope_positions, embeds, slots = images
+            batch, length, hidden = x.shape
+            x = x.reshape(batch * length, hidden).index_copy(0, slots, embeds).reshape(batch, length, hidden)
+            mrope = (mrope_positions, self.mrope_section)
+        step = StepState(positions, history_lens, mrope)
         new_kv, produced, new_state = [], {}, []
         valid = None
         if self.state_width:
@@ -255,15 +263,17 @@ class ConfiguredLM(StepModel):
         return logits
 
     def forward(self, input_ids, positions, history_lens, query_lens, block_tables, kv_pool, logprob_token_ids,  # noqa: ANN001, ANN201
-                logit_rows=None, logit_positions=None, state_pool=None, state_slots=None):  # fmt: skip
+                logit_rows=None, logit_positions=None, state_pool=None, state_slots=None, mrope_positions=None,
+                image_embeds=None, image_slots=None):  # fmt: skip
         state = None
+        images = None if mrope_positions is None else (mrope_positions, image_embeds, image_slots)
         if self.state_width:
             # Each row continues its slot's state; a row without history starts from zeros, so a
             # fresh slot needs no zeroing (and stale contents, even non-finite ones, never leak).
             gathered = torch.index_select(state_pool, 0, state_slots)
             state = torch.where((history_lens > 0).unsqueeze(1), gathered, torch.zeros_like(gathered))
         normed, new_kv, new_state = self.hidden_states(
-            input_ids, positions, history_lens, block_tables, kv_pool, query_lens, state
+            input_ids, positions, history_lens, block_tables, kv_pool, query_lens, state, images
         )
         batch, length, _ = normed.shape
         outputs = self.step_outputs(normed, query_lens, logprob_token_ids, logit_rows, logit_positions)

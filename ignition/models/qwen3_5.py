@@ -4,16 +4,22 @@ norms, partial rotary), every RMSNorm of the (1 + w) form; a dense SwiGLU (qwen3
 softmax-routed experts with a sigmoid-gated shared expert on every layer (qwen3_5_moe).
 
 Text-only positions: transformers' interleaved multimodal rotary (mrope) gives every section the
-same position for text, which is plain rotate-half rotary over the rotary dims."""
+same position for text, which is plain rotate-half rotary over the rotary dims. A checkpoint with
+its vision tower gets a multimodal step graph (image features at placeholder slots, per-axis
+positions) and a vision graph (qwen3_5_vision.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ignition.models.base import FamilyError
+import numpy as np
+
+from helios.manifest import Architecture
+from ignition.models.base import FamilyError, text_config
 from ignition.models.blocks.mlp import MoEPlan
 from ignition.models.configured import ConfiguredLM
 from ignition.models.plans import LayerPlan, ModelPlan, default_rope
+from ignition.models.qwen3_5_vision import vision_tensors
 
 
 def plan_qwen3_5(cfg: dict[str, Any]) -> ModelPlan:
@@ -56,10 +62,28 @@ def plan_qwen3_5(cfg: dict[str, Any]) -> ModelPlan:
     return ModelPlan(layers=layers, rms_norm_eps=eps, head_norm_eps=eps, final_norm_offset=1.0)
 
 
+def mrope_section(config: dict[str, Any], tensors: dict[str, np.ndarray]) -> list[int] | None:
+    """The interleaved multimodal rotary's (t, h, w) frequency counts when the checkpoint carries
+    a vision tower (its step graph then takes image features and mrope positions), else None."""
+    if not isinstance(config.get("vision_config"), dict) or not vision_tensors(tensors):
+        return None
+    rope = text_config(config).get("rope_parameters") or {}
+    section = rope.get("mrope_section")
+    if not section or len(section) != 3 or not rope.get("mrope_interleaved", True):
+        raise FamilyError(f"qwen3_5 vision needs an interleaved three-axis mrope_section, not {section!r}")
+    return [int(n) for n in section]
+
+
 class Qwen35LM(ConfiguredLM):
     family = "qwen3_5"
     model_types = ("qwen3_5", "qwen3_5_text")
     planner = staticmethod(plan_qwen3_5)
+
+    @classmethod
+    def build(cls, arch: Architecture, config: dict[str, Any], tensors: dict[str, np.ndarray]) -> ConfiguredLM:
+        model = super().build(arch, config, tensors)
+        model.mrope_section = mrope_section(config, tensors)
+        return model
 
 
 class Qwen35MoeLM(Qwen35LM):

@@ -27,7 +27,7 @@ HELIOS_LAYERS = [
 IGNITION_LAYERS = [
     ("ignition.models",),  # torch modules over helios.manifest's Architecture
     ("ignition.recipes", "ignition.checkpoints"),  # readers check families against the registry
-    ("ignition.export",),
+    ("ignition.export", "ignition.tiny"),  # tiny: writes checkpoints the exporter compiles
     ("ignition.inspect_core", "ignition.verify_core", "ignition.cli", "ignition.__main__"),
 ]
 

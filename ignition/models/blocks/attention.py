@@ -28,17 +28,36 @@ class StepState:
     `selection` carries a sparse-attention key selection from the layer that computed it to the
     later layers that reuse it."""
 
-    def __init__(self, positions: torch.Tensor, history_lens: torch.Tensor) -> None:
+    def __init__(
+        self, positions: torch.Tensor, history_lens: torch.Tensor,
+        mrope: tuple[torch.Tensor, list[int]] | None = None,
+    ) -> None:  # fmt: skip
+        """mrope: (rotary positions [3, B, L] per (t, h, w) axis, the axes' frequency counts) of a
+        multimodal step graph; the rotary then follows them instead of `positions`."""
         self.positions = positions
         self.history_lens = history_lens
+        self.mrope = mrope
         self.selection: torch.Tensor | None = None
         self._cos_sin: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._visible: dict[int | None, torch.Tensor] = {}
 
+    def frequencies(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """Rotary angles [B, L, rot/2]. Multimodal rotary gives frequency i the position of axis
+        h when i % 3 == 1 (i < 3 * h_count), of axis w when i % 3 == 2 (i < 3 * w_count), else
+        of axis t: transformers' interleaved mrope. Text tokens have equal axes: plain rotary."""
+        if self.mrope is None:
+            return self.positions.to(torch.float32).unsqueeze(-1) * inv_freq
+        positions, (_, h_count, w_count) = self.mrope
+        axis = torch.zeros(inv_freq.shape[0], dtype=torch.int64)
+        axis[1 : 3 * h_count : 3] = 1
+        axis[2 : 3 * w_count : 3] = 2
+        per_axis = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # [3, B, L, rot/2]
+        return torch.where(axis == 1, per_axis[1], torch.where(axis == 2, per_axis[2], per_axis[0]))
+
     def cos_sin(self, plan: LayerPlan, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         key = (plan.rope_kind, plan.rotary_dim, plan.rope_theta, plan.rope_partial, plan.rope_yarn)
         if key not in self._cos_sin:
-            freqs = self.positions.to(torch.float32).unsqueeze(-1) * inv_freq  # [B, L, rot/2]
+            freqs = self.frequencies(inv_freq)  # [B, L, rot/2]
             cos, sin = freqs.cos().unsqueeze(2), freqs.sin().unsqueeze(2)
             if plan.rope_attention != 1.0:  # YaRN's attention factor scales cos and sin
                 cos, sin = cos * plan.rope_attention, sin * plan.rope_attention
