@@ -211,3 +211,5 @@ class EngineStats:
     history_drafts_enabled: bool = False
     draft_steps_total: int = 0  # draft positions the learned drafter ran
     learned_drafter: bool = False  # the core's learned drafter proposes drafts
+    # Image input (helios.engine.vision.ImagePlacer.counters): api.md's input_* counters.
+    images: dict[str, int] = field(default_factory=dict)

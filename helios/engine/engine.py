@@ -259,7 +259,7 @@ class Engine:
             rounds_by_width=dict(self._rounds.by_width),
             history_drafts_enabled=spec is not None and spec.config.history_drafts,
             draft_steps_total=learned.steps if learned is not None else 0,
-            learned_drafter=learned is not None,
+            learned_drafter=learned is not None, images=self.images.counters(),
         )
 
     def generate(self, request: GenerationRequest, timeout: float | None = None) -> list[GenerationEvent]:

@@ -151,6 +151,7 @@ class ImagePlacer:
         self.vision = encoder.vision if encoder is not None else None
         self.cache_bytes = cache_bytes
         self._features: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self.decoded = self.feature_hits = self.feature_misses = 0
 
     @classmethod
     def for_core(cls, core_dir: Path, manifest: Manifest, threads: int | None = None) -> ImagePlacer:
@@ -167,6 +168,14 @@ class ImagePlacer:
             raise ValueError("prompt log probabilities are not available for prompts with images yet")
         for image in request.images:
             seq.token_ids[image.offset : image.offset + image.tokens] = [identity_id(image)] * image.tokens
+        self.decoded += len(request.images)
+
+    def counters(self) -> dict[str, int]:
+        """api.md's image counters (Prometheus names without flare_): images decoded for
+        generation requests, and the prepared-input cache (encoded features by image digest)."""
+        return {"input_decoded_images_total": self.decoded, "input_prepared_cache_hits_total": self.feature_hits,
+                "input_prepared_cache_misses_total": self.feature_misses,
+                "vision_graph_launches": self.encoder.images_total if self.encoder is not None else 0}  # fmt: skip
 
     def place(self, rows: list[StepRow], seqs: list[Any]) -> None:
         """Fill each row's rope_positions and image_features (rows of text-only sequences keep the
@@ -194,7 +203,10 @@ class ImagePlacer:
         found = self._features.get(image.digest)
         if found is not None:
             self._features.move_to_end(image.digest)
+            self.feature_hits += 1
             return found
+        assert self.encoder is not None
+        self.feature_misses += 1
         features = self.encoder.encode(image)
         self._features[image.digest] = features
         while sum(f.nbytes for f in self._features.values()) > self.cache_bytes and len(self._features) > 1:

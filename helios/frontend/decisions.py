@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from helios.engine.api import GenerationRequest, SamplingParams
-from helios.frontend.conversation import Conversation, Message, TextPart
+from helios.frontend.assets import Asset, split_assets
+from helios.frontend.conversation import Conversation, Message
 from helios.frontend.errors import RequestError
 from helios.frontend.request import ChatOptions, engine_requests, lower
 from helios.frontend.template import ChatTemplate
@@ -100,6 +101,7 @@ class Scorer:
     tokenizer: Tokenizer
     template: ChatTemplate | None
     labels: list[str] = field(default_factory=list)  # usable label strings, filled by check_core
+    assets: list[Asset] = field(default_factory=list)  # System One image assets the texts refer to
 
     def check_core(self) -> None:
         """400 for a core the scorer cannot use (no explicit-ID logprob inputs, no template)."""
@@ -123,16 +125,17 @@ class Scorer:
             )
         labels = LABEL_ALPHABET[: len(question.options)]
         conversation = Conversation([
-            Message("user", [TextPart(f"Read the following state; questions about it follow.\n\nState:\n{state}")]),
-            Message("user", [TextPart(question_text(question, labels))]),
-        ])
+            Message("user", split_assets(f"Read the following state; questions about it follow.\n\nState:\n{state}",
+                                         self.assets)),
+            Message("user", split_assets(question_text(question, labels), self.assets)),
+        ])  # fmt: skip
         kwargs = {"enable_thinking": False}
         lowered = lower(conversation, ChatOptions(template_kwargs=kwargs), manifest=self.manifest,
                         template=self.template, tokenizer=self.tokenizer)
         if lowered.reasoning is not None and lowered.reasoning.starts_open:
             raise RequestError("this model core's template always starts in reasoning, so an answer label "
                                "cannot be the first generated token", param="model")
-        label_ids = self._verify_labels(lowered.prompt_text, lowered.prompt_ids, labels)
+        label_ids = self._verify_labels(lowered.prompt_text, labels)
         limit = self.manifest.limits.context_length
         if len(lowered.prompt_ids) + 1 > limit:
             raise RequestError(f"a question's prompt has {len(lowered.prompt_ids)} tokens, over this model's "
@@ -146,10 +149,13 @@ class Scorer:
             seed=0,
         )
         [request] = engine_requests(response_id, lowered.prompt_ids, sampling, first_index=index,
-                                    checkpoints=lowered.checkpoints)
+                                    checkpoints=lowered.checkpoints, images=lowered.images)
         return CompiledQuestion(request, label_ids)
 
-    def _verify_labels(self, prompt_text: str, prompt_ids: list[int], labels: list[str]) -> list[int]:
+    def _verify_labels(self, prompt_text: str, labels: list[str]) -> list[int]:
+        """Each label's id as the first token after the rendered text (images' placeholders stay
+        one token each here: the expansion into image tokens comes after the text)."""
+        prompt_ids = self.tokenizer.encode(prompt_text, add_bos=False)
         ids = []
         for label in labels:
             encoded = self.tokenizer.encode(prompt_text + label, add_bos=False)

@@ -7,6 +7,7 @@ cancels the question in flight (the group's close aborts it).
 
 from __future__ import annotations
 
+from helios.frontend.assets import Asset
 from helios.frontend.decisions import Question, Scored, Scorer, label_logprobs
 from helios.server.admission import terminal_failure
 from helios.server.context import ServerContext
@@ -17,8 +18,11 @@ def scorer(ctx: ServerContext) -> Scorer:
     return Scorer(ctx.manifest, ctx.tokenizer, ctx.template)
 
 
-async def score_questions(ctx: ServerContext, state: str, questions: list[Question], response_id: str) -> list[Scored]:
+async def score_questions(ctx: ServerContext, state: str, questions: list[Question], response_id: str,
+                          assets: list[Asset] | None = None) -> list[Scored]:
+    """assets: System One image assets the state and questions refer to (helios.frontend.assets)."""
     s = scorer(ctx)
+    s.assets = list(assets or [])
     await ctx.in_frontend(s.check_core)
     # Compile every question before running any: a bad one fails the request up front.
     compiled = [

@@ -2,19 +2,24 @@
 
 Schema failures answer HTTP 422 with Jev-style `detail` entries ({type, loc, msg, input});
 malformed JSON, unsupported cores and templates answer 400 in the Chat Completions error shape.
-Image assets need a vision core, so any are refused with 400 here.
+Image assets (helios.frontend.assets) need the TypeSafe-Danger-Zone-Images: true header and a
+vision core; they come as data_base64 or as parts of an uncompressed multipart body.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 from typing import Any
 
 from aiohttp import web
 
 from helios.frontend import decisions as d
+from helios.frontend.assets import Asset, bind_assets
+from helios.frontend.errors import RequestError
 from helios.protocols.scoring import score_questions, scorer
 from helios.server.context import ServerContext, new_response_id, response_headers
-from helios.server.errors import ApiError, bad_request, json_response
+from helios.server.errors import ApiError, bad_request, json_response, too_large
 
 QUESTION_KEYS = {"type", "instructions", "criteria"}
 MAX_CHOICE_CRITERIA = 128
@@ -116,27 +121,68 @@ def encode_answer(raw: dict[str, Any], question: d.Question, scored: d.Scored) -
     }
 
 
+async def read_multipart(request: web.Request, ctx: ServerContext) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """(the JSON request part, image parts by name) of an uncompressed multipart body: the JSON
+    part first, then uniquely named image parts, all within the body limit."""
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):  # api.md: multipart is never compressed
+        raise ApiError(415, "invalid_request_error", f"multipart bodies must not be compressed "
+                       f"(Content-Encoding {encoding!r}); send identity", "unsupported_content_encoding")
+    limit = ctx.config.max_body_bytes
+    if (request.content_length or 0) > limit:
+        raise too_large(limit)
+    try:
+        reader = await request.multipart()
+        first = await reader.next()
+        if first is None or first.headers.get("Content-Type", "").split(";")[0].strip() != "application/json":
+            raise bad_request("a multipart System One request starts with its application/json part")
+        body = json.loads(await first.read(decode=False))
+        parts: dict[str, bytes] = {}
+        total = 0
+        while (part := await reader.next()) is not None:
+            name = part.name
+            if not name or name in parts:
+                raise bad_request(f"multipart image parts need unique names (got {name!r})")
+            parts[name] = bytes(await part.read(decode=False))
+            total += len(parts[name])
+            if total > limit:
+                raise too_large(limit)
+    except (ValueError, AssertionError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the multipart body could not be read: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the JSON request part must be an object")
+    return body, parts
+
+
 async def handle(request: web.Request, ctx: ServerContext) -> web.StreamResponse:
+    parts: dict[str, bytes] = {}
     if request.content_type.startswith("multipart/"):
-        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-        if encoding not in ("", "identity"):  # api.md: multipart is never compressed
-            raise ApiError(415, "invalid_request_error", f"multipart bodies must not be compressed "
-                           f"(Content-Encoding {encoding!r}); send identity", "unsupported_content_encoding")
-        raise bad_request("image assets need a vision model core; this core is text-only")
-    body = await ctx.read_json_object(request)
-    if body.get("assets") or request.headers.get("TypeSafe-Danger-Zone-Images"):
-        raise bad_request("image assets need a vision model core; this core is text-only")
+        body, parts = await read_multipart(request, ctx)
+    else:
+        body = await ctx.read_json_object(request)
+    assets: list[Asset] = []
+    originals = copy.deepcopy(body.get("questions"))  # legends keep the references as written
+    if body.get("assets") is not None or parts:
+        if request.headers.get("TypeSafe-Danger-Zone-Images", "").strip().lower() != "true":
+            raise bad_request("image assets need the TypeSafe-Danger-Zone-Images: true header")
+        if ctx.manifest.vision is None:
+            raise bad_request("image assets need a vision model core; this core is text-only")
+        try:
+            assets = bind_assets(body, parts)
+        except RequestError as exc:
+            raise ApiError.from_request_error(exc) from None
     try:
         state, questions = decode(body, scorer(ctx).max_options())
     except SchemaErrors as exc:
         return json_response({"detail": exc.details}, status=422)
     response_id = new_response_id("sysone")
-    results = await score_questions(ctx, state, [q for _, _, q in questions], response_id)
+    results = await score_questions(ctx, state, [q for _, _, q in questions], response_id, assets)
     usage = d.Usage()
     answers = {}
     for (name, raw, question), scored in zip(questions, results):
         usage.add(scored)
-        answers[name] = encode_answer(raw, question, scored)
+        original = originals.get(name, raw) if isinstance(originals, dict) else raw
+        answers[name] = encode_answer(original, question, scored)
     return json_response({
         "model": ctx.model_id,
         "answers": answers,

@@ -127,6 +127,7 @@ def engine_fields(s: Any, decode_weight_bytes: int, output_failures: int = 0) ->
         "host_bytes_out": host.bytes_out if host else 0,
         "host_bytes_in": host.bytes_in if host else 0,
         "learned_drafter": bool(getattr(s, "learned_drafter", False)),
+        **{name: (getattr(s, "images", None) or {}).get(name, 0) for name in INPUT_METRICS},
     }
 
 
@@ -192,14 +193,15 @@ class FlareCollector:
             ("flare_embedding_row_cache_misses_total", "Embedding row-cache misses", 0),
             ("flare_http_rate_limited_total", "Requests refused for lack of HTTP admission slots",
              self.http.rejected_rate_limited),
-            *((f"flare_{name}", "Image preparation and prepared-input cache counter", 0) for name in INPUT_METRICS),
+            *((f"flare_{name}", "Image preparation and prepared-input cache counter", f[name]) for name in INPUT_METRICS),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
         labelled = [
             ("flare_speculative_rounds_total", "Completed speculative or verification graphs by draft width",
              ["width"], [([str(w)], n) for w, n in sorted((getattr(s, "rounds_by_width", None) or {0: 0}).items())]),
-            ("flare_graph_launches_total", "Graph launches by kind", ["kind"], [(["step"], s.steps_total)]),
+            ("flare_graph_launches_total", "Graph launches by kind", ["kind"],
+             [(["step"], s.steps_total), (["vision"], (getattr(s, "images", None) or {}).get("vision_graph_launches", 0))]),
             ("flare_checkpoint_captures_total", "GPU prefix checkpoints captured by role", ["role"],
              [([role], (getattr(s, "checkpoint_captures", None) or {}).get(role, 0)) for role in CHECKPOINT_ROLES]),
             ("flare_checkpoint_skips_total", "Checkpoint selections or captures rejected by reason", ["reason"],
@@ -265,7 +267,6 @@ def json_snapshot(collector: FlareCollector) -> dict[str, Any]:
     return {
         **engine_fields(s, collector.decode_weight_bytes, collector.http.output_failures),
         "first_response": collector.http.first_response.snapshot(),
-        **{name: 0 for name in INPUT_METRICS},
         # Flare extensions beyond the table (integers, like the table's fields).
         "cancelled": s.cancelled_total,
         "admitted": s.admitted_total,

@@ -74,6 +74,9 @@ def check_request(options: ExportOptions) -> None:
     if options.drafter is not None and (drafter := peek_family(options.drafter)) != recipe.family:
         raise ExportError(f"drafter {options.drafter} is a {drafter!r} model but recipe {recipe.name!r} compiles "
                           f"{recipe.family!r}: the drafter is compiled with the target's recipe")
+    if options.drafter is not None and isinstance(peek_config(options.checkpoint).get("vision_config"), dict):
+        raise ExportError("a learned drafter cannot be compiled beside a vision tower yet: the drafter would see "
+                          "image placeholders without their features (export the target alone)")
     family = peek_family(options.checkpoint)
     if family != recipe.family:
         raise ExportError(
