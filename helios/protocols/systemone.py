@@ -156,13 +156,14 @@ async def read_multipart(request: web.Request, ctx: ServerContext) -> tuple[dict
 
 async def handle(request: web.Request, ctx: ServerContext) -> web.StreamResponse:
     parts: dict[str, bytes] = {}
-    if request.content_type.startswith("multipart/"):
+    multipart = request.content_type.startswith("multipart/")  # the asset form of a request
+    if multipart:
         body, parts = await read_multipart(request, ctx)
     else:
         body = await ctx.read_json_object(request)
     assets: list[Asset] = []
     originals = copy.deepcopy(body.get("questions"))  # legends keep the references as written
-    if body.get("assets") is not None or parts:
+    if body.get("assets") is not None or multipart:
         if request.headers.get("TypeSafe-Danger-Zone-Images", "").strip().lower() != "true":
             raise bad_request("image assets need the TypeSafe-Danger-Zone-Images: true header")
         if ctx.manifest.vision is None:
