@@ -49,6 +49,8 @@ class Snapshot:
     http_inflight_requests: int = 0
     uptime_seconds: int = 0
     learned_drafter: bool = False
+    input_decoded_images_total: int = 0  # images a vision core decoded for generation
+    input_prepared_cache_hits_total: int = 0  # of them, served from encoded features
     first_response_median: float | None = None
     first_response_samples: int = 0
 
@@ -167,6 +169,8 @@ class View:
             f"active {s.active}  pending {s.pending}  inflight {s.http_inflight_requests}  "
             f"completed {s.completed}  failed {s.failed}  cancelled {s.cancelled}  "
             f"cached pages {s.cached_pages}  host hits {s.host_hits} ({s.host_reused_tokens} tokens)  DEPTH {depth}  first response {first}  uptime {s.uptime_seconds}s"
+            + (f"  images {s.input_decoded_images_total} ({s.input_prepared_cache_hits_total} reused)"
+               if s.input_decoded_images_total else "")
         )
         return Group(Panel(table, title=title, title_align="left"), footer)
 

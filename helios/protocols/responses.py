@@ -170,7 +170,7 @@ def decode_input(value: Any, instructions: Any) -> list[Message]:
         elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = _string(item.get("call_id"), f"{where}.call_id")
             output = item.get("output")
-            content = [p for p in _content_parts(output, where) if isinstance(p, TextPart)] if output else []
+            content = [p for p in _content_parts(output, where) if isinstance(p, (TextPart, ImagePart))] if output else []
             messages.append(Message("tool", [ToolResultPart(call_id, list(content))]))
         elif kind == "item_reference":
             raise _bad(f"{where}: item references need stored responses; this server is stateless")

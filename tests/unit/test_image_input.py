@@ -14,7 +14,9 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
+from rich.console import Console
 
+from helios.dashboard import Snapshot, View
 from ignition.recipes import load_recipe
 from ignition.tiny import write_tiny_checkpoint
 from tests.conftest import Server, export
@@ -217,6 +219,11 @@ def test_metrics_count_decoded_images_and_reused_features(server: Server):
     assert after["input_prepared_cache_hits_total"] - before["input_prepared_cache_hits_total"] == 1
     text = httpx.get(server.url + "/metrics").text
     assert 'flare_graph_launches_total{kind="vision"}' in text
+    view = View(server.url)  # `helios top` shows the images beside the other counters
+    view.update(Snapshot.from_json(after), 0.0)
+    console = Console(width=400, record=True)
+    console.print(view.render())
+    assert f"images {after['input_decoded_images_total']} (" in console.export_text()
 
 
 SYSTEM_ONE = {"model": "local", "state": {"screen": "SHOT", "note": "see SHOT"},
@@ -269,3 +276,19 @@ def test_system_one_image_assets_as_multipart(server: Server):
     compressed = httpx.post(server.url + "/v1/systemone", content=built.read(),
                             headers={**DANGER, "Content-Type": built.headers["Content-Type"], "Content-Encoding": "gzip"})
     assert compressed.status_code == 415
+
+
+def test_responses_tool_output_images_count(server: Server):
+    """A function_call_output carrying an input_image (Codex's view_image) reaches the prompt."""
+    def body(output: list) -> dict:  # noqa: ANN202
+        return {"max_output_tokens": 4, "reasoning": {"effort": "low"}, "input": [
+            {"role": "user", "content": "Show me."},
+            {"type": "function_call", "call_id": "c1", "name": "view_image", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": output}],
+            "tools": [{"type": "function", "name": "view_image", "parameters": {"type": "object"}}]}  # fmt: skip
+
+    text = post(server, "/v1/responses", body([{"type": "input_text", "text": "done"}]))
+    image = post(server, "/v1/responses", body([{"type": "input_text", "text": "done"},
+                                                {"type": "input_image", "image_url": f"data:image/png;base64,{b64(png(64, 64, 40))}"}]))
+    assert text.status_code == image.status_code == 200, image.text
+    assert image.json()["usage"]["input_tokens"] == text.json()["usage"]["input_tokens"] + 4 + 2
