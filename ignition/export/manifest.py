@@ -152,7 +152,7 @@ def decode_weight_bytes(onnx_path: Path) -> int:
     Every initializer counts in full except embedding tables read by Gather, of which a decode
     step reads one row (for a 4-bit table, GatherBlockQuantized: one row of its data, scales and
     zero points), and the expert tables of flare's routed MoE / MoEInt4, of which a decode row
-    reads its top_k experts (top_k / E of them).
+    reads its top_k experts (top_k / E of them, summed over the nodes that route one table).
     """
     model = onnx.load(str(onnx_path), load_external_data=False)
     gathered = {node.input[0] for node in model.graph.node if node.op_type == "Gather"}
@@ -165,8 +165,9 @@ def decode_weight_bytes(onnx_path: Path) -> int:
             attrs = {a.name: a.i for a in node.attribute if a.name in ("top_k", "experts")}
             top_k = attrs.get("top_k")
             experts = attrs.get("experts") or dims.get(node.input[3], [0])[0]  # MoEInt4's tables are flat
-            if top_k and experts:
-                routed.update((name, (min(top_k, experts), experts)) for name in node.input[3:] if name)
+            if top_k and experts:  # a table several nodes route (one per routing column) adds their top_k
+                for name in (n for n in node.input[3:] if n):
+                    routed[name] = (min(routed.get(name, (0, experts))[0] + top_k, experts), experts)
     total = 0
     for init in model.graph.initializer:
         size = _initializer_bytes(init)

@@ -18,6 +18,7 @@ from ignition.models.blocks.loading import TensorLoader
 from ignition.models.blocks.mlp import Experts, MoE, MoEPlan, SwiGLU
 from ignition.models.blocks.norms import RMSNorm
 from ignition.models.configured import ConfiguredLM
+from ignition.models.moe_ops import ACTIVATIONS, experts
 from ignition.models.plans import LayerPlan, ModelPlan, default_rope
 
 
@@ -119,7 +120,9 @@ class MuseAttention(GQAttention):
 
 
 class MuseExperts(Experts):
-    """Each expert's output input-scale-normed before the weighted sum."""
+    """Each expert's output input-scale-normed before the weighted sum. Routed: one experts call
+    per routing column with unit weights (each reads only its column's experts), each column's
+    outputs normed, then weighed; eager torch computes the same thing densely."""
 
     def __init__(self, plan: MoEPlan, width: int, eps: float) -> None:
         super().__init__(plan.num_experts, plan.intermediate, width, plan.glu)
@@ -127,6 +130,16 @@ class MuseExperts(Experts):
 
     def outputs(self, h: torch.Tensor) -> torch.Tensor:
         return self.post_expert_norm(super().outputs(h))
+
+    def forward(self, h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.glu is None or self.glu.act not in ACTIVATIONS:
+            return super().forward(h, idx, weights)
+        ones = torch.ones_like(weights[:, :1])
+        total = torch.zeros_like(h)
+        for j in range(idx.shape[1]):
+            out = experts(h, idx[:, j : j + 1], ones, self.up, self.down, self.gate, self.glu.act, *self.glu.unit())
+            total = total + weights[:, j : j + 1] * self.post_expert_norm(out)
+        return total
 
     def load(self, loader: TensorLoader, prefix: str) -> None:
         super().load(loader, prefix)

@@ -404,7 +404,7 @@ def write_tokenizer_files(folder: Path, family: str) -> None:
 
 
 def write_quantizable_checkpoint(folder: Path, family: str, seed: int = 0,
-                                 overrides: dict[str, Any] | None = None) -> Path:
+                                 overrides: dict[str, Any] | None = None, embedding_std: float | None = None) -> Path:
     """A tiny checkpoint of `family` that a quantized (default int4) export validates.
 
     write_family_checkpoint's re-drawn weights make a chaotic network: int4 noise on one weight
@@ -419,6 +419,11 @@ def write_quantizable_checkpoint(folder: Path, family: str, seed: int = 0,
     config = config_cls(vocab_size=256 + len(specials), bos_token_id=256, eos_token_id=eos, pad_token_id=eos,
                         **{**TINY_CONFIGS[family], **(overrides or {}), "tie_word_embeddings": True})
     torch.manual_seed(seed)
-    model_cls(config).eval().save_pretrained(folder, max_shard_size="300KB")
+    model = model_cls(config).eval()
+    if embedding_std is not None:  # wider models: a wider (tied) table keeps the logits peaked
+        with torch.no_grad():
+            model.get_input_embeddings().weight.normal_(0.0, embedding_std)
+    small = sum(p.numel() for p in model.parameters()) < 10_000_000  # tiny ones sharded, as real ones are
+    model.save_pretrained(folder, max_shard_size="300KB" if small else "2GB")
     write_tokenizer_files(folder, family)
     return folder
