@@ -5,6 +5,7 @@ and /api/show, and prefix reuse over an image (a real server, real SDK-shaped JS
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 from collections.abc import Iterator
@@ -17,6 +18,9 @@ from PIL import Image
 from rich.console import Console
 
 from helios.dashboard import Snapshot, View
+from helios.frontend.errors import RequestError
+from helios.frontend.images import prepare_image
+from helios.manifest import Manifest
 from ignition.recipes import load_recipe
 from ignition.tiny import write_tiny_checkpoint
 from tests.conftest import Server, export
@@ -25,10 +29,14 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[Server]:
+def vision_core(tmp_path_factory) -> Path:
     folder = write_tiny_checkpoint(load_recipe("qwen38"), tmp_path_factory.mktemp("tiny-qwen38"))
-    core = export("qwen38", str(folder), tmp_path_factory.mktemp("cores") / "tiny-vision", "int4")
-    running = Server(core)
+    return export("qwen38", str(folder), tmp_path_factory.mktemp("cores") / "tiny-vision", "int4")
+
+
+@pytest.fixture(scope="module")
+def server(vision_core: Path) -> Iterator[Server]:
+    running = Server(vision_core)
     yield running
     running.stop()
 
@@ -169,10 +177,16 @@ def test_prefix_reuse_over_an_image_follows_its_content(server: Server):
         assert response.status_code == 200, response.text
         return response.json()
 
+    def launches() -> int:
+        text = httpx.get(server.url + "/metrics").text
+        return int(float(text.split('flare_graph_launches_total{kind="vision"} ')[1].split()[0]))
+
     long_text = "Describe this picture carefully. " * 20
     first = [{"role": "user", "content": [chat_image(png(96, 64, 10)), {"type": "text", "text": long_text}]}]
     cold = ask(first)
+    before = launches()
     warm = ask(first)
+    assert launches() == before  # the restored prefix covers the image: no preprocessing, no vision graph
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 8 + 100
     assert warm["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
     other = [{"role": "user", "content": [chat_image(png(96, 64, 11)), {"type": "text", "text": long_text}]}]
@@ -292,3 +306,10 @@ def test_responses_tool_output_images_count(server: Server):
                                                 {"type": "input_image", "image_url": f"data:image/png;base64,{b64(png(64, 64, 40))}"}]))
     assert text.status_code == image.status_code == 200, image.text
     assert image.json()["usage"]["input_tokens"] == text.json()["usage"]["input_tokens"] + 4 + 2
+
+
+def test_encoded_size_limit(vision_core: Path):
+    """max_image_bytes is checked before decoding (a core's limit, shrunk here to reach it)."""
+    vision = dataclasses.replace(Manifest.load(vision_core).vision, max_image_bytes=100)
+    with pytest.raises(RequestError, match=r"image 2 is \d+ bytes, more than max_image_bytes 100"):
+        prepare_image(png(32, 32), "image/png", vision, 2)
