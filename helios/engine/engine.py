@@ -511,7 +511,8 @@ class Engine:
         """The prompt entries this step completed (position 0's null entry comes first)."""
         entries: list[PromptLogprob | None] = [None] if seq.prompt_scored == 0 else []
         first, n = max(seq.prompt_scored, 1), len(scores.target_logprobs)
-        entries += prompt_logprob_entries(scores, seq.token_ids[first : first + n], seq.request.prompt_logprobs or 0)
+        entries += [None if e.token_id < 0 else e  # an image token's position has no entry (api.md)
+                    for e in prompt_logprob_entries(scores, seq.token_ids[first : first + n], seq.request.prompt_logprobs or 0)]
         seq.prompt_scored = first + n
         event = self._event(seq, [], "", None)
         event.prompt_logprobs = entries
@@ -586,13 +587,13 @@ class Engine:
 
 def _score_targets(seq: Sequence, start: int, num_tokens: int) -> list[int] | None:
     """Per fed position, the prompt token that follows it when that prompt position still needs
-    its score (api.md: entry j scores token j from position j - 1), else -1."""
+    its score (api.md: entry j scores token j from position j - 1), else -1. An image token
+    (negative identity id) is scored as id 0 and its entry is then null (_prompt_event)."""
     if not seq.scores_prompt or start >= seq.prompt_len:
         return None
     first = max(seq.prompt_scored, 1)  # the first entry still owed (entry 0 is always null)
-    targets = [
-        seq.token_ids[p + 1] if first <= p + 1 < seq.prompt_len else -1 for p in range(start, start + num_tokens)
-    ]
+    targets = [max(seq.token_ids[p + 1], 0) if first <= p + 1 < seq.prompt_len else -1
+               for p in range(start, start + num_tokens)]  # fmt: skip
     if all(t < 0 for t in targets):
         # Nothing to score in this chunk; a 1-token prompt still owes its null entry.
         return targets if seq.prompt_scored == 0 and start + num_tokens >= seq.prompt_len else None

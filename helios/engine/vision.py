@@ -164,8 +164,6 @@ class ImagePlacer:
             return
         if self.vision is None:
             raise ValueError("this model core does not accept image input")
-        if request.prompt_logprobs is not None:
-            raise ValueError("prompt log probabilities are not available for prompts with images yet")
         for image in request.images:
             seq.token_ids[image.offset : image.offset + image.tokens] = [identity_id(image)] * image.tokens
         self.decoded += len(request.images)

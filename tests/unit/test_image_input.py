@@ -31,7 +31,7 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 @pytest.fixture(scope="module")
 def vision_core(tmp_path_factory) -> Path:
     folder = write_tiny_checkpoint(load_recipe("qwen38"), tmp_path_factory.mktemp("tiny-qwen38"))
-    return export("qwen38", str(folder), tmp_path_factory.mktemp("cores") / "tiny-vision", "int4")
+    return export("qwen38", str(folder), tmp_path_factory.mktemp("cores") / "tiny-vision", "int4", prompt_logprobs=True)
 
 
 @pytest.fixture(scope="module")
@@ -313,3 +313,19 @@ def test_encoded_size_limit(vision_core: Path):
     vision = dataclasses.replace(Manifest.load(vision_core).vision, max_image_bytes=100)
     with pytest.raises(RequestError, match=r"image 2 is \d+ bytes, more than max_image_bytes 100"):
         prepare_image(png(32, 32), "image/png", vision, 2)
+
+
+def test_prompt_logprobs_are_null_at_image_positions(server: Server):
+    """api.md: the first entry and image positions are null; every text position has its entry."""
+    response = post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Look:"}, chat_image(png(96, 64, 50)),
+                                                  {"type": "text", "text": "What is it?"}]}],
+        "max_tokens": 1, "prompt_logprobs": 2, **NO_THINKING})  # fmt: skip
+    assert response.status_code == 200, response.text
+    body = response.json()
+    entries = body["prompt_logprobs"]
+    assert len(entries) == body["usage"]["prompt_tokens"]
+    nulls = [i for i, entry in enumerate(entries) if entry is None]
+    assert len(nulls) == 1 + 6 and nulls[0] == 0
+    assert nulls[1:] == list(range(nulls[1], nulls[1] + 6))  # the image's six tokens, in a run
+    assert all(isinstance(entry, dict) and entry for i, entry in enumerate(entries) if i not in nulls)
