@@ -52,10 +52,11 @@ def decode_data_url(url: str, param: str) -> tuple[bytes, str]:
     if not url.startswith("data:"):
         raise RequestError(f"remote image URLs are not supported; send {ALLOWED} as a data URL", param=param)
     header, _, payload = url[5:].partition(",")
-    media, _, encoding = header.partition(";")
-    if encoding != "base64":
+    media, *params = header.split(";")  # data:image/png[;name=value...];base64,DATA
+    if not params or params[-1].strip().lower() != "base64":
         raise RequestError(f"image data URLs must be base64-encoded ({ALLOWED})", param=param)
-    return decode_base64(payload, media.lower(), param), media.lower()
+    media = media.strip().lower()
+    return decode_base64(payload, media, param), media
 
 
 def decode_base64(data: str, media_type: str, param: str) -> bytes:

@@ -79,8 +79,9 @@ def test_card_and_show_report_the_prepared_vision(server: Server):
 def test_chat_usage_counts_image_tokens_as_messages_count_tokens_does(server: Server):
     """A 96x64 image is a 4x6 patch grid: 6 image tokens (2x2 patches each)."""
     image = png(96, 64)
+    with_param = {"type": "image_url", "image_url": {"url": f"data:image/png;name=shot.png;base64,{b64(image)}"}}
     chat = post(server, "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": [chat_image(image), {"type": "text", "text": "Describe it."}]}],
+        "messages": [{"role": "user", "content": [with_param, {"type": "text", "text": "Describe it."}]}],
         "max_tokens": 4, **NO_THINKING})  # fmt: skip
     assert chat.status_code == 200, chat.text
     usage = chat.json()["usage"]
@@ -129,6 +130,7 @@ def test_responses_input_image(server: Server):
 @pytest.mark.parametrize("part,needle", [
     ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "remote image URLs are not supported"),
     ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "not valid base64"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png,rawbytes"}}, "must be base64-encoded"),
     (chat_image(png(8, 8, fmt="GIF"), "image/gif"), "unsupported image media type 'image/gif'"),
     (chat_image(png(8, 8, fmt="GIF")), "image 1 is GIF"),
     (chat_image(b"not an image at all"), "could not be decoded"),
