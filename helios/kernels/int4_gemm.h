@@ -63,6 +63,7 @@ struct Problem {
   QuantizedRows* a;
   int M, N, K, block, blocks, tiles, tiles_per_item, items_per_chunk;
   bool swiglu;  // N = 2 x the output width; tiles alternate gate, up
+  int bits = 4;  // 8: the 8-bit tiles of Pass8 (MoEInt4 with bits = 8)
 };
 
 // Rows [row, row + MR) against NT consecutive tiles of 16 columns, over all of K. With few
@@ -125,25 +126,85 @@ void Pass(const Problem& p, int tile, int row, float* dst, size_t ld) {
 }
 
 // Few rows: several tiles per pass for independent chains; many rows: one tile, 8 rows.
+// The 8-bit tiles (MoEInt4 with bits = 8, int8 cores): one 64-byte vector holds [16 columns x 4 k]
+// as q + 128, so it multiplies the activations without unpacking; the zero point is 128 * sum(a)
+// = 16 * zsum. Two accumulator chains (even and odd vectors) hide vpdpbusd's latency.
+template <int MR, int NT>
+void Pass8(const Problem& p, int tile, int row, float* dst, size_t ld) {
+  const size_t tile_bytes = static_cast<size_t>(p.blocks) * p.block * 16;
+  const uint8_t* w = p.w + tile * tile_bytes;
+  const float* ws = p.wscale + static_cast<size_t>(tile) * p.blocks * kTileN;
+  const int8_t* aq = p.a->q.data() + static_cast<size_t>(row) * p.K;
+  const float* as = p.a->scale.data() + static_cast<size_t>(row) * p.blocks;
+  const int32_t* az = p.a->zsum.data() + static_cast<size_t>(row) * p.blocks;
+  __m512 out[MR][NT];
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < NT; ++t) out[m][t] = _mm512_setzero_ps();
+  for (int b = 0; b < p.blocks; ++b) {
+    __m512i acc[2][MR][NT];
+    for (int c = 0; c < 2; ++c)
+      for (int m = 0; m < MR; ++m)
+        for (int t = 0; t < NT; ++t) acc[c][m][t] = _mm512_setzero_si512();
+    const int8_t* ak = aq + b * p.block;
+    for (int k = 0; k < p.block; k += 8) {
+      for (int h = 0; h < 2; ++h) {
+        __m512i v[NT];
+        for (int t = 0; t < NT; ++t) v[t] = _mm512_loadu_si512(w + t * tile_bytes);
+        w += 64;
+        for (int m = 0; m < MR; ++m) {
+          const __m512i a = Broadcast4(ak + m * p.K + k + 4 * h);
+          for (int t = 0; t < NT; ++t) Dot4(acc[h][m][t], v[t], a);
+        }
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512i zero_point = _mm512_set1_epi32(16 * az[m * p.blocks + b]);
+      const __m512 a_scale = _mm512_set1_ps(as[m * p.blocks + b]);
+      for (int t = 0; t < NT; ++t) {
+        const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(ws + (t * p.blocks + b) * kTileN), a_scale);
+        const __m512i dot = _mm512_add_epi32(acc[0][m][t], acc[1][m][t]);
+        out[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot, zero_point)), scale, out[m][t]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    const int n0 = (tile + t) * kTileN;
+    const int cols = std::min(kTileN, p.N - n0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
+    const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(dst + m * ld + t * kTileN, mask, _mm512_add_ps(out[m][t], bias));
+  }
+}
+
+template <int MR, int NT, int Bits>
+void PassOf(const Problem& p, int tile, int row, float* dst, size_t ld) {
+  if constexpr (Bits == 8) {
+    Pass8<MR, NT>(p, tile, row, dst, ld);
+  } else {
+    Pass<MR, NT>(p, tile, row, dst, ld);
+  }
+}
+
+template <int Bits = 4>
 void RunRows(const Problem& p, int tile, int tiles, int row, int rows, float* dst, size_t ld) {
   int t = 0;
   switch (rows) {
-    case 1: for (; t + 4 <= tiles; t += 4) Pass<1, 4>(p, tile + t, row, dst + t * kTileN, ld); break;
-    case 2: for (; t + 2 <= tiles; t += 2) Pass<2, 2>(p, tile + t, row, dst + t * kTileN, ld); break;
-    case 3: for (; t + 2 <= tiles; t += 2) Pass<3, 2>(p, tile + t, row, dst + t * kTileN, ld); break;
-    case 4: for (; t + 2 <= tiles; t += 2) Pass<4, 2>(p, tile + t, row, dst + t * kTileN, ld); break;
+    case 1: for (; t + 4 <= tiles; t += 4) PassOf<1, 4, Bits>(p, tile + t, row, dst + t * kTileN, ld); break;
+    case 2: for (; t + 2 <= tiles; t += 2) PassOf<2, 2, Bits>(p, tile + t, row, dst + t * kTileN, ld); break;
+    case 3: for (; t + 2 <= tiles; t += 2) PassOf<3, 2, Bits>(p, tile + t, row, dst + t * kTileN, ld); break;
+    case 4: for (; t + 2 <= tiles; t += 2) PassOf<4, 2, Bits>(p, tile + t, row, dst + t * kTileN, ld); break;
     default: break;
   }
   for (; t < tiles; ++t) {
     switch (rows) {
-      case 1: Pass<1, 1>(p, tile + t, row, dst + t * kTileN, ld); break;
-      case 2: Pass<2, 1>(p, tile + t, row, dst + t * kTileN, ld); break;
-      case 3: Pass<3, 1>(p, tile + t, row, dst + t * kTileN, ld); break;
-      case 4: Pass<4, 1>(p, tile + t, row, dst + t * kTileN, ld); break;
-      case 5: Pass<5, 1>(p, tile + t, row, dst + t * kTileN, ld); break;
-      case 6: Pass<6, 1>(p, tile + t, row, dst + t * kTileN, ld); break;
-      case 7: Pass<7, 1>(p, tile + t, row, dst + t * kTileN, ld); break;
-      default: Pass<8, 1>(p, tile + t, row, dst + t * kTileN, ld); break;
+      case 1: PassOf<1, 1, Bits>(p, tile + t, row, dst + t * kTileN, ld); break;
+      case 2: PassOf<2, 1, Bits>(p, tile + t, row, dst + t * kTileN, ld); break;
+      case 3: PassOf<3, 1, Bits>(p, tile + t, row, dst + t * kTileN, ld); break;
+      case 4: PassOf<4, 1, Bits>(p, tile + t, row, dst + t * kTileN, ld); break;
+      case 5: PassOf<5, 1, Bits>(p, tile + t, row, dst + t * kTileN, ld); break;
+      case 6: PassOf<6, 1, Bits>(p, tile + t, row, dst + t * kTileN, ld); break;
+      case 7: PassOf<7, 1, Bits>(p, tile + t, row, dst + t * kTileN, ld); break;
+      default: PassOf<8, 1, Bits>(p, tile + t, row, dst + t * kTileN, ld); break;
     }
   }
 }

@@ -50,6 +50,31 @@ def unpack(packed: np.ndarray, scales: np.ndarray, n: int, k: int, block: int) -
     return np.ascontiguousarray(q), np.ascontiguousarray(s)
 
 
+def pack8(q: np.ndarray, scales: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """The 8-bit tiles of MoEInt4 (bits = 8): q uint8 [N, K] values 0..255 (q + 128), scales
+    [N, K // block] -> (packed uint8 [tiles * K * 16]: per tile and block, vectors of [16 columns
+    x 4 k], scales float32 [tiles, blocks, 16]); missing columns hold q = 128, scale 0."""
+    n, k = q.shape
+    blocks = k // block
+    tiles = -(-n // TILE)
+    qp = np.full((tiles * TILE, k), 128, np.uint8)
+    qp[:n] = q
+    sp = np.zeros((tiles * TILE, blocks), np.float32)
+    sp[:n] = scales
+    # k = b * block + 4 p + j  ->  [tile, b, p, column, j]
+    x = qp.reshape(tiles, TILE, blocks, block // 4, 4).transpose(0, 2, 3, 1, 4)
+    return np.ascontiguousarray(x).reshape(-1), np.ascontiguousarray(sp.reshape(tiles, TILE, blocks).transpose(0, 2, 1))
+
+
+def unpack8(packed: np.ndarray, scales: np.ndarray, n: int, k: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of pack8: (q uint8 [N, K], scales float32 [N, blocks])."""
+    blocks = k // block
+    tiles = -(-n // TILE)
+    q = packed.reshape(tiles, blocks, block // 4, TILE, 4).transpose(0, 3, 1, 2, 4).reshape(tiles * TILE, k)[:n]
+    s = scales.reshape(tiles, blocks, TILE).transpose(0, 2, 1).reshape(tiles * TILE, blocks)[:n]
+    return np.ascontiguousarray(q), np.ascontiguousarray(s)
+
+
 def nbits_to_q(b: np.ndarray, n: int, k: int, block: int) -> np.ndarray:
     """MatMulNBits' B [N, blocks, block/2] (element 2i in the low nibble of byte i) -> q [N, K]."""
     b = b.reshape(n, k // block, block // 2)

@@ -12,12 +12,13 @@ import onnx
 from onnx import helper, numpy_helper
 
 from helios.kernels import DOMAIN
-from helios.kernels.int4_layout import TILE, _swiglu_order, nbits_to_q, pack, unpack
+from helios.kernels.int4_layout import TILE, _swiglu_order, nbits_to_q, pack, pack8, unpack, unpack8
 
 OP = "MoE"
 INT4_OP = "MoEInt4"
 GELU_TANH_C = 0.7978845608028654  # sqrt(2 / pi)
 BLOCKS = (64, 32, 16)  # weights per int4 scale along K: the largest that divides K
+BLOCKS8 = (128, 64, 32, 16)  # per int8 scale: int8 cores' dense layers use 128
 
 
 def _attrs(node: onnx.NodeProto) -> dict:
@@ -39,10 +40,22 @@ def quantize_int4(rows: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]
     return nbits_to_q(packed, n, k, block), scales.reshape(n, blocks)
 
 
-def quantize_experts(model: onnx.ModelProto) -> int:
-    """Pack every MoE node's fp32 expert tables into MoEInt4 (experts back to back); return how
-    many. A layer whose widths no int4 block divides (or, with a gate, whose intermediate width
-    is not a multiple of 16) stays fp32."""
+def quantize_int8(rows: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """rows float32 [N, K] -> (q uint8 [N, K] = round(x / scale) + 128, scales [N, K // block]):
+    symmetric per block, scale = max |x| / 127 (as MatMulNBits' 8-bit symmetric quantization)."""
+    n, k = rows.shape
+    x = rows.reshape(n, k // block, block).astype(np.float32)
+    scales = np.abs(x).max(axis=2) / 127.0
+    safe = np.where(scales == 0, 1.0, scales)
+    q = np.clip(np.rint(x / safe[:, :, None]), -127, 127).astype(np.int16) + 128
+    return q.reshape(n, k).astype(np.uint8), scales.astype(np.float32)
+
+
+def quantize_experts(model: onnx.ModelProto, bits: int = 4) -> int:
+    """Pack every MoE node's fp32 expert tables into MoEInt4 (experts back to back) at `bits` (4:
+    int4 cores; 8: int8 cores, attribute bits = 8); return how many. A layer whose widths no block
+    divides (or, with a gate, whose intermediate width is not a multiple of 16) stays fp32."""
+    blocks, quantized, packer = (BLOCKS8, quantize_int8, pack8) if bits == 8 else (BLOCKS, quantize_int4, pack)
     inits = {init.name: init for init in model.graph.initializer}
     used = [name for node in model.graph.node for name in node.input]
     converted = 0
@@ -53,8 +66,8 @@ def quantize_experts(model: onnx.ModelProto) -> int:
         up, down = (numpy_helper.to_array(inits[n]).astype(np.float32) for n in node.input[3:5])
         gate = numpy_helper.to_array(inits[gate_name]).astype(np.float32) if gate_name else None
         experts, inter, width = up.shape
-        block_up = next((b for b in BLOCKS if width % b == 0), None)
-        block_down = next((b for b in BLOCKS if inter % b == 0), None)
+        block_up = next((b for b in blocks if width % b == 0), None)
+        block_down = next((b for b in blocks if inter % b == 0), None)
         if block_up is None or block_down is None or (gate is not None and inter % TILE):
             continue
         order = _swiglu_order(2 * inter) if gate is not None else None
@@ -62,7 +75,7 @@ def quantize_experts(model: onnx.ModelProto) -> int:
         for e in range(experts):
             first = up[e] if gate is None else np.concatenate([gate[e], up[e]])[order]
             for key, rows, block in (("gu", first, block_up), ("dn", down[e], block_down)):
-                data, scales = pack(*quantize_int4(rows, block), block)
+                data, scales = packer(*quantized(rows, block), block)
                 parts[key].append(data)
                 parts[key + "s"].append(scales)
         base = node.name or node.output[0]
@@ -71,6 +84,8 @@ def quantize_experts(model: onnx.ModelProto) -> int:
             model.graph.initializer.append(numpy_helper.from_array(np.concatenate(parts[key]), name))
         attrs = _attrs(node)
         extra = {key: attrs[key] for key in ("top_k", "unit", "limit", "alpha") if key in attrs}
+        if bits == 8:
+            extra["bits"] = 8
         new = helper.make_node(INT4_OP, [*node.input[:3], *names], list(node.output), name=node.name, domain=DOMAIN,
                                activation=attrs["activation"], glu=int(gate is not None), inter=inter,
                                block_up=block_up, block_down=block_down, experts=experts, **extra)
@@ -120,22 +135,24 @@ def _dequantized(node: onnx.NodeProto, attrs: dict, tables: dict) -> tuple[onnx.
     gu, gus, dn, dns = (numpy_helper.to_array(tables[n]) for n in node.input[3:7])
     experts, inter, glu = attrs["experts"], attrs["inter"], bool(attrs["glu"])
     n1 = 2 * inter if glu else inter
-    # gate_up is [E x tiles(n1) x W x 8] bytes: W follows from its size.
-    width = gu.size // experts // (-(-n1 // TILE) * 8)
+    eight = attrs.get("bits", 4) == 8
+    unpacker, zero = (unpack8, 128) if eight else (unpack, 8)
+    # gate_up is [E x tiles(n1) x W x 8 (16 at 8 bits)] bytes: W follows from its size.
+    width = gu.size // experts // (-(-n1 // TILE) * (16 if eight else 8))
     ups, downs, gates = [], [], []
     gu, gus = gu.reshape(experts, -1), gus.reshape(experts, -1)
     dn, dns = dn.reshape(experts, -1), dns.reshape(experts, -1)
     for e in range(experts):
-        q, s = unpack(gu[e], gus[e], n1, width, attrs["block_up"])
-        first = ((q.astype(np.float32) - 8) * np.repeat(s, attrs["block_up"], axis=1))
+        q, s = unpacker(gu[e], gus[e], n1, width, attrs["block_up"])
+        first = ((q.astype(np.float32) - zero) * np.repeat(s, attrs["block_up"], axis=1))
         if glu:
             first = first[np.argsort(_swiglu_order(n1))]  # back to [gate rows, up rows]
             gates.append(first[:inter])
             ups.append(first[inter:])
         else:
             ups.append(first)
-        q, s = unpack(dn[e], dns[e], width, inter, attrs["block_down"])
-        downs.append((q.astype(np.float32) - 8) * np.repeat(s, attrs["block_down"], axis=1))
+        q, s = unpacker(dn[e], dns[e], width, inter, attrs["block_down"])
+        downs.append((q.astype(np.float32) - zero) * np.repeat(s, attrs["block_down"], axis=1))
     base = node.name or node.output[0]
     arrays = {f"{base}.dense_up": np.stack(ups), f"{base}.dense_down": np.stack(downs)}
     if glu:

@@ -280,9 +280,11 @@ struct MoEOp : Ort::CustomOpBase<MoEOp, MoEKernel> {
 // gate and the same 16 up columns (glu = 1) or N1 = I (glu = 0), scales [tiles(N1), W / block_up,
 // 16]; down [tiles(W) * I * 8], scales [tiles(W), I / block_down, 16].
 // Inputs:  h, idx, weights (as MoE); gate_up uint8; gate_up_scales float; down uint8; down_scales float.
-// Attributes: activation, unit, limit, alpha (as MoE), glu (0 or 1), inter (I), block_up, block_down.
+// Attributes: activation, unit, limit, alpha (as MoE), glu (0 or 1), inter (I), block_up, block_down,
+// bits (4, or 8 for int8 cores: then 16 bytes per (tile, k), each vector [16 columns x 4 k] of
+// q + 128; absent: 4).
 // Each routed expert's rows are quantized to int8 per block (as MatMulInt4 does, accuracy level
-// 4) and run through MatMulInt4's passes against that expert's tiles only.
+// 4) and run through MatMulInt4's passes (Pass8 for 8 bits) against that expert's tiles only.
 
 struct Int4Item {
   int expert, t0, t1, r0, r1;
@@ -297,9 +299,10 @@ struct Int4Gemm {
   // Problems for the active experts (weights at `w` + e * bytes, scales likewise) and work
   // items of up to kMaxTilesPerItem tiles x kRowChunk grouped rows.
   void Plan(const Routing& routing, QuantizedRows* rows, const uint8_t* w, const float* scales, int N, int K,
-            int block, int64_t E, float* dst) {
+            int block, int64_t E, float* dst, int bits) {
     const int tiles = (N + kTileN - 1) / kTileN, blocks = K / block;
-    const size_t bytes = static_cast<size_t>(tiles) * K * 8, scale_count = static_cast<size_t>(tiles) * blocks * kTileN;
+    const size_t bytes = static_cast<size_t>(tiles) * K * (bits == 8 ? 16 : 8);
+    const size_t scale_count = static_cast<size_t>(tiles) * blocks * kTileN;
     experts.assign(E, Problem{});
     items.clear();
     const int per_item = std::clamp(tiles / 4, 1, kMaxTilesPerItem);
@@ -314,6 +317,7 @@ struct Int4Gemm {
       p.block = block;
       p.blocks = blocks;
       p.tiles = tiles;
+      p.bits = bits;
       for (int r0 = routing.first[e]; r0 < routing.first[e + 1]; r0 += kRowChunk)
         for (int t0 = 0; t0 < tiles; t0 += per_item)
           items.push_back({e, t0, std::min(tiles, t0 + per_item), r0, std::min(routing.first[e + 1], r0 + kRowChunk)});
@@ -327,9 +331,15 @@ void Int4GemmItem(void* data, size_t i) {
   const Int4Gemm& g = *static_cast<const Int4Gemm*>(data);
   const Int4Item& it = g.items[i];
   const Problem& p = g.experts[it.expert];
-  for (int r = it.r0; r < it.r1; r += kPassRows)
-    RunRows(p, it.t0, it.t1 - it.t0, r, std::min(kPassRows, it.r1 - r),
-            g.out + static_cast<size_t>(r) * g.ld + it.t0 * kTileN, g.ld);
+  for (int r = it.r0; r < it.r1; r += kPassRows) {
+    float* dst = g.out + static_cast<size_t>(r) * g.ld + it.t0 * kTileN;
+    const int rows = std::min(kPassRows, it.r1 - r);
+    if (p.bits == 8) {
+      RunRows<8>(p, it.t0, it.t1 - it.t0, r, rows, dst, g.ld);
+    } else {
+      RunRows<4>(p, it.t0, it.t1 - it.t0, r, rows, dst, g.ld);
+    }
+  }
 }
 
 void QuantizeRows(const float* x, const int* row_of, int rows, int K, int block, QuantizedRows& q) {
@@ -345,10 +355,15 @@ void QuantizeRows(const float* x, const int* row_of, int rows, int K, int block,
 struct MoEInt4Kernel {
   Unit unit;
   bool glu;
-  int64_t I, block_up, block_down;
+  int64_t I, block_up, block_down, bits = 4;
 
   MoEInt4Kernel(const OrtApi&, const OrtKernelInfo* info) : unit(ReadUnit(Ort::ConstKernelInfo(info), "MoEInt4")) {
     Ort::ConstKernelInfo ki(info);
+    try {
+      bits = ki.GetAttribute<int64_t>("bits");  // absent: 4 (the first MoEInt4 cores)
+    } catch (const Ort::Exception&) {
+    }
+    if (bits != 4 && bits != 8) ORT_CXX_API_THROW("MoEInt4: bits must be 4 or 8", ORT_INVALID_ARGUMENT);
     glu = ki.GetAttribute<int64_t>("glu") != 0;
     I = ki.GetAttribute<int64_t>("inter");
     block_up = ki.GetAttribute<int64_t>("block_up");
@@ -370,7 +385,8 @@ struct MoEInt4Kernel {
     const int64_t N = hs[0], W = hs[1], k = is[1], N1 = glu ? 2 * I : I;
     if (W % block_up) fail("block_up does not divide W");
     const int64_t tiles1 = (N1 + kTileN - 1) / kTileN, tiles2 = (W + kTileN - 1) / kTileN;
-    const int64_t per1 = tiles1 * W * 8, per2 = tiles2 * I * 8;
+    const int64_t per_k = bits == 8 ? 16 : 8;  // bytes per (tile, k): 16 columns of 4 or 8 bits
+    const int64_t per1 = tiles1 * W * per_k, per2 = tiles2 * I * per_k;
     const int64_t gu_bytes = static_cast<int64_t>(gu.GetTensorTypeAndShapeInfo().GetElementCount());
     const int64_t E = per1 ? gu_bytes / per1 : 0;
     if (E <= 0 || gu_bytes != E * per1 ||
@@ -396,7 +412,7 @@ struct MoEInt4Kernel {
                  static_cast<int>(block_up), rows);
     first_out.resize(R * N1);
     gemm.Plan(routing, &rows, gu.GetTensorData<uint8_t>(), gus.GetTensorData<float>(), static_cast<int>(N1),
-              static_cast<int>(W), static_cast<int>(block_up), E, first_out.data());
+              static_cast<int>(W), static_cast<int>(block_up), E, first_out.data(), static_cast<int>(bits));
     ctx.ParallelFor(Int4GemmItem, gemm.items.size(), 0, &gemm);
     hidden.resize(R * I);
     for (int64_t r = 0; r < R; ++r) {
@@ -415,7 +431,7 @@ struct MoEInt4Kernel {
                  hidden_rows);
     expert_out.resize(R * W);
     gemm.Plan(routing, &hidden_rows, dn.GetTensorData<uint8_t>(), dns.GetTensorData<float>(), static_cast<int>(W),
-              static_cast<int>(I), static_cast<int>(block_down), E, expert_out.data());
+              static_cast<int>(I), static_cast<int>(block_down), E, expert_out.data(), static_cast<int>(bits));
     ctx.ParallelFor(Int4GemmItem, gemm.items.size(), 0, &gemm);
     routing.Combine(weights.GetTensorData<float>(), expert_out.data(), N, k, W, y);
   }

@@ -144,9 +144,9 @@ def quantize_weights(model: onnx.ModelProto, s: QuantSettings) -> None:
     fold_bias_adds(model)
     if s.int4_tiles:
         to_int4_tiles(model)
-        # Routed experts (ai.flare.MoE): each expert's tables in the same 4-bit scheme, run by
-        # MoEInt4 (blocks of 64, or 32/16 where the width needs them).
-        quantize_experts(model)
+    # Routed experts (ai.flare.MoE): each expert's tables in the dense layers' scheme, run by
+    # MoEInt4: 4-bit blocks of 64 (or 32/16 where the width needs them), 8-bit blocks of 128.
+    quantize_experts(model, bits=s.bits)
 
 
 def quantize_score(onnx_in: Path, onnx_out: Path, precision: str) -> None:

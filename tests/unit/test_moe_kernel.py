@@ -133,17 +133,19 @@ def test_kernel_rejects_an_expert_outside_the_table(tmp_path):
 
 @pytest.mark.parametrize("kind,glu,unit", CASES)
 @pytest.mark.parametrize("rows,k", [(1, 4), (8, 2), (70, 4)])
-def test_int4_experts_match_their_dequantized_numbers(kind, glu, unit, rows, k, tmp_path):
-    """MoEInt4 (the packed tables, int8 activation blocks) against the same int4 numbers
-    dequantized into the dense fp32 chain: within activation-quantization error; and near the
-    fp32 experts they came from."""
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int4_experts_match_their_dequantized_numbers(kind, glu, unit, rows, k, bits, tmp_path):
+    """MoEInt4 (the packed tables, int8 activation blocks; bits = 8: the int8 cores' tables)
+    against the same numbers dequantized into the dense fp32 chain: within activation-quantization
+    error; and near the fp32 experts they came from."""
     library, why = kernels.available()
     if library is None:
         pytest.skip(why)
     model, weights = _model(kind, glu, seed=rows, inter=64, width=96, top_k=k, unit=unit)
-    assert quantize_experts(model) == 1
+    assert quantize_experts(model, bits=bits) == 1
     (node,) = model.graph.node
     assert node.op_type == "MoEInt4" and {i.name for i in model.graph.initializer} == set(node.input[3:])
+    assert {a.name: a.i for a in node.attribute}.get("bits", 4) == bits
     session, used = _session(model, tmp_path)
     assert used == "flare"
     feeds = _routing(rows, k, seed=rows + 1, width=96)
@@ -156,8 +158,9 @@ def test_int4_experts_match_their_dequantized_numbers(kind, glu, unit, rows, k, 
     assert np.abs(got - want).max() <= 0.03 * scale  # int8 activations per block of the int4 numbers
     fp32 = _want(feeds, weights, kind, unit)
     rms = float(np.sqrt(np.mean(fp32 ** 2)))
-    # Gaussian weights at 4 bits: ~9% RMS error each, compounded through two projections and the GLU.
-    assert float(np.sqrt(np.mean((got - fp32) ** 2))) <= 0.25 * rms
+    # Gaussian weights at 4 bits: ~9% RMS error each, compounded through two projections and the
+    # GLU; at 8 bits the int8 activations dominate what is left.
+    assert float(np.sqrt(np.mean((got - fp32) ** 2))) <= (0.25 if bits == 4 else 0.05) * rms
     # decode_weight_bytes: the packed tables count at top_k / E.
     onnx.save(model, str(tmp_path / "int4.onnx"))
     tables = sum(numpy_helper.to_array(i).nbytes for i in model.graph.initializer)

@@ -88,19 +88,21 @@ def test_routed_experts_match_transformers_at_32_experts(recipe, tmp_path):
 
 
 
-def test_int4_cores_route_packed_experts(tmp_path, monkeypatch):
-    """An int4 export packs each routed expert's tables into MoEInt4 (4-bit, MatMulInt4's tiles),
-    passes the same validation as dense families, and runs the same with flare's kernel and
-    with the dense rewrite helios uses where that kernel cannot run."""
+@pytest.mark.parametrize("precision,bits", [("int4", 4), ("int8", 8)])
+def test_quantized_cores_route_packed_experts(precision, bits, tmp_path, monkeypatch):
+    """An int4 (int8) export packs each routed expert's tables into MoEInt4 at 4 (8) bits, the
+    dense layers' scheme, passes the same validation as dense families, and runs the same with
+    flare's kernel and with the dense rewrite helios uses where that kernel cannot run."""
     checkpoint = write_quantizable_checkpoint(tmp_path / "ckpt", "qwen3_5_moe", overrides=VARIANTS["qwen38"][1])
     core = tmp_path / "core"
     manifest = export_core(ExportOptions(recipe=load_recipe("qwen38"), checkpoint=str(checkpoint), out=core,
-                                         precision="int4", cache=False))
+                                         precision=precision, cache=False))
     model = onnx.load(str(core / "step.onnx"), load_external_data=False)
     packed = [n for n in model.graph.node if n.op_type == "MoEInt4"]
     assert packed and not [n for n in model.graph.node if n.op_type in ("MoE", "Einsum")]
+    assert {next((a.i for a in n.attribute if a.name == "bits"), 4) for n in packed} == {bits}
     assert manifest.parity is not None and manifest.parity.top1_agreement >= 0.9
-    ids = list(range(260, 300))
+    ids = list(range(manifest.architecture.vocab_size - 40, manifest.architecture.vocab_size))
     logits = []
     for kernels in ("on", "off"):
         monkeypatch.setenv("FLARE_KERNELS", kernels)
