@@ -16,7 +16,6 @@ start = its first token's index + the delta before it (transformers' get_rope_in
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -85,17 +84,14 @@ class VisionEncoder:
         self.session, _ = open_session(Path(core_dir) / manifest.engine(self.vision.engine).file, opts,
                                        ["CPUExecutionProvider"])  # fmt: skip
         self.images_total = 0
-        self.seconds_total = 0.0
 
     def encode(self, image: ImageInput) -> np.ndarray:
         """Image-token features [image.tokens, hidden]."""
-        started = time.perf_counter()
         rows, cols = image.grid
         rows_cols, ids, weights = grid_inputs(rows, cols, self.vision.merge_size, self.vision.position_grid)
         (features,) = self.session.run(None, {"patches": patchify(image, self.vision), "patch_rows_cols": rows_cols,
                                               "table_ids": ids, "table_weights": weights})  # fmt: skip
         self.images_total += 1
-        self.seconds_total += time.perf_counter() - started
         if features.shape[0] != image.tokens:
             raise RuntimeError(f"the vision graph made {features.shape[0]} features for {image.tokens} image tokens")
         return features
@@ -125,11 +121,6 @@ def rope_positions(images: list[ImageInput], start: int, count: int, merge: int)
         after = index >= end
         out[:, after] = index[after] + delta
     return out
-
-
-def position_delta(images: list[ImageInput], merge: int) -> int:
-    """What every position after the last image is shifted by (a decode token's delta)."""
-    return sum(max(merged_grid(image, merge)) - image.tokens for image in images)
 
 
 def identity_id(image: ImageInput) -> int:

@@ -82,8 +82,9 @@ def profile_grid(height: int, width: int, vision: Vision) -> tuple[int, int]:
     return rows // vision.patch_size, cols // vision.patch_size
 
 
-def prepare_image(data: bytes, media_type: str, vision: Vision, position: int) -> PreparedImage:
-    """Decode and cost one image (`position`: its 1-based place in the request, for messages)."""
+def prepare_image(data: bytes, vision: Vision, position: int) -> PreparedImage:
+    """Decode and cost one image (`position`: its 1-based place in the request, for messages). The
+    decoded format decides, whatever media type the client declared (decoders checked that one)."""
     where = f"image {position}"
     if len(data) > vision.max_image_bytes:
         raise RequestError(f"{where} is {len(data)} bytes, more than max_image_bytes {vision.max_image_bytes}",
@@ -161,7 +162,7 @@ def prepare_images(parts: list[ImagePart], manifest: Manifest) -> list[PreparedI
     vision = manifest.vision
     if vision is None:
         raise RequestError("this model core does not accept image input", param="messages")
-    prepared = [prepare_image(part.data, part.media_type, vision, k) for k, part in enumerate(parts, start=1)]
+    prepared = [prepare_image(part.data, vision, k) for k, part in enumerate(parts, start=1)]
     check_budget(prepared, image_budget(manifest))
     for part in parts:
         part.placeholder = vision.placeholder

@@ -92,10 +92,6 @@ class Lowered:
     checkpoints: list[CheckpointCandidate] = field(default_factory=list)
     images: list[ImageInput] = field(default_factory=list)  # the prompt's images, in prompt order
 
-    @property
-    def image_tokens(self) -> int:
-        return sum(image.tokens for image in self.images)
-
     def requests(self, response_id: str, sampling: SamplingParams, choices: int = 1,
                  prompt_logprobs: int | None = None) -> list[GenerationRequest]:
         """One engine request per choice; the shared prompt is scored once (the first choice)."""

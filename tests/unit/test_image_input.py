@@ -314,7 +314,7 @@ def test_encoded_size_limit(vision_core: Path):
     """max_image_bytes is checked before decoding (a core's limit, shrunk here to reach it)."""
     vision = dataclasses.replace(Manifest.load(vision_core).vision, max_image_bytes=100)
     with pytest.raises(RequestError, match=r"image 2 is \d+ bytes, more than max_image_bytes 100"):
-        prepare_image(png(32, 32), "image/png", vision, 2)
+        prepare_image(png(32, 32), vision, 2)
 
 
 def test_prompt_logprobs_are_null_at_image_positions(server: Server):

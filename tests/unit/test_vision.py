@@ -16,7 +16,7 @@ from PIL import Image
 
 from helios.engine.api import ImageInput
 from helios.engine.runner import Runner, StepRow
-from helios.engine.vision import VisionEncoder, patchify, position_delta, rope_positions
+from helios.engine.vision import VisionEncoder, patchify, rope_positions
 from helios.frontend.images import profile_grid
 from helios.manifest import Manifest
 from ignition.recipes import load_recipe
@@ -165,7 +165,6 @@ def test_decode_positions_continue_past_the_images(tiny: Tiny):
     deltas): the delta of a 4x6-patch image is max(2, 3) - 6 = -3."""
     image, _, _ = tiny.image(picture(96, 64, 0), 4)
     assert image.grid == (4, 6) and image.tokens == 6
-    assert position_delta([image], 2) == -3
     positions = rope_positions([image], 0, 12, 2)
     assert positions[:, :4].tolist() == [[0, 1, 2, 3]] * 3
     assert positions[:, 4:10].tolist() == [[4] * 6, [4, 4, 4, 5, 5, 5], [4, 5, 6, 4, 5, 6]]
