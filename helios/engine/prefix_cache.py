@@ -278,6 +278,10 @@ class PrefixCache:
         for cand in offered:
             role = CheckpointRole(cand.role)
             p = int(cand.position)
+            if self.recurrent_state and role is CheckpointRole.ENDPOINT and p == prompt_len:
+                # A state core restores strictly less than a request's prompt (`match`), so the
+                # prompt's own end would never serve the same prompt again: one token earlier does.
+                p -= 1
             if not 0 < p <= prompt_len:
                 continue
             if p not in best or ROLE_PRIORITY[role] < ROLE_PRIORITY[best[p]]:
