@@ -70,6 +70,18 @@ struct Problem {
 // rows x tiles, the low and high nibbles feed separate int32 chains so that VPDPBUSD's latency
 // is hidden; with many, one chain each keeps everything in the 32 vector registers.
 // Writes tile t's columns of row m to dst + m * ld + 16 t (masked to the matrix's last column).
+// A pass's MR x NT tiles of outputs (plus the bias) into dst, the last tile masked to N.
+template <int MR, int NT>
+void Store(const Problem& p, int tile, const __m512 (&out)[MR][NT], float* dst, size_t ld) {
+  for (int t = 0; t < NT; ++t) {
+    const int n0 = (tile + t) * kTileN;
+    const int cols = std::min(kTileN, p.N - n0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
+    const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(dst + m * ld + t * kTileN, mask, _mm512_add_ps(out[m][t], bias));
+  }
+}
+
 template <int MR, int NT>
 void Pass(const Problem& p, int tile, int row, float* dst, size_t ld) {
   constexpr int kChains = MR * NT >= 4 ? 1 : 2;
@@ -116,13 +128,7 @@ void Pass(const Problem& p, int tile, int row, float* dst, size_t ld) {
       }
     }
   }
-  for (int t = 0; t < NT; ++t) {
-    const int n0 = (tile + t) * kTileN;
-    const int cols = std::min(kTileN, p.N - n0);
-    const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
-    const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + n0) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(dst + m * ld + t * kTileN, mask, _mm512_add_ps(out[m][t], bias));
-  }
+  Store<MR, NT>(p, tile, out, dst, ld);
 }
 
 // Few rows: several tiles per pass for independent chains; many rows: one tile, 8 rows.
@@ -167,13 +173,7 @@ void Pass8(const Problem& p, int tile, int row, float* dst, size_t ld) {
       }
     }
   }
-  for (int t = 0; t < NT; ++t) {
-    const int n0 = (tile + t) * kTileN;
-    const int cols = std::min(kTileN, p.N - n0);
-    const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
-    const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + n0) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(dst + m * ld + t * kTileN, mask, _mm512_add_ps(out[m][t], bias));
-  }
+  Store<MR, NT>(p, tile, out, dst, ld);
 }
 
 template <int MR, int NT, int Bits>

@@ -22,17 +22,22 @@ OP = "MatMulInt4"
 TILE = 16  # output columns per tile
 
 
+def _padded(q: np.ndarray, scales: np.ndarray, block: int, zero: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """q and scales padded to whole tiles (missing columns: q = zero, scale 0), tiles, blocks."""
+    n, k = q.shape
+    tiles = -(-n // TILE)
+    qp = np.full((tiles * TILE, k), zero, np.uint8)
+    qp[:n] = q
+    sp = np.zeros((tiles * TILE, k // block), np.float32)
+    sp[:n] = scales
+    return qp, sp, tiles, k // block
+
+
 def pack(q: np.ndarray, scales: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     """q: uint8 [N, K] values 0..15, scales: float32 [N, K // block] -> (packed uint8
     [tiles * K * 8], scales float32 [tiles, blocks, 16]); missing columns of the last tile
     hold q = 8 with scale 0."""
-    n, k = q.shape
-    blocks = k // block
-    tiles = -(-n // TILE)
-    qp = np.full((tiles * TILE, k), 8, np.uint8)
-    qp[:n] = q
-    sp = np.zeros((tiles * TILE, blocks), np.float32)
-    sp[:n] = scales
+    qp, sp, tiles, blocks = _padded(q, scales, block, zero=8)
     # k = b * block + 8 p + 4 h + j  ->  [tile, b, p, h, column, j]
     x = qp.reshape(tiles, TILE, blocks, block // 8, 2, 4).transpose(0, 2, 3, 4, 1, 5)
     packed = x[:, :, :, 0] | (x[:, :, :, 1] << 4)
@@ -54,13 +59,7 @@ def pack8(q: np.ndarray, scales: np.ndarray, block: int) -> tuple[np.ndarray, np
     """The 8-bit tiles of MoEInt4 (bits = 8): q uint8 [N, K] values 0..255 (q + 128), scales
     [N, K // block] -> (packed uint8 [tiles * K * 16]: per tile and block, vectors of [16 columns
     x 4 k], scales float32 [tiles, blocks, 16]); missing columns hold q = 128, scale 0."""
-    n, k = q.shape
-    blocks = k // block
-    tiles = -(-n // TILE)
-    qp = np.full((tiles * TILE, k), 128, np.uint8)
-    qp[:n] = q
-    sp = np.zeros((tiles * TILE, blocks), np.float32)
-    sp[:n] = scales
+    qp, sp, tiles, blocks = _padded(q, scales, block, zero=128)
     # k = b * block + 4 p + j  ->  [tile, b, p, column, j]
     x = qp.reshape(tiles, TILE, blocks, block // 4, 4).transpose(0, 2, 3, 1, 4)
     return np.ascontiguousarray(x).reshape(-1), np.ascontiguousarray(sp.reshape(tiles, TILE, blocks).transpose(0, 2, 1))
