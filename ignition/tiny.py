@@ -55,12 +55,22 @@ class TinyError(ValueError):
     pass
 
 
-def build_tiny_model(family: str, special_tokens: dict[str, int], vocab_size: int, seed: int = 0) -> torch.nn.Module:
-    """The family's transformers model with a tiny seeded config (eval, float32, eager attention)."""
+def reference_module(family: str):  # noqa: ANN201
+    """The transformers module of a family's reference model (TinyError when there is none, or
+    when transformers, the `tiny` extra, is not installed)."""
     if family not in TINY_FAMILIES:
         raise TinyError(f"no tiny checkpoint for the {family!r} family yet (have: {', '.join(TINY_FAMILIES)})")
-    module_name, config_name, model_name, text = TINY_FAMILIES[family]
-    module = importlib.import_module(module_name)
+    try:
+        return importlib.import_module(TINY_FAMILIES[family][0])
+    except ModuleNotFoundError as exc:
+        raise TinyError(f"tiny checkpoints are written by transformers' own model classes, which are not "
+                        f"installed ({exc}): pip install -e '.[tiny]'") from None
+
+
+def build_tiny_model(family: str, special_tokens: dict[str, int], vocab_size: int, seed: int = 0) -> torch.nn.Module:
+    """The family's transformers model with a tiny seeded config (eval, float32, eager attention)."""
+    _, config_name, model_name, text = TINY_FAMILIES[family]
+    module = reference_module(family)
     token = special_tokens.__getitem__
     config = getattr(module, config_name)(
         text_config=dict(text, vocab_size=vocab_size, eos_token_id=token("<|im_end|>"), tie_word_embeddings=True),
@@ -90,6 +100,7 @@ def write_tiny_checkpoint(recipe: Recipe, out: Path, seed: int = 0, gguf_path: P
     if recipe.family not in TINY_FAMILIES:
         raise TinyError(f"recipe {recipe.name!r} compiles {recipe.family!r}: tiny checkpoints exist for the "
                         f"{', '.join(TINY_FAMILIES)} families (docs/recipes.md)")
+    reference_module(recipe.family)  # before fetching the tokenizer's model: fail fast without transformers
     reader = open_gguf(gguf_path or resolve_packaged(TOKENIZER_SOURCE))
     source = tokenizer_from_gguf(reader)
     vocab = _embedding_rows(reader)

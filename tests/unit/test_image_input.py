@@ -8,6 +8,7 @@ import base64
 import dataclasses
 import io
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from helios.frontend.errors import RequestError
 from helios.frontend.images import prepare_image
 from helios.manifest import Manifest
 from ignition.recipes import load_recipe
-from ignition.tiny import write_tiny_checkpoint
+from ignition.tiny import TinyError, write_tiny_checkpoint
 from tests.conftest import Server, export
 
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -331,3 +332,10 @@ def test_prompt_logprobs_are_null_at_image_positions(server: Server):
     assert len(nulls) == 1 + 6 and nulls[0] == 0
     assert nulls[1:] == list(range(nulls[1], nulls[1] + 6))  # the image's six tokens, in a run
     assert all(isinstance(entry, dict) and entry for i, entry in enumerate(entries) if i not in nulls)
+
+
+def test_tiny_checkpoint_without_transformers_says_what_to_install(monkeypatch, tmp_path: Path):
+    """transformers is the `tiny` extra, not a serving dependency: its absence is a clear error."""
+    monkeypatch.setitem(sys.modules, "transformers.models.qwen3_5_moe", None)
+    with pytest.raises(TinyError, match=r"pip install -e '\.\[tiny\]'"):
+        write_tiny_checkpoint(load_recipe("qwen38"), tmp_path / "tiny")
