@@ -173,10 +173,10 @@ class ImagePlacer:
             return
         merge = self.vision.merge_size
         for row, seq in zip(rows, seqs):
-            row.token_ids = [self.vision.image_token_id if t < 0 else t for t in row.token_ids]
             images = seq.request.images
             if not images:
                 continue
+            row.token_ids = [self.vision.image_token_id if t < 0 else t for t in row.token_ids]
             start, count = row.history_len, len(row.token_ids)
             row.rope_positions = rope_positions(images, start, count, merge)
             offsets, parts = [], []

@@ -135,7 +135,9 @@ class Scorer:
         if lowered.reasoning is not None and lowered.reasoning.starts_open:
             raise RequestError("this model core's template always starts in reasoning, so an answer label "
                                "cannot be the first generated token", param="model")
-        label_ids = self._verify_labels(lowered.prompt_text, labels)
+        # Labels follow the rendered text, where each image is still its one placeholder token.
+        text_ids = self.tokenizer.encode(lowered.prompt_text, add_bos=False) if lowered.images else lowered.prompt_ids
+        label_ids = self._verify_labels(lowered.prompt_text, text_ids, labels)
         limit = self.manifest.limits.context_length
         if len(lowered.prompt_ids) + 1 > limit:
             raise RequestError(f"a question's prompt has {len(lowered.prompt_ids)} tokens, over this model's "
@@ -152,10 +154,7 @@ class Scorer:
                                     checkpoints=lowered.checkpoints, images=lowered.images)
         return CompiledQuestion(request, label_ids)
 
-    def _verify_labels(self, prompt_text: str, labels: list[str]) -> list[int]:
-        """Each label's id as the first token after the rendered text (images' placeholders stay
-        one token each here: the expansion into image tokens comes after the text)."""
-        prompt_ids = self.tokenizer.encode(prompt_text, add_bos=False)
+    def _verify_labels(self, prompt_text: str, prompt_ids: list[int], labels: list[str]) -> list[int]:
         ids = []
         for label in labels:
             encoded = self.tokenizer.encode(prompt_text + label, add_bos=False)

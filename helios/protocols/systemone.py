@@ -162,12 +162,13 @@ async def handle(request: web.Request, ctx: ServerContext) -> web.StreamResponse
     else:
         body = await ctx.read_json_object(request)
     assets: list[Asset] = []
-    originals = copy.deepcopy(body.get("questions"))  # legends keep the references as written
+    originals = body.get("questions")
     if body.get("assets") is not None or multipart:
         if request.headers.get("TypeSafe-Danger-Zone-Images", "").strip().lower() != "true":
             raise bad_request("image assets need the TypeSafe-Danger-Zone-Images: true header")
         if ctx.manifest.vision is None:
             raise bad_request("image assets need a vision model core; this core is text-only")
+        originals = copy.deepcopy(originals)  # bind_assets rewrites references; legends keep them as written
         try:
             assets = bind_assets(body, parts)
         except RequestError as exc:

@@ -13,6 +13,7 @@ from helios.manifest import Engine, TensorSpec, Vision
 from ignition.checkpoints.base import Checkpoint
 from ignition.export.graph import OPSET, save_with_external_data
 from ignition.export.state import ExportError
+from ignition.models.qwen3_5 import mrope_axes
 from ignition.models.qwen3_5_vision import Qwen35VisionTower
 
 VISION_GRAPH_FILE = "vision.onnx"
@@ -90,8 +91,7 @@ def vision_spec(checkpoint: Checkpoint, engine: Engine, context_length: int) -> 
         raise ExportError(f"the tokenizer lacks the vision start / image / end tokens {ids} the config names")
     per_image = max_pixels // (patch * merge) ** 2
     window = min(per_image, context_length)
-    text = config.get("text_config") or config
-    section = [int(n) for n in (text.get("rope_parameters") or {})["mrope_section"]]
+    section = mrope_axes(config)
     return Vision(
         engine=engine.name, patch_size=patch, temporal_patch_size=temporal, merge_size=merge,
         min_pixels=min_pixels, max_pixels=max_pixels, image_mean=[float(v) for v in profile["image_mean"]],

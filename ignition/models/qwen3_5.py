@@ -67,6 +67,11 @@ def mrope_section(config: dict[str, Any], tensors: dict[str, np.ndarray]) -> lis
     a vision tower (its step graph then takes image features and mrope positions), else None."""
     if not isinstance(config.get("vision_config"), dict) or not vision_tensors(tensors):
         return None
+    return mrope_axes(config)
+
+
+def mrope_axes(config: dict[str, Any]) -> list[int]:
+    """The config's interleaved three-axis mrope_section (FamilyError for any other rotary)."""
     rope = text_config(config).get("rope_parameters") or {}
     section = rope.get("mrope_section")
     if not section or len(section) != 3 or not rope.get("mrope_interleaved", True):
