@@ -50,6 +50,8 @@ log = logging.getLogger("helios.server")
 
 CTX_KEY = web.AppKey("flare_context", ServerContext)
 COLLECTOR_KEY = web.AppKey("flare_collector", metrics.FlareCollector)
+# More /metrics families beside the engine's (helios.cluster adds per-replica ones).
+EXTRA_COLLECTORS_KEY = web.AppKey("flare_extra_collectors", tuple)
 
 # Aggregate-only routes anyone may read (api.md: no request content is exposed there).
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -114,7 +116,8 @@ def check_startup(manifest: Manifest, config: ServerConfig, tokenizer: Tokenizer
                               "one token, so a budget cannot close reasoning; remove it from [server]")
 
 
-def create_app(manifest: Manifest, core_dir: Path, engine: Any, config: ServerConfig) -> web.Application:
+def create_app(manifest: Manifest, core_dir: Path, engine: Any, config: ServerConfig,
+               extra_collectors: tuple[metrics.ExtraCollector, ...] = ()) -> web.Application:
     """Build the application over a started (or about to start) engine. The caller owns the engine."""
     check_startup(manifest, config)
     tokenizer = Tokenizer.from_core(core_dir, manifest)
@@ -139,6 +142,7 @@ def create_app(manifest: Manifest, core_dir: Path, engine: Any, config: ServerCo
     )
     app[CTX_KEY] = ctx
     app[COLLECTOR_KEY] = metrics.FlareCollector(engine, http, admission, manifest.decode_weight_bytes)
+    app[EXTRA_COLLECTORS_KEY] = extra_collectors
 
     def bind(handler: Handler, generation: bool) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def wrapped(request: web.Request) -> web.StreamResponse:
@@ -271,8 +275,8 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics_route(request: web.Request) -> web.Response:
-    collector = request.app[COLLECTOR_KEY]
+    collector, extra = request.app[COLLECTOR_KEY], request.app[EXTRA_COLLECTORS_KEY]
     if metrics.wants_json(request.query.get("format"), request.headers.get("Accept")):
-        return json_response(metrics.json_snapshot(collector))
-    return web.Response(body=metrics.prometheus_text(collector),
+        return json_response(metrics.json_snapshot(collector, extra))
+    return web.Response(body=metrics.prometheus_text(collector, extra),
                         headers={"Content-Type": metrics.TEXT_CONTENT_TYPE})

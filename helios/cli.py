@@ -128,6 +128,77 @@ def _start_dashboard(settings: ServerConfig):  # noqa: ANN202 - returns a thread
     return stop
 
 
+cluster_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                          help="scale-out on Ray Serve (needs the `cluster` extra)")
+app.add_typer(cluster_app, name="cluster")
+
+
+def _cluster_launch():  # noqa: ANN202 - the helios.cluster.launch module
+    """Ray is the optional `cluster` extra: say how to install it instead of a traceback."""
+    try:
+        from helios.cluster import launch
+    except ImportError as exc:
+        err_console.print(f"[bold red]error:[/] helios cluster needs Ray Serve ({escape(str(exc))}); "
+                          "install it with: pip install -e '.[cpu,cluster]'")
+        raise typer.Exit(2) from None
+    return launch
+
+
+@cluster_app.command("serve")
+def cluster_serve(
+    core: Path = typer.Argument(..., help="core folder written by `ignition export`"),
+    replicas: int = typer.Option(2, min=1, help="engine replicas"),
+    host: Optional[str] = typer.Option(None, help="bind address [default: 127.0.0.1]"),
+    port: Optional[int] = typer.Option(None, help="TCP port [default: 8000]"),
+    address: Optional[str] = typer.Option(None, help="join this Ray cluster (e.g. auto) instead of starting one"),
+    api_key_file: Optional[Path] = typer.Option(None, help="file holding the serving key (overrides api_key)"),
+    config: Optional[Path] = typer.Option(None, help="TOML file with a [server] table"),
+    threads: Optional[int] = typer.Option(None, min=1, help="engine threads (Ray CPUs) per replica [default: cores / replicas]"),
+    kv_pages: Optional[int] = typer.Option(None, min=1, help="KV pool size in pages, per replica"),
+    host_store: Optional[Path] = typer.Option(None, help="host prefix store directory the replicas share"),
+    router: str = typer.Option("affinity", help="affinity (prefix affinity) or random (Ray Serve's power of two choices)"),
+) -> None:
+    """Serve CORE from N engine replicas behind one endpoint, routed by prefix affinity."""
+    from helios.cluster.spec import POLICIES, ClusterSpec
+
+    try:
+        manifest = Manifest.load(core)
+        settings = ServerConfig.load(config) if config else ServerConfig()
+        for name, value in (("host", host), ("port", port), ("host_store_dir", str(host_store) if host_store else None)):
+            if value is not None:
+                setattr(settings, name, value)
+        if api_key_file is not None:
+            settings.api_key = read_api_key_file(api_key_file)
+        if router not in POLICIES:
+            raise ConfigError(f"--router must be one of {', '.join(POLICIES)}")
+        from helios.app import check_startup
+
+        check_startup(manifest, settings)
+    except (ManifestError, ConfigError) as exc:
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}")
+        raise typer.Exit(2) from None
+    launch = _cluster_launch()
+    spec = ClusterSpec(core=core.resolve(), replicas=replicas, threads=threads, kv_pages=kv_pages, policy=router,
+                       address=address, settings=settings)
+
+    def ready(url: str) -> None:
+        auth = "key required" if settings.api_key else "no auth"
+        console.print(f"[bold green]helios cluster[/] serving [bold]{escape(manifest.model_id)}[/] at {escape(url)}/v1 "
+                      f"({auth}; {replicas} replicas x {spec.replica_threads} threads, {router} routing)")
+
+    launch.serve_forever(spec, ready)
+
+
+@cluster_app.command("scale")
+def cluster_scale(
+    replicas: int = typer.Argument(..., min=1, help="engine replicas to run"),
+    address: str = typer.Option("auto", help="the Ray cluster that runs `helios cluster serve`"),
+) -> None:
+    """Change the replica count: new replicas join; removed ones drain, then stop."""
+    _cluster_launch().scale(address, replicas)
+    console.print(f"engine replicas: {replicas}")
+
+
 @app.command("client-config")
 def client_config(
     client: str = typer.Argument(..., help="codex, claude-code or opencode"),

@@ -105,6 +105,9 @@ class GenerationRequest:
     queue_deadline: float | None = None
     # Images of the prompt, in prompt order (a core with a vision graph; empty otherwise).
     images: list[ImageInput] = field(default_factory=list)
+    # The client's conversation id (prompt_cache_key or a session header): a routing hint for a
+    # scale-out frontend (helios.cluster); the engine ignores it.
+    session_hint: str | None = None
 
 
 @dataclass

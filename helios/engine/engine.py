@@ -16,7 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tokenizers import Tokenizer
 
 from helios.engine.api import (EngineStats, FinishReason, GenerationEvent, GenerationRequest, PromptLogprob,
@@ -32,6 +31,7 @@ from helios.engine.sampler import explicit_logprob, prompt_logprob_entries, samp
 from helios.engine.scheduler import Batch, Scheduler
 from helios.engine.sequence import Sequence
 from helios.engine.speculation import RoundCounts, SpeculationConfig
+from helios.engine.validation import RequestCheck
 from helios.engine.vision import ImagePlacer
 from helios.manifest import Manifest
 
@@ -90,6 +90,7 @@ class Engine:
         )
         self.context_length = limits.context_length
         self.vocab_size = manifest.architecture.vocab_size
+        self.check = RequestCheck.for_core(manifest, bool(getattr(runner, "can_score_prompts", False)))
         self.eos_token_ids = list(manifest.tokenizer.eos_token_ids)
         self.constraints = Constraints(tokenizer, self.vocab_size, self.eos_token_ids)
         self.images = ImagePlacer.for_core(self.core_dir, manifest, threads)  # a text-only core's does nothing
@@ -141,7 +142,7 @@ class Engine:
 
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
         """Queue a request; events go to `sink` (from the engine thread). Raises ValueError."""
-        self._validate(request)
+        self.check(request)
         with self._cv:
             if self._stopping:
                 raise RuntimeError("engine is shut down")
@@ -156,40 +157,6 @@ class Engine:
             self._live.add(request.request_id)
             self._inbox.append(seq)
             self._cv.notify()
-
-    def _validate(self, request: GenerationRequest) -> None:
-        prompt = request.prompt_token_ids
-        n = len(prompt)
-        if n == 0:
-            raise ValueError("the prompt has no tokens")
-        if n + 1 > self.context_length:
-            raise ValueError(
-                f"the prompt has {n} tokens; with at least one output token this exceeds the "
-                f"context length of {self.context_length} tokens"
-            )
-        ids = np.asarray(prompt)
-        if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        s = request.sampling
-        scoring = request.prompt_logprobs is not None
-        if s.max_tokens < (0 if scoring else 1):
-            raise ValueError("max_tokens must be at least 1")
-        caps = self.manifest.logprobs
-        top = caps.max_top_logprobs
-        if s.logprobs is not None and not 0 <= s.logprobs <= top:
-            raise ValueError(f"logprobs must be between 0 and {top} for this core")
-        if s.logprob_token_ids:
-            if not caps.explicit_token_ids or s.logprobs is None:
-                raise ValueError("explicit logprob token ids need a core with explicit-ID logprob inputs and logprobs on")
-            if len(s.logprob_token_ids) > caps.max_explicit_token_ids:
-                raise ValueError(f"at most {caps.max_explicit_token_ids} logprob token ids")
-            if min(s.logprob_token_ids) < 0 or max(s.logprob_token_ids) >= self.vocab_size:
-                raise ValueError(f"logprob token ids must be in [0, {self.vocab_size})")
-        if scoring:
-            if not getattr(self.runner, "can_score_prompts", False):
-                raise ValueError("prompt logprobs are not available in this model core; re-export it with --prompt-logprobs")
-            if not 0 <= request.prompt_logprobs <= top:
-                raise ValueError(f"prompt_logprobs must be between 0 and {top}")
 
     def abort(self, request_id: str, reason: str | None = None) -> bool:
         """Cancel a request at the next step boundary (final event: ABORT, with `reason` as its

@@ -27,6 +27,7 @@ from helios.server.sse import KEEPALIVE_SECONDS, SSEWriter
 
 log = logging.getLogger("helios.server")
 
+SESSION_HEADERS = ("x-claude-code-session-id", "session_id", "session-id", "x-session-id")
 Frame = tuple[Any, str | None]  # one SSE event: its data and its event name (None: unnamed)
 
 
@@ -69,6 +70,9 @@ async def serve(request: web.Request, ctx: ServerContext, codec: Codec) -> web.S
     body = await ctx.read_json_object(request)
     response_id = codec.new_id()
     plan = await ctx.in_frontend(codec.plan, ctx, body, response_id)
+    hint = session_hint(request.headers, body)
+    for child in plan.requests:
+        child.session_hint = hint
     encoder = codec.encoder(ctx, plan)
     if not plan.requests:  # answered from the prompt alone: it never reached the model
         return await _stream(request, ctx, codec, encoder, None, {}) if plan.stream \
@@ -81,6 +85,19 @@ async def serve(request: web.Request, ctx: ServerContext, codec: Codec) -> web.S
         return await _buffered(ctx, encoder, group, headers)
     finally:
         group.close()  # aborts unfinished children on disconnect or failure
+
+
+def session_hint(headers: Any, body: dict[str, Any]) -> str | None:
+    """The client's conversation id, if it sent one: OpenAI's prompt_cache_key, else a session
+    header (Claude Code, Codex and generic forms). Only a routing hint: never trusted for access."""
+    key = body.get("prompt_cache_key")
+    if isinstance(key, str) and 0 < len(key) <= 256:
+        return f"key:{key}"
+    for name in SESSION_HEADERS:
+        value = headers.get(name)
+        if value and len(value) <= 256:
+            return f"session:{value}"
+    return None
 
 
 async def follow(group: GenerationGroup, keepalive: Callable[[], Awaitable[None]] | None = None

@@ -42,11 +42,24 @@ def serve(app: web.Application, ctx: ServerContext, config: ServerConfig, ready:
     asyncio.run(_serve(app, ctx, config, ready))
 
 
-async def _serve(app: web.Application, ctx: ServerContext, config: ServerConfig,
-                 ready: Callable[[str], None]) -> None:
+async def listen(app: web.Application, config: ServerConfig) -> tuple[web.AppRunner, str]:
+    """Set `app` up and listen on config.host:port: the runner (its cleanup closes everything)
+    and the bound address."""
     runner = web.AppRunner(app, access_log=None, keepalive_timeout=config.header_timeout_s,
                            lingering_time=LINGER_S, shutdown_timeout=CANCEL_GRACE_S)
     await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, site.name
+
+
+async def _serve(app: web.Application, ctx: ServerContext, config: ServerConfig,
+                 ready: Callable[[str], None]) -> None:
+    runner, address = await listen(app, config)
     stop, hurry = asyncio.Event(), asyncio.Event()
 
     def on_signal() -> None:  # the first signal drains; a second one ends the wait at once
@@ -56,9 +69,7 @@ async def _serve(app: web.Application, ctx: ServerContext, config: ServerConfig,
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
     try:
-        site = web.TCPSite(runner, config.host, config.port)
-        await site.start()
-        ready(site.name)
+        ready(address)
         await stop.wait()
         await drain(ctx, config.drain_timeout_s, hurry)
     finally:

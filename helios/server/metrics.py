@@ -10,7 +10,8 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -254,16 +255,25 @@ class FlareCollector:
             yield HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
 
 
-def prometheus_text(collector: FlareCollector) -> bytes:
+class ExtraCollector(Protocol):
+    """More families beside FlareCollector's (a prometheus_client collector), and their JSON."""
+
+    def collect(self) -> Iterator[Any]: ...
+    def json_fields(self) -> dict[str, Any]: ...
+
+
+def prometheus_text(collector: FlareCollector, extra: tuple[ExtraCollector, ...] = ()) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(collector)
+    for each in (collector, *extra):
+        registry.register(each)
     return generate_latest(registry)
 
 
-def json_snapshot(collector: FlareCollector) -> dict[str, Any]:
+def json_snapshot(collector: FlareCollector, extra: tuple[ExtraCollector, ...] = ()) -> dict[str, Any]:
     """The api.md "Health and metrics" object; helios.dashboard.Snapshot reads it back."""
     s = collector.engine.stats()
     host = getattr(s, "host_store", None)
+    more = {key: value for each in extra for key, value in each.json_fields().items()}
     return {
         **engine_fields(s, collector.decode_weight_bytes, collector.http.output_failures),
         "first_response": collector.http.first_response.snapshot(),
@@ -283,6 +293,7 @@ def json_snapshot(collector: FlareCollector) -> dict[str, Any]:
         "grammar_mask_ns": int(getattr(s, "grammar_mask_seconds_total", 0.0) * 1e9),
         # Host prefix store beyond the table: chains declined because recomputing was predicted cheaper.
         "host_restores_declined": host.restores_declined if host else 0,
+        **more,
     }
 
 

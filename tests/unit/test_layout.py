@@ -22,6 +22,7 @@ HELIOS_LAYERS = [
     ("helios.server",),  # transport: below the protocols, never importing them
     ("helios.protocols",),
     ("helios.app",),
+    ("helios.cluster",),  # scale-out: the app's frontend over engine replicas on Ray Serve
     ("helios.cli", "helios.dashboard", "helios.client_config", "helios.__main__"),
 ]
 IGNITION_LAYERS = [

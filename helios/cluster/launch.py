@@ -1,0 +1,112 @@
+"""`helios cluster serve|scale|drain`: start (or join) Ray, deploy the frontend and the engine
+replicas as one Ray Serve application, and operate it.
+
+Ray Serve's own HTTP proxy is not started: the frontend deployment listens itself (pinned to
+the node that ran the command), so the endpoint is exactly `helios serve`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray import serve
+from ray.serve._private.common import DeploymentID
+from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+from ray.serve.config import RequestRouterConfig
+
+from helios.cluster.frontend import Frontend
+from helios.cluster.replica import EngineReplica
+from helios.cluster.router import PrefixAffinityRouter
+from helios.cluster.spec import APP_NAME, ENGINES, FRONTEND, ClusterSpec
+
+log = logging.getLogger("helios.cluster")
+
+HEALTH_CHECK_PERIOD_S = 2.0
+ROUTING_STATS_PERIOD_S = 0.5
+OBJECT_STORE_BYTES = 256 << 20  # requests and events are small; Ray's default takes 30% of memory
+
+
+def build(spec: ClusterSpec, node_resource: str) -> Any:
+    """The Serve application: N engine replicas under the affinity router, one frontend."""
+    settings = spec.settings
+    engines = serve.deployment(EngineReplica).options(
+        name=ENGINES, num_replicas=spec.replicas,
+        ray_actor_options={"num_cpus": spec.replica_threads},
+        # The frontend admits and queues (its [server] limits); a replica never refuses work.
+        max_ongoing_requests=1 << 16, max_queued_requests=-1,
+        health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=30.0,
+        graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=settings.drain_timeout_s,
+        request_router_config=RequestRouterConfig(
+            request_router_class=f"{PrefixAffinityRouter.__module__}.{PrefixAffinityRouter.__name__}",
+            request_router_kwargs={"policy": spec.policy, "saturation": spec.saturation},
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S, request_routing_stats_timeout_s=5.0),
+    )
+    frontend = serve.deployment(Frontend).options(
+        name=FRONTEND, num_replicas=1, max_ongoing_requests=64,
+        ray_actor_options={"num_cpus": 0, "resources": {node_resource: 0.001}},
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+    )
+    return frontend.bind(spec, engines.bind(spec))
+
+
+def connect(address: str | None, num_cpus: int | None = None) -> None:
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+    else:
+        ray.init(num_cpus=num_cpus or os.cpu_count(), object_store_memory=OBJECT_STORE_BYTES,
+                 include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+
+
+def deploy(spec: ClusterSpec) -> str:
+    """Deploy (or update) the application; returns the frontend's bound address."""
+    node_resource = f"node:{ray.util.get_node_ip_address()}"
+    serve.start(http_options={"location": "NoServer"})
+    handle = serve.run(build(spec, node_resource), name=APP_NAME, route_prefix=None, external_scaler_enabled=True)
+    _, address = handle.describe.remote().result()
+    return address
+
+
+def serve_forever(spec: ClusterSpec, ready: Callable[[str], None]) -> None:
+    """Serve until SIGTERM/SIGINT, then drain the frontend and stop the application."""
+    connect(spec.address, None if spec.address else max(os.cpu_count() or 1, spec.replicas * spec.replica_threads))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        ready(deploy(spec))
+        while not stop.wait(1.0):
+            pass
+        serve.get_deployment_handle(FRONTEND, APP_NAME).drain.remote().result()
+    finally:
+        serve.delete(APP_NAME)
+        if not spec.address:
+            serve.shutdown()
+            ray.shutdown()
+
+
+def scale(address: str, replicas: int) -> None:
+    """Set the engine replica count of the running cluster: new replicas join the router; removed
+    ones drain (Ray waits for their in-flight requests, up to the drain deadline) and stop."""
+    ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    ray.get(controller.update_deployment_replicas.remote(DeploymentID(ENGINES, APP_NAME), replicas))
+
+
+def wait_for_replicas(count: int, timeout: float = 120.0) -> bool:
+    """True once Serve reports `count` running engine replicas."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        app = serve.status().applications.get(APP_NAME)
+        deployment = app.deployments.get(ENGINES) if app else None
+        if deployment is not None and deployment.replica_states.get("RUNNING", 0) == count \
+                and sum(deployment.replica_states.values()) == count:
+            return True
+        time.sleep(0.5)
+    return False

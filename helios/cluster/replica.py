@@ -1,0 +1,80 @@
+"""One engine replica: an ordinary helios Engine over the core, reached through a Ray Serve handle.
+
+It speaks the engine's plain data (GenerationRequest in, GenerationEvent lists out), never HTTP:
+the frontend's protocol codecs stay in one place. Ray Serve restarts it when `check_health`
+raises, stops routing to it when its routing stats say draining, and on scale-down waits for its
+in-flight requests (graceful_shutdown_timeout_s, the drain deadline) before `__del__` stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+from helios.cluster.spec import ClusterSpec
+from helios.engine.api import GenerationEvent, GenerationRequest
+from helios.engine.engine import Engine
+from helios.engine.validation import RequestCheck
+from helios.manifest import Manifest
+
+log = logging.getLogger("helios.cluster")
+
+DRAIN_MESSAGE = "this replica is shutting down; retry the request"
+
+
+class EngineReplica:
+    def __init__(self, spec: ClusterSpec):
+        settings = spec.settings
+        manifest = Manifest.load(spec.core)
+        self.engine = Engine(spec.core, manifest, max_concurrency=settings.max_concurrency, kv_pages=spec.kv_pages,
+                             threads=spec.replica_threads, prefix_cache=settings.prefix_cache_config(),
+                             host_store=settings.host_store_config(), speculation=settings.speculation_config())
+        self.engine.start()
+        self.draining = False
+        self.label = f"{socket.gethostname()}:{os.getpid()}"
+
+    async def generate(self, request: GenerationRequest, route: Any = None) -> AsyncIterator[list[GenerationEvent]]:
+        """The request's events in batches, until its final event. `route` is for the router only.
+        A cancelled call (the client left, or the frontend aborted it) aborts the engine request."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[GenerationEvent] = asyncio.Queue()
+        self.engine.submit(request, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event))
+        finished = False
+        try:
+            while not finished:
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                finished = batch[-1].finished
+                yield batch
+        finally:
+            if not finished:
+                self.engine.abort(request.request_id)
+
+    def request_check(self) -> RequestCheck:
+        return self.engine.check
+
+    def identity(self) -> dict[str, Any]:
+        return {"label": self.label, "pid": os.getpid()}
+
+    def drain(self) -> None:
+        """Take no new work (the router skips a draining replica); in-flight requests finish."""
+        self.draining = True
+
+    def check_health(self) -> None:
+        if not self.engine.healthy():
+            raise RuntimeError("the engine's step loop stopped")
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        return {"draining": self.draining, "healthy": self.engine.healthy(), "label": self.label,
+                "stats": self.engine.stats()}
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.abort_all(DRAIN_MESSAGE)  # Ray already waited for in-flight requests
+            engine.shutdown()

@@ -1,0 +1,33 @@
+"""What a cluster serves: one core, its server settings, the replica count and routing policy.
+
+Plain data: `helios cluster serve` builds it from its options, Ray ships it to every deployment,
+and `helios cluster scale` reads it back from the running frontend.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from helios.server.config import ServerConfig
+
+APP_NAME = "helios"
+FRONTEND = "Frontend"
+ENGINES = "EngineReplica"
+POLICIES = ("affinity", "random")
+
+
+@dataclass
+class ClusterSpec:
+    core: Path
+    replicas: int = 2
+    threads: int | None = None  # engine threads (and Ray CPUs) per replica [default: cores / replicas]
+    kv_pages: int | None = None
+    policy: str = "affinity"  # or "random": Ray Serve's power-of-two choices, for comparison
+    saturation: int = 4
+    address: str | None = None  # join this Ray cluster instead of starting one
+    settings: ServerConfig = field(default_factory=ServerConfig)  # the [server] table and options
+
+    @property
+    def replica_threads(self) -> int:
+        return self.threads or max(1, (os.cpu_count() or 1) // max(1, self.replicas))
