@@ -5,8 +5,10 @@ hashes over whole blocks of its rendered prompt tokens (image digests mixed into
 fall in), plus the client's session hint. `AffinityTable` remembers which replica each block
 chain was sent to and ranks candidates: the replica holding the longest leading run of blocks
 first, the session's last replica breaking ties, the least-loaded replica when the preferred one
-is saturated (or nothing matches), and rendezvous hashing when loads tie too, so independent
-frontends agree on where a new prefix goes.
+is saturated (it already runs `capacity` requests while another has room) or nothing matches,
+and rendezvous hashing when loads tie too, so independent frontends agree on where a new prefix
+goes. Saturation is capacity, not imbalance: waiting for a batch slot on the replica that holds
+a prefix is far cheaper than recomputing the prefix elsewhere.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ class Choice:
 
 @dataclass
 class AffinityTable:
-    saturation: int = 4  # in-flight requests beyond the least-loaded replica's that count as saturated
+    capacity: int = 8  # requests a replica runs at once (its engine's max_concurrency)
     entries: int = TABLE_ENTRIES
     sessions_kept: int = SESSIONS
     _blocks: OrderedDict[bytes, set[str]] = field(default_factory=OrderedDict)
@@ -94,7 +96,7 @@ class AffinityTable:
             preferred, decision = session, "session"
         else:
             preferred, decision = by_load(candidates)[0], "least_loaded"
-        if loads.get(preferred, 0) > least + self.saturation:
+        if loads.get(preferred, 0) >= self.capacity and least < self.capacity:
             preferred, decision = by_load(candidates)[0], "least_loaded"
         rest = by_load([r for r in candidates if r != preferred])
         return Choice([[preferred], rest] if rest else [[preferred]], decision, depth if decision != "least_loaded" else 0)

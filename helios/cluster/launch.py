@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -25,6 +26,7 @@ from helios.cluster.frontend import Frontend
 from helios.cluster.replica import EngineReplica
 from helios.cluster.router import PrefixAffinityRouter
 from helios.cluster.spec import APP_NAME, ENGINES, FRONTEND, ClusterSpec
+from helios.server.config import ServerConfig
 
 log = logging.getLogger("helios.cluster")
 
@@ -45,7 +47,7 @@ def build(spec: ClusterSpec, node_resource: str) -> Any:
         graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=settings.drain_timeout_s,
         request_router_config=RequestRouterConfig(
             request_router_class=f"{PrefixAffinityRouter.__module__}.{PrefixAffinityRouter.__name__}",
-            request_router_kwargs={"policy": spec.policy, "saturation": spec.saturation},
+            request_router_kwargs={"policy": spec.policy, "capacity": spec.replica_capacity},
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S, request_routing_stats_timeout_s=5.0),
     )
     frontend = serve.deployment(Frontend).options(
@@ -54,6 +56,22 @@ def build(spec: ClusterSpec, node_resource: str) -> Any:
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
     )
     return frontend.bind(spec, engines.bind(spec))
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """`serve run` / KubeRay entry (`import_path: helios.cluster.launch:app_builder`): args are
+    `core` (a path every node sees), `replicas`, `threads`, `host`, `port`, `router`, `config`
+    (a [server] TOML file), `host_store`, and `frontend_resource`, a custom resource only the
+    node that should listen declares (default `helios_frontend`; docs/cluster.md)."""
+    settings = ServerConfig.load(Path(args["config"])) if args.get("config") else ServerConfig()
+    settings.host = str(args.get("host", "0.0.0.0"))
+    settings.port = int(args.get("port", settings.port))
+    if args.get("host_store"):
+        settings.host_store_dir = str(args["host_store"])
+    spec = ClusterSpec(core=Path(args["core"]), replicas=int(args.get("replicas", 2)),
+                       threads=int(args["threads"]) if args.get("threads") else None,
+                       policy=str(args.get("router", "affinity")), settings=settings)
+    return build(spec, str(args.get("frontend_resource", "helios_frontend")))
 
 
 def connect(address: str | None, num_cpus: int | None = None) -> None:

@@ -28,9 +28,9 @@ log = logging.getLogger("helios.cluster")
 
 
 class PrefixAffinityRouter(RequestRouter):
-    def initialize_state(self, policy: str = "affinity", saturation: int = 4) -> None:
+    def initialize_state(self, policy: str = "affinity", capacity: int = 8) -> None:
         self.policy = policy  # "affinity", or "random" (Ray's default power of two, for comparison)
-        self.table = AffinityTable(saturation=saturation)
+        self.table = AffinityTable(capacity=capacity)
         self.inflight: Counter[str] = Counter()
         self.decisions: Counter[str] = Counter()
         self.requests_by_replica: Counter[str] = Counter()

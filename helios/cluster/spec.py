@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from helios.manifest import Manifest
 from helios.server.config import ServerConfig
 
 APP_NAME = "helios"
@@ -24,9 +25,13 @@ class ClusterSpec:
     threads: int | None = None  # engine threads (and Ray CPUs) per replica [default: cores / replicas]
     kv_pages: int | None = None
     policy: str = "affinity"  # or "random": Ray Serve's power-of-two choices, for comparison
-    saturation: int = 4
     address: str | None = None  # join this Ray cluster instead of starting one
     settings: ServerConfig = field(default_factory=ServerConfig)  # the [server] table and options
+
+    @property
+    def replica_capacity(self) -> int:
+        """Requests one replica's engine runs at once: past it, affinity spills to another."""
+        return self.settings.max_concurrency or Manifest.load(self.core).limits.max_concurrency
 
     @property
     def replica_threads(self) -> int:

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import anthropic
 import httpx
@@ -21,7 +20,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO
+from tests.server.cluster import Cluster
 
 pytest.importorskip("ray.serve", reason="the `cluster` extra (ray[serve]) is not installed")
 
@@ -31,56 +31,13 @@ SYSTEM = "You are a careful assistant for the Flare project. " + " ".join(
     f"Rule {n}: keep answer number {n} short and exact." for n in range(90))
 
 
-class Cluster:
-    def __init__(self, core: Path, folder: Path, replicas: int = 2, timeout: float = 300.0):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        (folder / "key").write_text(KEY + "\n")
-        (folder / "helios.toml").write_text("[server]\ndrain_timeout_s = 60\n")
-        self.log = open(folder / "cluster.log", "w+")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "helios.cli", "cluster", "serve", str(core), "--replicas", str(replicas),
-             "--threads", "1", "--port", str(self.port), "--api-key-file", str(folder / "key"),
-             "--config", str(folder / "helios.toml")],
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"helios cluster exited with {self.process.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200 and len(self.replicas()) == replicas:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"the cluster did not become healthy in {timeout}s:\n{self.output()}")
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()[-6000:]
-
-    def metrics(self) -> dict:
-        return httpx.get(self.url + "/metrics?format=json", timeout=10).json()
-
-    def replicas(self) -> list[dict]:
-        return [r for r in self.metrics().get("replicas", []) if r["healthy"]]
-
-    def stop(self) -> int | None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(90)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
-        self.log.close()
-        return self.process.returncode
-
-
 @pytest.fixture(scope="module")
 def cluster(default_core, tmp_path_factory) -> Iterator[Cluster]:
-    running = Cluster(default_core, tmp_path_factory.mktemp("cluster"))
+    folder = tmp_path_factory.mktemp("cluster")
+    (folder / "key").write_text(KEY + "\n")
+    (folder / "helios.toml").write_text("[server]\ndrain_timeout_s = 60\n")
+    running = Cluster(default_core, folder, "--threads", "1", "--api-key-file", str(folder / "key"),
+                      "--config", str(folder / "helios.toml"))
     yield running
     running.stop()
 

@@ -55,12 +55,14 @@ def test_longest_prefix_wins_and_session_breaks_ties():
 
 
 def test_saturated_preference_falls_back_to_least_loaded():
-    table = AffinityTable(saturation=2)
+    table = AffinityTable(capacity=3)
     key = route_key(request(list(range(BLOCK_TOKENS * 2))))
     table.record(key, "A")
-    assert table.choose(["A", "B"], {"A": 2, "B": 0}, key).ranks[0] == ["A"]
+    assert table.choose(["A", "B"], {"A": 2, "B": 0}, key).ranks[0] == ["A"]  # busier, not full: stay
     spilled = table.choose(["A", "B"], {"A": 3, "B": 0}, key)
     assert spilled.ranks == [["B"], ["A"]] and spilled.decision == "least_loaded"
+    # Every replica full: the prefix's holder still wins (it queues where the prefix is).
+    assert table.choose(["A", "B"], {"A": 4, "B": 3}, key).ranks[0] == ["A"]
 
 
 def test_new_prefixes_spread_by_load_and_agree_across_tables():
