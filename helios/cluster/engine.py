@@ -25,6 +25,7 @@ log = logging.getLogger("helios.cluster")
 
 Sink = Callable[[GenerationEvent], None]
 REPLICA_FAILED = "the engine replica serving this request stopped ({}); retry the request"
+NO_REPLICA = "no engine replica is available right now; retry the request"
 ROUTER_WAIT_S = 60.0
 
 
@@ -72,7 +73,7 @@ class ClusterEngine:
         return self.stats().pending
 
     def healthy(self) -> bool:
-        return any(s.get("healthy", False) and not s.get("draining", False) for s in self.replica_stats().values())
+        return any(s.get("healthy", False) for s in self.replica_stats().values())
 
     def stats(self) -> EngineStats:
         return sum_stats([s["stats"] for s in self.replica_stats().values() if "stats" in s])
@@ -85,6 +86,10 @@ class ClusterEngine:
 
     async def _run(self, request: GenerationRequest, sink: Sink) -> None:
         finished, stream = False, None
+        if self.router is not None and not self.healthy():  # Ray would hold it until one returns
+            sink(_final(request, FinishReason.ABORT, NO_REPLICA))
+            self._tasks.pop(request.request_id, None)
+            return
         try:
             stream = self.handle.options(stream=True).generate.remote(request, route=route_key(request))
             async for batch in stream:

@@ -66,7 +66,7 @@ class ReplicaCollector:
             s = info.get("stats")
             rows.append({
                 "replica": replica, "label": info.get("label", ""), "healthy": bool(info.get("healthy", False)),
-                "draining": bool(info.get("draining", False)), "routed": routed.get(replica, 0),
+                "routed": routed.get(replica, 0),
                 "inflight": inflight.get(replica, 0),
                 "active": s.active if s else 0, "pending": s.pending if s else 0,
                 "free_pages": s.free_pages if s else 0, "prefill_tokens": s.prefill_tokens_total if s else 0,
@@ -78,7 +78,6 @@ class ReplicaCollector:
     def collect(self) -> Iterator[Any]:
         rows = self.rows()
         gauges = [("healthy", "Whether the replica's engine is alive (1) or not (0)"),
-                  ("draining", "Whether the replica takes no new work"),
                   ("inflight", "Requests this frontend has in flight on the replica"),
                   ("active", "Active sequences on the replica"), ("pending", "Requests waiting on the replica"),
                   ("free_pages", "Free KV pages on the replica")]

@@ -2,8 +2,9 @@
 
 It speaks the engine's plain data (GenerationRequest in, GenerationEvent lists out), never HTTP:
 the frontend's protocol codecs stay in one place. Ray Serve restarts it when `check_health`
-raises, stops routing to it when its routing stats say draining, and on scale-down waits for its
-in-flight requests (graceful_shutdown_timeout_s, the drain deadline) before `__del__` stops it.
+raises (the router skips it as soon as its routing stats say unhealthy), and on scale-down stops
+routing to it and waits for its in-flight requests (graceful_shutdown_timeout_s, the drain
+deadline) before `__del__` stops the engine.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ class EngineReplica:
                              threads=spec.replica_threads, prefix_cache=settings.prefix_cache_config(),
                              host_store=settings.host_store_config(), speculation=settings.speculation_config())
         self.engine.start()
-        self.draining = False
         self.label = f"{socket.gethostname()}:{os.getpid()}"
 
     async def generate(self, request: GenerationRequest, route: Any = None) -> AsyncIterator[list[GenerationEvent]]:
@@ -61,16 +61,12 @@ class EngineReplica:
     def identity(self) -> dict[str, Any]:
         return {"label": self.label, "pid": os.getpid()}
 
-    def drain(self) -> None:
-        """Take no new work (the router skips a draining replica); in-flight requests finish."""
-        self.draining = True
-
     def check_health(self) -> None:
         if not self.engine.healthy():
             raise RuntimeError("the engine's step loop stopped")
 
     def record_routing_stats(self) -> dict[str, Any]:
-        return {"draining": self.draining, "healthy": self.engine.healthy(), "label": self.label,
+        return {"healthy": self.engine.healthy(), "label": self.label,
                 "stats": self.engine.stats()}
 
     def __del__(self) -> None:

@@ -1,7 +1,8 @@
 """The Ray Serve request router for engine replicas: prefix affinity over live, undrained replicas.
 
-Ray Serve calls `choose_replicas` with the replicas it considers running; this router drops
-those whose last routing stats say draining or unhealthy, asks the `AffinityTable` for a ranking
+Ray Serve calls `choose_replicas` with the replicas it considers running (a replica being
+stopped is already gone from them); this router drops those whose last routing stats say
+unhealthy, asks the `AffinityTable` for a ranking
 and records where each request went. Loads are this router's own in-flight counts (it sees every
 request its frontend sends). The frontend reads each replica's stats through `replica_stats`,
 which Ray delivers with the routing information.
@@ -38,8 +39,7 @@ class PrefixAffinityRouter(RequestRouter):
 
     def routable(self, candidates: list[RunningReplica]) -> list[RunningReplica]:
         def ok(replica: RunningReplica) -> bool:
-            stats = replica.routing_stats or {}
-            return not stats.get("draining", False) and stats.get("healthy", True)
+            return (replica.routing_stats or {}).get("healthy", True)
 
         return [r for r in candidates if ok(r)]
 
