@@ -18,7 +18,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -58,8 +57,8 @@ def run_session(url: str, session: int, turns: int) -> list[dict]:
     return out
 
 
-def measure(core: Path, policy: str, sessions: int, turns: int, folder: Path) -> dict:
-    cluster = Cluster(core, folder, "--threads", "1", "--router", policy)
+def measure(core: Path, policy: str, sessions: int, turns: int) -> dict:
+    cluster = Cluster(core, "--threads", "1", "--router", policy)
     try:
         first_token(httpx.Client(base_url=cluster.url, timeout=600), [{"role": "user", "content": "warm up"}])
         with ThreadPoolExecutor(sessions) as pool:
@@ -98,10 +97,9 @@ def main() -> None:
     args = parser.parse_args()
     core = args.core or default_core()
     result = {}
-    with tempfile.TemporaryDirectory() as scratch:
-        for policy in ("affinity", "random"):
-            result[policy] = measure(core, policy, args.sessions, args.turns, Path(scratch))
-            print(policy, json.dumps(result[policy]), flush=True)
+    for policy in ("affinity", "random"):
+        result[policy] = measure(core, policy, args.sessions, args.turns)
+        print(policy, json.dumps(result[policy]), flush=True)
     for name, field in (("ttft_ratio", "followup_ttft_ms"), ("ttft_mean_ratio", "followup_ttft_mean_ms")):
         result[name] = round(result["affinity"][field] / result["random"][field], 4)
     out = {"cluster": result}

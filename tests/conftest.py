@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -120,24 +121,29 @@ def free_port() -> int:
 
 
 class Server:
-    """A real `helios serve` process on a loopback port."""
+    """A real `helios serve` process on a loopback port (`command` picks another helios command
+    that serves, e.g. ("cluster", "serve"))."""
+
+    command: tuple[str, ...] = ("serve",)
+    stop_timeout = 15.0  # after SIGTERM, before SIGKILL to the whole process group
 
     def __init__(self, core: Path, *args: str, timeout: float = 300.0, cwd: Path = REPO):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open((cwd / core).parent / f"helios-{self.port}.log", "w+")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "helios.cli", "serve", str(core), "--port", str(self.port), *args],
+            [sys.executable, "-m", "helios.cli", *self.command, str(core), "--port", str(self.port), *args],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             cwd=cwd,
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"helios exited with {self.process.returncode}:\n{self.output()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200 and self.ready():
                     return
             except httpx.HTTPError:
                 pass
@@ -145,18 +151,24 @@ class Server:
         self.stop()
         raise RuntimeError(f"helios did not become healthy in {timeout}s:\n{self.output()}")
 
+    def ready(self) -> bool:
+        """Past a 200 from /health, what else serving needs (a cluster: all its replicas)."""
+        return True
+
     def output(self) -> str:
         self.log.seek(0)
         return self.log.read()[-5000:]
 
-    def stop(self) -> None:
+    def stop(self) -> int | None:
         if self.process.poll() is None:
             self.process.terminate()
             try:
-                self.process.wait(15)
+                self.process.wait(self.stop_timeout)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
         self.log.close()
+        return self.process.returncode
 
 
 @pytest.fixture(scope="session")

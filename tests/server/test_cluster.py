@@ -36,7 +36,7 @@ def cluster(default_core, tmp_path_factory) -> Iterator[Cluster]:
     folder = tmp_path_factory.mktemp("cluster")
     (folder / "key").write_text(KEY + "\n")
     (folder / "helios.toml").write_text("[server]\ndrain_timeout_s = 60\n")
-    running = Cluster(default_core, folder, "--threads", "1", "--api-key-file", str(folder / "key"),
+    running = Cluster(default_core, "--threads", "1", "--api-key-file", str(folder / "key"),
                       "--config", str(folder / "helios.toml"))
     yield running
     running.stop()
