@@ -195,7 +195,13 @@ def cluster_scale(
     address: str = typer.Option("auto", help="the Ray cluster that runs `helios cluster serve`"),
 ) -> None:
     """Change the replica count: new replicas join; removed ones drain, then stop."""
-    _cluster_launch().scale(address, replicas)
+    launch = _cluster_launch()
+    try:
+        launch.scale(address, replicas)
+    except Exception as exc:  # no cluster there, no helios application on it, Ray refused
+        err_console.print(f"[bold red]error:[/] cannot scale the helios cluster at {escape(address)}: "
+                          f"{escape(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)}")
+        raise typer.Exit(2) from None
     console.print(f"engine replicas: {replicas}")
 
 

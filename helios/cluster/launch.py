@@ -11,7 +11,6 @@ import logging
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -75,6 +74,7 @@ def app_builder(args: dict[str, Any]) -> Any:
 
 
 def connect(address: str | None, num_cpus: int | None = None) -> None:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no telemetry unless the operator opts in
     if address:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
     else:
@@ -112,19 +112,7 @@ def serve_forever(spec: ClusterSpec, ready: Callable[[str], None]) -> None:
 def scale(address: str, replicas: int) -> None:
     """Set the engine replica count of the running cluster: new replicas join the router; removed
     ones drain (Ray waits for their in-flight requests, up to the drain deadline) and stop."""
-    ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+    connect(address)
     controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
     ray.get(controller.update_deployment_replicas.remote(DeploymentID(ENGINES, APP_NAME), replicas))
 
-
-def wait_for_replicas(count: int, timeout: float = 120.0) -> bool:
-    """True once Serve reports `count` running engine replicas."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        app = serve.status().applications.get(APP_NAME)
-        deployment = app.deployments.get(ENGINES) if app else None
-        if deployment is not None and deployment.replica_states.get("RUNNING", 0) == count \
-                and sum(deployment.replica_states.values()) == count:
-            return True
-        time.sleep(0.5)
-    return False
