@@ -26,6 +26,28 @@ SPARK = "▁▂▃▄▅▆▇█"
 DEFAULT_HISTORY = 60
 
 
+@dataclass(frozen=True)
+class ReplicaRow:
+    """One engine replica behind a `helios cluster` endpoint (the snapshot's `replicas`)."""
+
+    replica: str
+    label: str  # host:pid
+    healthy: bool
+    inflight: int
+    active: int
+    routed: int
+    reused_tokens: int
+
+    @classmethod
+    def from_json(cls, row: dict[str, Any]) -> "ReplicaRow":
+        def count(name: str) -> int:
+            value = row.get(name)
+            return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
+
+        return cls(str(row.get("replica", "?")), str(row.get("label", "")), bool(row.get("healthy")),
+                   count("inflight"), count("active"), count("routed"), count("reused_tokens"))
+
+
 @dataclass
 class Snapshot:
     prefill_tokens: int = 0
@@ -53,13 +75,14 @@ class Snapshot:
     input_prepared_cache_hits_total: int = 0  # of them, served from encoded features
     first_response_median: float | None = None
     first_response_samples: int = 0
+    replicas: tuple[ReplicaRow, ...] = ()  # a cluster endpoint's engine replicas (empty: one server)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Snapshot":
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             raw = data.get(f.name)
-            if f.name.startswith("first_response") or raw is None:
+            if f.name.startswith("first_response") or f.name == "replicas" or raw is None:
                 continue
             if f.name == "learned_drafter":
                 values[f.name] = bool(raw)
@@ -71,6 +94,9 @@ class Snapshot:
             values["first_response_median"] = float(median) if isinstance(median, (int, float)) else None
             samples = first.get("samples")
             values["first_response_samples"] = int(samples) if isinstance(samples, int) else 0
+        rows = data.get("replicas")
+        if isinstance(rows, list):
+            values["replicas"] = tuple(ReplicaRow.from_json(r) for r in rows if isinstance(r, dict))
         return cls(**values)
 
     @property
@@ -172,7 +198,20 @@ class View:
             + (f"  images {s.input_decoded_images_total} ({s.input_prepared_cache_hits_total} reused)"
                if s.input_decoded_images_total else "")
         )
-        return Group(Panel(table, title=title, title_align="left"), footer)
+        parts = [Panel(table, title=title, title_align="left"), footer]
+        if s.replicas:
+            parts.append(replica_table(s.replicas))
+        return Group(*parts)
+
+
+def replica_table(rows: tuple[ReplicaRow, ...]) -> Table:
+    table = Table(title="replicas", title_justify="left", expand=False, box=None, pad_edge=False)
+    for column in ("replica", "host:pid", "health", "inflight", "active", "routed", "reused tokens"):
+        table.add_column(column, justify="left" if column in ("replica", "host:pid", "health") else "right")
+    for r in rows:
+        health = Text("ok", style="green") if r.healthy else Text("down", style="red")
+        table.add_row(r.replica, r.label, health, str(r.inflight), str(r.active), str(r.routed), str(r.reused_tokens))
+    return table
 
 
 def fetch(client: httpx.Client, url: str) -> Snapshot:

@@ -20,6 +20,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from helios.dashboard import Snapshot
 from tests.conftest import REPO
 from tests.server.cluster import Cluster
 
@@ -120,6 +121,8 @@ def test_prometheus_text_through_the_endpoint(cluster):
     assert families["flare_cluster_replicas"].samples[0].value == 2
     assert families["flare_requests_completed"].samples[0].value >= 5  # the aggregate over replicas
     assert {s.labels["decision"] for s in families["flare_cluster_routing_decisions"].samples} >= {"prefix", "session"}
+    rows = Snapshot.from_json(cluster.metrics()).replicas  # what `helios top` lists
+    assert len(rows) == 2 and all(r.healthy for r in rows) and sum(r.routed for r in rows) >= 6
 
 
 def stream_lines(cluster: Cluster, prompt: str, max_tokens: int) -> Iterator[str]:

@@ -65,6 +65,28 @@ def test_rates_weights_depth_and_render():
     assert min(view.history["tokens"]) >= 0
 
 
+def test_cluster_replicas_are_read_and_shown():
+    data = {"total_pages": 8, "replicas": [
+        {"replica": "abc123", "label": "node:41", "healthy": True, "inflight": 2, "active": 1, "routed": 9,
+         "reused_tokens": 640},
+        {"replica": "def456", "label": "node:42", "healthy": False, "routed": "x"},
+        "not a row"]}
+    snapshot = Snapshot.from_json(data)
+    assert [r.replica for r in snapshot.replicas] == ["abc123", "def456"]
+    assert snapshot.replicas[0].reused_tokens == 640 and snapshot.replicas[1].routed == 0
+    view = View("http://cluster:8000")
+    view.update(snapshot, at=1.0)
+    text = render(view)
+    assert "replicas" in text and "node:41" in text and "640" in text and "down" in text
+    assert "node:" not in render_one(Snapshot.from_json({"total_pages": 8}))  # one server: no table
+
+
+def render_one(snapshot: Snapshot) -> str:
+    view = View("http://one:8000")
+    view.update(snapshot, at=1.0)
+    return render(view)
+
+
 def test_live_server_snapshot_and_run(tiny_server):
     with httpx.Client(timeout=30) as client:
         httpx.post(tiny_server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
