@@ -36,9 +36,12 @@ SYSTEM = "You are a careful assistant for the Flare project. " + " ".join(
 def cluster(default_core, tmp_path_factory) -> Iterator[Cluster]:
     folder = tmp_path_factory.mktemp("cluster")
     (folder / "key").write_text(KEY + "\n")
-    (folder / "helios.toml").write_text("[server]\ndrain_timeout_s = 60\n")
+    # The replicas share one host-store directory; "always" restores a found chain without
+    # weighing it against the prefill (deterministic for the test).
+    (folder / "helios.toml").write_text('[server]\ndrain_timeout_s = 60\nhost_store_restore = "always"\n')
     running = Cluster(default_core, "--threads", "1", "--api-key-file", str(folder / "key"),
-                      "--config", str(folder / "helios.toml"))
+                      "--config", str(folder / "helios.toml"), "--host-store", str(folder / "store"))
+    running.store = folder / "store"
     yield running
     running.stop()
 
@@ -125,6 +128,36 @@ def test_prometheus_text_through_the_endpoint(cluster):
     assert len(rows) == 2 and all(r.healthy for r in rows) and sum(r.routed for r in rows) >= 6
 
 
+def kill(replica: dict) -> None:
+    os.kill(int(replica["label"].rsplit(":", 1)[1]), signal.SIGKILL)
+
+
+def wait_for_replicas(cluster: Cluster, count: int = 2) -> None:
+    deadline = time.monotonic() + 180  # Ray restarts a killed replica
+    while len(cluster.replicas()) < count and time.monotonic() < deadline:
+        time.sleep(1)
+    assert len(cluster.replicas()) == count, cluster.output()
+
+
+def test_a_prefix_outlives_its_replica_through_the_shared_disk_tier(cluster):
+    question = "Rules again, for the record: " + " ".join(f"item {n} is {n * 7 % 13}." for n in range(80))
+    before = routed(cluster)
+    first = chat(cluster, question)
+    holder = next(r for r in cluster.metrics()["replicas"] if r["routed"] > before.get(r["replica"], 0))
+    deadline = time.monotonic() + 30  # the disk writer runs beside the engine
+    while not list(cluster.store.rglob("*.rec")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert list(cluster.store.rglob("*.rec"))
+    kill(holder)  # its pool and DRAM tier are gone; only the shared directory holds the prefix
+    time.sleep(1)
+    again = chat(cluster, question)  # whichever replica serves it has never computed it
+    assert again.usage.prompt_tokens == first.usage.prompt_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens >= 1000
+    assert again.choices[0].message.content == first.choices[0].message.content  # temperature 0
+    assert cluster.metrics()["host_hits"] >= 1
+    wait_for_replicas(cluster)
+
+
 def stream_lines(cluster: Cluster, prompt: str, max_tokens: int) -> Iterator[str]:
     body = {"model": "local", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True}
@@ -147,18 +180,14 @@ def serving_replica(cluster: Cluster) -> dict:
 def test_a_killed_replica_fails_its_request_cleanly_and_the_endpoint_keeps_serving(cluster):
     lines = stream_lines(cluster, "Once upon a time", 2000)
     received = [next(lines), next(lines)]
-    victim = serving_replica(cluster)
-    os.kill(int(victim["label"].rsplit(":", 1)[1]), signal.SIGKILL)
+    kill(serving_replica(cluster))
     received += list(lines)
     assert received[-1] != "data: [DONE]"
     error = received[-1]
     assert error.startswith("data: ") and '"error"' in error and "retry" in error  # OpenAI's stream error shape
     reply = chat(cluster, "What is rule 9?")  # the other replica serves at once
     assert reply.choices[0].finish_reason in ("stop", "length")
-    deadline = time.monotonic() + 180  # Ray restarts the killed replica
-    while len(cluster.replicas()) < 2 and time.monotonic() < deadline:
-        time.sleep(1)
-    assert len(cluster.replicas()) == 2, cluster.output()
+    wait_for_replicas(cluster)
     assert cluster.metrics()["replica_failures"] >= 1
 
 
