@@ -156,7 +156,8 @@ def cluster_serve(
     threads: Optional[int] = typer.Option(None, min=1, help="engine threads (Ray CPUs) per replica [default: cores / replicas]"),
     kv_pages: Optional[int] = typer.Option(None, min=1, help="KV pool size in pages, per replica"),
     host_store: Optional[Path] = typer.Option(None, help="host prefix store directory the replicas share"),
-    router: str = typer.Option("affinity", help="affinity (prefix affinity) or random (Ray Serve's power of two choices)"),
+    router: str = typer.Option("affinity", help="affinity (prefix affinity) or power-of-two (Ray Serve's "
+                               "default: two random replicas, the shorter queue)"),
 ) -> None:
     """Serve CORE from N engine replicas behind one endpoint, routed by prefix affinity."""
     from helios.cluster.spec import POLICIES, ClusterSpec

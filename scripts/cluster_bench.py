@@ -9,7 +9,7 @@ settings. Eight simulated agent sessions run at once; each has its own long syst
 environment), then short turns (the previous reply plus a new ~40-token question, after a second
 of "tool time"). Reported per policy: `reuse_ratio` = cached_tokens / prompt_tokens over the
 follow-up turns, follow-up TTFT (median, mean, p90) and first-turn TTFT; plus `ttft_ratio` =
-affinity / random median follow-up TTFT and `ttft_mean_ratio`.
+affinity / power-of-two median follow-up TTFT and `ttft_mean_ratio`.
 """
 
 from __future__ import annotations
@@ -97,11 +97,11 @@ def main() -> None:
     args = parser.parse_args()
     core = args.core or default_core()
     result = {}
-    for policy in ("affinity", "random"):
+    for policy in ("affinity", "power-of-two"):
         result[policy] = measure(core, policy, args.sessions, args.turns)
         print(policy, json.dumps(result[policy]), flush=True)
     for name, field in (("ttft_ratio", "followup_ttft_ms"), ("ttft_mean_ratio", "followup_ttft_mean_ms")):
-        result[name] = round(result["affinity"][field] / result["random"][field], 4)
+        result[name] = round(result["affinity"][field] / result["power-of-two"][field], 4)
     out = {"cluster": result}
     print(json.dumps(out))
     if args.json:

@@ -30,7 +30,7 @@ log = logging.getLogger("helios.cluster")
 
 class PrefixAffinityRouter(RequestRouter):
     def initialize_state(self, policy: str = "affinity", capacity: int = 8) -> None:
-        self.policy = policy  # "affinity", or "random" (Ray's default power of two, for comparison)
+        self.policy = policy  # "affinity", or "power-of-two" (Ray Serve's default, for comparison)
         self.table = AffinityTable(capacity=capacity)
         self.inflight: Counter[str] = Counter()
         self.decisions: Counter[str] = Counter()

@@ -15,7 +15,7 @@ from helios.server.config import ServerConfig
 APP_NAME = "helios"
 FRONTEND = "Frontend"
 ENGINES = "EngineReplica"
-POLICIES = ("affinity", "random")
+POLICIES = ("affinity", "power-of-two")
 
 
 @dataclass
@@ -24,7 +24,7 @@ class ClusterSpec:
     replicas: int = 2
     threads: int | None = None  # engine threads (and Ray CPUs) per replica [default: cores / replicas]
     kv_pages: int | None = None
-    policy: str = "affinity"  # or "random": Ray Serve's power-of-two choices, for comparison
+    policy: str = "affinity"  # or "power-of-two": Ray Serve's default, for comparison
     address: str | None = None  # join this Ray cluster instead of starting one
     settings: ServerConfig = field(default_factory=ServerConfig)  # the [server] table and options
 
