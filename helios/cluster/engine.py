@@ -86,11 +86,10 @@ class ClusterEngine:
 
     async def _run(self, request: GenerationRequest, sink: Sink) -> None:
         finished, stream = False, None
-        if self.router is not None and not self.healthy():  # Ray would hold it until one returns
-            sink(_final(request, FinishReason.ABORT, NO_REPLICA))
-            self._tasks.pop(request.request_id, None)
-            return
         try:
+            if self.router is not None and not self.healthy():  # Ray would hold it until one returns
+                sink(_final(request, FinishReason.ABORT, NO_REPLICA))
+                return
             stream = self.handle.options(stream=True).generate.remote(request, route=route_key(request))
             async for batch in stream:
                 for event in batch:

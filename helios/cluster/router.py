@@ -1,9 +1,8 @@
-"""The Ray Serve request router for engine replicas: prefix affinity over live, undrained replicas.
+"""The Ray Serve request router for engine replicas: prefix affinity over live replicas.
 
 Ray Serve calls `choose_replicas` with the replicas it considers running (a replica being
 stopped is already gone from them); this router drops those whose last routing stats say
-unhealthy, asks the `AffinityTable` for a ranking
-and records where each request went. Loads are this router's own in-flight counts (it sees every
+unhealthy, asks the `AffinityTable` for a ranking and records where each request went. Loads are this router's own in-flight counts (it sees every
 request its frontend sends). The frontend reads each replica's stats through `replica_stats`,
 which Ray delivers with the routing information.
 
@@ -14,7 +13,6 @@ module (a module is pickled by reference; a global dict would be copied).
 
 from __future__ import annotations
 
-import logging
 import random
 from collections import Counter
 from typing import Any
@@ -23,9 +21,6 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from helios.cluster import affinity
 from helios.cluster.affinity import AffinityTable, RouteKey
-
-log = logging.getLogger("helios.cluster")
-
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -37,22 +32,16 @@ class PrefixAffinityRouter(RequestRouter):
         self.requests_by_replica: Counter[str] = Counter()
         affinity.ROUTERS[self._deployment_id.name] = self  # through the module: see above
 
-    def routable(self, candidates: list[RunningReplica]) -> list[RunningReplica]:
-        def ok(replica: RunningReplica) -> bool:
-            return (replica.routing_stats or {}).get("healthy", True)
-
-        return [r for r in candidates if ok(r)]
-
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        candidates = self.routable(candidate_replicas)
+        candidates = [r for r in candidate_replicas if (r.routing_stats or {}).get("healthy", True)]
         if not candidates:
             return []
         if self.policy != "affinity":
             return _power_of_two(candidates)
         by_id = {r.replica_id.unique_id: r for r in candidates}
         choice = self.table.choose(list(by_id), dict(self.inflight), _route_of(pending_request))
-        if pending_request is not None:
+        if pending_request is not None:  # Ray's per-request scratch, read back in on_request_routed
             setattr(pending_request.routing_context, "helios_decision", choice.decision)
         return [[by_id[r] for r in rank] for rank in choice.ranks]
 
