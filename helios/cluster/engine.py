@@ -70,7 +70,11 @@ class ClusterEngine:
         return len(tasks)
 
     def num_pending(self) -> int:
-        return self.stats().pending
+        """What the frontend's queue bound ([server] queue_size, per engine) is held against: the
+        shortest replica queue, so a request is refused only when every replica's queue is full
+        (the router spills to a replica with room)."""
+        queues = [s["stats"].pending for s in self.replica_stats().values() if s.get("healthy") and "stats" in s]
+        return min(queues, default=0)
 
     def healthy(self) -> bool:
         return any(s.get("healthy", False) for s in self.replica_stats().values())

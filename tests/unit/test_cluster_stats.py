@@ -7,7 +7,9 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="the `cluster` extra (ray[serve]) is not installed")
 
-from helios.cluster.engine import sum_stats  # noqa: E402
+from helios.cluster import affinity  # noqa: E402
+from helios.cluster.engine import ClusterEngine, sum_stats  # noqa: E402
+from helios.cluster.spec import ENGINES  # noqa: E402
 from helios.engine.api import EngineStats  # noqa: E402
 from helios.engine.host_store import HostStoreStats  # noqa: E402
 
@@ -46,3 +48,27 @@ def test_host_store_stats_and_histograms_merge():
 def test_no_replicas_is_an_empty_engine():
     total = sum_stats([])
     assert total.active == 0 and total.total_pages == 0 and total.host_store is None
+
+
+class StubRouter:
+    def __init__(self, rows: dict):
+        self.rows = rows
+
+    def replica_stats(self) -> dict:
+        return self.rows
+
+
+def test_the_queue_bound_holds_per_replica_and_health_needs_one_live_replica(monkeypatch):
+    """Admission's queue bound is per engine: a cluster refuses only when every live replica's
+    queue is full; an unhealthy replica neither counts nor keeps /health up."""
+    engine = ClusterEngine(handle=None)
+    rows = {"a": {"healthy": True, "stats": stats(1, 0)}, "b": {"healthy": True, "stats": stats(1, 0)},
+            "c": {"healthy": False, "stats": stats(1, 0)}}
+    rows["a"]["stats"].pending, rows["b"]["stats"].pending, rows["c"]["stats"].pending = 40, 3, 0
+    monkeypatch.setitem(affinity.ROUTERS, ENGINES, StubRouter(rows))
+    assert engine.num_pending() == 3 and engine.healthy()
+    assert engine.stats().pending == 43  # the aggregate still counts every replica
+    rows["b"]["healthy"] = False
+    assert engine.num_pending() == 40
+    rows["a"]["healthy"] = False
+    assert engine.num_pending() == 0 and not engine.healthy()
