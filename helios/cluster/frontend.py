@@ -31,11 +31,11 @@ class Frontend:
         await self.engine.start()
         app = create_app(manifest, spec.core, self.engine, spec.settings, (ReplicaCollector(self.engine),))
         self.ctx = app[CTX_KEY]
-        self.runner, self.address = await lifecycle.listen(app, spec.settings)
+        self.runner, self.bound = await lifecycle.listen(app, spec.settings)
 
-    def describe(self) -> tuple[ClusterSpec, str]:
-        """What this cluster serves and where (`helios cluster scale` redeploys from it)."""
-        return self.spec, self.address
+    def address(self) -> str:
+        """Where the endpoint listens (`helios cluster serve` prints it)."""
+        return self.bound
 
     async def drain(self) -> None:
         """/health turns 503 and new work is refused; in-flight requests finish (to the deadline)."""

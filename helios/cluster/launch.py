@@ -1,4 +1,4 @@
-"""`helios cluster serve|scale|drain`: start (or join) Ray, deploy the frontend and the engine
+"""`helios cluster serve|scale`: start (or join) Ray, deploy the frontend and the engine
 replicas as one Ray Serve application, and operate it.
 
 Ray Serve's own HTTP proxy is not started: the frontend deployment listens itself (pinned to
@@ -26,8 +26,6 @@ from helios.cluster.replica import EngineReplica
 from helios.cluster.router import PrefixAffinityRouter
 from helios.cluster.spec import APP_NAME, ENGINES, FRONTEND, ClusterSpec
 from helios.server.config import ServerConfig
-
-log = logging.getLogger("helios.cluster")
 
 HEALTH_CHECK_PERIOD_S = 2.0
 ROUTING_STATS_PERIOD_S = 0.5
@@ -87,8 +85,7 @@ def deploy(spec: ClusterSpec) -> str:
     node_resource = f"node:{ray.util.get_node_ip_address()}"
     serve.start(http_options={"location": "NoServer"})
     handle = serve.run(build(spec, node_resource), name=APP_NAME, route_prefix=None, external_scaler_enabled=True)
-    _, address = handle.describe.remote().result()
-    return address
+    return handle.address.remote().result()
 
 
 def serve_forever(spec: ClusterSpec, ready: Callable[[str], None]) -> None:
@@ -115,4 +112,3 @@ def scale(address: str, replicas: int) -> None:
     connect(address)
     controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
     ray.get(controller.update_deployment_replicas.remote(DeploymentID(ENGINES, APP_NAME), replicas))
-

@@ -10,7 +10,6 @@ deadline) before `__del__` stops the engine.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import socket
 from collections.abc import AsyncIterator
@@ -21,8 +20,6 @@ from helios.engine.api import GenerationEvent, GenerationRequest
 from helios.engine.engine import Engine
 from helios.engine.validation import RequestCheck
 from helios.manifest import Manifest
-
-log = logging.getLogger("helios.cluster")
 
 DRAIN_MESSAGE = "this replica is shutting down; retry the request"
 
@@ -57,9 +54,6 @@ class EngineReplica:
 
     def request_check(self) -> RequestCheck:
         return self.engine.check
-
-    def identity(self) -> dict[str, Any]:
-        return {"label": self.label, "pid": os.getpid()}
 
     def check_health(self) -> None:
         if not self.engine.healthy():

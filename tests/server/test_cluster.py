@@ -152,8 +152,12 @@ def test_a_prefix_outlives_its_replica_through_the_shared_disk_tier(cluster):
     time.sleep(1)
     again = chat(cluster, question)  # whichever replica serves it has never computed it
     assert again.usage.prompt_tokens == first.usage.prompt_tokens
-    assert again.usage.prompt_tokens_details.cached_tokens >= 1000
+    # Past the shared preamble another replica may hold: the question part exists only on disk.
+    assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 64
     assert again.choices[0].message.content == first.choices[0].message.content  # temperature 0
+    deadline = time.monotonic() + 10  # replica stats reach the frontend through Ray's controller
+    while cluster.metrics()["host_hits"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert cluster.metrics()["host_hits"] >= 1
     wait_for_replicas(cluster)
 
