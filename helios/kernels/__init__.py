@@ -1,6 +1,6 @@
-"""Flare's own CPU kernels: an onnxruntime custom-operator library built from `cpu_kernels.cc`
-on first use and cached by source digest under `$FLARE_KERNEL_CACHE` (default
-`$FLARE_CACHE/kernels`).
+"""Flare's own CPU kernels: an onnxruntime custom-operator library built from
+`cpu_kernels.cc`, `attention_kernels.cc` and `moe_kernels.cc` on first use and cached by source
+digest under `$FLARE_KERNEL_CACHE` (default `$FLARE_CACHE/kernels`).
 
 Building needs g++ and onnxruntime's C/C++ API headers, which no onnxruntime wheel ships: they
 come from Debian's `libonnxruntime-dev` package (pinned by version and sha256; the custom-op
@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 
 DOMAIN = "ai.flare"  # the ONNX domain of flare's operators
 
-SOURCES = (Path(__file__).with_name("cpu_kernels.cc"), Path(__file__).with_name("moe_kernels.cc"))
-LOCAL_HEADERS = (Path(__file__).with_name("int4_gemm.h"),)  # included by the sources
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.cc", "attention_kernels.cc", "moe_kernels.cc"))
+LOCAL_HEADERS = tuple(Path(__file__).with_name(n) for n in ("int4_gemm.h", "simd_math.h"))  # included by the sources
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
 HEADERS_DEB = (
     "http://deb.debian.org/debian/pool/main/o/onnxruntime/libonnxruntime-dev_1.21.0+dfsg-1_amd64.deb",

@@ -1,5 +1,6 @@
-"""ai.flare.PagedAttention (helios/kernels/cpu_kernels.cc) against its torch meaning
-(ignition.models.ops.pool_attention_ref), and its rewrite into onnxruntime's kernels."""
+"""ai.flare.PagedAttention (helios/kernels/attention_kernels.cc) against its torch meaning
+(ignition.models.ops.pool_attention_ref), its rewrite into onnxruntime's kernels, and its
+numerics: a query's result does not depend on how a step splits the work."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def _graph(heads: int, kv_heads: int, dim: int, layer: int, num_layers: int, cos
 def _case(heads: int, kv_heads: int, dim: int, page: int, rows: list[tuple[int, int]], length: int, seed: int):
     """Random inputs: rows = (history, valid new tokens) per batch row, pages shuffled in the pool."""
     rng = np.random.default_rng(seed)
-    num_layers, layer, max_pos = 3, 1, 256
+    num_layers, layer = 3, 1
+    max_pos = max(256, max(h for h, _ in rows) + length + 1)
     pages_per_row = [-(-(h + length) // page) for h, _ in rows]
     num_pages = sum(pages_per_row) + 3
     order = rng.permutation(num_pages)
@@ -71,6 +73,11 @@ CASES = {
     "prefill chunks": (8, 2, 32, 8, [(0, 37), (21, 40), (64, 1)], 40),
     "one kv head": (4, 1, 16, 4, [(3, 5), (0, 2)], 5),
     "wide heads": (4, 4, 128, 16, [(17, 3), (0, 20)], 20),
+    # Keys in several chunks of 256: a decode splits them over items and merges the chunks...
+    "long decode": (14, 2, 64, 16, [(700, 1)], 1),
+    "long decode, pages of 12": (4, 2, 32, 12, [(600, 1), (40, 1), (257, 1)], 1),
+    # ...a long prefill walks them in one item per query block.
+    "long prefill": (8, 2, 32, 16, [(300, 130)], 130),
 }
 
 
@@ -92,6 +99,36 @@ def test_kernel_matches_the_torch_meaning(case, tmp_path):
         assert (got[0][b, valid:] == 0).all()  # padded queries: zeros
         np.testing.assert_allclose(got[1][b, :valid], want[1][b, :valid], rtol=1e-5, atol=1e-5)  # rotated k
         np.testing.assert_array_equal(got[2][b], want[2][b])  # v passes through
+
+
+def _session(model: onnx.ModelProto, path) -> ort.InferenceSession:  # noqa: ANN001
+    onnx.save(model, str(path))
+    session, used = open_session(path, ort.SessionOptions(), ["CPUExecutionProvider"])
+    assert used == "flare"
+    return session
+
+
+def test_a_query_gets_the_same_bits_from_a_prefill_and_from_a_decode(tmp_path):
+    """The last query of a 140-token prefill over 300 history tokens (one item per query block,
+    chunks folded in one item) against the same query decoded alone after the other 139 new
+    tokens were written to the pool (one item per chunk, folded by the merge pass)."""
+    if kernels.cpu_missing_flags():
+        pytest.skip("no AVX512-VNNI")
+    heads, kv_heads, dim, page, history, length = 8, 2, 32, 16, 300, 140
+    model, feeds, _, _ = _case(heads, kv_heads, dim, page, [(history, length)], length, seed=11)
+    session = _session(model, tmp_path / "attn.onnx")
+    out, k, v = session.run(None, feeds)
+    # The decode: 139 of the new tokens now live in the row's pages, the last one is the query.
+    pool, table = feeds["kv_pool"].copy(), feeds["block_tables"][0]
+    pages, layer = pool.shape[0] // 6, 1
+    for i in range(length - 1):
+        page_row, slot = table[(history + i) // page], (history + i) % page
+        pool[(2 * layer) * pages + page_row, slot] = k[0, i].reshape(kv_heads, dim)
+        pool[(2 * layer + 1) * pages + page_row, slot] = v[0, i].reshape(kv_heads, dim)
+    decode = dict(feeds, kv_pool=pool, qkv=feeds["qkv"][:, length - 1 :], positions=feeds["positions"][:, length - 1 :],
+                  history_lens=np.array([history + length - 1], np.int64), query_lens=np.array([1], np.int64))
+    alone = session.run(None, decode)[0]
+    np.testing.assert_array_equal(alone[0, 0], out[0, length - 1])
 
 
 def test_rewrite_into_group_query_attention_matches(tmp_path, monkeypatch):

@@ -1,0 +1,505 @@
+// ai.flare.PagedAttention: one decoder layer's attention straight from the paged KV pool.
+//
+// Inputs:  qkv float [B, L, (H + 2 KVH) * D] (the fused projection, before rotary);
+//          positions int64 [B, L]; cos_cache, sin_cache float [P, D/2] (rotate-half rotary);
+//          kv_pool float [R, T, KVH, D] with R = num_layers * 2 * pages (row (2 layer + kind) *
+//          pages + page holds T tokens); block_tables int64 [B, M]; history_lens, query_lens
+//          int64 [B].
+// Outputs: out float [B, L, H * D]; k float [B, L, KVH * D] (rotated); v float [B, L, KVH * D].
+// Attributes: num_heads, kv_heads, layer, num_layers, scale (float).
+// Query i < query_lens[b] of row b attends to the row's history_lens[b] pool tokens and its new
+// tokens 0..i (query head h uses KV head h / (H / KVH)); padded queries get zeros. It replaces
+// the per-layer page Gather + Transpose + RotaryEmbedding + GroupQueryAttention chain: pages
+// are read where they lie, nothing is copied.
+//
+// Numerics: a query's keys fall into fixed chunks of kChunkKeys by key index; each chunk is an
+// online softmax over blocks of 16 keys from a fresh state, and the chunks are folded left to
+// right (MergeState). The result depends only on the query and its keys, never on how a step
+// batches rows, splits a prompt, or spreads items over threads: a prefix restored from the cache
+// continues exactly as if it had been computed in one pass.
+//
+// Work: with many (row, query block) pairs, one item per pair walks every chunk; with few
+// (decode), one item per chunk, so both threads stream their own pages, and MergeItem folds.
+// An item covers every KV head: a token's heads lie side by side, so it reads whole rows.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#define ORT_API_MANUAL_INIT
+#include "onnxruntime_cxx_api.h"
+#undef ORT_API_MANUAL_INIT
+
+#include "simd_math.h"
+
+namespace {
+
+struct QueryState {  // one query vector's online softmax
+  float max, sum;
+};
+
+struct AttentionProblem {
+  const float* qkv;
+  const int64_t* positions;
+  const float* cos_cache;
+  const float* sin_cache;
+  const float* pool;
+  const int64_t* block_tables;
+  const int64_t* history_lens;
+  const int64_t* query_lens;
+  float* out;
+  float* k_out;
+  float* v_out;
+  float* q_rot;  // [B, L, H, D], filled by RotateToken
+  int B, L, M, H, KVH, D, T, P, pages, layer;
+  int query_blocks;  // per row: ceil(L / kQueryBlock)
+  int row_chunks;  // chunks of kChunkKeys keys in the longest row
+  bool split;  // one item per (row, query block, chunk), folded by MergeItem
+  int slot_vectors;  // query vectors of one (item, KV head) slot of the partial buffers
+  float* part_acc;  // split: [item, KVH, slot_vectors, D] unnormalized sums
+  QueryState* part_state;  // split: [item, KVH, slot_vectors]
+  float scale;
+};
+
+constexpr int kMaxHeadDim = 256;
+constexpr int kQueryBlock = 16;  // queries of one row per work item
+constexpr int kChunkKeys = 256;  // keys per chunk: its K and V rows stay in L2 for every KV head
+constexpr int kMinItems = 8;  // fewer (rows x query blocks) than this: split the keys
+constexpr size_t kMaxSplitFloats = size_t{8} << 20;  // the split's partial sums stay under 32 MB
+constexpr int kPrefetchBlocks = 2;  // key blocks fetched ahead of the one attended
+
+// Rotate-half rotary of one head: x1 = x[:D/2], x2 = x[D/2:].
+void Rotate(const float* x, const float* cos, const float* sin, int half, float* y) {
+  for (int j = 0; j < half; ++j) {
+    y[j] = x[j] * cos[j] - x[j + half] * sin[j];
+    y[j + half] = x[j + half] * cos[j] + x[j] * sin[j];
+  }
+}
+
+void RotateToken(void* data, size_t token) {
+  const AttentionProblem& p = *static_cast<const AttentionProblem*>(data);
+  const int width = (p.H + 2 * p.KVH) * p.D, half = p.D / 2;
+  const float* x = p.qkv + token * width;
+  int64_t pos = p.positions[token];
+  pos = std::min<int64_t>(std::max<int64_t>(pos, 0), p.P - 1);  // padding positions are never read
+  const float* cos = p.cos_cache + pos * half;
+  const float* sin = p.sin_cache + pos * half;
+  float* q = p.q_rot + token * p.H * p.D;
+  for (int h = 0; h < p.H; ++h) Rotate(x + h * p.D, cos, sin, half, q + h * p.D);
+  float* k = p.k_out + token * p.KVH * p.D;
+  for (int h = 0; h < p.KVH; ++h) Rotate(x + (p.H + h) * p.D, cos, sin, half, k + h * p.D);
+  std::memcpy(p.v_out + token * p.KVH * p.D, x + (p.H + p.KVH) * p.D, sizeof(float) * p.KVH * p.D);
+}
+
+// Flash-attention style: the keys stream past in blocks of 16 (transposed in registers, so a query
+// vector's 16 scores are D FMAs), each query vector keeps a running max, sum and output
+// accumulator (online softmax), and NR query vectors share every key and value load.
+struct KeyBlock {
+  alignas(64) float kt[kMaxHeadDim][16];  // [d][key]
+  const float* values[16];
+  int count;  // keys in the block (the rest of kt is zero)
+};
+
+// In-register transpose of 16 rows of 16 floats: r[c] becomes column c.
+inline void Transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int c = 0; c < 4; ++c) {
+      t[8 * i + c] = _mm512_shuffle_f32x4(r[8 * i + c], r[8 * i + 4 + c], 0x88);
+      t[8 * i + 4 + c] = _mm512_shuffle_f32x4(r[8 * i + c], r[8 * i + 4 + c], 0xDD);
+    }
+  for (int c = 0; c < 8; ++c) {
+    r[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88);
+    r[c + 8] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0xDD);
+  }
+}
+
+// Not inlined: inside AttendChunk the compiler spills the NR x DV accumulators to the stack.
+template <int DV, int NR>
+__attribute__((noinline)) void AttendBlock(const AttentionProblem& p, const KeyBlock& blk, int j0, int history, int i0, int group,
+                 const float* q, int v0, int nv, float* acc, QueryState* state) {
+  constexpr int D = DV * 16;
+  __m512 s[NR], s_odd[NR];  // even and odd dimensions: two chains per score halve its latency
+  for (int r = 0; r < NR; ++r) s[r] = s_odd[r] = _mm512_setzero_ps();
+  for (int d = 0; d < D; d += 2) {
+    const __m512 kd = _mm512_load_ps(blk.kt[d]), ke = _mm512_load_ps(blk.kt[d + 1]);
+    for (int r = 0; r < NR; ++r) {
+      s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[(v0 + r) * D + d]), kd, s[r]);
+      s_odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[(v0 + r) * D + d + 1]), ke, s_odd[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) s[r] = _mm512_add_ps(s[r], s_odd[r]);
+  alignas(64) float prob[NR][16];
+  float corr[NR];
+  const __mmask16 present = static_cast<__mmask16>((1u << blk.count) - 1u);
+  for (int r = 0; r < NR; ++r) {
+    corr[r] = 1.f;
+    _mm512_store_ps(prob[r], _mm512_setzero_ps());
+    if (r >= nv) continue;
+    const int i = i0 + (v0 + r) / group;  // query index of this query vector
+    const int visible = history + i + 1 - j0;  // keys of the block it may see: the first `visible`
+    if (visible <= 0) continue;
+    const __mmask16 mask = visible >= 16 ? present : static_cast<__mmask16>(present & ((1u << visible) - 1u));
+    const __m512 scores = _mm512_mul_ps(s[r], _mm512_set1_ps(p.scale));
+    const float block_max = _mm512_mask_reduce_max_ps(mask, scores);
+    QueryState& st = state[v0 + r];
+    const float new_max = std::max(st.max, block_max);
+    corr[r] = st.sum == 0.f ? 0.f : std::exp(st.max - new_max);
+    const __m512 e = _mm512_maskz_mov_ps(mask, Exp(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+    st.sum = st.sum * corr[r] + _mm512_reduce_add_ps(e);
+    st.max = new_max;
+    _mm512_store_ps(prob[r], e);
+  }
+  __m512 out[NR][DV];
+  for (int r = 0; r < NR; ++r)
+    for (int x = 0; x < DV; ++x)
+      out[r][x] = _mm512_mul_ps(_mm512_loadu_ps(acc + (v0 + r) * D + 16 * x), _mm512_set1_ps(corr[r]));
+  for (int j = 0; j < blk.count; ++j) {
+    __m512 v[DV];
+    for (int x = 0; x < DV; ++x) v[x] = _mm512_loadu_ps(blk.values[j] + 16 * x);
+    for (int r = 0; r < NR; ++r) {
+      const __m512 pj = _mm512_set1_ps(prob[r][j]);
+      for (int x = 0; x < DV; ++x) out[r][x] = _mm512_fmadd_ps(pj, v[x], out[r][x]);
+    }
+  }
+  for (int r = 0; r < nv; ++r)
+    for (int x = 0; x < DV; ++x) _mm512_storeu_ps(acc + (v0 + r) * D + 16 * x, out[r][x]);
+}
+
+// Folds a chunk's partial state into a running one. Every path folds with this one function in
+// chunk order, so a query's result is the same bits whichever path computed it.
+template <int DV>
+inline void MergeState(QueryState& run, float* run_acc, const QueryState& part, const float* part_acc) {
+  if (part.sum == 0.f) return;  // the chunk holds no key this query sees
+  if (run.sum == 0.f) {
+    run = part;
+    std::memcpy(run_acc, part_acc, sizeof(float) * DV * 16);
+    return;
+  }
+  const float top = std::max(run.max, part.max);
+  const float a = std::exp(run.max - top), c = std::exp(part.max - top);
+  run.sum = std::fma(part.sum, c, run.sum * a);
+  run.max = top;
+  for (int x = 0; x < DV; ++x)
+    _mm512_storeu_ps(run_acc + 16 * x, _mm512_fmadd_ps(_mm512_loadu_ps(part_acc + 16 * x), _mm512_set1_ps(c),
+                                                       _mm512_mul_ps(_mm512_loadu_ps(run_acc + 16 * x), _mm512_set1_ps(a))));
+}
+
+template <int DV>
+inline void Finish(const QueryState& run, const float* run_acc, float* out) {
+  const __m512 inv = _mm512_set1_ps(1.f / run.sum);
+  for (int x = 0; x < DV; ++x) _mm512_storeu_ps(out + 16 * x, _mm512_mul_ps(_mm512_loadu_ps(run_acc + 16 * x), inv));
+}
+
+// One chunk of keys for query vectors [i0, last) x group of row b and KV head kv (q: their
+// rotated queries, [nq, D]), from a fresh state: acc [nq, D] gets sum(e^(s - max) v), states the
+// running max and sum.
+template <int DV>
+void AttendChunk(const AttentionProblem& p, int b, int kv, int i0, int last, const float* q, int chunk, float* acc,
+                 QueryState* states) {
+  constexpr int D = DV * 16;
+  constexpr int NR = DV <= 2 ? 8 : DV <= 4 ? 4 : DV <= 8 ? 2 : 1;  // accumulators NR x DV stay in registers
+  const int group = p.H / p.KVH;
+  const int history = static_cast<int>(p.history_lens[b]);
+  const size_t stride = static_cast<size_t>(p.KVH) * D;
+  const float* k_pages = p.pool + static_cast<size_t>(2 * p.layer) * p.pages * p.T * stride;
+  const float* v_pages = k_pages + static_cast<size_t>(p.pages) * p.T * stride;
+  const int nq = (last - i0) * group;  // query vectors (i, g) -> (i - i0) * group + g
+  std::fill(acc, acc + static_cast<size_t>(nq) * D, 0.f);
+  std::fill(states, states + nq, QueryState{-INFINITY, 0.f});
+  const int begin = chunk * kChunkKeys;
+  const int end = std::min(begin + kChunkKeys, history + last);  // the last query sees every key up to itself
+  // The K and V rows of keys [j0, j0 + count): a block inside one page is one pointer and a stride.
+  auto block_rows = [&](int j0, int count, const float** k_rows, const float** v_rows) {
+    if (j0 + count <= history && j0 / p.T == (j0 + count - 1) / p.T) {
+      const int64_t page = p.block_tables[static_cast<size_t>(b) * p.M + j0 / p.T];
+      const size_t base = (static_cast<size_t>(page) * p.T + j0 % p.T) * stride + kv * D;
+      for (int jj = 0; jj < count; ++jj) {
+        k_rows[jj] = k_pages + base + jj * stride;
+        v_rows[jj] = v_pages + base + jj * stride;
+      }
+      return;
+    }
+    for (int jj = 0; jj < count; ++jj) {
+      const int j = j0 + jj;
+      if (j < history) {
+        const int64_t page = p.block_tables[static_cast<size_t>(b) * p.M + j / p.T];
+        const size_t at = (static_cast<size_t>(page) * p.T + j % p.T) * stride + kv * D;
+        k_rows[jj] = k_pages + at;
+        v_rows[jj] = v_pages + at;
+      } else {
+        const size_t at = (static_cast<size_t>(b) * p.L + (j - history)) * stride + kv * D;
+        k_rows[jj] = p.k_out + at;
+        v_rows[jj] = p.v_out + at;
+      }
+    }
+  };
+  // A one-row decode waits on memory unless the rows a few blocks ahead are already on the way.
+  auto prefetch = [&](int j0) {
+    if (j0 >= end) return;
+    const float* rows[2][16];
+    const int count = std::min(16, end - j0);
+    block_rows(j0, count, rows[0], rows[1]);
+    for (int jj = 0; jj < count; ++jj)
+      for (int line = 0; line < D * 4; line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(rows[0][jj]) + line, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(rows[1][jj]) + line, _MM_HINT_T0);
+      }
+  };
+  for (int ahead = 0; ahead < kPrefetchBlocks; ++ahead) prefetch(begin + 16 * ahead);
+  KeyBlock blk;
+  for (int j0 = begin; j0 < end; j0 += 16) {
+    prefetch(j0 + 16 * kPrefetchBlocks);
+    blk.count = std::min(16, end - j0);
+    const float* key_rows[16];
+    block_rows(j0, blk.count, key_rows, blk.values);
+    for (int x = 0; x < DV; ++x) {  // 16 keys x 16 dims at a time, missing keys as zeros
+      __m512 r[16];
+      for (int jj = 0; jj < 16; ++jj) r[jj] = jj < blk.count ? _mm512_loadu_ps(key_rows[jj] + 16 * x) : _mm512_setzero_ps();
+      Transpose16(r);
+      for (int c = 0; c < 16; ++c) _mm512_store_ps(blk.kt[16 * x + c], r[c]);
+    }
+    for (int v0 = 0; v0 < nq; v0 += NR)
+      AttendBlock<DV, NR>(p, blk, j0, history, i0, group, q, v0, std::min(NR, nq - v0), acc, states);
+  }
+}
+
+// Item coordinates: row b, query block qb, chunk (split) and the block's real queries [i0, last).
+struct ItemSpan {
+  int b, qb, chunk, i0, last;
+};
+
+ItemSpan Span(const AttentionProblem& p, size_t item, int chunks) {
+  ItemSpan s;
+  s.chunk = static_cast<int>(item % chunks);
+  s.qb = static_cast<int>(item / chunks % p.query_blocks);
+  s.b = static_cast<int>(item / chunks / p.query_blocks);
+  s.i0 = s.qb * kQueryBlock;
+  const int i1 = std::min(p.L, s.i0 + kQueryBlock);
+  s.last = std::max(s.i0, std::min(i1, static_cast<int>(p.query_lens[s.b])));
+  return s;
+}
+
+template <int DV>
+void AttendHeads(const AttentionProblem& p, size_t item) {
+  constexpr int D = DV * 16;
+  const ItemSpan s = Span(p, item, p.split ? p.row_chunks : 1);
+  const int group = p.H / p.KVH;
+  if (s.chunk == 0)
+    for (int i = s.last; i < std::min(p.L, s.i0 + kQueryBlock); ++i)  // padded queries: zeros
+      std::memset(p.out + (static_cast<size_t>(s.b) * p.L + i) * p.H * D, 0, sizeof(float) * p.H * D);
+  if (s.last == s.i0) return;
+  const int nq = (s.last - s.i0) * group;
+  thread_local std::vector<float> q_buf, chunk_acc, run_acc;
+  thread_local std::vector<QueryState> chunk_state, run_state;
+  q_buf.resize(static_cast<size_t>(nq) * D);
+  for (int kv = 0; kv < p.KVH; ++kv) {
+    for (int i = s.i0; i < s.last; ++i)  // the group's query heads of query i are contiguous
+      std::memcpy(q_buf.data() + static_cast<size_t>(i - s.i0) * group * D,
+                  p.q_rot + ((static_cast<size_t>(s.b) * p.L + i) * p.H + static_cast<size_t>(kv) * group) * D,
+                  sizeof(float) * group * D);
+    if (p.split) {
+      const size_t slot = item * p.KVH + kv;
+      AttendChunk<DV>(p, s.b, kv, s.i0, s.last, q_buf.data(), s.chunk, p.part_acc + slot * p.slot_vectors * D,
+                      p.part_state + slot * p.slot_vectors);
+      continue;
+    }
+    chunk_acc.resize(static_cast<size_t>(nq) * D);
+    run_acc.resize(static_cast<size_t>(nq) * D);
+    chunk_state.resize(nq);
+    run_state.assign(nq, QueryState{-INFINITY, 0.f});
+    const int keys = static_cast<int>(p.history_lens[s.b]) + s.last;
+    for (int chunk = 0; chunk * kChunkKeys < keys; ++chunk) {
+      AttendChunk<DV>(p, s.b, kv, s.i0, s.last, q_buf.data(), chunk, chunk_acc.data(), chunk_state.data());
+      for (int v = 0; v < nq; ++v)
+        MergeState<DV>(run_state[v], run_acc.data() + v * D, chunk_state[v], chunk_acc.data() + v * D);
+    }
+    for (int v = 0; v < nq; ++v)
+      Finish<DV>(run_state[v], run_acc.data() + v * D,
+                 p.out + ((static_cast<size_t>(s.b) * p.L + s.i0 + v / group) * p.H + kv * group + v % group) * D);
+  }
+}
+
+// One item per (row, query block, KV head) of a split step: folds the chunks' partial states.
+template <int DV>
+void MergeHeads(const AttentionProblem& p, size_t item) {
+  constexpr int D = DV * 16;
+  const int kv = static_cast<int>(item % p.KVH);
+  const ItemSpan s = Span(p, item / p.KVH, 1);
+  const int group = p.H / p.KVH;
+  const size_t first = (static_cast<size_t>(s.b) * p.query_blocks + s.qb) * p.row_chunks;  // chunk 0's item
+  for (int v = 0; v < (s.last - s.i0) * group; ++v) {
+    QueryState run{-INFINITY, 0.f};
+    alignas(64) float run_acc[kMaxHeadDim];
+    for (int c = 0; c < p.row_chunks; ++c) {
+      const size_t at = ((first + c) * p.KVH + kv) * p.slot_vectors + v;
+      MergeState<DV>(run, run_acc, p.part_state[at], p.part_acc + at * D);
+    }
+    Finish<DV>(run, run_acc, p.out + ((static_cast<size_t>(s.b) * p.L + s.i0 + v / group) * p.H + kv * group + v % group) * D);
+  }
+}
+
+#define FLARE_HEAD_DIMS(F) \
+  F(1) F(2) F(3) F(4) F(5) F(6) F(7) F(8) F(9) F(10) F(11) F(12) F(13) F(14) F(15) F(16)
+
+void AttendItem(void* data, size_t item) {
+  const AttentionProblem& p = *static_cast<const AttentionProblem*>(data);
+  switch (p.D / 16) {
+#define FLARE_CASE(n) \
+  case n:             \
+    return AttendHeads<n>(p, item);
+    FLARE_HEAD_DIMS(FLARE_CASE)
+#undef FLARE_CASE
+    default: return;  // unreachable: Compute checks the head dimension
+  }
+}
+
+void MergeItem(void* data, size_t item) {
+  const AttentionProblem& p = *static_cast<const AttentionProblem*>(data);
+  switch (p.D / 16) {
+#define FLARE_CASE(n) \
+  case n:             \
+    return MergeHeads<n>(p, item);
+    FLARE_HEAD_DIMS(FLARE_CASE)
+#undef FLARE_CASE
+    default: return;
+  }
+}
+
+struct PagedAttentionKernel {
+  int64_t H, KVH, layer, num_layers;
+  float scale;
+
+  PagedAttentionKernel(const OrtApi&, const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo ki(info);
+    H = ki.GetAttribute<int64_t>("num_heads");
+    KVH = ki.GetAttribute<int64_t>("kv_heads");
+    layer = ki.GetAttribute<int64_t>("layer");
+    num_layers = ki.GetAttribute<int64_t>("num_layers");
+    scale = ki.GetAttribute<float>("scale");
+    if (H <= 0 || KVH <= 0 || H % KVH != 0 || num_layers <= 0 || layer < 0 || layer >= num_layers)
+      ORT_CXX_API_THROW("PagedAttention: needs num_heads a multiple of kv_heads and 0 <= layer < num_layers",
+                        ORT_INVALID_ARGUMENT);
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    auto qkv = ctx.GetInput(0), positions = ctx.GetInput(1), cos = ctx.GetInput(2), sin = ctx.GetInput(3);
+    auto pool = ctx.GetInput(4), tables = ctx.GetInput(5), history = ctx.GetInput(6), query = ctx.GetInput(7);
+    const auto qkv_shape = qkv.GetTensorTypeAndShapeInfo().GetShape();
+    const auto cos_shape = cos.GetTensorTypeAndShapeInfo().GetShape();
+    const auto pool_shape = pool.GetTensorTypeAndShapeInfo().GetShape();
+    const auto table_shape = tables.GetTensorTypeAndShapeInfo().GetShape();
+    auto fail = [](const char* what) { ORT_CXX_API_THROW(std::string("PagedAttention: ") + what, ORT_INVALID_ARGUMENT); };
+    if (qkv_shape.size() != 3 || cos_shape.size() != 2 || pool_shape.size() != 4 || table_shape.size() != 2)
+      fail("qkv, caches, pool or block_tables have the wrong rank");
+    const int64_t B = qkv_shape[0], L = qkv_shape[1], D = cos_shape[1] * 2, T = pool_shape[1];
+    if (D % 16 != 0 || D > kMaxHeadDim) fail("head_dim must be a multiple of 16, at most 256");
+    if (qkv_shape[2] != (H + 2 * KVH) * D) fail("qkv width is not (num_heads + 2 kv_heads) * head_dim");
+    if (pool_shape[2] != KVH || pool_shape[3] != D || pool_shape[0] % (2 * num_layers) != 0)
+      fail("kv_pool is not [num_layers * 2 * pages, tokens, kv_heads, head_dim]");
+    if (table_shape[0] != B || positions.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(B * L) ||
+        history.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(B) ||
+        query.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(B) ||
+        sin.GetTensorTypeAndShapeInfo().GetShape() != cos_shape)
+      fail("positions, block_tables, history_lens, query_lens or sin_cache do not match the batch");
+    AttentionProblem p;
+    p.B = static_cast<int>(B);
+    p.L = static_cast<int>(L);
+    p.M = static_cast<int>(table_shape[1]);
+    p.H = static_cast<int>(H);
+    p.KVH = static_cast<int>(KVH);
+    p.D = static_cast<int>(D);
+    p.T = static_cast<int>(T);
+    p.P = static_cast<int>(cos_shape[0]);
+    p.pages = static_cast<int>(pool_shape[0] / (2 * num_layers));
+    p.layer = static_cast<int>(layer);
+    p.scale = scale;
+    p.qkv = qkv.GetTensorData<float>();
+    p.positions = positions.GetTensorData<int64_t>();
+    p.cos_cache = cos.GetTensorData<float>();
+    p.sin_cache = sin.GetTensorData<float>();
+    p.pool = pool.GetTensorData<float>();
+    p.block_tables = tables.GetTensorData<int64_t>();
+    p.history_lens = history.GetTensorData<int64_t>();
+    p.query_lens = query.GetTensorData<int64_t>();
+    // Every history token must lie in a listed page of a pool row: a bad table would read
+    // outside the pool.
+    for (int b = 0; b < p.B; ++b) {
+      const int64_t h = p.history_lens[b], q = p.query_lens[b];
+      if (h < 0 || q < 0 || q > L || h > static_cast<int64_t>(p.M) * T) fail("history_lens or query_lens out of range");
+      for (int64_t page = 0; page < (h + T - 1) / T; ++page) {
+        const int64_t row = p.block_tables[b * p.M + page];
+        if (row < 0 || row >= p.pages) fail("block_tables names a page outside the pool");
+      }
+    }
+    p.out = ctx.GetOutput(0, {B, L, H * D}).GetTensorMutableData<float>();
+    p.k_out = ctx.GetOutput(1, {B, L, KVH * D}).GetTensorMutableData<float>();
+    p.v_out = ctx.GetOutput(2, {B, L, KVH * D}).GetTensorMutableData<float>();
+    if (B == 0 || L == 0) return;
+    thread_local std::vector<float> q_rot;
+    q_rot.resize(static_cast<size_t>(B * L * H * D));
+    p.q_rot = q_rot.data();
+    if (B * L < 16) {
+      for (int64_t t = 0; t < B * L; ++t) RotateToken(&p, t);
+    } else {
+      ctx.ParallelFor(RotateToken, static_cast<size_t>(B * L), 0, &p);
+    }
+    p.query_blocks = static_cast<int>((L + kQueryBlock - 1) / kQueryBlock);
+    int64_t keys = 0;
+    for (int b = 0; b < p.B; ++b) keys = std::max(keys, p.history_lens[b] + p.query_lens[b]);
+    p.row_chunks = static_cast<int>((keys + kChunkKeys - 1) / kChunkKeys);
+    // Few query blocks (decode, a short chunk): one item per chunk of keys, so every thread
+    // streams its own span of the pages; a merge pass folds the chunks in order.
+    p.slot_vectors = static_cast<int>(std::min<int64_t>(L, kQueryBlock) * (H / KVH));
+    const size_t split_items = static_cast<size_t>(B) * p.query_blocks * p.row_chunks;
+    const size_t split_floats = split_items * KVH * p.slot_vectors * D;
+    p.split = B * p.query_blocks < kMinItems && p.row_chunks > 1 && split_floats <= kMaxSplitFloats;
+    thread_local std::vector<float> part_acc;
+    thread_local std::vector<QueryState> part_state;
+    if (p.split) {
+      part_acc.resize(split_floats);
+      part_state.resize(split_floats / D);
+      p.part_acc = part_acc.data();
+      p.part_state = part_state.data();
+    }
+    const size_t items = p.split ? split_items : static_cast<size_t>(B) * p.query_blocks;
+    ctx.ParallelFor(AttendItem, items, 0, &p);
+    if (p.split) ctx.ParallelFor(MergeItem, static_cast<size_t>(B) * p.query_blocks * KVH, 0, &p);
+  }
+};
+
+struct PagedAttentionOp : Ort::CustomOpBase<PagedAttentionOp, PagedAttentionKernel> {
+  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new PagedAttentionKernel(api, info); }
+  const char* GetName() const { return "PagedAttention"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 8; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i == 1 || i >= 5 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  size_t GetOutputTypeCount() const { return 3; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+const PagedAttentionOp paged_attention_op;
+
+}  // namespace
+
+namespace flare {
+void AddAttentionOps(Ort::CustomOpDomain& domain) { domain.Add(&paged_attention_op); }
+}  // namespace flare
