@@ -43,7 +43,10 @@ from typing import Any, get_type_hints
 #      and limits; the step graph of such a core also takes `mrope_positions`, `image_embeds`
 #      and `image_slots` (docs/architecture.md, "Images"). An older 1.x helios cannot feed those
 #      inputs: it refuses the step graph's extra inputs when it binds them.
-FORMAT_VERSION = "1.9"
+# 1.10: `quantization.attention`: "bfloat16" where the step graph's PagedAttention nodes carry
+#      precision="bfloat16" (int4 cores: Q, K, P, V rounded to bf16 on AMX tiles, fp32
+#      accumulation). An older 1.x helios's kernel ignores the attribute and attends in fp32.
+FORMAT_VERSION = "1.10"
 TEMPLATE_REJECTS = ("drop_thinking", "continuation", "add_generation_prompt_false")
 CONTENT_DIGEST_SINCE = (1, 5)
 MANIFEST_NAME = "core.json"
@@ -251,6 +254,9 @@ class Quantization:
     # (1.4) the operator holding the 4-bit matmuls: "ai.flare.MatMulInt4" (flare's tiled layout,
     # helios/kernels; rewritten to MatMulNBits where that kernel cannot run) or MatMulNBits.
     matmul_op: str = "com.microsoft.MatMulNBits"
+    # (1.10) PagedAttention's arithmetic: "float32", or "bfloat16" (AMX tiles where the CPU has
+    # them, fp32 elsewhere).
+    attention: str = "float32"
 
 
 @dataclass

@@ -14,6 +14,25 @@ from helios.kernels import DOMAIN
 OP = "PagedAttention"
 
 
+PRECISIONS = ("float32", "bfloat16")
+
+
+def set_precision(model: onnx.ModelProto, precision: str) -> int:
+    """Give every PagedAttention node of `model` the `precision` attribute ("float32" is the
+    kernel's default and adds none); return how many. The GroupQueryAttention rewrite below runs
+    fp32 whatever it says."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown attention precision {precision!r} (choose {', '.join(PRECISIONS)})")
+    nodes = [n for n in model.graph.node if n.op_type == OP and n.domain == DOMAIN]
+    for node in nodes:
+        kept = [a for a in node.attribute if a.name != "precision"]
+        del node.attribute[:]
+        node.attribute.extend(kept)
+        if precision != "float32":
+            node.attribute.append(helper.make_attribute("precision", precision))
+    return len(nodes)
+
+
 def to_group_query_attention(model: onnx.ModelProto) -> int:
     """Rewrite every PagedAttention node of `model`; return how many."""
     nodes: list[onnx.NodeProto] = []
@@ -23,7 +42,7 @@ def to_group_query_attention(model: onnx.ModelProto) -> int:
         if node.op_type != OP or node.domain != DOMAIN:
             nodes.append(node)
             continue
-        a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+        a = {x.name: helper.get_attribute_value(x) for x in node.attribute}  # precision: fp32 here
         new_nodes, new_inits = _expand(node, a["num_heads"], a["kv_heads"], a["layer"], a["num_layers"], a["scale"])
         nodes += new_nodes
         inits += new_inits

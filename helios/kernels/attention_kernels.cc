@@ -16,7 +16,8 @@
 // online softmax over blocks of 16 keys from a fresh state, and the chunks are folded left to
 // right (MergeState). The result depends only on the query and its keys, never on how a step
 // batches rows, splits a prompt, or spreads items over threads: a prefix restored from the cache
-// continues exactly as if it had been computed in one pass.
+// continues exactly as if it had been computed in one pass. precision="bfloat16" computes each
+// chunk on AMX tiles instead (attention_amx.h), with the same chunks and the same fold.
 //
 // Work: with many (row, query block) pairs, one item per pair walks every chunk; with few
 // (decode), one item per chunk, so both threads stream their own pages, and MergeItem folds.
@@ -64,6 +65,8 @@ struct AttentionProblem {
   float* part_acc;  // split: [item, KVH, slot_vectors, D] unnormalized sums
   QueryState* part_state;  // split: [item, KVH, slot_vectors]
   float scale;
+  bool bf16;  // the chunks run in bf16 on AMX tiles (attention_amx.h)
+  uint16_t* chunk_tiles;  // bf16: [B, KVH, row_chunks] chunks of K tiles then V tiles
 };
 
 constexpr int kMaxHeadDim = 256;
@@ -206,29 +209,25 @@ inline void Finish(const QueryState& run, const float* run_acc, float* out) {
   for (int x = 0; x < DV; ++x) _mm512_storeu_ps(out + 16 * x, _mm512_mul_ps(_mm512_loadu_ps(run_acc + 16 * x), inv));
 }
 
-// One chunk of keys for query vectors [i0, last) x group of row b and KV head kv (q: their
-// rotated queries, [nq, D]), from a fresh state: acc [nq, D] gets sum(e^(s - max) v), states the
-// running max and sum.
-template <int DV>
-void AttendChunk(const AttentionProblem& p, int b, int kv, int i0, int last, const float* q, int chunk, float* acc,
-                 QueryState* states) {
-  constexpr int D = DV * 16;
-  constexpr int NR = DV <= 2 ? 8 : DV <= 4 ? 4 : DV <= 8 ? 2 : 1;  // accumulators NR x DV stay in registers
-  const int group = p.H / p.KVH;
-  const int history = static_cast<int>(p.history_lens[b]);
-  const size_t stride = static_cast<size_t>(p.KVH) * D;
-  const float* k_pages = p.pool + static_cast<size_t>(2 * p.layer) * p.pages * p.T * stride;
-  const float* v_pages = k_pages + static_cast<size_t>(p.pages) * p.T * stride;
-  const int nq = (last - i0) * group;  // query vectors (i, g) -> (i - i0) * group + g
-  std::fill(acc, acc + static_cast<size_t>(nq) * D, 0.f);
-  std::fill(states, states + nq, QueryState{-INFINITY, 0.f});
-  const int begin = chunk * kChunkKeys;
-  const int end = std::min(begin + kChunkKeys, history + last);  // the last query sees every key up to itself
-  // The K and V rows of keys [j0, j0 + count): a block inside one page is one pointer and a stride.
-  auto block_rows = [&](int j0, int count, const float** k_rows, const float** v_rows) {
+// The K and V rows of one row's keys for one KV head: pool pages for history, the step's own
+// new tokens after it. A block of keys inside one page is one pointer and a stride.
+struct KeyRows {
+  const AttentionProblem& p;
+  int b, kv, history;
+  size_t stride;
+  const float* k_pages;
+  const float* v_pages;
+
+  KeyRows(const AttentionProblem& problem, int row, int head)
+      : p(problem), b(row), kv(head), history(static_cast<int>(problem.history_lens[row])),
+        stride(static_cast<size_t>(problem.KVH) * problem.D),
+        k_pages(problem.pool + static_cast<size_t>(2 * problem.layer) * problem.pages * problem.T * stride),
+        v_pages(k_pages + static_cast<size_t>(problem.pages) * problem.T * stride) {}
+
+  void operator()(int j0, int count, const float** k_rows, const float** v_rows) const {
     if (j0 + count <= history && j0 / p.T == (j0 + count - 1) / p.T) {
       const int64_t page = p.block_tables[static_cast<size_t>(b) * p.M + j0 / p.T];
-      const size_t base = (static_cast<size_t>(page) * p.T + j0 % p.T) * stride + kv * D;
+      const size_t base = (static_cast<size_t>(page) * p.T + j0 % p.T) * stride + kv * p.D;
       for (int jj = 0; jj < count; ++jj) {
         k_rows[jj] = k_pages + base + jj * stride;
         v_rows[jj] = v_pages + base + jj * stride;
@@ -239,22 +238,36 @@ void AttendChunk(const AttentionProblem& p, int b, int kv, int i0, int last, con
       const int j = j0 + jj;
       if (j < history) {
         const int64_t page = p.block_tables[static_cast<size_t>(b) * p.M + j / p.T];
-        const size_t at = (static_cast<size_t>(page) * p.T + j % p.T) * stride + kv * D;
+        const size_t at = (static_cast<size_t>(page) * p.T + j % p.T) * stride + kv * p.D;
         k_rows[jj] = k_pages + at;
         v_rows[jj] = v_pages + at;
       } else {
-        const size_t at = (static_cast<size_t>(b) * p.L + (j - history)) * stride + kv * D;
+        const size_t at = (static_cast<size_t>(b) * p.L + (j - history)) * stride + kv * p.D;
         k_rows[jj] = p.k_out + at;
         v_rows[jj] = p.v_out + at;
       }
     }
-  };
+  }
+};
+
+// One chunk of keys for query vectors [i0, last) x group of row b (q: their rotated queries,
+// [nq, D]), from a fresh state: acc [nq, D] gets sum(e^(s - max) v), states the running max and
+// sum. Keys [begin, end): the chunk, clipped to what the last query sees.
+template <int DV>
+void AttendChunk(const AttentionProblem& p, int b, int i0, int last, const float* q, int begin, int end,
+                 const KeyRows& key_rows, float* acc, QueryState* states) {
+  constexpr int D = DV * 16;
+  constexpr int NR = DV <= 2 ? 8 : DV <= 4 ? 4 : DV <= 8 ? 2 : 1;  // accumulators NR x DV stay in registers
+  const int group = p.H / p.KVH;
+  const int nq = (last - i0) * group;  // query vectors (i, g) -> (i - i0) * group + g
+  std::fill(acc, acc + static_cast<size_t>(nq) * D, 0.f);
+  std::fill(states, states + nq, QueryState{-INFINITY, 0.f});
   // A one-row decode waits on memory unless the rows a few blocks ahead are already on the way.
   auto prefetch = [&](int j0) {
     if (j0 >= end) return;
     const float* rows[2][16];
     const int count = std::min(16, end - j0);
-    block_rows(j0, count, rows[0], rows[1]);
+    key_rows(j0, count, rows[0], rows[1]);
     for (int jj = 0; jj < count; ++jj)
       for (int line = 0; line < D * 4; line += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(rows[0][jj]) + line, _MM_HINT_T0);
@@ -266,18 +279,73 @@ void AttendChunk(const AttentionProblem& p, int b, int kv, int i0, int last, con
   for (int j0 = begin; j0 < end; j0 += 16) {
     prefetch(j0 + 16 * kPrefetchBlocks);
     blk.count = std::min(16, end - j0);
-    const float* key_rows[16];
-    block_rows(j0, blk.count, key_rows, blk.values);
+    const float* k_rows[16];
+    key_rows(j0, blk.count, k_rows, blk.values);
     for (int x = 0; x < DV; ++x) {  // 16 keys x 16 dims at a time, missing keys as zeros
       __m512 r[16];
-      for (int jj = 0; jj < 16; ++jj) r[jj] = jj < blk.count ? _mm512_loadu_ps(key_rows[jj] + 16 * x) : _mm512_setzero_ps();
+      for (int jj = 0; jj < 16; ++jj) r[jj] = jj < blk.count ? _mm512_loadu_ps(k_rows[jj] + 16 * x) : _mm512_setzero_ps();
       Transpose16(r);
       for (int c = 0; c < 16; ++c) _mm512_store_ps(blk.kt[16 * x + c], r[c]);
     }
     for (int v0 = 0; v0 < nq; v0 += NR)
-      AttendBlock<DV, NR>(p, blk, j0, history, i0, group, q, v0, std::min(NR, nq - v0), acc, states);
+      AttendBlock<DV, NR>(p, blk, j0, key_rows.history, i0, group, q, v0, std::min(NR, nq - v0), acc, states);
   }
 }
+
+}  // namespace
+
+// The bf16 chunk (AMX): after the definitions it shares (QueryState, KeyRows, Transpose16, Exp).
+#include "attention_amx.h"
+
+namespace {
+
+// A chunk's keys: [chunk * kChunkKeys, +kChunkKeys), clipped to the keys the last query sees.
+inline int ChunkEnd(const AttentionProblem& p, int b, int last, int chunk) {
+  return std::min((chunk + 1) * kChunkKeys, static_cast<int>(p.history_lens[b]) + last);
+}
+
+// One item's query vectors of one KV head, in the precision the step runs: fp32 or bf16 tiles.
+template <int DV>
+struct HeadQueries {
+  const AttentionProblem& p;
+  int b, kv, i0, last, nq;
+  std::vector<float>& q;  // rotated queries [nq, D]
+  std::vector<uint16_t>& q_bf16;  // the same in bf16, padded (bf16 steps)
+
+  void Load() {
+    constexpr int D = DV * 16;
+    const int group = p.H / p.KVH;
+    q.resize(static_cast<size_t>(nq) * D);
+    for (int i = i0; i < last; ++i)  // the group's query heads of query i are contiguous
+      std::memcpy(q.data() + static_cast<size_t>(i - i0) * group * D,
+                  p.q_rot + ((static_cast<size_t>(b) * p.L + i) * p.H + static_cast<size_t>(kv) * group) * D,
+                  sizeof(float) * group * D);
+    if constexpr (DV % 2 == 0) {
+      if (p.bf16) QueriesToBf16<DV>(q.data(), nq, p.scale, q_bf16);
+    }
+  }
+
+  void Chunk(int chunk, float* acc, QueryState* states) const {
+    const KeyRows rows(p, b, kv);
+    const int begin = chunk * kChunkKeys, end = ChunkEnd(p, b, last, chunk);
+    if constexpr (DV % 2 == 0) {  // AMX tiles take 32 dims at a time: Compute sets bf16 only then
+      if (p.bf16) {
+        const uint16_t* k_tiles;
+        thread_local std::vector<uint16_t> own;
+        if (p.chunk_tiles != nullptr) {  // converted by ConvertItem for every query block of the step
+          k_tiles = p.chunk_tiles + ((static_cast<size_t>(b) * p.KVH + kv) * p.row_chunks + chunk) * 2 * ChunkTileElems<DV>();
+        } else {  // a split step reads each chunk once: convert it here, into cache-sized tiles
+          own.resize(2 * ChunkTileElems<DV>());
+          ConvertChunk<DV>(p, b, kv, chunk, own.data());
+          k_tiles = own.data();
+        }
+        return AmxChunk<DV>(p, b, i0, last, q_bf16.data(), begin, end, k_tiles, k_tiles + ChunkTileElems<DV>(), acc,
+                            states);
+      }
+    }
+    AttendChunk<DV>(p, b, i0, last, q.data(), begin, end, rows, acc, states);
+  }
+};
 
 // Item coordinates: row b, query block qb, chunk (split) and the block's real queries [i0, last).
 struct ItemSpan {
@@ -306,17 +374,15 @@ void AttendHeads(const AttentionProblem& p, size_t item) {
   if (s.last == s.i0) return;
   const int nq = (s.last - s.i0) * group;
   thread_local std::vector<float> q_buf, chunk_acc, run_acc;
+  thread_local std::vector<uint16_t> q_bf16;
   thread_local std::vector<QueryState> chunk_state, run_state;
-  q_buf.resize(static_cast<size_t>(nq) * D);
+  if (p.bf16) ConfigureTiles();
   for (int kv = 0; kv < p.KVH; ++kv) {
-    for (int i = s.i0; i < s.last; ++i)  // the group's query heads of query i are contiguous
-      std::memcpy(q_buf.data() + static_cast<size_t>(i - s.i0) * group * D,
-                  p.q_rot + ((static_cast<size_t>(s.b) * p.L + i) * p.H + static_cast<size_t>(kv) * group) * D,
-                  sizeof(float) * group * D);
+    HeadQueries<DV> queries{p, s.b, kv, s.i0, s.last, nq, q_buf, q_bf16};
+    queries.Load();
     if (p.split) {
       const size_t slot = item * p.KVH + kv;
-      AttendChunk<DV>(p, s.b, kv, s.i0, s.last, q_buf.data(), s.chunk, p.part_acc + slot * p.slot_vectors * D,
-                      p.part_state + slot * p.slot_vectors);
+      queries.Chunk(s.chunk, p.part_acc + slot * p.slot_vectors * D, p.part_state + slot * p.slot_vectors);
       continue;
     }
     chunk_acc.resize(static_cast<size_t>(nq) * D);
@@ -325,7 +391,7 @@ void AttendHeads(const AttentionProblem& p, size_t item) {
     run_state.assign(nq, QueryState{-INFINITY, 0.f});
     const int keys = static_cast<int>(p.history_lens[s.b]) + s.last;
     for (int chunk = 0; chunk * kChunkKeys < keys; ++chunk) {
-      AttendChunk<DV>(p, s.b, kv, s.i0, s.last, q_buf.data(), chunk, chunk_acc.data(), chunk_state.data());
+      queries.Chunk(chunk, chunk_acc.data(), chunk_state.data());
       for (int v = 0; v < nq; ++v)
         MergeState<DV>(run_state[v], run_acc.data() + v * D, chunk_state[v], chunk_acc.data() + v * D);
     }
@@ -333,6 +399,7 @@ void AttendHeads(const AttentionProblem& p, size_t item) {
       Finish<DV>(run_state[v], run_acc.data() + v * D,
                  p.out + ((static_cast<size_t>(s.b) * p.L + s.i0 + v / group) * p.H + kv * group + v % group) * D);
   }
+  if (p.bf16) _tile_release();
 }
 
 // One item per (row, query block, KV head) of a split step: folds the chunks' partial states.
@@ -369,6 +436,18 @@ void AttendItem(void* data, size_t item) {
   }
 }
 
+void ConvertItem(void* data, size_t item) {
+  const AttentionProblem& p = *static_cast<const AttentionProblem*>(data);
+  switch (p.D / 16) {
+#define FLARE_CASE(n) \
+  case n:             \
+    return ConvertItemOf<n>(p, item);
+    FLARE_HEAD_DIMS(FLARE_CASE)
+#undef FLARE_CASE
+    default: return;
+  }
+}
+
 void MergeItem(void* data, size_t item) {
   const AttentionProblem& p = *static_cast<const AttentionProblem*>(data);
   switch (p.D / 16) {
@@ -384,6 +463,7 @@ void MergeItem(void* data, size_t item) {
 struct PagedAttentionKernel {
   int64_t H, KVH, layer, num_layers;
   float scale;
+  bool bf16 = false;  // precision "bfloat16": AMX tiles where the CPU and OS allow them
 
   PagedAttentionKernel(const OrtApi&, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
@@ -392,6 +472,14 @@ struct PagedAttentionKernel {
     layer = ki.GetAttribute<int64_t>("layer");
     num_layers = ki.GetAttribute<int64_t>("num_layers");
     scale = ki.GetAttribute<float>("scale");
+    std::string precision = "float32";
+    try {
+      precision = ki.GetAttribute<std::string>("precision");
+    } catch (const Ort::Exception&) {  // absent: float32
+    }
+    if (precision != "float32" && precision != "bfloat16")
+      ORT_CXX_API_THROW("PagedAttention: precision must be float32 or bfloat16", ORT_INVALID_ARGUMENT);
+    bf16 = precision == "bfloat16";
     if (H <= 0 || KVH <= 0 || H % KVH != 0 || num_layers <= 0 || layer < 0 || layer >= num_layers)
       ORT_CXX_API_THROW("PagedAttention: needs num_heads a multiple of kv_heads and 0 <= layer < num_layers",
                         ORT_INVALID_ARGUMENT);
@@ -430,6 +518,8 @@ struct PagedAttentionKernel {
     p.pages = static_cast<int>(pool_shape[0] / (2 * num_layers));
     p.layer = static_cast<int>(layer);
     p.scale = scale;
+    // Without AMX (or with head_dim not a multiple of 32) a bfloat16 graph runs in fp32.
+    p.bf16 = bf16 && D % 32 == 0 && AmxUsable();
     p.qkv = qkv.GetTensorData<float>();
     p.positions = positions.GetTensorData<int64_t>();
     p.cos_cache = cos.GetTensorData<float>();
@@ -479,6 +569,14 @@ struct PagedAttentionKernel {
       p.part_state = part_state.data();
     }
     const size_t items = p.split ? split_items : static_cast<size_t>(B) * p.query_blocks;
+    thread_local std::vector<uint16_t> chunk_tiles;
+    p.chunk_tiles = nullptr;
+    if (p.bf16 && !p.split) {  // every chunk's K and V in tile layouts, once per step
+      const size_t chunks = static_cast<size_t>(B) * KVH * p.row_chunks;
+      chunk_tiles.resize(chunks * 2 * kChunkKeys * D);
+      p.chunk_tiles = chunk_tiles.data();
+      ctx.ParallelFor(ConvertItem, chunks, 0, &p);
+    }
     ctx.ParallelFor(AttendItem, items, 0, &p);
     if (p.split) ctx.ParallelFor(MergeItem, static_cast<size_t>(B) * p.query_blocks * KVH, 0, &p);
   }

@@ -1,7 +1,8 @@
 """Weight-only quantization of an exported step graph (onnxruntime MatMulNBits).
 
-Activations, KV and the attention math stay fp32; only constant matmul weights (and, for int4,
-the token-embedding table) become block-quantized, symmetric (no zero points).
+Activations and the KV pool stay fp32; constant matmul weights (and, for int4, the token-embedding
+table) become block-quantized, symmetric (no zero points). An int4 core's attention (flare's
+PagedAttention) also runs in bfloat16 on AMX tiles where the CPU has them (fp32 accumulation).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from onnx import helper, numpy_helper
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
 from helios.kernels import DOMAIN
+from helios.kernels.attention import set_precision
 from helios.kernels.int4_layout import OP, to_int4_tiles
 from helios.kernels.moe import quantize_experts
 from helios.manifest import Quantization
@@ -35,6 +37,9 @@ class QuantSettings:
     # Store the 4-bit matmuls in flare's tiled layout (ai.flare.MatMulInt4, helios/kernels):
     # the same numbers as MatMulNBits, read by a kernel that batches rows (see below).
     int4_tiles: bool = False
+    # PagedAttention's arithmetic: "bfloat16" rounds Q, K, P and V to bf16 on AMX tiles (fp32
+    # accumulation and softmax), ~3x the fp32 kernel on long prompts (docs/performance.md).
+    attention: str = "float32"
 
 
 # Measured on the real Qwen2.5-Coder-0.5B, 2 threads, this AVX512-VNNI machine. Speed: median
@@ -94,7 +99,8 @@ class QuantSettings:
 #   b=1 14.0-14.9 -> 11.8-12.3 ms, b=8 41.9-43.1 -> 22.8-23.3 ms (with SwiGLU folded in), KL
 #   0.0029 -> 0.0026.
 SETTINGS = {
-    "int4": QuantSettings(bits=4, block_size=64, accuracy_level=4, lm_head_bits=4, embedding_bits=4, int4_tiles=True),
+    "int4": QuantSettings(bits=4, block_size=64, accuracy_level=4, lm_head_bits=4, embedding_bits=4, int4_tiles=True,
+                          attention="bfloat16"),
     "int8": QuantSettings(bits=8, block_size=128, accuracy_level=4, lm_head_bits=8, embedding_bits=None),
 }
 
@@ -112,6 +118,7 @@ def manifest_quantization(precision: str) -> Quantization | None:
         embedding_bits=s.embedding_bits,
         matmul_op=f"{DOMAIN}.{OP}" if s.int4_tiles else "com.microsoft.MatMulNBits",
         embedding_block=s.block_size if s.embedding_bits is not None else None,
+        attention=s.attention,
     )
 
 
@@ -147,6 +154,7 @@ def quantize_weights(model: onnx.ModelProto, s: QuantSettings) -> None:
     # Routed experts (ai.flare.MoE): each expert's tables in the dense layers' scheme, run by
     # MoEInt4: 4-bit blocks of 64 (or 32/16 where the width needs them), 8-bit blocks of 128.
     quantize_experts(model, bits=s.bits)
+    set_precision(model, s.attention)
 
 
 def quantize_score(onnx_in: Path, onnx_out: Path, precision: str) -> None:

@@ -414,7 +414,7 @@ def test_older_and_newer_minor_versions_load(tiny_core, tmp_path):
     old = {k: v for k, v in data.items() if k != "digest"} | {"format_version": "1.0"}  # before digests
     (core / MANIFEST_NAME).write_text(json.dumps(old))
     assert Manifest.load(core).digest == ""
-    newer = data | {"format_version": "1.9", "some_future_field": {"x": 1}}  # minor: optional additions
+    newer = data | {"format_version": "1.99", "some_future_field": {"x": 1}}  # minor: optional additions
     newer["content_digest"] = content_digest(newer)  # it covers fields this helios does not know
     (core / MANIFEST_NAME).write_text(json.dumps(newer))
     assert Manifest.load(core).digest == data["digest"]

@@ -5,6 +5,7 @@ numerics: a query's result does not depend on how a step splits the work."""
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import onnx
@@ -20,10 +21,12 @@ from ignition.models.ops import pool_attention_ref
 INPUTS = ["qkv", "positions", "cos_cache", "sin_cache", "kv_pool", "block_tables", "history_lens", "query_lens"]
 
 
-def _graph(heads: int, kv_heads: int, dim: int, layer: int, num_layers: int, cos: np.ndarray, sin: np.ndarray) -> onnx.ModelProto:
+def _graph(heads: int, kv_heads: int, dim: int, layer: int, num_layers: int, cos: np.ndarray, sin: np.ndarray,
+           precision: str | None = None) -> onnx.ModelProto:
+    extra = {} if precision is None else {"precision": precision}
     node = helper.make_node("PagedAttention", INPUTS, ["out", "k", "v"], domain="ai.flare", name="attn",
                             num_heads=heads, kv_heads=kv_heads, layer=layer, num_layers=num_layers,
-                            scale=1.0 / math.sqrt(dim))  # fmt: skip
+                            scale=1.0 / math.sqrt(dim), **extra)  # fmt: skip
     f, i = TensorProto.FLOAT, TensorProto.INT64
     inputs = [helper.make_tensor_value_info("qkv", f, ["B", "L", (heads + 2 * kv_heads) * dim]),
               helper.make_tensor_value_info("positions", i, ["B", "L"]),
@@ -37,7 +40,8 @@ def _graph(heads: int, kv_heads: int, dim: int, layer: int, num_layers: int, cos
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.flare", 1)])
 
 
-def _case(heads: int, kv_heads: int, dim: int, page: int, rows: list[tuple[int, int]], length: int, seed: int):
+def _case(heads: int, kv_heads: int, dim: int, page: int, rows: list[tuple[int, int]], length: int, seed: int,
+          precision: str | None = None):
     """Random inputs: rows = (history, valid new tokens) per batch row, pages shuffled in the pool."""
     rng = np.random.default_rng(seed)
     num_layers, layer = 3, 1
@@ -64,7 +68,7 @@ def _case(heads: int, kv_heads: int, dim: int, page: int, rows: list[tuple[int, 
         *(torch.from_numpy(feeds[n]) for n in INPUTS[:2]), torch.from_numpy(cos), torch.from_numpy(sin),
         *(torch.from_numpy(feeds[n]) for n in INPUTS[4:]), layer, num_layers, heads, kv_heads,
     )  # fmt: skip
-    return _graph(heads, kv_heads, dim, layer, num_layers, cos, sin), feeds, [w.numpy() for w in want], rows
+    return _graph(heads, kv_heads, dim, layer, num_layers, cos, sin, precision), feeds, [w.numpy() for w in want], rows
 
 
 CASES = {
@@ -108,14 +112,15 @@ def _session(model: onnx.ModelProto, path) -> ort.InferenceSession:  # noqa: ANN
     return session
 
 
-def test_a_query_gets_the_same_bits_from_a_prefill_and_from_a_decode(tmp_path):
+@pytest.mark.parametrize("precision", [None, "bfloat16"])
+def test_a_query_gets_the_same_bits_from_a_prefill_and_from_a_decode(tmp_path, precision):
     """The last query of a 140-token prefill over 300 history tokens (one item per query block,
     chunks folded in one item) against the same query decoded alone after the other 139 new
     tokens were written to the pool (one item per chunk, folded by the merge pass)."""
     if kernels.cpu_missing_flags():
         pytest.skip("no AVX512-VNNI")
     heads, kv_heads, dim, page, history, length = 8, 2, 32, 16, 300, 140
-    model, feeds, _, _ = _case(heads, kv_heads, dim, page, [(history, length)], length, seed=11)
+    model, feeds, _, _ = _case(heads, kv_heads, dim, page, [(history, length)], length, seed=11, precision=precision)
     session = _session(model, tmp_path / "attn.onnx")
     out, k, v = session.run(None, feeds)
     # The decode: 139 of the new tokens now live in the row's pages, the last one is the query.
@@ -129,6 +134,43 @@ def test_a_query_gets_the_same_bits_from_a_prefill_and_from_a_decode(tmp_path):
                   history_lens=np.array([history + length - 1], np.int64), query_lens=np.array([1], np.int64))
     alone = session.run(None, decode)[0]
     np.testing.assert_array_equal(alone[0, 0], out[0, length - 1])
+
+
+def _amx() -> bool:
+    text = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    return "amx_bf16" in text and "amx_tile" in text
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bfloat16_precision_matches_the_torch_meaning_within_bf16(case, tmp_path):
+    """precision="bfloat16": Q, K, P and V rounded to bf16 on AMX tiles, fp32 accumulation and
+    softmax; where the CPU has AMX the numbers differ from the fp32 kernel's (the tiles ran),
+    within bf16 rounding of the torch meaning; heads of 16 dims, and CPUs without AMX, run fp32."""
+    if kernels.cpu_missing_flags():
+        pytest.skip("no AVX512-VNNI")
+    heads, kv_heads, dim, page, rows, length = CASES[case]
+    model, feeds, want, rows = _case(*CASES[case], seed=len(case), precision="bfloat16")
+    got = _session(model, tmp_path / "bf16.onnx").run(None, feeds)
+    fp32_model, _, _, _ = _case(*CASES[case], seed=len(case))
+    fp32 = _session(fp32_model, tmp_path / "fp32.onnx").run(None, feeds)
+    tiles = _amx() and dim % 32 == 0
+    for b, (_, valid) in enumerate(rows):
+        np.testing.assert_allclose(got[0][b, :valid], want[0][b, :valid], rtol=3e-2, atol=3e-2)
+        assert np.abs(got[0][b, :valid] - want[0][b, :valid]).mean() < 5e-3
+        assert (got[0][b, valid:] == 0).all()
+        np.testing.assert_array_equal(got[1], fp32[1])  # rotated k and v stay fp32
+        np.testing.assert_array_equal(got[2], fp32[2])
+    assert (not np.array_equal(got[0], fp32[0])) == tiles
+
+
+def test_kernel_rejects_an_unknown_precision(tmp_path):
+    if kernels.cpu_missing_flags():
+        pytest.skip("no AVX512-VNNI")
+    model, _, _, _ = _case(*CASES["decode batch"], seed=4, precision="float16")
+    path = tmp_path / "attn.onnx"
+    onnx.save(model, str(path))
+    with pytest.raises(Exception, match="precision must be float32 or bfloat16"):
+        open_session(path, ort.SessionOptions(), ["CPUExecutionProvider"])
 
 
 def test_rewrite_into_group_query_attention_matches(tmp_path, monkeypatch):

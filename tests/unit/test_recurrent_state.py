@@ -219,7 +219,7 @@ def test_scheduler_slots_and_prefix_cache_skips():
 def test_manifest_state_layout_is_checked():
     from helios.manifest import FORMAT_VERSION, _build
 
-    assert FORMAT_VERSION == "1.9"
+    assert FORMAT_VERSION == "1.10"
     good = {"width": 30, "dtype": "float32", "layers": [
         {"layer": 0, "kind": "gated_deltanet", "offset": 0, "size": 10},
         {"layer": 2, "kind": "gated_deltanet", "offset": 10, "size": 20}]}  # fmt: skip
@@ -253,7 +253,7 @@ def core(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("q35-core") / "core"
     manifest = export_core(ExportOptions(recipe=load_recipe("qwen38_dense"), checkpoint=str(folder), out=out,
                                          precision="fp32", cache=False))  # fmt: skip
-    assert manifest.state is not None and manifest.kv.num_layers == 1 and manifest.format_version == "1.9"
+    assert manifest.state is not None and manifest.kv.num_layers == 1 and manifest.format_version == "1.10"
     return out
 
 

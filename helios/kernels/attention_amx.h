@@ -1,0 +1,307 @@
+// PagedAttention's bfloat16 chunk on AMX tiles (included by attention_kernels.cc).
+//
+// Why: a 16k-token prefill is ~5.8 T multiply-adds of attention; with fp32 AVX-512 FMAs two
+// cores need over a minute for them, while one AMX TDPBF16PS does 16 x 16 x 32 of them.
+// Q, K, P and V are rounded to bf16 (round to nearest even); every dot product accumulates in
+// fp32, and the softmax (max, exp, sum) runs in fp32.
+//
+// One chunk of keys, as the fp32 AttendChunk: scores S = Q K^T of every query vector against the
+// chunk (tiles of 16 vectors x 16 keys), a softmax over the chunk in fp32 (the chunk's max and
+// sum are its state), P = e^(S - max) in bf16, then acc = P V (tiles of 16 vectors x 16 dims,
+// summed over 32 keys per step). Each step converts every chunk's K and V once into the tile
+// layouts (ChunkToTiles: K as [dim pairs, keys] pairs, V as [key pairs, dims] pairs, the "VNNI"
+// layout TDPBF16PS takes for its second operand), shared by every query block that reads them;
+// Q is scaled before rounding, so the scores need no multiply.
+#pragma once
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// Whether this process may use AMX-BF16: the CPU has tiles and bf16 tile products, and Linux
+// granted the tile state to the process (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+bool AmxUsable() {
+  static const bool usable = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    constexpr unsigned kAmxBf16 = 1u << 22, kAmxTile = 1u << 24;
+    if ((d & kAmxBf16) == 0 || (d & kAmxTile) == 0) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return usable;
+}
+
+struct TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t bytes_per_row[16];
+  uint8_t rows[16];
+};
+
+// Every tile 16 rows x 64 bytes (AmxChunk says what each holds).
+inline void ConfigureTiles() {
+  TileConfig config{};
+  config.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    config.bytes_per_row[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+constexpr int kStepKeys = 32;  // keys of one P V step (an A row holds 32 bf16)
+
+inline __m512i PackBf16(__m512 lo, __m512 hi) {  // 32 bf16: lo's 16 values, then hi's
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+inline __m256i ToBf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+
+// e^x for x <= 0 to ~4e-5 relative (P is rounded to bf16's 2^-9 anyway): 2^n * e^r, |r| <= ln2/2,
+// e^r by its degree-4 Taylor polynomial; below -87 the result flushes to zero.
+inline __m512 ExpSoftmax(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147180559945f), x);
+  __m512 y = _mm512_fmadd_ps(r, _mm512_set1_ps(1.f / 24), _mm512_set1_ps(1.f / 6));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// out[2m] = in[m], out[2m + 1] = in[16 + m]: two rows of 16 bf16 as 16 pairs.
+alignas(64) constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                  8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+// Rounds nq query vectors [nq, D] (D a multiple of 32), times the softmax scale, to bf16; rows
+// padded with zeros to a multiple of 16.
+template <int DV>
+void QueriesToBf16(const float* q, int nq, float scale, std::vector<uint16_t>& out) {
+  constexpr int D = DV * 16;
+  const __m512 s = _mm512_set1_ps(scale);
+  out.assign(static_cast<size_t>((nq + 15) / 16 * 16) * D, 0);
+  for (int v = 0; v < nq; ++v)
+    for (int x = 0; x + 1 < DV; x += 2)
+      _mm512_storeu_si512(out.data() + v * D + 16 * x,
+                          PackBf16(_mm512_mul_ps(_mm512_loadu_ps(q + v * D + 16 * x), s),
+                                   _mm512_mul_ps(_mm512_loadu_ps(q + v * D + 16 * x + 16), s)));
+}
+
+// One chunk's K and V in tile layouts (kChunkKeys keys, those past the row's keys zero): K per
+// 16-key block and 32-dim slice, row = dim pair, column = key (a transpose of pairs); V per
+// 32-key step and 16-dim slice, row = key pair, column = dim (the pair interleaved).
+template <int DV>
+constexpr size_t ChunkTileElems() {
+  return static_cast<size_t>(kChunkKeys) * DV * 16;  // K or V: one bf16 per key and dim
+}
+
+template <int DV>
+void ChunkToTiles(const KeyRows& key_rows, int begin, int keys, uint16_t* k_tiles, uint16_t* v_tiles) {
+  constexpr int D = DV * 16, DT = D / 32;
+  std::memset(k_tiles, 0, sizeof(uint16_t) * ChunkTileElems<DV>());
+  std::memset(v_tiles, 0, sizeof(uint16_t) * ChunkTileElems<DV>());
+  const __m512i interleave = _mm512_loadu_si512(kInterleave);
+  for (int blk = 0; blk * 16 < keys; ++blk) {
+    const float* k_rows[16];
+    const float* v_rows[16];
+    const int count = std::min(16, keys - 16 * blk);
+    key_rows(begin + 16 * blk, count, k_rows, v_rows);
+    for (int t = 0; t < DT; ++t) {
+      __m512 r[16];
+      for (int jj = 0; jj < 16; ++jj)
+        r[jj] = jj < count ? _mm512_castsi512_ps(PackBf16(_mm512_loadu_ps(k_rows[jj] + 32 * t),
+                                                          _mm512_loadu_ps(k_rows[jj] + 32 * t + 16)))
+                           : _mm512_setzero_ps();
+      Transpose16(r);
+      for (int pair = 0; pair < 16; ++pair)
+        _mm512_storeu_si512(k_tiles + (static_cast<size_t>(blk) * DT + t) * 512 + pair * 32, _mm512_castps_si512(r[pair]));
+    }
+    for (int jj = 0; jj < count; jj += 2) {
+      const int key = 16 * blk + jj, step = key / kStepKeys, pair = key % kStepKeys / 2;
+      for (int x = 0; x < DV; ++x) {
+        const __m512 even = _mm512_loadu_ps(v_rows[jj] + 16 * x);
+        const __m512 odd = jj + 1 < count ? _mm512_loadu_ps(v_rows[jj + 1] + 16 * x) : _mm512_setzero_ps();
+        _mm512_storeu_si512(v_tiles + (static_cast<size_t>(step) * DV + x) * 512 + pair * 32,
+                            _mm512_permutexvar_epi16(interleave, PackBf16(even, odd)));
+      }
+    }
+  }
+}
+
+struct AmxChunkBuffers {
+  std::vector<uint16_t> p;  // P [16, keys] in bf16
+  std::vector<float> s, o;  // scores [16, keys]; P V [16, D]
+};
+
+// One chunk for the bf16 query vectors qb ([rows of 16, D], scaled) of row b, queries [i0, last),
+// over the chunk's tiles (ChunkToTiles): acc [nq, D] and states as AttendChunk writes them.
+// Needs D a multiple of 32 and the tiles configured (ConfigureTiles).
+template <int DV>
+void AmxChunk(const AttentionProblem& p, int b, int i0, int last, const uint16_t* qb, int begin, int end,
+              const uint16_t* k_tiles, const uint16_t* v_tiles, float* acc, QueryState* states) {
+  constexpr int D = DV * 16, DT = D / 32;  // dims of a K tile row: 32
+  const int group = p.H / p.KVH, nq = (last - i0) * group;
+  const int history = static_cast<int>(p.history_lens[b]);
+  if (end <= begin) {  // no key of the chunk is visible to these queries
+    std::fill(states, states + nq, QueryState{-INFINITY, 0.f});
+    return;
+  }
+  // Scores come in groups of four 16-key blocks (four independent tiles keep the tile unit busy):
+  // the S and P rows are padded to 64 keys (the tiles past the chunk's keys are zeros).
+  const int keys = end - begin, blocks = (keys + 63) / 64 * 4, width = blocks * 16, steps = width / kStepKeys;
+  // Three passes over all query tiles, so no vector load waits on a tile store just made (and
+  // no tile load on vector stores): S for every tile, the softmax of every row, then P V.
+  const int tiles = (nq + 15) / 16;
+  thread_local AmxChunkBuffers buf;
+  buf.s.resize(static_cast<size_t>(tiles) * 16 * width);
+  buf.p.resize(static_cast<size_t>(tiles) * 16 * width);
+  buf.o.resize(static_cast<size_t>(16) * D);
+  for (int v0 = 0; v0 < nq; v0 += 16) {
+    // S = Q K^T: tiles 0-3 four key blocks; with 64 dims, 4 and 5 hold Q's two 32-dim slices for
+    // the whole chunk and 6 and 7 the blocks' K slices (tile loads cost more than products here);
+    // wider heads reload Q's slice into 4 per block group.
+    const uint16_t* q_tile = qb + static_cast<size_t>(v0) * D;
+    if constexpr (DT == 2) {
+      _tile_loadd(4, q_tile, D * 2);
+      _tile_loadd(5, q_tile + 32, D * 2);
+    }
+    for (int blk = 0; blk < blocks; blk += 4) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const uint16_t* k = k_tiles + static_cast<size_t>(blk) * DT * 512;
+      if constexpr (DT == 2) {
+        _tile_loadd(6, k, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, k + 512, 64);
+        _tile_dpbf16ps(0, 5, 7);
+        _tile_loadd(6, k + 1024, 64);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, k + 1536, 64);
+        _tile_dpbf16ps(1, 5, 7);
+        _tile_loadd(6, k + 2048, 64);
+        _tile_dpbf16ps(2, 4, 6);
+        _tile_loadd(7, k + 2560, 64);
+        _tile_dpbf16ps(2, 5, 7);
+        _tile_loadd(6, k + 3072, 64);
+        _tile_dpbf16ps(3, 4, 6);
+        _tile_loadd(7, k + 3584, 64);
+        _tile_dpbf16ps(3, 5, 7);
+      } else {
+        for (int t = 0; t < DT; ++t) {
+          _tile_loadd(4, q_tile + 32 * t, D * 2);
+          _tile_loadd(6, k + t * 512, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_loadd(7, k + (DT + t) * 512, 64);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_loadd(6, k + (2 * DT + t) * 512, 64);
+          _tile_dpbf16ps(2, 4, 6);
+          _tile_loadd(7, k + (3 * DT + t) * 512, 64);
+          _tile_dpbf16ps(3, 4, 7);
+        }
+      }
+      float* srow = buf.s.data() + static_cast<size_t>(v0) * width + 16 * blk;
+      _tile_stored(0, srow, width * 4);
+      _tile_stored(1, srow + 16, width * 4);
+      _tile_stored(2, srow + 32, width * 4);
+      _tile_stored(3, srow + 48, width * 4);
+    }
+  }
+  for (int v = 0; v < tiles * 16; ++v) {  // softmax over the chunk, per query vector
+    uint16_t* prow = buf.p.data() + static_cast<size_t>(v) * width;
+    const int visible = v < nq ? std::min(keys, std::max(0, history + i0 + v / group + 1 - begin)) : 0;
+    if (v < nq) states[v] = QueryState{-INFINITY, 0.f};
+    if (visible == 0) {
+      std::fill(prow, prow + width, 0);
+      continue;
+    }
+    const float* srow = buf.s.data() + static_cast<size_t>(v) * width;
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j < visible; j += 16) {
+      const __mmask16 m = visible - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (visible - j)) - 1u);
+      top = _mm512_mask_max_ps(top, m, top, _mm512_loadu_ps(srow + j));
+    }
+    const float max = _mm512_reduce_max_ps(top);
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < width; j += 16) {
+      const __mmask16 m = j >= visible ? 0 : visible - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (visible - j)) - 1u);
+      const __m512 e = _mm512_maskz_mov_ps(m, ExpSoftmax(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, srow + j), _mm512_set1_ps(max))));
+      sum = _mm512_add_ps(sum, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), ToBf16(e));
+    }
+    states[v] = QueryState{max, _mm512_reduce_add_ps(sum)};
+  }
+  // acc = P V, four 16-dim tiles at a time over the chunk's 32-key steps; full query tiles are
+  // stored straight into acc.
+  for (int v0 = 0; v0 < nq; v0 += 16) {
+    const uint16_t* prows = buf.p.data() + static_cast<size_t>(v0) * width;
+    const bool whole = v0 + 16 <= nq;
+    float* o = whole ? acc + static_cast<size_t>(v0) * D : buf.o.data();
+    for (int x0 = 0; x0 < DV; x0 += 4) {
+      const int n = std::min(4, DV - x0);
+      _tile_zero(4);
+      _tile_zero(5);
+      _tile_zero(6);
+      _tile_zero(7);
+      for (int step = 0; step < steps; ++step) {
+        _tile_loadd(1, prows + step * kStepKeys, width * 2);
+        const uint16_t* vt = v_tiles + (static_cast<size_t>(step) * DV + x0) * 512;
+        _tile_loadd(2, vt, 64);
+        _tile_dpbf16ps(4, 1, 2);
+        if (n > 1) {
+          _tile_loadd(3, vt + 512, 64);
+          _tile_dpbf16ps(5, 1, 3);
+        }
+        if (n > 2) {
+          _tile_loadd(2, vt + 1024, 64);
+          _tile_dpbf16ps(6, 1, 2);
+        }
+        if (n > 3) {
+          _tile_loadd(3, vt + 1536, 64);
+          _tile_dpbf16ps(7, 1, 3);
+        }
+      }
+      _tile_stored(4, o + 16 * x0, D * 4);
+      if (n > 1) _tile_stored(5, o + 16 * x0 + 16, D * 4);
+      if (n > 2) _tile_stored(6, o + 16 * x0 + 32, D * 4);
+      if (n > 3) _tile_stored(7, o + 16 * x0 + 48, D * 4);
+    }
+    if (!whole)
+      std::memcpy(acc + static_cast<size_t>(v0) * D, buf.o.data(), sizeof(float) * (nq - v0) * D);
+  }
+}
+
+// The K and V tiles of one (row, KV head, chunk) of a bf16 step (ChunkToTiles) into `tiles`.
+template <int DV>
+void ConvertChunk(const AttentionProblem& p, int b, int kv, int chunk, uint16_t* tiles) {
+  const int begin = chunk * kChunkKeys;
+  const int keys = std::min(kChunkKeys, static_cast<int>(p.history_lens[b] + p.query_lens[b]) - begin);
+  if (keys <= 0) return;  // past the row's keys: no query reads it
+  ChunkToTiles<DV>(KeyRows(p, b, kv), begin, keys, tiles, tiles + ChunkTileElems<DV>());
+}
+
+// One item per (row, KV head, chunk) of a bf16 step that is not split: the chunk's tiles, shared
+// by every query block of the row.
+template <int DV>
+void ConvertItemOf(const AttentionProblem& p, size_t item) {
+  if constexpr (DV % 2 == 0) {
+    const int chunk = static_cast<int>(item % p.row_chunks);
+    const int kv = static_cast<int>(item / p.row_chunks % p.KVH);
+    const int b = static_cast<int>(item / p.row_chunks / p.KVH);
+    ConvertChunk<DV>(p, b, kv, chunk, p.chunk_tiles + item * 2 * ChunkTileElems<DV>());
+  }
+}
+
+}  // namespace
