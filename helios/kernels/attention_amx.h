@@ -17,29 +17,17 @@
 #include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 namespace {
-
-// Whether this process may use AMX-BF16: the CPU has tiles and bf16 tile products, and Linux
-// granted the tile state to the process (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
-bool AmxUsable() {
-  static const bool usable = [] {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    constexpr unsigned kAmxBf16 = 1u << 22, kAmxTile = 1u << 24;
-    if ((d & kAmxBf16) == 0 || (d & kAmxTile) == 0) return false;
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return usable;
-}
 
 struct TileConfig {
   uint8_t palette, start_row, reserved[14];
@@ -56,6 +44,35 @@ inline void ConfigureTiles() {
     config.rows[t] = 16;
   }
   _tile_loadconfig(&config);
+}
+
+// Whether this process may use AMX-BF16: the CPU has tiles and bf16 tile products, Linux granted
+// the tile state to the process (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), and a
+// forked child can configure, use and release the tiles (some VMs advertise AMX and grant the
+// state, yet fault in LDTILECFG: llama.cpp's AMX backend does here; the child takes the fault).
+bool AmxUsable() {
+  static const bool usable = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    constexpr unsigned kAmxBf16 = 1u << 22, kAmxTile = 1u << 24;
+    if ((d & kAmxBf16) == 0 || (d & kAmxTile) == 0) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    if (syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) != 0) return false;
+    const pid_t child = fork();
+    if (child < 0) return false;
+    if (child == 0) {
+      ConfigureTiles();
+      _tile_zero(0);
+      _tile_dpbf16ps(0, 1, 2);
+      _tile_release();
+      _exit(0);
+    }
+    int status = 0;
+    while (waitpid(child, &status, 0) < 0)
+      if (errno != EINTR) return false;
+    return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  }();
+  return usable;
 }
 
 constexpr int kStepKeys = 32;  // keys of one P V step (an A row holds 32 bf16)
