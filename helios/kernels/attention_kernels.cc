@@ -20,7 +20,7 @@
 // chunk on AMX tiles instead (attention_amx.h), with the same chunks and the same fold.
 //
 // Work: with many (row, query block) pairs, one item per pair walks every chunk; with few
-// (decode), one item per chunk, so both threads stream their own pages, and MergeItem folds.
+// (decode), one item per chunk, so both threads stream their own pages, and MergeHeads folds.
 // An item covers every KV head: a token's heads lie side by side, so it reads whole rows.
 
 #include <immintrin.h>
@@ -60,7 +60,7 @@ struct AttentionProblem {
   int B, L, M, H, KVH, D, T, P, pages, layer;
   int query_blocks;  // per row: ceil(L / kQueryBlock)
   int row_chunks;  // chunks of kChunkKeys keys in the longest row
-  bool split;  // one item per (row, query block, chunk), folded by MergeItem
+  bool split;  // one item per (row, query block, chunk), folded by MergeHeads
   int slot_vectors;  // query vectors of one (item, KV head) slot of the partial buffers
   float* part_acc;  // split: [item, KVH, slot_vectors, D] unnormalized sums
   QueryState* part_state;  // split: [item, KVH, slot_vectors]
@@ -332,7 +332,7 @@ struct HeadQueries {
       if (p.bf16) {
         const uint16_t* k_tiles;
         thread_local std::vector<uint16_t> own;
-        if (p.chunk_tiles != nullptr) {  // converted by ConvertItem for every query block of the step
+        if (p.chunk_tiles != nullptr) {  // converted by ConvertItemOf for every query block of the step
           k_tiles = p.chunk_tiles + ((static_cast<size_t>(b) * p.KVH + kv) * p.row_chunks + chunk) * 2 * ChunkTileElems<DV>();
         } else {  // a split step reads each chunk once: convert it here, into cache-sized tiles
           own.resize(2 * ChunkTileElems<DV>());
@@ -421,42 +421,32 @@ void MergeHeads(const AttentionProblem& p, size_t item) {
   }
 }
 
-#define FLARE_HEAD_DIMS(F) \
-  F(1) F(2) F(3) F(4) F(5) F(6) F(7) F(8) F(9) F(10) F(11) F(12) F(13) F(14) F(15) F(16)
+// The three kinds of work item of a step, each a template over the head width in 16-float
+// vectors, called through ForHeadDim for the step's head dimension.
+template <int DV>
+struct Attend {
+  static void Run(const AttentionProblem& p, size_t item) { AttendHeads<DV>(p, item); }
+};
+template <int DV>
+struct Convert {
+  static void Run(const AttentionProblem& p, size_t item) { ConvertItemOf<DV>(p, item); }
+};
+template <int DV>
+struct Merge {
+  static void Run(const AttentionProblem& p, size_t item) { MergeHeads<DV>(p, item); }
+};
 
-void AttendItem(void* data, size_t item) {
+template <template <int> class Work>
+void ForHeadDim(void* data, size_t item) {
   const AttentionProblem& p = *static_cast<const AttentionProblem*>(data);
   switch (p.D / 16) {
 #define FLARE_CASE(n) \
   case n:             \
-    return AttendHeads<n>(p, item);
-    FLARE_HEAD_DIMS(FLARE_CASE)
+    return Work<n>::Run(p, item);
+    FLARE_CASE(1) FLARE_CASE(2) FLARE_CASE(3) FLARE_CASE(4) FLARE_CASE(5) FLARE_CASE(6) FLARE_CASE(7) FLARE_CASE(8)
+    FLARE_CASE(9) FLARE_CASE(10) FLARE_CASE(11) FLARE_CASE(12) FLARE_CASE(13) FLARE_CASE(14) FLARE_CASE(15) FLARE_CASE(16)
 #undef FLARE_CASE
     default: return;  // unreachable: Compute checks the head dimension
-  }
-}
-
-void ConvertItem(void* data, size_t item) {
-  const AttentionProblem& p = *static_cast<const AttentionProblem*>(data);
-  switch (p.D / 16) {
-#define FLARE_CASE(n) \
-  case n:             \
-    return ConvertItemOf<n>(p, item);
-    FLARE_HEAD_DIMS(FLARE_CASE)
-#undef FLARE_CASE
-    default: return;
-  }
-}
-
-void MergeItem(void* data, size_t item) {
-  const AttentionProblem& p = *static_cast<const AttentionProblem*>(data);
-  switch (p.D / 16) {
-#define FLARE_CASE(n) \
-  case n:             \
-    return MergeHeads<n>(p, item);
-    FLARE_HEAD_DIMS(FLARE_CASE)
-#undef FLARE_CASE
-    default: return;
   }
 }
 
@@ -575,10 +565,10 @@ struct PagedAttentionKernel {
       const size_t chunks = static_cast<size_t>(B) * KVH * p.row_chunks;
       chunk_tiles.resize(chunks * 2 * kChunkKeys * D);
       p.chunk_tiles = chunk_tiles.data();
-      ctx.ParallelFor(ConvertItem, chunks, 0, &p);
+      ctx.ParallelFor(ForHeadDim<Convert>, chunks, 0, &p);
     }
-    ctx.ParallelFor(AttendItem, items, 0, &p);
-    if (p.split) ctx.ParallelFor(MergeItem, static_cast<size_t>(B) * p.query_blocks * KVH, 0, &p);
+    ctx.ParallelFor(ForHeadDim<Attend>, items, 0, &p);
+    if (p.split) ctx.ParallelFor(ForHeadDim<Merge>, static_cast<size_t>(B) * p.query_blocks * KVH, 0, &p);
   }
 };
 
