@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from typer.testing import CliRunner
 
@@ -503,3 +504,21 @@ def test_inspect_names_the_int4_matmul_operator():
     older = {k: v for k, v in current.items() if k != "matmul_op"}  # a 1.3 core: MatMulNBits
     assert _quantization_text(older).endswith("accuracy level 4, MatMulNBits)")
     assert dataclasses.asdict(manifest_quantization("int8"))["matmul_op"] == "com.microsoft.MatMulNBits"
+
+
+def test_int4_cores_attend_in_bfloat16_and_say_so():
+    """quantize_weights gives an int4 step graph's PagedAttention nodes precision="bfloat16" and the
+    manifest records it; int8 (the quality precision) keeps fp32 attention."""
+    from helios.kernels.attention import set_precision
+    from ignition.export.quantize import SETTINGS, manifest_quantization
+
+    assert manifest_quantization("int4").attention == SETTINGS["int4"].attention == "bfloat16"
+    assert manifest_quantization("int8").attention == "float32"
+    node = onnx.helper.make_node("PagedAttention", ["x"], ["y"], domain="ai.flare", num_heads=2)
+    model = onnx.helper.make_model(onnx.helper.make_graph([node], "g", [], []))
+    assert set_precision(model, "bfloat16") == 1
+    assert onnx.helper.get_attribute_value(model.graph.node[0].attribute[-1]) == b"bfloat16"
+    set_precision(model, "float32")  # the kernel's default: no attribute at all
+    assert [a.name for a in model.graph.node[0].attribute] == ["num_heads"]
+    with pytest.raises(ValueError, match="unknown attention precision"):
+        set_precision(model, "float16")
