@@ -83,17 +83,16 @@ inline __m512i PackBf16(__m512 lo, __m512 hi) {  // 32 bf16: lo's 16 values, the
 
 inline __m256i ToBf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 
-// e^x for x <= 0 to ~4e-5 relative (P is rounded to bf16's 2^-9 anyway): 2^n * e^r, |r| <= ln2/2,
-// e^r by its degree-4 Taylor polynomial; below -87 the result flushes to zero.
-inline __m512 ExpSoftmax(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147180559945f), x);
-  __m512 y = _mm512_fmadd_ps(r, _mm512_set1_ps(1.f / 24), _mm512_set1_ps(1.f / 6));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f));
+// 2^t for t <= 0 to ~1e-4 relative (P is rounded to bf16's 2^-9 anyway): 2^n * 2^f, |f| <= 1/2,
+// 2^f by a degree-3 minimax polynomial; below -126 the result flushes to zero. The caller folds
+// the softmax's shift and log2(e) into one FMA: t = s * log2(e) - max * log2(e).
+inline __m512 Exp2Softmax(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 y = _mm512_fmadd_ps(f, _mm512_set1_ps(0.05500892f), _mm512_set1_ps(0.24221096f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.69328293f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(y, n);
 }
 
@@ -184,7 +183,34 @@ void AmxChunk(const AttentionProblem& p, int b, int i0, int last, const uint16_t
   buf.s.resize(static_cast<size_t>(tiles) * 16 * width);
   buf.p.resize(static_cast<size_t>(tiles) * 16 * width);
   buf.o.resize(static_cast<size_t>(16) * D);
-  for (int v0 = 0; v0 < nq; v0 += 16) {
+  int single = 0;  // the first query tile S has not covered yet
+  if constexpr (DT == 2) {
+    // Pairs of query tiles: both tiles' Q in 4-7 for the whole chunk, so each K tile load serves
+    // two products (a tile load costs more than a product here).
+    for (; single + 16 < nq; single += 32) {
+      const uint16_t* qa = qb + static_cast<size_t>(single) * D;
+      _tile_loadd(4, qa, D * 2);
+      _tile_loadd(5, qa + 32, D * 2);
+      _tile_loadd(6, qa + 16 * D, D * 2);
+      _tile_loadd(7, qa + 16 * D + 32, D * 2);
+      float* sa = buf.s.data() + static_cast<size_t>(single) * width;
+      float* sb = sa + static_cast<size_t>(16) * width;
+      for (int blk = 0; blk < blocks; ++blk) {
+        const uint16_t* k = k_tiles + static_cast<size_t>(blk) * DT * 512;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(2, k, 64);
+        _tile_loadd(3, k + 512, 64);
+        _tile_dpbf16ps(0, 4, 2);
+        _tile_dpbf16ps(1, 6, 2);
+        _tile_dpbf16ps(0, 5, 3);
+        _tile_dpbf16ps(1, 7, 3);
+        _tile_stored(0, sa + 16 * blk, width * 4);
+        _tile_stored(1, sb + 16 * blk, width * 4);
+      }
+    }
+  }
+  for (int v0 = single; v0 < nq; v0 += 16) {
     // S = Q K^T: tiles 0-3 four key blocks; with 64 dims, 4 and 5 hold Q's two 32-dim slices for
     // the whole chunk and 6 and 7 the blocks' K slices (tile loads cost more than products here);
     // wider heads reload Q's slice into 4 per block group.
@@ -244,28 +270,82 @@ void AmxChunk(const AttentionProblem& p, int b, int i0, int last, const uint16_t
       std::fill(prow, prow + width, 0);
       continue;
     }
+    // Whole 16-key vectors without masks, two max chains (a max waits on the one before), then
+    // the partial vector; P past the visible keys is zero.
     const float* srow = buf.s.data() + static_cast<size_t>(v) * width;
-    __m512 top = _mm512_set1_ps(-INFINITY);
-    for (int j = 0; j < visible; j += 16) {
-      const __mmask16 m = visible - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (visible - j)) - 1u);
-      top = _mm512_mask_max_ps(top, m, top, _mm512_loadu_ps(srow + j));
+    const int whole = visible & ~15;
+    const __mmask16 tail = static_cast<__mmask16>((1u << (visible - whole)) - 1u);
+    __m512 top0 = _mm512_set1_ps(-INFINITY), top1 = top0;
+    int j = 0;
+    for (; j + 32 <= whole; j += 32) {
+      top0 = _mm512_max_ps(top0, _mm512_loadu_ps(srow + j));
+      top1 = _mm512_max_ps(top1, _mm512_loadu_ps(srow + j + 16));
     }
-    const float max = _mm512_reduce_max_ps(top);
+    if (j < whole) top0 = _mm512_max_ps(top0, _mm512_loadu_ps(srow + j));
+    if (tail != 0) top1 = _mm512_mask_max_ps(top1, tail, top1, _mm512_maskz_loadu_ps(tail, srow + whole));
+    const float max = _mm512_reduce_max_ps(_mm512_max_ps(top0, top1));
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), shift = _mm512_set1_ps(max * 1.44269504088896341f);
     __m512 sum = _mm512_setzero_ps();
-    for (int j = 0; j < width; j += 16) {
-      const __mmask16 m = j >= visible ? 0 : visible - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (visible - j)) - 1u);
-      const __m512 e = _mm512_maskz_mov_ps(m, ExpSoftmax(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, srow + j), _mm512_set1_ps(max))));
+    for (j = 0; j + 32 <= whole; j += 32) {  // two vectors: one conversion, one 64-byte store
+      const __m512 e0 = Exp2Softmax(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j), log2e, shift));
+      const __m512 e1 = Exp2Softmax(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j + 16), log2e, shift));
+      sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
+      _mm512_storeu_si512(prow + j, PackBf16(e0, e1));
+    }
+    if (j < whole) {
+      const __m512 e = Exp2Softmax(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j), log2e, shift));
       sum = _mm512_add_ps(sum, e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), ToBf16(e));
+      j += 16;
     }
+    if (tail != 0) {
+      const __m512 e = _mm512_maskz_mov_ps(tail, Exp2Softmax(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(tail, srow + j), log2e, shift)));
+      sum = _mm512_add_ps(sum, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), ToBf16(e));
+      j += 16;
+    }
+    for (; j < width; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), _mm256_setzero_si256());
     states[v] = QueryState{max, _mm512_reduce_add_ps(sum)};
   }
-  // acc = P V, four 16-dim tiles at a time over the chunk's 32-key steps; full query tiles are
-  // stored straight into acc.
-  for (int v0 = 0; v0 < nq; v0 += 16) {
+  // acc = P V over the chunk's 32-key steps. Pairs of query tiles take 2 x 2 accumulators (two
+  // P tiles and two V tiles per step: each V tile serves both query tiles, a load per product);
+  // a last unpaired tile takes four 16-dim accumulators. Whole tiles are stored straight into acc.
+  auto out_of = [&](int v0) { return v0 + 16 <= nq ? acc + static_cast<size_t>(v0) * D : nullptr; };
+  int v0 = 0;
+  for (; v0 + 16 < nq; v0 += 32) {
+    const uint16_t* pa = buf.p.data() + static_cast<size_t>(v0) * width;
+    const uint16_t* pb = pa + static_cast<size_t>(16) * width;
+    float* oa = acc + static_cast<size_t>(v0) * D;
+    float* ob = out_of(v0 + 16);
+    float* ob_tiles = ob != nullptr ? ob : buf.o.data();
+    for (int x0 = 0; x0 < DV; x0 += 2) {
+      _tile_zero(4);
+      _tile_zero(5);
+      _tile_zero(6);
+      _tile_zero(7);
+      for (int step = 0; step < steps; ++step) {
+        const uint16_t* vt = v_tiles + (static_cast<size_t>(step) * DV + x0) * 512;
+        _tile_loadd(0, pa + step * kStepKeys, width * 2);
+        _tile_loadd(2, vt, 64);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_loadd(3, vt + 512, 64);
+        _tile_dpbf16ps(5, 0, 3);
+        _tile_loadd(1, pb + step * kStepKeys, width * 2);
+        _tile_dpbf16ps(6, 1, 2);
+        _tile_dpbf16ps(7, 1, 3);
+      }
+      _tile_stored(4, oa + 16 * x0, D * 4);
+      _tile_stored(5, oa + 16 * x0 + 16, D * 4);
+      _tile_stored(6, ob_tiles + 16 * x0, D * 4);
+      _tile_stored(7, ob_tiles + 16 * x0 + 16, D * 4);
+    }
+    if (ob == nullptr)
+      std::memcpy(acc + static_cast<size_t>(v0 + 16) * D, buf.o.data(), sizeof(float) * (nq - v0 - 16) * D);
+  }
+  if (v0 < nq) {
     const uint16_t* prows = buf.p.data() + static_cast<size_t>(v0) * width;
-    const bool whole = v0 + 16 <= nq;
-    float* o = whole ? acc + static_cast<size_t>(v0) * D : buf.o.data();
+    float* whole = out_of(v0);
+    float* o = whole != nullptr ? whole : buf.o.data();
     for (int x0 = 0; x0 < DV; x0 += 4) {
       const int n = std::min(4, DV - x0);
       _tile_zero(4);
@@ -295,7 +375,7 @@ void AmxChunk(const AttentionProblem& p, int b, int i0, int last, const uint16_t
       if (n > 2) _tile_stored(6, o + 16 * x0 + 32, D * 4);
       if (n > 3) _tile_stored(7, o + 16 * x0 + 48, D * 4);
     }
-    if (!whole)
+    if (whole == nullptr)
       std::memcpy(acc + static_cast<size_t>(v0) * D, buf.o.data(), sizeof(float) * (nq - v0) * D);
   }
 }

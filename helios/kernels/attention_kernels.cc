@@ -70,9 +70,11 @@ struct AttentionProblem {
 };
 
 constexpr int kMaxHeadDim = 256;
-constexpr int kQueryBlock = 16;  // queries of one row per work item
+// Queries of one row per work item: with 7 query heads per KV head, 32 queries fill 14 query
+// tiles (pairs of tiles share each K and V tile load of the bf16 chunk).
+constexpr int kQueryBlock = 32;
 constexpr int kChunkKeys = 256;  // keys per chunk: its K and V rows stay in L2 for every KV head
-constexpr int kMinItems = 8;  // fewer (rows x query blocks) than this: split the keys
+constexpr int kMinItems = 8;  // fewer (rows x 16-query groups) than this: split the keys
 constexpr size_t kMaxSplitFloats = size_t{8} << 20;  // the split's partial sums stay under 32 MB
 constexpr int kPrefetchBlocks = 2;  // key blocks fetched ahead of the one attended
 
@@ -549,7 +551,7 @@ struct PagedAttentionKernel {
     p.slot_vectors = static_cast<int>(std::min<int64_t>(L, kQueryBlock) * (H / KVH));
     const size_t split_items = static_cast<size_t>(B) * p.query_blocks * p.row_chunks;
     const size_t split_floats = split_items * KVH * p.slot_vectors * D;
-    p.split = B * p.query_blocks < kMinItems && p.row_chunks > 1 && split_floats <= kMaxSplitFloats;
+    p.split = B * ((L + 15) / 16) < kMinItems && p.row_chunks > 1 && split_floats <= kMaxSplitFloats;
     thread_local std::vector<float> part_acc;
     thread_local std::vector<QueryState> part_state;
     if (p.split) {
