@@ -47,8 +47,10 @@ class PreNormLayer(nn.Module):
     def __init__(self, plan: LayerPlan, hidden: int, eps: float, head_eps: float, attention: type[nn.Module]) -> None:
         super().__init__()
         self.plan = plan
-        self.input_layernorm = RMSNorm(hidden, eps, offset=plan.norm_offset)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, offset=plan.norm_offset)
+        # The hot norms (these, the final norm, the attention's QK norms) in the form onnxruntime
+        # fuses: one node instead of seven each, ~100 fewer nodes a step on a 4-layer MoE.
+        self.input_layernorm = RMSNorm(hidden, eps, offset=plan.norm_offset, fusable=True)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, offset=plan.norm_offset, fusable=True)
         self.self_attn = attention(plan, hidden, head_eps)
         self.mlp = make_mlp(plan, hidden)
 
@@ -71,11 +73,11 @@ class RecurrentLayer(nn.Module):
     def __init__(self, plan: LayerPlan, hidden: int, eps: float) -> None:
         super().__init__()
         self.plan = plan
-        self.input_layernorm = RMSNorm(hidden, eps, offset=plan.norm_offset)
+        self.input_layernorm = RMSNorm(hidden, eps, offset=plan.norm_offset, fusable=True)
         self.mixer: RecurrentMixer = MIXERS[plan.kind].build(plan, hidden, eps)
         self.has_mlp = bool(plan.moe or plan.intermediate)
         if self.has_mlp:
-            self.post_attention_layernorm = RMSNorm(hidden, eps, offset=plan.norm_offset)
+            self.post_attention_layernorm = RMSNorm(hidden, eps, offset=plan.norm_offset, fusable=True)
             self.mlp = make_mlp(plan, hidden)
 
     def forward(self, x, state, valid):  # noqa: ANN001, ANN201
@@ -119,7 +121,7 @@ class ConfiguredLM(StepModel):
         self._kv_index = {layer: j for j, layer in enumerate(self.kv_layers)}
         self.state_layout = plan.state_layers(arch.hidden_size)
         self.state_width = sum(size for _, _, _, size in self.state_layout)
-        self.norm = RMSNorm(arch.hidden_size, plan.rms_norm_eps, offset=plan.final_norm_offset)
+        self.norm = RMSNorm(arch.hidden_size, plan.rms_norm_eps, offset=plan.final_norm_offset, fusable=True)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.mtp_tensors: dict[str, np.ndarray] = {}
 

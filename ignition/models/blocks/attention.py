@@ -130,9 +130,9 @@ class GQAttention(nn.Module):
             self.v_proj = nn.Linear(hidden, g * plan.v_head_dim, bias=plan.attention_bias)
         self.o_proj = nn.Linear(h * plan.v_head_dim, hidden, bias=plan.attention_bias and plan.o_bias)
         if plan.qk_norm:
-            self.q_norm = RMSNorm(plan.head_dim, eps, offset=plan.norm_offset)
+            self.q_norm = RMSNorm(plan.head_dim, eps, offset=plan.norm_offset, fusable=True)
             if not shared:
-                self.k_norm = RMSNorm(plan.head_dim, eps, offset=plan.norm_offset)
+                self.k_norm = RMSNorm(plan.head_dim, eps, offset=plan.norm_offset, fusable=True)
         if plan.out_gate == "full":
             self.gate_proj = nn.Linear(hidden, h * plan.v_head_dim, bias=False)
         elif plan.out_gate == "head":

@@ -12,7 +12,8 @@ class RMSNorm(nn.Module):
 
     fusable: written as x / sqrt(mean(x^2) + eps), the pattern onnxruntime fuses into
     SimplifiedLayerNormalization (the fused-kernel decoder's form); otherwise x * rsqrt(...), as
-    transformers writes it. The two differ in the last bits, so each model keeps its own."""
+    transformers writes it. The two differ in the last bits (both within parity); the decoder
+    and the configured families' per-step norms use the fusable form (one graph node each)."""
 
     def __init__(self, dim: int, eps: float, weighted: bool = True, offset: float = 0.0, fusable: bool = False) -> None:
         super().__init__()
