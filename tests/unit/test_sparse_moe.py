@@ -110,3 +110,31 @@ def test_quantized_cores_route_packed_experts(precision, bits, tmp_path, monkeyp
         assert runner.kernels == ("flare" if kernels == "on" else "onnxruntime")
         logits.append(runner.step([StepRow(ids, 0, list(range(4)), state_slot=0)]).logits[0])
     assert np.abs(logits[0] - logits[1]).max() <= 0.05 * np.abs(logits[1]).max()
+
+
+def test_configured_norms_fuse_into_one_node_each(tmp_path, monkeypatch):
+    """The configured families write their per-step RMSNorms (layer, final, QK) in the form
+    onnxruntime fuses: every x / sqrt(mean(x^2) + eps) of the exported step graph becomes one
+    SimplifiedLayerNormalization in the session's optimized graph (seven nodes each otherwise, a
+    large share of a small MoE's decode step)."""
+    checkpoint, _ = write_family_checkpoint(tmp_path / "ckpt", "qwen3_5_moe", overrides=VARIANTS["qwen38"][1])
+    core = tmp_path / "core"
+    manifest = export_core(ExportOptions(recipe=load_recipe("qwen38"), checkpoint=str(checkpoint), out=core,
+                                         precision="fp32", cache=False))
+    graph = onnx.load(str(core / "step.onnx"), load_external_data=False).graph
+    producers = {out: node.op_type for node in graph.node for out in node.output}
+    fusable = [n for n in graph.node if n.op_type == "Div" and producers.get(n.input[1]) == "Sqrt"]
+    assert len(fusable) >= 2 * manifest.architecture.num_layers + 1  # each layer's two norms, the final one
+    optimized = tmp_path / "optimized.onnx"
+    session_options = Runner._session_options
+
+    def saving_options(self):  # noqa: ANN001, ANN202
+        options = session_options(self)
+        options.optimized_model_filepath = str(optimized)
+        return options
+
+    monkeypatch.setattr(Runner, "_session_options", saving_options)
+    Runner(core, manifest, num_pages=8)
+    fused = [n for n in onnx.load(str(optimized), load_external_data=False).graph.node
+             if n.op_type == "SimplifiedLayerNormalization"]
+    assert len(fused) == len(fusable)
