@@ -86,8 +86,6 @@ inline __m256i ToBf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 // 2^t for t <= 0 to ~1e-4 relative (P is rounded to bf16's 2^-9 anyway): 2^n * 2^f, |f| <= 1/2,
 // 2^f by a degree-3 minimax polynomial; below -126 the result flushes to zero. The caller folds
 // the softmax's shift and log2(e) into one FMA: t = s * log2(e) - max * log2(e).
-constexpr float kLog2e = 1.44269504088896341f;
-
 inline __m512 Exp2Softmax(__m512 t) {
   t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -286,7 +284,7 @@ void AmxChunk(const AttentionProblem& p, int b, int i0, int last, const uint16_t
     if (j < whole) top0 = _mm512_max_ps(top0, _mm512_loadu_ps(srow + j));
     if (tail != 0) top1 = _mm512_mask_max_ps(top1, tail, top1, _mm512_maskz_loadu_ps(tail, srow + whole));
     const float max = _mm512_reduce_max_ps(_mm512_max_ps(top0, top1));
-    const __m512 log2e = _mm512_set1_ps(kLog2e), shift = _mm512_set1_ps(max * kLog2e);
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), shift = _mm512_set1_ps(max * 1.44269504088896341f);
     __m512 sum = _mm512_setzero_ps();
     for (j = 0; j + 32 <= whole; j += 32) {  // two vectors: one conversion, one 64-byte store
       const __m512 e0 = Exp2Softmax(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j), log2e, shift));
@@ -294,11 +292,17 @@ void AmxChunk(const AttentionProblem& p, int b, int i0, int last, const uint16_t
       sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
       _mm512_storeu_si512(prow + j, PackBf16(e0, e1));
     }
-    for (; j < visible; j += 16) {  // an unpaired whole vector, then the partial one
-      const __mmask16 m = j < whole ? static_cast<__mmask16>(0xFFFF) : tail;
-      const __m512 e = _mm512_maskz_mov_ps(m, Exp2Softmax(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, srow + j), log2e, shift)));
+    if (j < whole) {
+      const __m512 e = Exp2Softmax(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j), log2e, shift));
       sum = _mm512_add_ps(sum, e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), ToBf16(e));
+      j += 16;
+    }
+    if (tail != 0) {
+      const __m512 e = _mm512_maskz_mov_ps(tail, Exp2Softmax(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(tail, srow + j), log2e, shift)));
+      sum = _mm512_add_ps(sum, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), ToBf16(e));
+      j += 16;
     }
     for (; j < width; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), _mm256_setzero_si256());
     states[v] = QueryState{max, _mm512_reduce_add_ps(sum)};
