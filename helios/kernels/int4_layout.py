@@ -154,8 +154,12 @@ def _swiglu_order(n: int) -> np.ndarray:
 
 def _swiglu_patterns(model: onnx.ModelProto) -> dict[str, tuple[list[onnx.NodeProto], str]]:
     """matmul output -> (its Split, Sigmoid, Mul, Mul nodes, the SwiGLU output) for every
-    `Split(x) -> (g, u); y = g * Sigmoid(g) * u` whose pieces have no other consumer. ignition's
-    step graphs feed matmuls [B, L, K], so axis 2 is the last one."""
+    `Split(x) -> (g, u); y = g * Sigmoid(g) * u` over x's last axis whose pieces have no other
+    consumer. x's rank comes from the graph's shape information; without it, 3 ([B, L, N]: what
+    ignition's layers feed their matmuls; the experts' shared MLP sees flat rows, [N, K])."""
+    ranks = {v.name: len(v.type.tensor_type.shape.dim)
+             for v in [*model.graph.value_info, *model.graph.input, *model.graph.output]
+             if v.type.tensor_type.HasField("shape")}  # fmt: skip
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for node in model.graph.node:
         for name in node.input:
@@ -172,7 +176,7 @@ def _swiglu_patterns(model: onnx.ModelProto) -> dict[str, tuple[list[onnx.NodePr
         if (
             split.op_type != "Split"
             or len(split.output) != 2
-            or attrs.get("axis") not in (-1, 2)
+            or attrs.get("axis") not in (-1, ranks.get(split.input[0], 3) - 1)
             or (len(split.input) > 1 and split.input[1])  # explicit sizes: not the even halves
             or attrs.get("num_outputs", 2) != 2
             or len(consumers.get(split.input[0], [])) != 1

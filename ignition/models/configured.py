@@ -13,8 +13,8 @@ The paged pool keeps the contract's uniform geometry [layers*2*P, page_tokens, k
 head_dim]: its kv_heads/head_dim are the largest any layer needs, and a layer with fewer heads
 or narrower heads uses the leading part of each slot (the rest stays zero).
 
-Everything is plain torch ops (no onnxruntime contrib kernels): windows, sinks and unequal K/V
-widths are outside what GroupQueryAttention's fused path is validated for here.
+A plain GQA layer runs on flare's pool kernel (`adopt_pool_kernel`, blocks/attention.py); the
+other layers are plain torch ops over their gathered pages.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch import nn
 
 from helios.manifest import Architecture, StateLayer, StateLayout
 from ignition.models.base import StepModel, text_config
-from ignition.models.blocks.attention import GQAttention, StepState, layer_inv_freq
+from ignition.models.blocks.attention import GQAttention, PagedPool, StepState, layer_inv_freq
 from ignition.models.blocks.loading import TensorLoader, check_fully_loaded, text_tensors
 from ignition.models.blocks.mlp import MoE, SwiGLU
 from ignition.models.blocks.norms import RMSNorm
@@ -185,7 +185,22 @@ class ConfiguredLM(StepModel):
             if hasattr(module, "inv_freq"):
                 module.inv_freq = layer_inv_freq(module.plan)
         model.load(tensors)
+        model.adopt_pool_kernel()
+        for module in list(model.modules()):  # (fusing edits the module tree)
+            if isinstance(module, SwiGLU):
+                module.fuse_gate_up()
         return model.eval().requires_grad_(False)
+
+    def adopt_pool_kernel(self) -> None:
+        """Put every attention layer that fits it on the pool kernel (GQAttention.fits_pool_kernel),
+        except the layers whose keys and values later layers share (those read them in the
+        checkpoint's layout)."""
+        sources = {p.kv_source for p in self.plan.layers if p.kv_source is not None}
+        for i, layer in enumerate(self.layers):
+            attention = getattr(layer, "self_attn", None)
+            if (isinstance(attention, GQAttention) and i not in sources
+                    and attention.fits_pool_kernel(self.arch.num_kv_heads, self.arch.head_dim)):  # fmt: skip
+                attention.use_pool_kernel(self._kv_index[i])
 
     # -- the step graph ---------------------------------------------------------------------------
 
@@ -224,17 +239,17 @@ class ConfiguredLM(StepModel):
             batch, length, hidden = x.shape
             x = x.reshape(batch * length, hidden).index_copy(0, slots, embeds).reshape(batch, length, hidden)
             mrope = (mrope_positions, self.mrope_section)
-        step = StepState(positions, history_lens, mrope)
+        if query_lens is None:
+            query_lens = torch.full((input_ids.shape[0],), input_ids.shape[1], dtype=torch.int64)
+        pool = PagedPool(kv_pool, block_tables, query_lens, len(self.kv_layers))
+        step = StepState(positions, history_lens, mrope, pool)
         new_kv, produced, new_state = [], {}, []
         valid = None
         if self.state_width:
             batch, length = input_ids.shape
             if state is None:
                 state = torch.zeros(batch, self.state_width)
-            if query_lens is None:
-                valid = torch.ones(batch, length, dtype=torch.bool)
-            else:
-                valid = torch.arange(length).unsqueeze(0) < query_lens.unsqueeze(1)
+            valid = torch.arange(length).unsqueeze(0) < query_lens.unsqueeze(1)
         slices = {layer: (offset, size) for layer, _, offset, size in self.state_layout}
         for i, layer in enumerate(self.layers):
             if i in slices:
@@ -246,7 +261,10 @@ class ConfiguredLM(StepModel):
                 x = layer.feed_forward(x)
                 continue
             source = layer.plan.kv_source
-            past_k, past_v = self._history(kv_pool, block_tables, i if source is None else source)
+            if getattr(getattr(layer, "self_attn", None), "pool_layer", None) is not None:
+                past_k = past_v = None  # the pool kernel reads the pages in place
+            else:
+                past_k, past_v = self._history(kv_pool, block_tables, i if source is None else source)
             shared = produced[source] if source is not None else None
             ple = per_layer[:, :, i] if per_layer is not None else None
             x, k, v = layer(x, step, past_k, past_v, shared, ple)

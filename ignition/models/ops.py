@@ -73,6 +73,7 @@ def paged_attention_ref(
     total_len: torch.Tensor,  # int32 scalar: S + L, an upper bound of seqlens_k + 1
     num_heads: int,
     kv_heads: int,
+    scale: float | None = None,  # softmax scale; None: 1/sqrt(D)
 ) -> torch.Tensor:
     """[B, L, nh*D]. Row b's history is past[b, :, :h] with h = seqlens_k + 1 - query_lens; new
     token i sees that history and new tokens 0..i. Rows past query_lens are padding (any value)."""
@@ -87,7 +88,7 @@ def paged_attention_ref(
     # Query head h = kv * group + g uses kv head h // group (HF order): regroup Q to
     # [B, kvh, group*L, D] so one matmul per KV head serves its whole group (no repeat).
     q = q.reshape(batch, length, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
-    q = q.reshape(batch, kv_heads, group * length, dim) * (1.0 / math.sqrt(dim))
+    q = q.reshape(batch, kv_heads, group * length, dim) * (scale or 1.0 / math.sqrt(dim))
     # Visibility of key s for query i of row b: history s < history_lens[b], then new keys
     # causally. Padded query rows still see new key 0, so no row is all-masked (no NaN).
     hist_ok = torch.arange(hist).unsqueeze(0) < history_lens.unsqueeze(1)  # [B, S]
@@ -118,6 +119,7 @@ def pool_attention_ref(
     num_layers: int,
     num_heads: int,
     kv_heads: int,
+    scale: float | None = None,  # softmax scale; None: 1/sqrt(D)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One layer's attention over its pool pages: (out [B, L, nh*D], rotated k, v [B, L, kvh*D]).
     Pool row (2 * layer + kind) * P + page holds a page of K (kind 0) or V (kind 1)."""
@@ -136,7 +138,7 @@ def pool_attention_ref(
     seqlens_k = (history_lens + query_lens - 1).to(torch.int32)
     total_len = torch.ones((), dtype=torch.int32) * (block_tables.shape[1] * tokens + length)
     out = paged_attention_ref(
-        q, k, v, history(0), history(1), seqlens_k, query_lens.to(torch.int32), total_len, num_heads, kv_heads
+        q, k, v, history(0), history(1), seqlens_k, query_lens.to(torch.int32), total_len, num_heads, kv_heads, scale
     )
     # Padded query rows: zeros, as the fused kernel writes them.
     valid = torch.arange(length).unsqueeze(0) < query_lens.unsqueeze(1)
@@ -173,15 +175,16 @@ def _pool_attention_op(
     num_layers: int,
     num_heads: int,
     kv_heads: int,
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out, k, v = pool_attention_ref(qkv, positions, cos_cache, sin_cache, kv_pool, block_tables, history_lens,
-                                   query_lens, layer, num_layers, num_heads, kv_heads)  # fmt: skip
+                                   query_lens, layer, num_layers, num_heads, kv_heads, scale)  # fmt: skip
     return out, k.contiguous(), v.contiguous()
 
 
 @_pool_attention_op.register_fake
 def _(qkv, positions, cos_cache, sin_cache, kv_pool, block_tables, history_lens, query_lens, layer, num_layers,
-      num_heads, kv_heads):  # fmt: skip
+      num_heads, kv_heads, scale):  # fmt: skip
     batch, length, _ = qkv.shape
     dim = kv_pool.shape[-1]
     return (qkv.new_empty(batch, length, num_heads * dim), qkv.new_empty(batch, length, kv_heads * dim),
@@ -196,10 +199,12 @@ def add_rms_norm(x, residual, weight, eps: float):
 
 
 def pool_attention(qkv, positions, cos_cache, sin_cache, kv_pool, block_tables, history_lens, query_lens,
-                   layer: int, num_layers: int, num_heads: int, kv_heads: int):  # fmt: skip
+                   layer: int, num_layers: int, num_heads: int, kv_heads: int, scale: float | None = None):  # fmt: skip
+    """scale: the softmax scale (None: 1/sqrt(head_dim))."""
+    scale = scale or 1.0 / math.sqrt(2 * cos_cache.shape[1])
     fn = _pool_attention_op if _FUSED else pool_attention_ref
     return fn(qkv, positions, cos_cache, sin_cache, kv_pool, block_tables, history_lens, query_lens, layer,
-              num_layers, num_heads, kv_heads)  # fmt: skip
+              num_layers, num_heads, kv_heads, scale)  # fmt: skip
 
 
 # -- ONNX translations (onnxruntime contrib ops) ---------------------------------------------------
@@ -280,11 +285,10 @@ def _flare():
 
 
 def _pool_attention_onnx(qkv, positions, cos_cache, sin_cache, kv_pool, block_tables, history_lens, query_lens,
-                         layer: int, num_layers: int, num_heads: int, kv_heads: int):  # fmt: skip
-    dim = 2 * cos_cache.shape[1]
+                         layer: int, num_layers: int, num_heads: int, kv_heads: int, scale: float):  # fmt: skip
     return _flare().PagedAttention(
         qkv, positions, cos_cache, sin_cache, kv_pool, block_tables, history_lens, query_lens,
-        num_heads=num_heads, kv_heads=kv_heads, layer=layer, num_layers=num_layers, scale=1.0 / math.sqrt(dim),
+        num_heads=num_heads, kv_heads=kv_heads, layer=layer, num_layers=num_layers, scale=scale,
     )  # fmt: skip
 
 

@@ -148,22 +148,24 @@ def test_open_session_falls_back_to_matmul_nbits(tmp_path, monkeypatch):
     assert kernels.available() == (None, "disabled by FLARE_KERNELS")
 
 
-def _swiglu_model(k: int, n: int, block: int) -> onnx.ModelProto:
-    """The MLP's gate_up as ignition exports it: MatMul [B, L, K] -> Split -> x * Sigmoid(x) * up."""
+def _swiglu_model(k: int, n: int, block: int, rows: list[str] = ["B", "L"]) -> onnx.ModelProto:  # noqa: B006
+    """The MLP's gate_up as ignition exports it: MatMul [*rows, K] -> Split over the last axis ->
+    x * Sigmoid(x) * up (rows ["N"]: the flat rows of the experts' shared MLP)."""
     from ignition.export.quantize import QuantSettings, quantize_weights
 
     rng = np.random.default_rng(6)
     weight = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
     nodes = [
         helper.make_node("MatMul", ["a", "w"], ["gate_up"], name="gate_up_proj"),
-        helper.make_node("Split", ["gate_up"], ["gate", "up"], axis=2, num_outputs=2),
+        helper.make_node("Split", ["gate_up"], ["gate", "up"], axis=len(rows), num_outputs=2),
         helper.make_node("Sigmoid", ["gate"], ["sig"]),
         helper.make_node("Mul", ["gate", "sig"], ["silu"]),
         helper.make_node("Mul", ["silu", "up"], ["y"]),
     ]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["B", "L", k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", "L", n // 2])],
-                              [numpy_helper.from_array(weight, "w")])  # fmt: skip
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [*rows, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*rows, n // 2])],
+                              [numpy_helper.from_array(weight, "w")],
+                              value_info=[helper.make_tensor_value_info("gate_up", TensorProto.FLOAT, [*rows, n])])  # fmt: skip
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
     quantize_weights(model, QuantSettings(bits=4, block_size=block, accuracy_level=4, lm_head_bits=None, embedding_bits=None))
     return model
@@ -196,6 +198,22 @@ def test_swiglu_kernel_matches_the_unfused_graph():
         want, got = want_session.run(None, {"a": a})[0], got_session.run(None, {"a": a})[0]
         assert got.shape == (batch, length, 160)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_swiglu_over_flat_rows_is_folded_by_its_last_axis():
+    """The experts' shared MLP multiplies flat rows [N, K]: its Split is over axis 1, the last one
+    (the graph's shape information says so), and folds like the layers' [B, L, K] form."""
+    library = _library()
+    reference = _swiglu_model(256, 2 * 64, 64, rows=["N"])
+    model = onnx.ModelProto()
+    model.CopyFrom(reference)
+    assert to_int4_tiles(model) == 1
+    (node,) = model.graph.node
+    assert {a.name: a.s for a in node.attribute}["activation"] == b"swiglu"
+    a = np.random.default_rng(9).standard_normal((3, 256)).astype(np.float32)
+    want, got = _session(reference).run(None, {"a": a})[0], _session(model, library).run(None, {"a": a})[0]
+    assert got.shape == (3, 64)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_kernel_rejects_weights_that_do_not_match_its_attributes():

@@ -112,11 +112,13 @@ def test_quantized_cores_route_packed_experts(precision, bits, tmp_path, monkeyp
     assert np.abs(logits[0] - logits[1]).max() <= 0.05 * np.abs(logits[1]).max()
 
 
-def test_configured_norms_fuse_into_one_node_each(tmp_path, monkeypatch):
+def test_configured_norms_and_attention_fuse_into_one_node_each(tmp_path, monkeypatch):
     """The configured families write their per-step RMSNorms (layer, final, QK) in the form
     onnxruntime fuses: every x / sqrt(mean(x^2) + eps) of the exported step graph becomes one
     SimplifiedLayerNormalization in the session's optimized graph (seven nodes each otherwise, a
-    large share of a small MoE's decode step)."""
+    large share of a small MoE's decode step). Each full-attention layer (QK norms, partial
+    rotary, gated output) is one PagedAttention reading the pool in place: no other node reads
+    the pool (gathering its pages cost ~80 nodes a layer)."""
     checkpoint, _ = write_family_checkpoint(tmp_path / "ckpt", "qwen3_5_moe", overrides=VARIANTS["qwen38"][1])
     core = tmp_path / "core"
     manifest = export_core(ExportOptions(recipe=load_recipe("qwen38"), checkpoint=str(checkpoint), out=core,
@@ -125,6 +127,9 @@ def test_configured_norms_fuse_into_one_node_each(tmp_path, monkeypatch):
     producers = {out: node.op_type for node in graph.node for out in node.output}
     fusable = [n for n in graph.node if n.op_type == "Div" and producers.get(n.input[1]) == "Sqrt"]
     assert len(fusable) >= 2 * manifest.architecture.num_layers + 1  # each layer's two norms, the final one
+    attention = [n for n in graph.node if n.op_type == "PagedAttention"]
+    assert manifest.kv.num_layers >= 1 and len(attention) == manifest.kv.num_layers
+    assert [n.op_type for n in graph.node if "kv_pool" in n.input] == ["PagedAttention"] * len(attention)
     optimized = tmp_path / "optimized.onnx"
     session_options = Runner._session_options
 

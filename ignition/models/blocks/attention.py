@@ -1,7 +1,16 @@
-"""Attention over the paged pool in plain torch ops: the per-step state every layer shares, causal
-attention over history ++ new tokens, grouped-query attention (GQA) and absorbed multi-head
-latent attention (MLA). Families subclass GQAttention / MLAttention for what only they need
-(their hooks: `queries`, `keys_values`, `select`, `gate_output`)."""
+"""Attention over the paged pool: the per-step state every layer shares, causal attention over
+history ++ new tokens, grouped-query attention (GQA) and absorbed multi-head latent attention
+(MLA). Families subclass GQAttention / MLAttention for what only they need (their hooks:
+`queries`, `keys_values`, `select`, `gate_output`).
+
+A GQA layer that needs none of the plain path's extras (windows, sinks, KV sharing, a family's
+own hooks) runs as one ops.pool_attention call instead (flare's PagedAttention kernel in the
+exported graph: the pages are read in place, ~80 fewer nodes a layer than gathering them and
+attending in plain ops). That kernel rotates every head dimension rotate-half style, so such a
+layer stores its q/k head dimensions permuted (`pool_kernel_order`): the rotary pairs of the
+checkpoint's layout (partial, interleaved or not) land on the kernel's (i, i + D/2) pairs and the
+non-rotating dimensions on pairs that turn by zero. Dot products of q and k are unchanged; the
+keys in the pool are in that order, which only this core's graph ever reads."""
 
 from __future__ import annotations
 
@@ -11,6 +20,7 @@ import re
 import torch
 from torch import nn
 
+from ignition.models import ops
 from ignition.models.blocks.loading import TensorLoader
 from ignition.models.blocks.norms import RMSNorm
 from ignition.models.blocks.rotary import inv_freq, rotate, rotate_leading
@@ -22,6 +32,18 @@ def layer_inv_freq(plan: LayerPlan) -> torch.Tensor:
     return inv_freq(plan.rope_kind, plan.rotary_dim, plan.rope_theta, plan.rope_partial, plan.rope_yarn)
 
 
+class PagedPool:
+    """The step's paged KV pool as the pool kernel reads it: [kv_layers * 2 * P, page_tokens,
+    kv_heads, head_dim], each row's page table and valid new tokens."""
+
+    def __init__(self, kv_pool: torch.Tensor, block_tables: torch.Tensor, query_lens: torch.Tensor,
+                 kv_layers: int) -> None:  # fmt: skip
+        self.kv_pool = kv_pool
+        self.block_tables = block_tables
+        self.query_lens = query_lens
+        self.kv_layers = kv_layers
+
+
 class StepState:
     """Per-step inputs every layer shares, with the rotary tables and visibility masks built once
     per step (per rotary kind / window), not once per layer: fewer graph nodes, faster export.
@@ -30,16 +52,19 @@ class StepState:
 
     def __init__(
         self, positions: torch.Tensor, history_lens: torch.Tensor,
-        mrope: tuple[torch.Tensor, list[int]] | None = None,
+        mrope: tuple[torch.Tensor, list[int]] | None = None, pool: PagedPool | None = None,
     ) -> None:  # fmt: skip
         """mrope: (rotary positions [3, B, L] per (t, h, w) axis, the axes' frequency counts) of a
-        multimodal step graph; the rotary then follows them instead of `positions`."""
+        multimodal step graph; the rotary then follows them instead of `positions`. pool: what
+        the layers on the pool kernel read (the others get their history gathered)."""
         self.positions = positions
         self.history_lens = history_lens
         self.mrope = mrope
+        self.pool = pool
         self.selection: torch.Tensor | None = None
         self._cos_sin: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._visible: dict[int | None, torch.Tensor] = {}
+        self._kernel_rotary: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def frequencies(self, inv_freq: torch.Tensor) -> torch.Tensor:
         """Rotary angles [B, L, rot/2]. Multimodal rotary gives frequency i the position of axis
@@ -63,6 +88,27 @@ class StepState:
                 cos, sin = cos * plan.rope_attention, sin * plan.rope_attention
             self._cos_sin[key] = cos, sin
         return self._cos_sin[key]
+
+    def kernel_rotary(self, plan: LayerPlan, inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The pool kernel's rotary inputs for this step: (positions [B, L] = each token's row of
+        the tables, cos, sin [B * L, head_dim / 2]). The kernel looks cos/sin up by position; a
+        per-step table indexed by token carries any rotary (multimodal, YaRN-scaled, partial)
+        without a max-positions table in the core. Pairs past the rotary dims turn by zero."""
+        key = (plan.rope_kind, plan.rotary_dim, plan.rope_theta, plan.rope_partial, plan.rope_yarn, plan.head_dim)
+        if key not in self._kernel_rotary:
+            batch, length = self.positions.shape
+            half = plan.head_dim // 2
+            if plan.rotary_dim:
+                cos, sin = (t.reshape(batch * length, -1) for t in self.cos_sin(plan, inv_freq))
+            else:
+                cos = sin = torch.zeros(batch * length, 0)
+            pad = half - cos.shape[1]
+            if pad:
+                cos = torch.cat([cos, torch.ones(batch * length, pad)], dim=1)
+                sin = torch.cat([sin, torch.zeros(batch * length, pad)], dim=1)
+            rows = torch.arange(batch * length).reshape(batch, length)
+            self._kernel_rotary[key] = rows, cos, sin
+        return self._kernel_rotary[key]
 
     def visible(self, hist: int, window: int | None) -> torch.Tensor:
         """[B, L, S+L] bool: history slot j (position j) is visible to new token i iff
@@ -112,6 +158,18 @@ def attend(
     return out.permute(0, 3, 1, 2, 4).reshape(batch, length, heads, values.shape[-1])
 
 
+def pool_kernel_order(head_dim: int, rotary_dim: int, interleave: bool) -> torch.Tensor:
+    """The head-dimension permutation of a layer on the pool kernel: new dim i holds the
+    checkpoint's dim order[i]. The checkpoint's rotary pairs (x1[j], x2[j]) (rotate-half over the
+    leading rotary_dim dims, or interleaved (2j, 2j + 1)) go to (j, j + D/2); the non-rotating
+    dims fill the rest of both halves."""
+    dims = torch.arange(head_dim)
+    rotated, rest = dims[:rotary_dim], dims[rotary_dim:]
+    x1, x2 = (rotated[0::2], rotated[1::2]) if interleave else rotated.chunk(2) if rotary_dim else (rotated, rotated)
+    p1, p2 = rest.chunk(2) if len(rest) else (rest, rest)
+    return torch.cat([x1, p1, x2, p2])
+
+
 class GQAttention(nn.Module):
     """Grouped-query attention: optional per-head QK norms, partial rotary on the leading dims,
     sliding window, sinks, a sigmoid output gate ("full": gate_proj per element, "head": g_proj
@@ -140,6 +198,69 @@ class GQAttention(nn.Module):
         if plan.sinks:
             self.sinks = nn.Parameter(torch.zeros(h))
         self.register_buffer("inv_freq", layer_inv_freq(plan), persistent=False)
+        self.pool_layer: int | None = None  # set by use_pool_kernel: the layer's index in the pool
+
+    def fits_pool_kernel(self, kv_heads: int, head_dim: int) -> bool:
+        """Whether this layer can run as one pool-kernel call on a pool of that geometry: plain
+        GQA (no window, sinks or KV sharing, the class's own hooks unchanged, so no family step is
+        skipped), K and V of the pool's width, a head width the kernel takes."""
+        p = self.plan
+        own_hooks = any(getattr(type(self), n) is not getattr(GQAttention, n)
+                        for n in ("forward", "queries", "keys_values", "select", "rotate"))  # fmt: skip
+        return (not own_hooks and p.kind == "gqa" and p.window is None and not p.sinks and p.kv_source is None
+                and p.head_dim == p.v_head_dim == head_dim and p.num_kv_heads == kv_heads
+                and head_dim % 16 == 0 and head_dim <= 256 and p.num_heads % p.num_kv_heads == 0)  # fmt: skip
+
+    @torch.no_grad()
+    def use_pool_kernel(self, pool_layer: int) -> None:
+        """Run on the pool kernel from now on, as layer `pool_layer` of the pool: permute the q/k
+        head dimensions of the loaded weights (pool_kernel_order) and fuse q/k/v into one
+        projection (one matmul node instead of three)."""
+        p = self.plan
+        order = pool_kernel_order(p.head_dim, p.rotary_dim, p.rope_interleave)
+        width = 2 if p.out_gate == "query" else 1  # per head: head_dim query dims (then the gate's)
+        q_rows = torch.arange(p.num_heads * width * p.head_dim).reshape(p.num_heads, width, p.head_dim)
+        q_rows[:, 0] = q_rows[:, 0, order]
+        k_rows = torch.arange(p.num_kv_heads * p.head_dim).reshape(p.num_kv_heads, p.head_dim)[:, order]
+        parts = [(self.q_proj, q_rows.reshape(-1)), (self.k_proj, k_rows.reshape(-1)),
+                 (self.v_proj, torch.arange(self.v_proj.out_features))]  # fmt: skip
+        self.qkv_proj = nn.Linear(self.q_proj.in_features, sum(len(rows) for _, rows in parts),
+                                  bias=self.q_proj.bias is not None, device="cpu")  # fmt: skip
+        self.qkv_proj.weight = nn.Parameter(torch.cat([m.weight[rows] for m, rows in parts]), requires_grad=False)
+        if self.q_proj.bias is not None:
+            self.qkv_proj.bias = nn.Parameter(torch.cat([m.bias[rows] for m, rows in parts]), requires_grad=False)
+        self.qkv_widths = [len(rows) for _, rows in parts]
+        del self.q_proj, self.k_proj, self.v_proj
+        if p.qk_norm:
+            for norm in (self.q_norm, self.k_norm):
+                norm.weight = nn.Parameter(norm.weight[order].clone(), requires_grad=False)
+        self.pool_layer = pool_layer
+
+    def pool_forward(self, x: torch.Tensor, step: StepState):  # noqa: ANN201
+        """The layer as one pool-kernel call: the fused projection and QK norms, then rotary and
+        attention over the pages in place -> (output [B, L, hidden], new k, v [B, L, G, D])."""
+        p, pool = self.plan, step.pool
+        batch, length, _ = x.shape
+        qkv, gate = self.qkv_proj(x), None
+        if p.qk_norm or p.out_gate == "query":  # else the projection is the kernel's input as it is
+            q, k, v = qkv.split(self.qkv_widths, dim=-1)
+            if p.out_gate == "query":
+                q, gate = q.reshape(batch, length, p.num_heads, 2 * p.head_dim).chunk(2, dim=-1)
+                gate = gate.reshape(batch, length, -1)
+            else:
+                q = q.reshape(batch, length, p.num_heads, p.head_dim)
+            k = k.reshape(batch, length, p.num_kv_heads, p.head_dim)
+            if p.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            qkv = torch.cat([q.reshape(batch, length, -1), k.reshape(batch, length, -1), v], dim=-1)
+        rows, cos, sin = step.kernel_rotary(p, self.inv_freq)
+        out, k, v = ops.pool_attention(
+            qkv, rows, cos, sin, pool.kv_pool, pool.block_tables, step.history_lens, pool.query_lens,
+            self.pool_layer, pool.kv_layers, p.num_heads, p.num_kv_heads, p.scale or None,
+        )  # fmt: skip
+        out = out.reshape(batch, length, p.num_heads, p.head_dim)
+        k, v = (t.reshape(batch, length, p.num_kv_heads, p.head_dim) for t in (k, v))
+        return self.o_proj(self.gate_output(out, x, gate)), k, v
 
     def rotate(self, t: torch.Tensor, step: StepState) -> torch.Tensor:
         if not self.plan.rotary_dim:
@@ -184,6 +305,8 @@ class GQAttention(nn.Module):
         return out if gate is None else out * torch.sigmoid(gate)
 
     def forward(self, x, step, past_k, past_v, shared=None):  # noqa: ANN001, ANN201
+        if self.pool_layer is not None:
+            return self.pool_forward(x, step)
         p = self.plan
         q, gate = self.queries(x, step)
         k, v = shared if shared is not None else self.keys_values(x, step)
