@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -130,7 +131,9 @@ class Server:
     def __init__(self, core: Path, *args: str, timeout: float = 300.0, cwd: Path = REPO):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open((cwd / core).parent / f"helios-{self.port}.log", "w+")
+        # An anonymous file: the log is read on failure and never left beside the core (which may
+        # sit in the shared flare cache).
+        self.log = tempfile.TemporaryFile("w+")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "helios.cli", *self.command, str(core), "--port", str(self.port), *args],
             stdout=self.log,
