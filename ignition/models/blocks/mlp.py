@@ -43,7 +43,7 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "gate_up_proj"):  # fuse_gate_up: the form the int4 kernel fuses whole
             gate, up = self.gate_up_proj(x).split(self.gate_up_proj.out_features // 2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(self.glu(gate, up))
         return self.down_proj(self.glu(self.gate_proj(x), self.up_proj(x)))
 
     @torch.no_grad()
@@ -51,7 +51,7 @@ class SwiGLU(nn.Module):
         """With a plain SiLU unit, replace gate_proj and up_proj by one gate_up_proj (gate rows
         first): the exported Split -> silu(gate) * up is what ai.flare.MatMulInt4 computes as one
         node (activation "swiglu"), three nodes fewer. Returns whether it fused."""
-        if type(self.glu) is not GLU or self.glu.act != "silu" or self.glu.unit()[0] != "glu":
+        if type(self.glu) is not GLU or self.glu.act != "silu":  # a GLU subclass is a clamped unit
             return False
         gate_up = nn.Linear(self.gate_proj.in_features, 2 * self.gate_proj.out_features, bias=False, device="cpu")
         gate_up.weight = nn.Parameter(torch.cat([self.gate_proj.weight, self.up_proj.weight]), requires_grad=False)
