@@ -52,13 +52,15 @@ SPECIALS = {
 EOS = {"qwen3_5": "<|im_end|>", "qwen3_5_moe": "<|im_end|>", "deepseek_v3": "<|im_end|>", "mimo_v2_flash": "<|im_end|>", "gemma4": "<turn|>", "step3p7": "<|im_end|>", "muse_spark": "<|eot|>", "glm_moe_dsa": "<|user|>", "minimax_m3_vl": "[e~[",
        "nemotron_h": "<|im_end|>", "deepseek_v4": "<｜end▁of▁sentence｜>"}  # fmt: skip
 
+# Every MoE family routes 4 of 32 experts (group-limited families: 4 groups, 2 kept), so the parity
+# tests exercise dispatch at realistic sparsity with each family's routing.
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     # Kimi K2.5's text model: MLA (q LoRA, interleaved YaRN rotary) + sigmoid group-limited MoE
     # with a shared expert, first layer dense.
     "deepseek_v3": dict(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
-        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=32,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=32,
+        num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1, kv_lora_rank=32,
         q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, routed_scaling_factor=2.5,
         max_position_embeddings=4096, rope_interleave=True, rms_norm_eps=1e-6, tie_word_embeddings=False,
         # YaRN as Kimi K2's checkpoints use it (scaled so the tiny prompts cross its correction range;
@@ -70,7 +72,7 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     # partial rotary with per-type theta, value scale, sigmoid MoE without shared experts.
     "mimo_v2_flash": dict(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=1, n_routed_experts=8, num_experts_per_tok=2,
+        num_attention_heads=4, num_key_value_heads=1, n_routed_experts=32, num_experts_per_tok=4,
         head_dim=24, v_head_dim=16, sliding_window=7, max_position_embeddings=4096,
         layer_types=["full_attention", "sliding_attention"],
         mlp_layer_types=["dense", "sparse"], attention_value_scale=0.707,
@@ -85,7 +87,7 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     # scale, clamped SwiGLU experts/shared expert and the sigmoid router with bias.
     "step3p7": dict(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, share_expert_dim=32,
+        head_dim=16, moe_intermediate_size=32, n_routed_experts=32, num_experts_per_tok=4, share_expert_dim=32,
         layer_types=["full_attention", "sliding_attention"], mlp_layer_types=["dense", "sparse"],
         sliding_window=6, num_sliding_attention_heads=8, swiglu_limits=[None, 1.5],
         swiglu_limits_shared=[1.0, 1.5], moe_router_scaling_factor=2.0, query_pre_attn_scalar=12,
@@ -96,8 +98,8 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     # 16 indexer heads, so exact all-zero ReLU ties (where top-k order is arbitrary) stay improbable.
     "glm_moe_dsa": dict(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
-        num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=32,
+        num_experts_per_tok=4, n_group=4, topk_group=2, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
         v_head_dim=16, qk_nope_head_dim=16, routed_scaling_factor=2.5, index_topk=9, index_head_dim=16,
         index_n_heads=16, mlp_layer_types=["dense", "sparse"], indexer_types=["full", "shared"],
         max_position_embeddings=4096, tie_word_embeddings=False,
@@ -107,8 +109,8 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     # shared expert, sigmoid router with bias and routed scaling.
     "minimax_m3_vl": dict(
         hidden_size=64, intermediate_size=32, dense_intermediate_size=96, shared_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-        num_experts_per_tok=2, mlp_layer_types=["dense", "sparse"],
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=32,
+        num_experts_per_tok=4, mlp_layer_types=["dense", "sparse"],
         layer_types=["full_attention", "minimax_m3_sparse"], index_n_heads=2,
         index_head_dim=16, index_block_size=4, index_topk_blocks=3, index_local_blocks=1, swiglu_limit=1.5,
         routed_scaling_factor=2.0, max_position_embeddings=4096,
@@ -120,7 +122,7 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
         layer_rope_theta=[500000.0, 0], mlp_layer_types=["dense", "sparse"],
-        moe_intermediate_size=32, moe_hidden_size=48, num_local_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, moe_hidden_size=48, num_local_experts=32, num_experts_per_tok=4,
         routed_scaling_factor=1.5, final_logit_softcapping=20.0, qk_scale_factor=2.0, output_multiplier=0.5,
         residual_gate_temperature=0.3, post_norm_eps=1e-8, max_position_embeddings=4096,
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
@@ -132,8 +134,8 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=6,
         layer_types=["sliding_attention", "full_attention", "full_attention"],
-        hidden_size_per_layer_input=8, num_kv_shared_layers=1, enable_moe_block=True, num_experts=4,
-        top_k_experts=2, moe_intermediate_size=32, final_logit_softcapping=30.0, max_position_embeddings=4096,
+        hidden_size_per_layer_input=8, num_kv_shared_layers=1, enable_moe_block=True, num_experts=32,
+        top_k_experts=4, moe_intermediate_size=32, final_logit_softcapping=30.0, max_position_embeddings=4096,
     ),
     # Qwen 3.5 dense: gated DeltaNet layers (2 key heads serving 4 value heads, kernel-4 causal conv)
     # around a gated full-attention layer ((1 + w) QK norms, partial interleaved-mrope rotary).
@@ -151,7 +153,7 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         layer_types=["linear_attention", "full_attention", "linear_attention"], linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        num_experts=32, num_experts_per_tok=4, moe_intermediate_size=32, shared_expert_intermediate_size=32,
         max_position_embeddings=4096, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                          "mrope_section": [2, 1, 1], "mrope_interleaved": True},
@@ -163,17 +165,17 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         hidden_size=64, layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention", "mlp"],
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, mlp_bias=True,
         mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=8,
-        use_bias=True, use_conv_bias=True, n_routed_experts=8, num_experts_per_tok=2,
-        n_group=2, topk_group=1, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+        use_bias=True, use_conv_bias=True, n_routed_experts=32, num_experts_per_tok=4,
+        n_group=4, topk_group=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
         moe_latent_size=24, routed_scaling_factor=2.5, max_position_embeddings=4096, tie_word_embeddings=False,
     ),
-    # DeepSeek-V4 (tests/unit/test_deepseek_v4.py's CONFIG): sliding, heavily compressed and
+    # DeepSeek-V4 (tests/unit/test_deepseek_v4.py's CONFIG with 32 experts): sliding, heavily compressed and
     # compressed sparse layers (compress rates 4 and 2, so windows complete every few tokens; an
     # indexer top-3 that drops entries), hash-routed then top-k MoE with clamped SwiGLU, 2
     # hyper-connection streams, grouped low-rank output, YaRN compress rotary, a 6-token window.
     "deepseek_v4": dict(
         hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
-        head_dim=16, q_lora_rank=24, partial_rotary_factor=0.5, num_experts_per_tok=2, n_routed_experts=4,
+        head_dim=16, q_lora_rank=24, partial_rotary_factor=0.5, num_experts_per_tok=4, n_routed_experts=32,
         layer_types=["sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention"],
         mlp_layer_types=["hash_moe", "moe", "moe"],
         compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4}, hc_mult=2,

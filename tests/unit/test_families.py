@@ -5,7 +5,9 @@ transformers (tests/unit/family_checkpoints.py), `ignition export --recipe NAME 
 --precision fp32`, then the core's step graph through the paged cache (two rows of different
 lengths batched in each step, a shuffled non-contiguous block table, prefill in two chunks, 16
 greedy decode steps) must give the transformers model's logits within 1e-4 relative (max
-|engine - reference| / max |reference|) at every returned position. Then `helios serve` on the
+|engine - reference| / max |reference|) at every returned position. Every MoE family's checkpoint
+has 32 experts, 4 routed a token (grouped top-k with 4 groups, 2 kept, where the family groups),
+so this is also each routing variant's parity at realistic sparsity. Then `helios serve` on the
 core and one chat round trip through its template and parsers.
 
 Recipes whose family is not compiled yet must be refused by the exporter with the missing
@@ -15,10 +17,6 @@ features named (docs/recipes.md keeps the list).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -34,18 +32,15 @@ from helios.frontend.grammar import OutputFormat, compiler_for
 from helios.frontend.tokenizer import Tokenizer
 from helios.manifest import Manifest
 from ignition.cli import app
-from ignition.recipes import COMPILED_FAMILIES, PLANNED_FAMILIES, available_recipes, load_recipe
-from tests.conftest import REPO, Server
+from ignition.recipes import available_recipes, load_recipe
+from tests.conftest import Server
+from tests.unit.conftest import COMPILED, PLANNED, SEED_RECIPES
 from tests.unit.family_checkpoints import build_reference as build_reference_model
 from tests.unit.family_checkpoints import write_family_checkpoint
 from tests.unit.test_parsers import CALL_BLOCKS, SCHEMAS
 
 pytest.importorskip("transformers")
 
-SEED_RECIPES = ["qwen38", "qwen38_dense", "glm53", "deepseek4", "deepseek41", "mimo_v2", "kimi3", "step5",
-                "nemotron_h", "kimi31", "minimax_m3", "muse_spark", "gemma4"]  # fmt: skip
-COMPILED = [name for name in SEED_RECIPES if load_recipe(name).family in COMPILED_FAMILIES]
-PLANNED = [name for name in SEED_RECIPES if load_recipe(name).family in PLANNED_FAMILIES]
 RELATIVE = 1e-4
 DECODE_STEPS = 16
 
@@ -53,48 +48,6 @@ DECODE_STEPS = 16
 def test_every_seed_recipe_exists_and_is_classified():
     assert set(SEED_RECIPES) <= set(available_recipes())
     assert sorted(COMPILED + PLANNED) == sorted(SEED_RECIPES)
-
-
-@pytest.fixture(scope="module")
-def family_env(tmp_path_factory, request):
-    """Every compiled recipe's tiny checkpoint and core (those the selected tests use, when a -k
-    selection leaves fewer), exported up front by `ignition export` subprocesses, two families at
-    a time (tracing is single-threaded; the machine has 2 cores). Recipes of one family export in
-    sequence through a private export cache, so the second reuses the first's traced graph.
-    Returns {recipe: (core, transformers reference)} lazily."""
-    folder = tmp_path_factory.mktemp("families")
-    env = {**os.environ, "FLARE_CACHE": str(folder / "cache")}
-    selected = {item.callspec.params.get("recipe") for item in request.session.items
-                if item.module is request.module and "family_env" in getattr(item, "fixturenames", ())
-                and hasattr(item, "callspec")}  # fmt: skip
-    families: dict[str, list[str]] = {}
-    for recipe in [r for r in COMPILED if r in selected] or COMPILED:
-        families.setdefault(load_recipe(recipe).family, []).append(recipe)
-    checkpoints = {family: write_family_checkpoint(folder / f"ckpt-{family}", family) for family in families}
-
-    def export(family: str) -> dict[str, tuple[Path, str]]:
-        done = {}
-        for recipe in families[family]:
-            out = folder / f"core-{recipe}"
-            command = [sys.executable, "-m", "ignition.cli", "export", "--recipe", recipe, "--checkpoint",
-                       str(checkpoints[family][0]), "--precision", "fp32", "--out", str(out)]  # fmt: skip
-            result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
-            done[recipe] = (out, result.stdout + result.stderr if result.returncode else "")
-        return done
-
-    pool = ThreadPoolExecutor(max_workers=2)
-    futures = {family: pool.submit(export, family) for family in families}
-    try:
-        yield lambda recipe: _finished(futures, checkpoints, recipe)
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _finished(futures, checkpoints, recipe: str) -> tuple[Path, object]:  # noqa: ANN001
-    family = load_recipe(recipe).family
-    core, failure = futures[family].result()[recipe]
-    assert not failure, failure
-    return core, checkpoints[family][1]
 
 
 def _core(family_env, recipe: str) -> tuple[Path, object]:
@@ -211,6 +164,8 @@ def test_helios_serves_a_chat_round_trip(family_env, recipe):
             matcher = llguidance.LLMatcher(compiler.llg, grammar, log_level=0, limits=parser_limits())
             tokens = compiler.llg.tokenize_str(text, parse_special=True)
             assert matcher.consume_tokens(tokens) and matcher.is_accepting(), (recipe, text)
+    except httpx.TransportError as exc:  # the server went away: its log says why
+        pytest.fail(f"{exc!r}; helios log:\n{server.output()}")
     finally:
         server.stop()
 

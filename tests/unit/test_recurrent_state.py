@@ -20,6 +20,8 @@ from helios.manifest import Manifest, ManifestError, StateLayer, StateLayout
 
 pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.families("qwen38_dense")
+
 VOCAB = 265  # 256 bytes + the 9 Qwen control tokens of family_checkpoints.SPECIALS
 
 
@@ -116,32 +118,23 @@ def test_chunked_prefill_equals_one_pass(tiny, splits):
 
 
 @pytest.fixture(scope="module")
-def graph(tiny, tmp_path_factory):
-    """The tiny model's fp32 step graph with its KV and state layouts."""
-    from helios.manifest import KVLayout
-    from ignition.export.graph import export_step_graph
-    from ignition.models import cache_layout
-
-    folder, model, _ = tiny
-    import json
-
-    config = json.loads((folder / "config.json").read_text())
-    kv_layers, state = cache_layout("qwen3_5", config, model.arch.num_layers)
-    kv = KVLayout(page_tokens=16, num_layers=kv_layers, kv_heads=model.arch.num_kv_heads, head_dim=model.arch.head_dim)
-    out = tmp_path_factory.mktemp("q35-graph")
-    engine = export_step_graph(model, model.arch, kv, out, state=state)
-    assert [i.name for i in engine.inputs][-2:] == ["state_pool", "state_slots"]
-    assert engine.outputs[-1].name == "new_state" and engine.outputs[-1].shape == ["B", state.width]
-    return out / engine.file, kv, state
+def graph(family_env):
+    """The tiny Qwen 3.5's fp32 step graph (the qwen38_dense family core's: the same seeded
+    checkpoint as `tiny`) with its KV and state layouts and transformers reference."""
+    core, reference = family_env("qwen38_dense")
+    manifest = Manifest.load(core)
+    step = next(e for e in manifest.engines if e.name == "step")
+    assert [i.name for i in step.inputs][-2:] == ["state_pool", "state_slots"]
+    assert step.outputs[-1].name == "new_state" and step.outputs[-1].shape == ["B", manifest.state.width]
+    return core / step.file, manifest.kv, manifest.state, reference
 
 
-def test_runner_state_slots_through_the_onnx_graph(tiny, graph):
+def test_runner_state_slots_through_the_onnx_graph(graph):
     """Two sequences batched with padding, chunked prefill then decode; each slot written back;
     every logit matches transformers; a stale slot is ignored at history 0."""
     from helios.engine.runner import Runner, StepRow
 
-    _, _, reference = tiny
-    path, kv, state = graph
+    path, kv, state, reference = graph
     rng = np.random.default_rng(3)
     seqs = [rng.integers(0, VOCAB, 30).tolist(), rng.integers(0, VOCAB, 21).tolist()]
     with torch.no_grad():
@@ -244,17 +237,12 @@ def test_manifest_state_layout_is_checked():
 
 
 @pytest.fixture(scope="module")
-def core(tiny, tmp_path_factory):
+def core(family_env):
     """The tiny Qwen 3.5 checkpoint exported as an fp32 core (qwen38_dense recipe)."""
-    from ignition.export.pipeline import ExportOptions, export_core
-    from ignition.recipes import load_recipe
-
-    folder, _, _ = tiny
-    out = tmp_path_factory.mktemp("q35-core") / "core"
-    manifest = export_core(ExportOptions(recipe=load_recipe("qwen38_dense"), checkpoint=str(folder), out=out,
-                                         precision="fp32", cache=False))  # fmt: skip
+    core, _ = family_env("qwen38_dense")
+    manifest = Manifest.load(core)
     assert manifest.state is not None and manifest.kv.num_layers == 1 and manifest.format_version == "1.10"
-    return out
+    return core
 
 
 def _engine(core, **config):  # noqa: ANN001, ANN003, ANN202

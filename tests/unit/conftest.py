@@ -1,0 +1,72 @@
+"""Fixtures shared by the unit tests: the seed recipes' tiny family cores, exported once a session."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from ignition.recipes import COMPILED_FAMILIES, PLANNED_FAMILIES, load_recipe
+from tests.conftest import REPO
+from tests.unit.family_checkpoints import write_family_checkpoint
+
+SEED_RECIPES = ["qwen38", "qwen38_dense", "glm53", "deepseek4", "deepseek41", "mimo_v2", "kimi3", "step5",
+                "nemotron_h", "kimi31", "minimax_m3", "muse_spark", "gemma4"]  # fmt: skip
+COMPILED = [name for name in SEED_RECIPES if load_recipe(name).family in COMPILED_FAMILIES]
+PLANNED = [name for name in SEED_RECIPES if load_recipe(name).family in PLANNED_FAMILIES]
+
+
+@pytest.fixture(scope="session")
+def family_env(tmp_path_factory, request):
+    """Every compiled seed recipe's tiny checkpoint (tests/unit/family_checkpoints.py, 32 experts
+    top-4 in every MoE family) and its fp32 core, exported up front by `ignition export`
+    subprocesses, two families at a time (tracing is single-threaded; the machine has 2 cores).
+    Only the recipes the selected tests name are exported. Recipes of one
+    family export in sequence through a private export cache, so the second reuses the first's
+    traced graph. Returns recipe -> (core, transformers reference), waiting for that export.
+    A test names its recipes by a `recipe` parameter or `@pytest.mark.families(RECIPE, ...)`.
+    The cores are shared: tests read them and never write into them."""
+    folder = tmp_path_factory.mktemp("families")
+    env = {**os.environ, "FLARE_CACHE": str(folder / "cache")}
+    selected = set()
+    for item in request.session.items:
+        if "family_env" in getattr(item, "fixturenames", ()):
+            if hasattr(item, "callspec") and "recipe" in item.callspec.params:
+                selected.add(item.callspec.params["recipe"])
+            for mark in item.iter_markers("families"):
+                selected.update(mark.args)
+    families: dict[str, list[str]] = {}
+    for recipe in [r for r in COMPILED if r in selected] or COMPILED:
+        families.setdefault(load_recipe(recipe).family, []).append(recipe)
+    checkpoints = {family: write_family_checkpoint(folder / f"ckpt-{family}", family) for family in families}
+
+    def export(family: str) -> dict[str, tuple[Path, str]]:
+        done = {}
+        for recipe in families[family]:
+            out = folder / f"core-{recipe}"
+            command = [sys.executable, "-m", "ignition.cli", "export", "--recipe", recipe, "--checkpoint",
+                       str(checkpoints[family][0]), "--precision", "fp32", "--out", str(out)]  # fmt: skip
+            result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+            done[recipe] = (out, result.stdout + result.stderr if result.returncode else "")
+        return done
+
+    pool = ThreadPoolExecutor(max_workers=2)
+    futures = {family: pool.submit(export, family) for family in families}
+    try:
+        yield lambda recipe: _finished(futures, checkpoints, recipe)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _finished(futures: dict[str, Future], checkpoints: dict, recipe: str) -> tuple[Path, object]:
+    family = load_recipe(recipe).family
+    if family not in futures:
+        raise LookupError(f"recipe {recipe!r} was not selected for export: name it by a `recipe` parameter "
+                          "or @pytest.mark.families")
+    core, failure = futures[family].result()[recipe]
+    assert not failure, failure
+    return core, checkpoints[family][1]
