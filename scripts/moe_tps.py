@@ -12,8 +12,11 @@ runs through helios's Runner twice: with its routed MoEInt4 layers (flare's kern
 `FLARE_EXPERTS=dense`, which rewrites them into the dense chain ignition exported before (every
 expert computed in fp32 and weighed by the routing: today's path kept for this comparison).
 
-Figures: decode b=1 tok/s (64 steps after a 32-token prompt), b=8 aggregate tok/s (32 steps of 8
-rows), prefill tok/s of a 512-token prompt (best of 2); bound_b1_tps = the memory read bandwidth
+Figures: decode b=1 tok/s (64 steps after a 32-token prompt, the best of 3 runs, as bench.py
+keeps each runtime's best round and the bandwidth probe its best pass: other tenants' load on
+this host comes and goes), b=8 aggregate tok/s (32 steps of 8 rows), prefill tok/s of a
+512-token prompt (best of 2); the dense-expert path decodes 8 steps at b=1 and 4 at b=8 (it is
+~700x slower; more steps would only lengthen the run). bound_b1_tps = the memory read bandwidth
 measured in the same run (scripts/bandwidth.py) / the core's decode_weight_bytes (which counts the
 routed experts at top_k / E). Targets: sparse b1 >= 5x dense b1 and >= 0.6x the bound; sparse b8
 >= 1.5x sparse b1; sparse prefill >= dense prefill.
@@ -74,7 +77,9 @@ def synthetic_core(log: Callable[[str], None]) -> Path:
     return core
 
 
-def rates(core: Path, threads: int) -> dict:
+def rates(core: Path, threads: int, b1_rounds: int = 3, scale: int = 1) -> dict:
+    """Decode b=1 (best of `b1_rounds` runs of 64 steps), b=8 and prefill rates; `scale` divides
+    the decode steps (the dense-expert path, ~700x slower, needs few steps for its figure)."""
     manifest = Manifest.load(core, verify_files=False)
     runner = Runner(core, manifest, num_pages=512, threads=threads)
     vocab = manifest.architecture.vocab_size
@@ -101,7 +106,9 @@ def rates(core: Path, threads: int) -> dict:
         return best
 
     decode(1, 32, 4)  # warm-up
-    return {"b1_tps": round(decode(1, 32, 64), 2), "b8_tps": round(decode(8, 32, 32), 2),
+    b1 = [decode(1, 32, 64 // scale) for _ in range(b1_rounds)]
+    return {"b1_tps": round(max(b1), 2), "b1_rounds_tps": [round(x, 2) for x in b1],
+            "b8_tps": round(decode(8, 32, 32 // scale), 2),
             "prefill_tps": round(prefill(512), 1), "kernels": runner.kernels}
 
 
@@ -114,13 +121,14 @@ def measure(threads: int | None = None, log: Callable[[str], None] = print) -> d
     log(f"routed: b1 {sparse['b1_tps']} tok/s, b8 {sparse['b8_tps']}, prefill {sparse['prefill_tps']}")
     os.environ["FLARE_EXPERTS"] = "dense"
     try:
-        dense = rates(core, threads)
+        dense = rates(core, threads, b1_rounds=1, scale=8)
     finally:
         del os.environ["FLARE_EXPERTS"]
     log(f"dense:  b1 {dense['b1_tps']} tok/s, b8 {dense['b8_tps']}, prefill {dense['prefill_tps']}")
     bandwidth = read_bandwidth(threads)["gbs"]
     bound = bandwidth * 1e9 / manifest.decode_weight_bytes
-    result = {"sparse_b1_tps": sparse["b1_tps"], "dense_b1_tps": dense["b1_tps"], "bound_b1_tps": round(bound, 2),
+    result = {"sparse_b1_tps": sparse["b1_tps"], "sparse_b1_rounds_tps": sparse["b1_rounds_tps"],
+              "dense_b1_tps": dense["b1_tps"], "bound_b1_tps": round(bound, 2),
               "sparse_b8_tps": sparse["b8_tps"], "dense_b8_tps": dense["b8_tps"],
               "sparse_prefill_tps": sparse["prefill_tps"], "dense_prefill_tps": dense["prefill_tps"],
               "decode_weight_bytes": manifest.decode_weight_bytes, "read_bandwidth_gbs": bandwidth,
