@@ -52,6 +52,13 @@ def qwen38_checkpoint(tmp_path_factory) -> Path:
     return write_quantizable_checkpoint(tmp_path_factory.mktemp("qwen38-ckpt"), "qwen3_5_moe")
 
 
+@pytest.fixture(scope="module")
+def export_cache(tmp_path_factory) -> Path:
+    """One FLARE_CACHE for this module's exports of the same snapshot: the second reuses the
+    first's traced graph (the export cache keys it by content), as on a user's machine."""
+    return tmp_path_factory.mktemp("flare-cache")
+
+
 @pytest.fixture()
 def hub_cache(tmp_path, monkeypatch, qwen38_checkpoint) -> Path:
     """An HF cache with a complete (older) and an incomplete (newer) snapshot of Qwen3.8."""
@@ -125,11 +132,11 @@ def test_nothing_found_names_the_ids_and_folders_and_does_no_work(tmp_path, monk
     assert not (tmp_path / "cores").exists()
 
 
-def test_export_by_recipe_name_is_offline_and_writes_cores_recipe(hub_cache, tmp_path, monkeypatch):
+def test_export_by_recipe_name_is_offline_and_writes_cores_recipe(hub_cache, export_cache, tmp_path, monkeypatch):
     """In-process, with every socket connection refused: the default --out, the printed serve
     line, and a second export to the same place refused without --force."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("FLARE_CACHE", str(tmp_path / "flare-cache"))
+    monkeypatch.setenv("FLARE_CACHE", str(export_cache))
 
     def no_network(self, address):  # noqa: ANN001, ANN202
         if self.family in (socket.AF_INET, socket.AF_INET6):
@@ -146,10 +153,10 @@ def test_export_by_recipe_name_is_offline_and_writes_cores_recipe(hub_cache, tmp
     assert again.exit_code == 2 and "--force" in again.output
 
 
-def test_the_design_card_commands_work_as_typed(hub_cache, tmp_path):
+def test_the_design_card_commands_work_as_typed(hub_cache, export_cache, tmp_path):
     """`ignition export --recipe qwen38 --prompt-logprobs`, then `helios serve cores/qwen38`, in a
     folder of the user's: the real CLI processes, the default precision, a chat round trip."""
-    env = {**os.environ, "HF_HUB_CACHE": str(hub_cache), "FLARE_CACHE": str(tmp_path / "flare-cache")}
+    env = {**os.environ, "HF_HUB_CACHE": str(hub_cache), "FLARE_CACHE": str(export_cache)}
     exported = subprocess.run([sys.executable, "-m", "ignition.cli", "export", "--recipe", "qwen38", "--prompt-logprobs"],
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert exported.returncode == 0, exported.stdout + exported.stderr
