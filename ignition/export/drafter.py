@@ -22,6 +22,13 @@ DRAFTER_DIR = "drafter"  # in the core folder
 DRAFTER_WORK = "drafter-core"  # in the work folder: the drafter exported as a core of its own
 
 
+def check_drafter_vocab(drafter: str, ours: dict[str, int], theirs: dict[str, int]) -> None:
+    """Refuse a drafter whose vocabulary (token -> id, added tokens included) is not the target's."""
+    if ours != theirs:
+        raise ExportError(f"the drafter {drafter} has another tokenizer than the target "
+                          f"({len(theirs)} vs {len(ours)} tokens, or other ids): its drafts would be other tokens")
+
+
 def add_drafter(state: ExportState, export_core) -> None:
     """With --drafter: export it (export_core: the pipeline's entry point) and move its step engine
     into the core; the manifest's `drafter` section is set by `describe_drafter`."""
@@ -46,9 +53,7 @@ def add_drafter(state: ExportState, export_core) -> None:
     assert state.checkpoint is not None
     ours = Tokenizer.from_str(state.checkpoint.tokenizer_json).get_vocab(with_added_tokens=True)
     theirs = Tokenizer.from_file(str(source / drafter.tokenizer.file)).get_vocab(with_added_tokens=True)
-    if ours != theirs:
-        raise ExportError(f"the drafter {options.drafter} has another tokenizer than the target "
-                          f"({len(theirs)} vs {len(ours)} tokens, or other ids): its drafts would be other tokens")
+    check_drafter_vocab(options.drafter, ours, theirs)
     step = drafter.engine("step")
     target = state.core_dir / DRAFTER_DIR
     target.mkdir()

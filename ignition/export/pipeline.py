@@ -14,10 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from helios.manifest import Manifest
-from ignition.checkpoints.load import peek_config, peek_family
+from ignition.checkpoints.load import peek_config, peek_family, peek_vocab
 from ignition.export import stages
 from ignition.export.cache import CachedStages
-from ignition.export.drafter import add_drafter, describe_drafter
+from ignition.export.drafter import add_drafter, check_drafter_vocab, describe_drafter
 from ignition.export.manifest import assemble, serving_limits
 from ignition.export.output import check_out, work_folder
 from ignition.export.quantize import PRECISIONS
@@ -85,3 +85,7 @@ def check_request(options: ExportOptions) -> None:
     if options.prompt_logprobs and (reason := logit_postprocessing(family, peek_config(options.checkpoint))):
         raise ExportError(f"--prompt-logprobs is not supported for this family ({family}): {reason}, "
                           "so prompt scores from the bare lm_head would differ from generation logprobs")
+    if options.drafter is not None:  # folders: compared here; .gguf and packaged ones once read
+        ours, theirs = peek_vocab(options.checkpoint), peek_vocab(options.drafter)
+        if ours is not None and theirs is not None:
+            check_drafter_vocab(options.drafter, ours, theirs)

@@ -79,9 +79,12 @@ def test_export_refuses_a_drafter_it_cannot_serve(tmp_path, tiny_checkpoint_dir)
     # Another vocabulary: its draft ids would name other tokens.
     think = write_tiny_checkpoint(tmp_path / "think", "qwen2", seed=3)
     (think / "tokenizer.json").write_text(add_think_tokens((think / "tokenizer.json").read_text()))
+    stages = []
     with pytest.raises(ExportError, match="another tokenizer"):
-        export_with(tiny_checkpoint_dir, think, tmp_path / "core")
-    assert not (tmp_path / "core").exists()
+        export_core(ExportOptions(recipe=load_recipe("qwen25_coder"), checkpoint=str(tiny_checkpoint_dir),
+                                  out=tmp_path / "core", precision="fp32", drafter=str(think)),
+                    lambda stage, detail: stages.append(stage))
+    assert stages == [] and not (tmp_path / "core").exists()  # from the folders' tokenizer.json, before any work
     # Another family than the recipe compiles: refused before any work.
     llama = write_tiny_checkpoint(tmp_path / "llama", "llama")
     with pytest.raises(ExportError, match="'llama' model"):
