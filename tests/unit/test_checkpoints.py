@@ -301,7 +301,8 @@ def test_resolve_packaged_joins_parts_and_refuses_a_tampered_copy(fake_parts, tm
     path = resolve_packaged(model, report=messages.append)
     assert path == tmp_path / "cache" / "checkpoints" / "fake.gguf"
     assert path.read_bytes() == joined and any("joining 2 part(s)" in m for m in messages)
-    assert sorted(p.name for p in path.parent.iterdir()) == ["fake.gguf", "fake.gguf.sha256"]
+    # Beside the model and its stamp only the (empty) lock file processes resolving it take turns on.
+    assert sorted(p.name for p in path.parent.iterdir()) == [".fake.lock", "fake.gguf", "fake.gguf.sha256"]
 
     path.write_bytes(joined + b"!")
     with pytest.raises(CheckpointError, match="modified or corrupted") as error:
@@ -317,7 +318,8 @@ def test_resolve_packaged_refuses_parts_with_the_wrong_hash(fake_parts, tmp_path
     message = str(error.value)
     assert "flare-fake-part1==1.0" in message and "0" * 64 in message
     assert hashlib.sha256(joined).hexdigest() in message
-    assert list((tmp_path / "cache" / "checkpoints").iterdir()) == []  # no target, no temp file left
+    # No target, no temp file left: only the lock file.
+    assert [p.name for p in (tmp_path / "cache" / "checkpoints").iterdir()] == [".fake.lock"]
 
 
 def test_resolve_packaged_installs_missing_parts_with_pinned_no_deps(fake_parts, monkeypatch):
