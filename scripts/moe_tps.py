@@ -16,10 +16,10 @@ Figures: decode b=1 tok/s (64 steps after a 32-token prompt, the best of 3 runs,
 keeps each runtime's best round and the bandwidth probe its best pass: other tenants' load on
 this host comes and goes), b=8 aggregate tok/s (32 steps of 8 rows), prefill tok/s of a
 512-token prompt (best of 2); the dense-expert path decodes 8 steps at b=1 and 4 at b=8 (it is
-~700x slower; more steps would only lengthen the run). bound_b1_tps = the memory read bandwidth
-measured in the same run (scripts/bandwidth.py: the higher of a probe before the routed decode and
-one after the dense decode) / the core's decode_weight_bytes (which counts the
-routed experts at top_k / E). Targets: sparse b1 >= 5x dense b1 and >= 0.6x the bound; sparse b8
+~1000x slower: more steps would only lengthen the run). bound_b1_tps = the memory read bandwidth
+measured in the same run (scripts/bandwidth.py: the higher of a probe before the routed decode
+and one after the dense decode) / the core's decode_weight_bytes (which counts the routed experts
+at top_k / E). Targets: sparse b1 >= 5x dense b1 and >= 0.6x the bound; sparse b8
 >= 1.5x sparse b1; sparse prefill >= dense prefill.
 """
 
@@ -80,7 +80,7 @@ def synthetic_core(log: Callable[[str], None]) -> Path:
 
 def rates(core: Path, threads: int, b1_rounds: int = 3, scale: int = 1) -> dict:
     """Decode b=1 (best of `b1_rounds` runs of 64 steps), b=8 and prefill rates; `scale` divides
-    the decode steps (the dense-expert path, ~700x slower, needs few steps for its figure)."""
+    the decode steps (the dense-expert path, ~1000x slower, needs few steps for its figure)."""
     manifest = Manifest.load(core, verify_files=False)
     runner = Runner(core, manifest, num_pages=512, threads=threads)
     vocab = manifest.architecture.vocab_size
