@@ -143,7 +143,8 @@ def codex_files(model: ServedModel, url: str, key_env: str | None, out: Path) ->
 
 def claude_code_files(model: ServedModel, url: str, key_env: str | None, out: Path) -> dict[str, str]:
     """settings.json: base URL, model (also for the haiku/sonnet/opus roles Claude Code uses for
-    side requests), key, the context window of a model it does not know, no outbound traffic."""
+    side requests), key, the context window of a model it does not know, the model's
+    capabilities, no outbound traffic."""
     env = {
         "ANTHROPIC_BASE_URL": url,
         "ANTHROPIC_MODEL": model.name,
@@ -159,6 +160,12 @@ def claude_code_files(model: ServedModel, url: str, key_env: str | None, out: Pa
     }
     if not model.reasoning:
         env["CLAUDE_CODE_DISABLE_THINKING"] = "1"
+    # Claude Code sends its environment (working directory, agents, skills) as a system turn
+    # after the user's message to any model it does not know: a Claude capability the open
+    # models a core serves are not trained for (the 0.5B default continues that turn instead of
+    # answering). Declared off, the same text arrives as <system-reminder> blocks ahead of the
+    # user's words. helios still accepts inline system turns from any client (api.md).
+    env["CLAUDE_CODE_MODEL_CAPABILITIES"] = f"{model.name}=-mid_conv_system"
     settings: dict = {"env": env, "model": model.name}
     if key_env:
         settings["apiKeyHelper"] = f"printenv {shlex.quote(key_env)}"

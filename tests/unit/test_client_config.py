@@ -38,6 +38,8 @@ def test_every_client_from_the_card(tiny_server, tmp_path):
     assert claude["env"]["ANTHROPIC_BASE_URL"] == tiny_server.url and claude["model"] == card["id"]
     assert claude["env"]["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == str(card["max_model_len"])
     assert claude["permissions"]["defaultMode"] != "auto"
+    # no mid-conversation system turns: Claude Code folds its environment into the user's turn
+    assert claude["env"]["CLAUDE_CODE_MODEL_CAPABILITIES"] == f"{card['id']}=-mid_conv_system"
     opencode = json.loads((tmp_path / "opencode" / "opencode.json").read_text())
     model = opencode["provider"]["ollama"]["models"][card["id"]]
     assert model["limit"]["context"] == card["max_model_len"] and model["tool_call"] is True
