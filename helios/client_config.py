@@ -157,6 +157,10 @@ def claude_code_files(model: ServedModel, url: str, key_env: str | None, out: Pa
         "DISABLE_AUTOUPDATER": "1",
         "DISABLE_TELEMETRY": "1",
         "DISABLE_ERROR_REPORTING": "1",
+        # Auto memory names the project's own memory folder in the system prompt, so no two
+        # projects would share the ~12k-token preamble's prefix checkpoint (a minute of CPU prefill
+        # for each new project's first turn instead of seconds).
+        "CLAUDE_CODE_DISABLE_AUTO_MEMORY": "1",
     }
     if not model.reasoning:
         env["CLAUDE_CODE_DISABLE_THINKING"] = "1"

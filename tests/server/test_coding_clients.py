@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -219,8 +220,15 @@ def test_each_client_inspects_edits_and_tests_a_repository(variant, scripted, bi
     assert any("TESTS PASSED" in prompt for prompt in agent.prompts), "the test run's output never came back"
     assert "TESTS PASSED" in result.stdout, result.transcript[-4000:]  # the test run, in the transcript
     assert FINAL in result.stdout
-    if variant.startswith("claude"):  # its environment rides in the user's turn, not a system turn
-        assert all(prompt.count("<|im_start|>system") == 1 for prompt in agent.prompts)
+    if variant.startswith("claude"):
+        for prompt in agent.prompts:
+            # its environment rides in the user's turn, not in a system turn after it
+            assert prompt.count("<|im_start|>system") == 1
+            if variant == "claude-normal":  # (bare mode states its short environment up front)
+                # the ~12k-token preamble (system prompt + tools) names no project, in Claude
+                # Code's spelling of a project folder either: every project shares its prefix
+                preamble = prompt[:prompt.index("<|im_start|>user")]
+                assert str(repo) not in preamble and re.sub(r"[^A-Za-z0-9]", "-", str(repo)) not in preamble
 
 
 @pytest.fixture(scope="module")
