@@ -57,7 +57,8 @@ class Service:
         return self.http.get("/metrics", params={"format": "json"}).json()
 
     def complete(self, prompt: str, max_tokens: int) -> dict:
-        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "top_k": 1, "ignore_eos": True, "logprobs": 1}
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "top_k": 1, "ignore_eos": True,
+                "logprobs": 1}
         response = self.http.post("/v1/completions", json=body)
         assert response.status_code == 200, response.text
         return response.json()
@@ -75,7 +76,8 @@ class Service:
 def service(request, tmp_path_factory) -> Iterator[Service]:
     if EXTERNAL_URL:
         if os.environ.get("FLARE_RUN_CUDA_TESTS") != "1":
-            pytest.skip("FLARE_SCHEDULER_TEST_URL is set: the scheduler regressions run only with FLARE_RUN_CUDA_TESTS=1")
+            pytest.skip("FLARE_SCHEDULER_TEST_URL is set: the scheduler regressions run only with "
+                        "FLARE_RUN_CUDA_TESTS=1")
         found = Service(EXTERNAL_URL, EXTERNAL_KEY, "external")
         if found.card["flare"]["max_concurrency"] != SLOTS:
             pytest.skip(f"the service at {EXTERNAL_URL} has {found.card['flare']['max_concurrency']} request slots, "

@@ -183,7 +183,16 @@ def test_model_cards(served: Served):
     assert flare["sampling_defaults"]["temperature"] == m.sampling.defaults.temperature
     assert flare["input_modalities"] == ["text"] and flare["output_modalities"] == ["text"]
     assert flare["max_images_per_prompt"] == 0 and flare["max_image_bytes"] == 0
-    assert card["permission"][0]["allow_logprobs"] is (flare["max_top_logprobs"] > 0)
+    # sampling_ranges: the manifest's inclusive bounds; a parameter it leaves out is fixed (null)
+    assert set(flare["sampling_ranges"]) == set(flare["sampling_defaults"]) - {"seed"}
+    for name, bounds in flare["sampling_ranges"].items():
+        declared = m.sampling.ranges.get(name)
+        assert bounds == (None if declared is None else {"min": declared.min, "max": declared.max}), name
+    permission = card["permission"][0]
+    assert permission["allow_logprobs"] is (flare["max_top_logprobs"] > 0)
+    assert permission["allow_sampling"] is True and permission["allow_view"] is True
+    disabled = ("allow_fine_tuning", "allow_create_engine", "allow_search_indices")
+    assert not any(permission[flag] for flag in disabled)
     client = served.openai()
     names = {card["id"], m.identity.checkpoint_id, *[a for a in m.identity.aliases if a]}
     for name in names:
