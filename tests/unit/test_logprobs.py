@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from helios.engine.api import FinishReason, GenerationRequest, SamplingParams
+from helios.engine.api import FinishReason, GenerationRequest, PromptLogprob, SamplingParams, TokenLogprob
 from helios.engine.engine import Engine
 from helios.manifest import Manifest
+from helios.protocols.common import chat_logprob_entries, completion_logprobs, prompt_logprobs_field
 from ignition.checkpoints.load import load_checkpoint
 from ignition.models import build_model
 from tests.unit.live import ANTHROPIC, USER, sse
@@ -141,6 +142,22 @@ def http(tiny_server):
         yield client
 
 
+def test_non_finite_logprobs_are_minus_9999_in_every_encoding(tokenizer):
+    """api.md: non-finite logprobs are represented as -9999.0 (prompt scores, Completions arrays
+    and maps, Chat entries and alternatives); finite values pass unchanged."""
+    nan, ninf = float("nan"), float("-inf")
+    position = PromptLogprob(22, nan, 7, [(11, -0.5, 1), (33, ninf, 6)])
+    [_, scored] = prompt_logprobs_field(tokenizer, [None, position], 2)
+    assert {key: value["logprob"] for key, value in scored.items()} == {"22": -9999.0, "11": -0.5, "33": -9999.0}
+    generated = [TokenLogprob(22, nan, [(11, -0.5), (33, ninf)])]
+    arrays = completion_logprobs(tokenizer, generated, [0], 2, as_ids=True)
+    assert arrays["token_logprobs"] == [-9999.0] and arrays["top_logprobs"] == [{"token_id:11": -0.5,
+                                                                                 "token_id:33": -9999.0}]
+    [entry] = chat_logprob_entries(tokenizer, generated, 2, as_ids=False)
+    assert entry["logprob"] == -9999.0 and [t["logprob"] for t in entry["top_logprobs"]] == [-0.5, -9999.0]
+    assert json.loads(json.dumps(entry))["logprob"] == -9999.0  # valid JSON, no NaN/Infinity literals
+
+
 def test_completions_echo_scores_the_prompt(http, tokenizer):
     prompt = "Once upon a time"
     ids = tokenizer.encode_raw_prompt(prompt)
@@ -167,6 +184,8 @@ def test_completions_prompt_logprobs_with_generation(http, tokenizer):
     first = out["choices"][0]
     assert len(first["prompt_logprobs"]) == 3
     assert all(len(entry) in (3, 4) for entry in first["prompt_logprobs"][1:])  # actual + 3 alternatives
+    # return_tokens_as_token_ids changes the arrays' token strings, not prompt_logprobs' decoded_token
+    assert first["prompt_logprobs"][1]["22"]["decoded_token"] == tokenizer.decode([22]) != "token_id:22"
     arrays = first["logprobs"]
     assert arrays["tokens"][:3] == ["token_id:11", "token_id:22", "token_id:33"]
     assert len(arrays["tokens"]) == 3 + 2  # echoed prompt entries, then the generated ones
