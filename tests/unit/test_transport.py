@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import time
 import zlib
 
 import brotli
@@ -177,6 +178,23 @@ def test_stream_disconnect_cancels_and_frees_the_slot(http: httpx.Client, path, 
     assert http.post(path, json={**body, "stream": False, "ignore_eos": False,
                                  **({"max_tokens": 1} if "messages" in body else {"max_output_tokens": 1})}
                      ).status_code == 200
+
+
+def test_a_paused_reader_resumes_without_loss(http: httpx.Client):
+    """A reader that stops after the first chunk until generation has finished (no model slot is
+    held any more) gets every token on resuming."""
+    body = {"prompt": "A paused reader", "max_tokens": 600, "top_k": 1, "ignore_eos": True}
+    buffered = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    wait_idle(http)
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        lines = response.iter_lines()
+        received = [json.loads(next(line for line in lines if line.startswith("data: "))[6:])]
+        deadline = time.monotonic() + 60
+        while metrics(http)["flare_active_requests"] > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the model finishes while this reader sleeps
+        assert metrics(http)["flare_active_requests"] == 0
+        received += [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert "".join(chunk["choices"][0]["text"] for chunk in received) == buffered
 
 
 def test_x_request_id(http: httpx.Client):
