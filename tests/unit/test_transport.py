@@ -180,6 +180,21 @@ def test_stream_disconnect_cancels_and_frees_the_slot(http: httpx.Client, path, 
                      ).status_code == 200
 
 
+def test_the_chat_role_chunk_waits_for_the_first_token(http: httpx.Client):
+    """The stream's first chunk (the assistant role) comes once the first token exists: after a
+    prompt of several prefill chunks is prefilled, never at admission."""
+    chunk = http.get("/v1/models").json()["data"][0]["flare"]["prefill_chunk_size"]
+    before = wait_idle(http)
+    text = " ".join(f"item{i}" for i in range(3 * chunk))  # several chunks, unlike any earlier prompt
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": 4, "top_k": 1, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        first = json.loads(next(line for line in response.iter_lines() if line.startswith("data: "))[6:])
+        at_first = metrics(http)
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert at_first["flare_generated_tokens_total"] > before["flare_generated_tokens_total"]
+    assert at_first["flare_prefill_tokens_total"] - before["flare_prefill_tokens_total"] > 3 * chunk
+
+
 def test_a_paused_reader_resumes_without_loss(http: httpx.Client):
     """A reader that stops after the first chunk until generation has finished (no model slot is
     held any more) gets every token on resuming."""
