@@ -33,6 +33,7 @@ import httpx
 import pytest
 
 from tests.conftest import Server
+from tests.unit.live import wait_idle
 
 EXTERNAL_URL = (os.environ.get("FLARE_SCHEDULER_TEST_URL") or "").rstrip("/")
 EXTERNAL_KEY = os.environ.get("FLARE_API_TEST_KEY") or None
@@ -43,12 +44,13 @@ MODES = {
     "fixed-width": 'speculation = "auto"\nspeculation_adaptive = false\n',
     "adaptive": 'speculation = "auto"\nspeculation_adaptive = true\n',
 }
+GREEDY = {"temperature": 0, "top_k": 1, "ignore_eos": True}  # top_k 1: temperature 0 is clamped, not greedy
 WORDS = "the quick brown fox jumps over the lazy dog while seven wizards quietly hex a jovial bard".split()
 
 
 class Service:
     def __init__(self, url: str, key: str | None, mode: str):
-        self.url, self.mode = url, mode
+        self.mode = mode
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.http = httpx.Client(base_url=url, headers=headers, timeout=600)
         self.card = self.http.get("/v1/models").json()["data"][0]
@@ -57,19 +59,15 @@ class Service:
         return self.http.get("/metrics", params={"format": "json"}).json()
 
     def complete(self, prompt: str, max_tokens: int) -> dict:
-        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "top_k": 1, "ignore_eos": True,
-                "logprobs": 1}
+        body = {"prompt": prompt, "max_tokens": max_tokens, "logprobs": 1, **GREEDY}
         response = self.http.post("/v1/completions", json=body)
         assert response.status_code == 200, response.text
         return response.json()
 
     def wait_idle(self, timeout: float = 60) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            snapshot = self.metrics()
-            if (snapshot["active"] == 0 and snapshot["pending"] == 0) or time.monotonic() > deadline:
-                return snapshot
-            time.sleep(0.05)
+        """The metrics snapshot once no request is active, queued or still being delivered."""
+        wait_idle(self.http, timeout)
+        return self.metrics()
 
 
 @pytest.fixture(scope="module", params=["external"] if EXTERNAL_URL else list(MODES))
@@ -83,13 +81,16 @@ def service(request, tmp_path_factory) -> Iterator[Service]:
             pytest.skip(f"the service at {EXTERNAL_URL} has {found.card['flare']['max_concurrency']} request slots, "
                         f"not {SLOTS}")
         yield found
+        found.http.close()
         return
     config: Path = tmp_path_factory.mktemp("scheduler") / "helios.toml"
     config.write_text("[server]\n" + MODES[request.param])
     server = Server(request.getfixturevalue("tiny_core"), "--max-concurrency", str(SLOTS), "--config", str(config))
+    running = Service(server.url, None, request.param)
     try:
-        yield Service(server.url, None, request.param)
+        yield running
     finally:
+        running.http.close()
         server.stop()
 
 
@@ -172,8 +173,7 @@ class HeldStream:
     dropping a half-read iterator closes the connection)."""
 
     def __init__(self, service: Service, prompt: str, max_tokens: int):
-        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "top_k": 1, "ignore_eos": True,
-                "stream": True}
+        body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, **GREEDY}
         self.response = service.http.send(service.http.build_request("POST", "/v1/completions", json=body),
                                           stream=True)
         assert self.response.status_code == 200
