@@ -54,7 +54,7 @@ def test_prompt_scoring_needs_a_re_export_but_explicit_ids_work(http):
     response = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 0, "echo": True, "logprobs": 1})
     assert response.status_code == 400 and "--prompt-logprobs" in response.json()["error"]["message"]
     response = http.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "Reply with exactly OK."}], "max_tokens": 1, "temperature": 0,
+        "messages": [{"role": "user", "content": "Reply with exactly OK."}], "max_tokens": 1, "temperature": 0, "top_k": 1,
         "logprobs": True, "logprob_token_ids": [3925, 11]})  # "OK", ","
     assert response.status_code == 200, response.text
     entry = response.json()["choices"][0]["logprobs"]["content"][0]

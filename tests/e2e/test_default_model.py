@@ -120,12 +120,13 @@ def test_speculation_is_exact_and_fires_on_an_edit(default_core, default_server,
         f"        return self.record_store[sku]\n" for i in range(5))
     prompt = ("# inventory.py\n```python\n" + module + "```\n\n"
               "# inventory.py after renaming `record_store` to `stock_levels`\n```python\n")
-    body = {"prompt": prompt, "max_tokens": 160, "temperature": 0, "stop": ["```"], "logprobs": 1}
+    # Greedy is top_k 1: temperature 0 is clamped to the core's minimum (0.01), which still samples.
+    body = {"prompt": prompt, "max_tokens": 160, "temperature": 0, "top_k": 1, "stop": ["```"], "logprobs": 1}
     tool = {"type": "function", "function": {"name": "write_file", "description": "Write a file",
             "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
                            "required": ["path", "content"]}}}
     chat = {"messages": [{"role": "user", "content": "Save this module as inventory.py:\n" + module}],
-            "tools": [tool], "max_tokens": 200, "temperature": 0}
+            "tools": [tool], "max_tokens": 200, "temperature": 0, "top_k": 1}
     before = http.get("/metrics", params={"format": "json"}).json()
     fast = http.post("/v1/completions", json=body).json()["choices"][0]
     after = http.get("/metrics", params={"format": "json"}).json()

@@ -19,7 +19,7 @@ from openai import OpenAI
 pytestmark = pytest.mark.e2e
 
 OK = [{"role": "user", "content": "Reply with exactly OK."}]
-GREEDY = {"temperature": 0}  # the pinned anthropic SDK has no temperature argument: extra_body
+GREEDY = {"temperature": 0, "top_k": 1}  # temperature 0 alone is clamped to 0.01, which samples; sent as extra_body
 ANTHROPIC = {"anthropic-version": "2023-06-01"}
 
 
@@ -92,9 +92,9 @@ def test_token_sequence_stops_end_on_the_real_model(clients):
 
 def test_responses_buffered_streamed_and_compressed(clients):
     o, _, http = clients
-    response = o.responses.create(model="local", input=OK, max_output_tokens=16, **GREEDY)
+    response = o.responses.create(model="local", input=OK, max_output_tokens=16, extra_body=GREEDY)
     assert response.status == "completed" and response.output_text == "OK"
-    with o.responses.stream(model="local", input=OK, max_output_tokens=16, **GREEDY) as stream:
+    with o.responses.stream(model="local", input=OK, max_output_tokens=16, extra_body=GREEDY) as stream:
         events = list(stream)
         final = stream.get_final_response()
     assert events[-1].type == "response.completed" and final.output_text == "OK"
@@ -102,7 +102,7 @@ def test_responses_buffered_streamed_and_compressed(clients):
     body = json.dumps({"input": "Reply with exactly OK.", "max_output_tokens": 16, **GREEDY}).encode()
     zipped = http.post("/v1/responses", content=gzip.compress(body), headers={"Content-Encoding": "gzip"})
     assert zipped.status_code == 200 and zipped.json()["output"][0]["content"][0]["text"] == "OK"
-    cut = o.responses.create(model="local", input="Count from 1 to 50.", max_output_tokens=3, **GREEDY)
+    cut = o.responses.create(model="local", input="Count from 1 to 50.", max_output_tokens=3, extra_body=GREEDY)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
 
 
