@@ -3,7 +3,8 @@ prefill, and the three ways a service decodes: ordinary, fixed-width speculative
 speculative execution. Each test holds on every one of them.
 
 - Concurrent requests (more than the slots, one prompt longer than a prefill chunk) give exactly
-  what each gives alone: the same tokens and the same target-model logprobs, whether drafts were
+  what each gives alone: the same tokens and the same target-model logprobs (parting only at a
+  tie within rounding, after which the answers differ), whether drafts were
   verified (alone) or not (batched past the speculation row limit), whether the prefix came from
   the cache or was prefilled.
 - The slots bound the active requests; every request completes.
@@ -59,7 +60,7 @@ class Service:
         return self.http.get("/metrics", params={"format": "json"}).json()
 
     def complete(self, prompt: str, max_tokens: int) -> dict:
-        body = {"prompt": prompt, "max_tokens": max_tokens, "logprobs": 1, **GREEDY}
+        body = {"prompt": prompt, "max_tokens": max_tokens, "logprobs": 2, **GREEDY}
         response = self.http.post("/v1/completions", json=body)
         assert response.status_code == 200, response.text
         return response.json()
@@ -106,9 +107,21 @@ def prompts(service: Service) -> list[str]:
     return [words(5), words(12, 3), "alpha beta gamma delta " * 12, words(30, 7), words(long_words, 1), words(3, 9)]
 
 
-def tokens_and_logprobs(answer: dict) -> tuple[list[str], list[float]]:
-    logprobs = answer["choices"][0]["logprobs"]
-    return logprobs["tokens"], logprobs["token_logprobs"]
+def assert_same_greedy_answer(reference: dict, answer: dict, label: str) -> None:
+    """`answer` commits `reference`'s tokens with the same target logprobs (within 1e-3). The one
+    allowed parting is at a tie: where `reference`'s two best tokens are within 2e-3 (each
+    logprob's tolerance), rounding in another batch shape may pick the other one, and the answers
+    go separate ways after it (the tiny random core's logits are nearly flat)."""
+    ref, ans = reference["choices"][0]["logprobs"], answer["choices"][0]["logprobs"]
+    assert len(ans["tokens"]) == len(ref["tokens"]), label  # ignore_eos: both spend the budget
+    for i, token in enumerate(ref["tokens"]):
+        chosen = ans["tokens"][i]
+        if chosen != token:
+            best = sorted(ref["top_logprobs"][i].values(), reverse=True)
+            assert best[0] - best[1] < 2e-3 and chosen in ref["top_logprobs"][i], (label, i, token, chosen, best)
+            assert ans["token_logprobs"][i] == pytest.approx(ref["top_logprobs"][i][chosen], abs=1e-3), (label, i)
+            return
+        assert ans["token_logprobs"][i] == pytest.approx(ref["token_logprobs"][i], abs=1e-3), (label, i)
 
 
 def test_concurrent_requests_match_their_solo_runs(service):
@@ -117,10 +130,8 @@ def test_concurrent_requests_match_their_solo_runs(service):
     with ThreadPoolExecutor(len(batch)) as pool:
         together = list(pool.map(lambda prompt: service.complete(prompt, 24), batch))
     for prompt, first, second in zip(batch, alone, together):
-        tokens, logprobs = tokens_and_logprobs(first)
-        assert len(tokens) == 24 and first["choices"][0]["finish_reason"] == "length"
-        assert tokens_and_logprobs(second)[0] == tokens, prompt[:40]
-        assert tokens_and_logprobs(second)[1] == pytest.approx(logprobs, abs=1e-3), prompt[:40]
+        assert len(first["choices"][0]["logprobs"]["tokens"]) == 24 and first["choices"][0]["finish_reason"] == "length"
+        assert_same_greedy_answer(first, second, prompt[:40])
         assert second["usage"]["prompt_tokens"] == first["usage"]["prompt_tokens"]
     longest = max(answer["usage"]["prompt_tokens"] for answer in alone)
     assert longest > service.card["flare"]["prefill_chunk_size"]  # one prompt took two chunks or more
@@ -193,8 +204,7 @@ def test_a_repeated_request_is_answered_identically_and_drafts_from_the_first(se
     before = service.wait_idle()
     second = service.complete(prompt, 32)
     after = service.wait_idle()
-    assert tokens_and_logprobs(second)[0] == tokens_and_logprobs(first)[0]
-    assert tokens_and_logprobs(second)[1] == pytest.approx(tokens_and_logprobs(first)[1], abs=1e-3)
+    assert_same_greedy_answer(first, second, prompt[:40])
     accepted = after["accepted_drafts"] - before["accepted_drafts"]
     if service.mode == "ordinary":
         assert after["verification_drafts"] == before["verification_drafts"] and accepted == 0
