@@ -4,12 +4,13 @@ driven by the openai SDK and httpx over loopback."""
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from openai import OpenAI
+
+from tests.unit.live import wait_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -95,12 +96,7 @@ def test_disconnect_frees_the_slot(http):
             if line.startswith("data: "):
                 assert "error" not in json.loads(line[6:])
                 break
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        after = metrics(http)
-        if after["flare_active_requests"] == 0 and after["flare_http_inflight_requests"] == 0:
-            break
-        time.sleep(0.05)
+    after = wait_idle(http)  # admission slots are given back after the counters are final
     assert after["flare_active_requests"] == 0
     assert after["flare_http_inflight_requests"] == 0
     assert after["flare_requests_cancelled_total"] >= before["flare_requests_cancelled_total"] + 2

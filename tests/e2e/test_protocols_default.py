@@ -1,8 +1,9 @@
 """End to end on the real default core: the Messages, Responses and Ollama discovery protocols
 answer correctly, driven by the anthropic and openai SDKs and httpx.
 
-Answers are checked at temperature 0, which the recipe clamps to its near-greedy minimum: at the
-model's prepared temperature this small model sometimes answers "OK." instead of "OK".
+Answers are checked greedily (top_k 1; temperature 0 alone is clamped to the recipe's 0.01
+minimum, which still samples): at the model's prepared temperature this small model may answer
+"OK." instead of "OK".
 """
 
 from __future__ import annotations

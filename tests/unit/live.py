@@ -39,6 +39,13 @@ def metrics(http: httpx.Client) -> dict[str, float]:
     }
 
 
+def wait_for(check, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
 def wait_idle(http: httpx.Client, timeout: float = 15) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:

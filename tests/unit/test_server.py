@@ -27,6 +27,7 @@ import pytest
 import zstandard
 
 from helios.manifest import Manifest
+from tests.unit.live import wait_for
 
 API_KEY = "test-serving-key"
 ADMISSION_SLOTS = 6
@@ -469,11 +470,12 @@ def test_stream_disconnect_cancels_children_and_frees_slots(served: Served):
 
 def test_buffered_disconnect_cancels(served: Served):
     before = served.wait_idle()
-    try:  # the client gives up while both choices are still generating
-        served.http.post("/v1/chat/completions", json={"messages": USER, "n": 2, "max_tokens": 100000,
-                                                       "ignore_eos": True}, timeout=0.5)
-    except httpx.TimeoutException:
-        pass
+    body = json.dumps({"messages": USER, "n": 2, "max_tokens": 100000, "ignore_eos": True}).encode()
+    host, port = served.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as raw:  # hangs up once both choices generate
+        raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                    b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        wait_for(lambda: served.metrics()["flare_active_requests"] == 2)
     after = served.wait_idle()
     assert after["flare_http_admission_slots_used"] == 0 and after["flare_active_requests"] == 0
     ended = (after["flare_requests_cancelled_total"] - before["flare_requests_cancelled_total"]

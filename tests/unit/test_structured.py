@@ -171,7 +171,8 @@ def test_invalid_schema_names_the_grammar(http):
 def test_budgets_and_structured_answers_after_reasoning(think_http):
     before = metrics(think_http).get("flare_reasoning_budget_cuts_total", 0)
     # The [server] default (4) applies when the request omits a budget.
-    body = {"messages": USER, "max_tokens": 10, "ignore_eos": True, "return_token_ids": True}
+    # Seeded: unseeded, the random model could write </think> itself inside the budget.
+    body = {"messages": USER, "max_tokens": 10, "ignore_eos": True, "return_token_ids": True, "seed": 1}
     default = think_http.post("/v1/chat/completions", json=body).json()
     assert default["choices"][0]["token_ids"][4] == END_THINK
     explicit = think_http.post("/v1/chat/completions", json={**body, "thinking_token_budget": 2,
@@ -181,7 +182,7 @@ def test_budgets_and_structured_answers_after_reasoning(think_http):
     assert metrics(think_http)["flare_reasoning_budget_cuts_total"] >= before + 2
     # Reasoning is free; the answer after the (forced) close follows the schema.
     structured = think_http.post("/v1/chat/completions", json={
-        "messages": USER, "max_tokens": 40, "thinking_token_budget": 3,
+        "messages": USER, "max_tokens": 40, "thinking_token_budget": 3, "seed": 1,
         "response_format": {"type": "json_schema", "json_schema": {"name": "flag", "schema": FLAG}}}).json()
     message = structured["choices"][0]["message"]
     assert message["reasoning_content"] and isinstance(json.loads(message["content"])["ok"], bool)
