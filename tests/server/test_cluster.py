@@ -144,11 +144,15 @@ def kill(replica: dict) -> None:
     os.kill(int(replica["label"].rsplit(":", 1)[1]), signal.SIGKILL)
 
 
-def wait_for_replicas(cluster: Cluster, count: int = 2) -> None:
+def wait_for_replicas(cluster: Cluster, killed: dict, count: int = 2) -> None:
+    """Until `count` healthy replicas serve and the killed one is not among them: its last
+    routing stats still say healthy until Ray notices it died."""
     deadline = time.monotonic() + 180  # Ray restarts a killed replica
-    while len(cluster.replicas()) < count and time.monotonic() < deadline:
+    labels = [r["label"] for r in cluster.replicas()]
+    while (len(labels) < count or killed["label"] in labels) and time.monotonic() < deadline:
         time.sleep(1)
-    assert len(cluster.replicas()) == count, cluster.output()
+        labels = [r["label"] for r in cluster.replicas()]
+    assert len(labels) == count and killed["label"] not in labels, cluster.output()
 
 
 def test_a_prefix_outlives_its_replica_through_the_shared_disk_tier(cluster):
@@ -168,7 +172,7 @@ def test_a_prefix_outlives_its_replica_through_the_shared_disk_tier(cluster):
     assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 64
     assert again.choices[0].message.content == first.choices[0].message.content  # greedy
     assert settled_metrics(cluster, lambda m: m["host_hits"] >= 1)["host_hits"] >= 1
-    wait_for_replicas(cluster)
+    wait_for_replicas(cluster, holder)
 
 
 def stream_lines(cluster: Cluster, prompt: str, max_tokens: int) -> Iterator[str]:
@@ -193,14 +197,15 @@ def serving_replica(cluster: Cluster) -> dict:
 def test_a_killed_replica_fails_its_request_cleanly_and_the_endpoint_keeps_serving(cluster):
     lines = stream_lines(cluster, "Once upon a time", 2000)
     received = [next(lines), next(lines)]
-    kill(serving_replica(cluster))
+    victim = serving_replica(cluster)
+    kill(victim)
     received += list(lines)
     assert received[-1] != "data: [DONE]"
     error = received[-1]
     assert error.startswith("data: ") and '"error"' in error and "retry" in error  # OpenAI's stream error shape
     reply = chat(cluster, "What is rule 9?")  # the other replica serves at once
     assert reply.choices[0].finish_reason in ("stop", "length")
-    wait_for_replicas(cluster)
+    wait_for_replicas(cluster, victim)
     assert cluster.metrics()["replica_failures"] >= 1
 
 
