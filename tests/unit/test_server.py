@@ -27,7 +27,7 @@ import pytest
 import zstandard
 
 from helios.manifest import Manifest
-from tests.unit.live import wait_for
+from tests.unit.live import metrics, wait_for, wait_idle
 
 API_KEY = "test-serving-key"
 ADMISSION_SLOTS = 6
@@ -56,23 +56,10 @@ class Served:
         return OpenAI(base_url=self.url + "/v1", api_key=API_KEY, timeout=120, max_retries=0)
 
     def metrics(self) -> dict[str, float]:
-        response = self.anon.get("/metrics")
-        response.raise_for_status()
-        return {
-            key: float(value)
-            for line in response.text.splitlines() if line and not line.startswith("#")
-            for key, value in [line.rsplit(" ", 1)]
-        }
+        return metrics(self.anon)
 
     def wait_idle(self, timeout: float = 15) -> dict[str, float]:
-        deadline = time.monotonic() + timeout
-        while True:
-            m = self.metrics()
-            idle = (m["flare_active_requests"] == 0 and m["flare_http_inflight_requests"] == 0
-                    and m["flare_http_admission_slots_used"] == 0)
-            if idle or time.monotonic() > deadline:
-                return m
-            time.sleep(0.02)
+        return wait_idle(self.anon, timeout)
 
 
 @pytest.fixture(scope="module")
