@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import anthropic
 import httpx
@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from helios.dashboard import Snapshot
 from tests.conftest import REPO
 from tests.server.cluster import Cluster
+from tests.unit.live import wait_for
 
 pytest.importorskip("ray.serve", reason="the `cluster` extra (ray[serve]) is not installed")
 
@@ -54,17 +55,6 @@ def chat(cluster: Cluster, question: str, **extra) -> openai.types.chat.ChatComp
     return oai(cluster).chat.completions.create(
         model="local", messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
         max_tokens=8, temperature=0, extra_body={"top_k": 1}, **extra)  # greedy: temperature 0 is clamped
-
-
-def settled_metrics(cluster: Cluster, ready: Callable[[dict], bool]) -> dict:
-    """The cluster's JSON metrics once `ready` holds for them, or the last reading after 10 s:
-    replica figures lag (their routing stats travel through Ray's controller)."""
-    deadline = time.monotonic() + 10
-    snapshot = cluster.metrics()
-    while not ready(snapshot) and time.monotonic() < deadline:
-        time.sleep(0.2)
-        snapshot = cluster.metrics()
-    return snapshot
 
 
 def routed(cluster: Cluster) -> dict[str, int]:
@@ -128,7 +118,8 @@ def test_a_session_hint_keeps_a_conversation_together(cluster):
 
 
 def test_prometheus_text_through_the_endpoint(cluster):
-    settled_metrics(cluster, lambda m: m["completed"] >= 5)  # the earlier tests' requests
+    # The earlier tests' requests; replica figures lag (routing stats travel through Ray's controller).
+    wait_for(lambda: cluster.metrics()["completed"] >= 5, timeout=10)
     text = httpx.get(cluster.url + "/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     replicas = {s.labels["replica"] for s in families["flare_replica_routed"].samples}
@@ -171,7 +162,7 @@ def test_a_prefix_outlives_its_replica_through_the_shared_disk_tier(cluster):
     # Past the shared preamble another replica may hold: the question part exists only on disk.
     assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 64
     assert again.choices[0].message.content == first.choices[0].message.content  # greedy
-    assert settled_metrics(cluster, lambda m: m["host_hits"] >= 1)["host_hits"] >= 1
+    wait_for(lambda: cluster.metrics()["host_hits"] >= 1, timeout=10)  # replica figures lag
     wait_for_replicas(cluster, holder)
 
 
