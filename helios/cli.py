@@ -43,11 +43,14 @@ def serve(
     host_store_dram_gb: Optional[float] = typer.Option(None, help="DRAM tier budget in GiB (0: off)"),
     host_store_disk_gb: Optional[float] = typer.Option(None, help="disk tier budget in GiB [default: 16]"),
     speculation: Optional[str] = typer.Option(None, help="auto: history drafts (and the core's learned drafter) verified in the step graph; off [default: auto]"),
+    device: str = typer.Option("auto", help="auto (CUDA when torch sees a GPU and the core has a torch program), cpu or cuda"),
+    engine_kind: str = typer.Option("auto", "--engine", help="auto (torch on CUDA, onnx on a CPU), onnx or torch (the core's torch program, also on a CPU)"),
 ) -> None:
     """Serve CORE over the OpenAI-compatible HTTP API."""
     # Imported here, not at the top: onnxruntime and the engine cost `helios top` and
     # `helios client-config` about a second of start-up they never use.
     from helios.app import CTX_KEY, check_startup, create_app
+    from helios.engine.assembly import choose_runner, describe_runner
     from helios.engine.engine import Engine
     from helios.server import lifecycle
 
@@ -68,6 +71,10 @@ def serve(
             if value is not None:
                 setattr(settings, name, value)
         check_startup(manifest, settings)
+        try:
+            choice = choose_runner(manifest, device, engine_kind)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         for name, value in (("kv-pages", kv_pages), ("threads", threads)):
             if value is not None and value < 1:
                 raise ConfigError(f"--{name} must be a positive integer")
@@ -78,7 +85,7 @@ def serve(
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = Engine(core, manifest, max_concurrency=settings.max_concurrency, kv_pages=kv_pages, threads=threads,
                     prefix_cache=settings.prefix_cache_config(), host_store=settings.host_store_config(),
-                    speculation=settings.speculation_config())
+                    speculation=settings.speculation_config(), choice=choice)
     engine.start()
     try:
         application = create_app(manifest, core, engine, settings)
@@ -92,6 +99,7 @@ def serve(
                        "onnxruntime": ", flare ops run as onnxruntime kernels"}.get(
                 getattr(engine.runner, "kernels", ""), "")  # fmt: skip
             console.print(f"[bold green]helios[/] serving [bold]{escape(manifest.model_id)}[/] at {escape(url)}/v1 ({auth}{kernels})")
+            console.print(describe_runner(manifest, engine.runner))
             console.print(_pool_line(manifest, engine.runner))
             speculator = engine.scheduler.speculator
             if speculator is not None and speculator.learned is not None:
@@ -114,8 +122,8 @@ def _pool_line(manifest: Manifest, runner) -> str:  # noqa: ANN001 - the engine'
     pages, page_tokens = runner.num_pages, manifest.kv.page_tokens
     tokens = pages * page_tokens
     context = manifest.limits.context_length
-    return (f"KV pool: {pages} pages x {page_tokens} tokens = {tokens} tokens, {runner.pool.nbytes / 2**30:.2f} GiB "
-            f"({manifest.kv.dtype}); context {context} tokens ({tokens / context:.1f} full-context sequences)")
+    return (f"KV pool: {pages} pages x {page_tokens} tokens = {tokens} tokens, {runner.pool_bytes / 2**30:.2f} GiB "
+            f"({runner.pool_dtype}); context {context} tokens ({tokens / context:.1f} full-context sequences)")
 
 
 def _start_dashboard(settings: ServerConfig):  # noqa: ANN202 - returns a threading.Event

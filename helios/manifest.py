@@ -46,7 +46,12 @@ from typing import Any, get_type_hints
 # 1.10: `quantization.attention`: "bfloat16" where the step graph's PagedAttention nodes carry
 #      precision="bfloat16" (int4 cores: Q, K, P, V rounded to bf16 on AMX tiles, fp32
 #      accumulation). An older 1.x helios's kernel ignores the attribute and attends in fp32.
-FORMAT_VERSION = "1.10"
+# 1.11: an engine's optional `target` ("cpu": an ONNX graph for onnxruntime; "cuda": a torch.export
+#      program of the same step module for helios' torch runner, `ignition export --target cuda`),
+#      with its weights' `dtype`, the `torch_version` that wrote it and its own `parity`. An
+#      older 1.x helios ignores the fields and serves the first "step" engine (the ONNX one).
+FORMAT_VERSION = "1.11"
+ENGINE_TARGETS = ("cpu", "cuda")
 TEMPLATE_REJECTS = ("drop_thinking", "continuation", "add_generation_prompt_false")
 CONTENT_DIGEST_SINCE = (1, 5)
 MANIFEST_NAME = "core.json"
@@ -155,12 +160,32 @@ class TensorSpec:
 
 
 @dataclass
+class Parity:
+    """What export validation measured: engine vs the torch reference on a fixed prompt."""
+
+    max_abs_logit_error: float
+    tolerance: float
+    prompt_tokens: int
+    decode_steps: int
+    top1_agreement: float  # fraction of positions where argmax agrees
+    # Mean KL(reference || engine) of the next-token distributions, nats (None: older cores).
+    mean_kl: float | None = None
+
+
+@dataclass
 class Engine:
     name: str  # "step": the packed paged-KV step graph
     file: str  # relative to the core folder
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     data_files: list[str] = field(default_factory=list)  # external weight files
+    # (1.11) "cpu": an ONNX graph (onnxruntime); "cuda": a torch.export program (helios' torch
+    # runner, on a GPU or on CPU torch), with its weights' dtype, its writer's torch version and
+    # its own parity with the torch reference.
+    target: str = "cpu"
+    dtype: str | None = None
+    torch_version: str | None = None
+    parity: Parity | None = None
 
 
 @dataclass
@@ -224,19 +249,6 @@ class Logprobs:
     prompt_logprobs: bool  # scored prefill graphs present (--prompt-logprobs): the "score" engine
     # Caller ids one request may name (api.md: 128; the step graph takes one more, the sampled id).
     max_explicit_token_ids: int = 0
-
-
-@dataclass
-class Parity:
-    """What export validation measured: engine vs the torch reference on a fixed prompt."""
-
-    max_abs_logit_error: float
-    tolerance: float
-    prompt_tokens: int
-    decode_steps: int
-    top1_agreement: float  # fraction of positions where argmax agrees
-    # Mean KL(reference || engine) of the next-token distributions, nats (None: older cores).
-    mean_kl: float | None = None
 
 
 @dataclass
@@ -357,11 +369,15 @@ class Manifest:
     def model_id(self) -> str:
         return next((a for a in self.identity.aliases if a), self.identity.checkpoint_id)
 
-    def engine(self, name: str) -> Engine:
+    def engine(self, name: str, target: str = "cpu") -> Engine:
         for engine in self.engines:
-            if engine.name == name:
+            if engine.name == name and engine.target == target:
                 return engine
-        raise ManifestError(f"core has no engine named {name!r}")
+        where = "" if target == "cpu" else f" for target {target!r}"
+        raise ManifestError(f"core has no engine named {name!r}{where}")
+
+    def has_engine(self, name: str, target: str = "cpu") -> bool:
+        return any(e.name == name and e.target == target for e in self.engines)
 
     def referenced_files(self) -> list[str]:
         """Every file the manifest points at (engines and their weights, tokenizer, template)."""
@@ -392,6 +408,9 @@ class Manifest:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Manifest":
         manifest = _build(cls, data, "core")
+        for i, engine in enumerate(manifest.engines):
+            if engine.target not in ENGINE_TARGETS:
+                raise ManifestError(f"core.engines[{i}].target {engine.target!r} is not one of {', '.join(ENGINE_TARGETS)}")
         if manifest.state is not None:
             manifest.state.check(manifest.architecture.num_layers)
         if manifest.drafter is not None:

@@ -42,13 +42,13 @@ def code_digest() -> str:
 
 
 def export(recipe: str, checkpoint: str, out: Path, precision: str, force: bool = False,
-           prompt_logprobs: bool = False) -> Path:
+           prompt_logprobs: bool = False, targets: tuple[str, ...] = ("cpu",), torch_dtype: str = "bfloat16") -> Path:
     from ignition.export.pipeline import ExportOptions, export_core
     from ignition.recipes import load_recipe
 
     export_core(
         ExportOptions(recipe=load_recipe(recipe), checkpoint=checkpoint, out=out, precision=precision, force=force,
-                      prompt_logprobs=prompt_logprobs)
+                      prompt_logprobs=prompt_logprobs, targets=targets, torch_dtype=torch_dtype)
     )
     return out
 
@@ -63,9 +63,10 @@ def tiny_checkpoint_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_core(tmp_path_factory, tiny_checkpoint_dir) -> Path:
     """A real fp32 core exported from a tiny random qwen2 checkpoint with the real Qwen tokenizer,
-    with the prompt-scoring graph (--prompt-logprobs)."""
+    with the prompt-scoring graph (--prompt-logprobs) and an fp32 torch step program beside the
+    ONNX graph (--target cpu,cuda --torch-dtype float32), which `--engine torch` serves on CPU torch."""
     return export("qwen25_coder", str(tiny_checkpoint_dir), tmp_path_factory.mktemp("cores") / "tiny", "fp32",
-                  prompt_logprobs=True)
+                  prompt_logprobs=True, targets=("cpu", "cuda"), torch_dtype="float32")
 
 
 THINK_TOKENS = {151667: "<think>", 151668: "</think>"}  # Qwen3's ids for its reasoning delimiters
@@ -177,6 +178,14 @@ class Server:
 @pytest.fixture(scope="session")
 def tiny_server(tiny_core) -> Iterator[Server]:
     server = Server(tiny_core)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_torch_server(tiny_core) -> Iterator[Server]:
+    """The tiny core served by its torch step program on CPU torch (what a GPU serves, minus graphs)."""
+    server = Server(tiny_core, "--engine", "torch")
     yield server
     server.stop()
 

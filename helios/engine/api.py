@@ -204,6 +204,8 @@ class EngineStats:
     # Seconds inside onnxruntime's graph runs (part of step_seconds_total): the rest of the step
     # time is host work (scheduling, packing inputs, KV scatter, sampling, detokenizing).
     graph_seconds_total: float = 0.0
+    decode_graph_launches_total: int = 0  # steps replayed as captured decode graphs (torch runner on CUDA)
+    replay_gpu_ns_total: int = 0  # their summed device time
     host_store: HostStoreStats | None = None  # None: no host prefix store
     # Speculative decoding (helios.engine.speculation; api.md's table).
     verification_rounds_total: int = 0  # progressing decode rounds, zero-draft ones included

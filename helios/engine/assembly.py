@@ -5,23 +5,23 @@ wires them)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from helios.engine.drafter import LearnedDrafter
-from helios.engine.host_store import HostStore, HostStoreConfig, core_identity, page_callbacks
+from helios.engine.host_store import HostStore, HostStoreConfig, core_identity
 from helios.engine.runner import Runner
 from helios.engine.speculation import SpeculationConfig, Speculator
+from helios.engine.step_io import StepRunner
 from helios.manifest import Manifest
 
 
-def speculator_for(core_dir: Path, manifest: Manifest, runner: Any, config: SpeculationConfig | None) -> Speculator | None:
+def speculator_for(core_dir: Path, manifest: Manifest, runner: StepRunner, config: SpeculationConfig | None) -> Speculator | None:
     """History drafts and the core's learned drafter, where the step graph can verify drafts and
     no recurrent state must roll back; None when neither source is on."""
     config = config or SpeculationConfig()
-    if not config.enabled or manifest.state is not None or not getattr(runner, "can_verify", False):
+    if not config.enabled or manifest.state is not None or not runner.can_verify:
         return None
     learned = None
     if config.learned_drafter and manifest.drafter is not None and isinstance(runner, Runner):
@@ -31,9 +31,9 @@ def speculator_for(core_dir: Path, manifest: Manifest, runner: Any, config: Spec
     return Speculator(config, learned)
 
 
-def page_copier(runner: Any, speculator: Speculator | None) -> Callable[[int, int], None] | None:
+def page_copier(runner: StepRunner, speculator: Speculator | None) -> Callable[[int, int], None] | None:
     """The prefix cache's page copy: the target's pool, and the learned drafter's beside it."""
-    copy = getattr(runner, "copy_page", None)
+    copy = runner.copy_page if runner.copies_pages else None
     learned = speculator.learned if speculator is not None else None
     if copy is None or learned is None:
         return copy
@@ -45,30 +45,91 @@ def page_copier(runner: Any, speculator: Speculator | None) -> Callable[[int, in
     return both
 
 
-def host_store_arguments(manifest: Manifest, runner: Any, config: HostStoreConfig | None) -> dict[str, Any]:
+def host_store_arguments(manifest: Manifest, runner: StepRunner, config: HostStoreConfig | None) -> dict[str, Any]:
     """PrefixCache arguments for the host prefix store (none without a config or page access)."""
-    callbacks = page_callbacks(runner)
-    if config is None or not callbacks or (config.dram_bytes <= 0 and config.directory is None):
+    if config is None or not runner.exports_pages or (config.dram_bytes <= 0 and config.directory is None):
         return {}
-    store = HostStore(core_identity(manifest), config, manifest.kv.page_tokens, kv_page_bytes(manifest))
-    return {"host": store, **callbacks}
+    identity = core_identity(manifest, runner.pool_dtype)
+    store = HostStore(identity, config, manifest.kv.page_tokens, kv_page_bytes(manifest))
+    return {"host": store, "read_pages": runner.read_pages, "write_pages": runner.write_pages}
 
 
 def kv_page_bytes(manifest: Manifest) -> int:
+    """Bytes of one page as the host store keeps it (float32, whatever the pool's dtype)."""
     kv = manifest.kv
     return kv.num_layers * 2 * kv.page_tokens * kv.kv_heads * kv.head_dim * 4
 
 
-def state_snapshot_arguments(manifest: Manifest, runner: Any) -> dict[str, Any]:
+def state_snapshot_arguments(manifest: Manifest, runner: StepRunner) -> dict[str, Any]:
     """PrefixCache arguments for a core with recurrent state: snapshots of the runner's slots."""
     if manifest.state is None:
         return {}
-    pool = getattr(runner, "state_pool", None)
-    if pool is None:
+    if runner.num_state_slots == 0:
         return {"recurrent_state": True}  # no slots to snapshot: checkpoints are refused
+    return {"recurrent_state": True, "read_state": runner.read_state, "write_state": runner.write_state,
+            "state_bytes": manifest.state.width * 4}  # float32 snapshots
 
-    def write(slot: int, state: np.ndarray) -> None:
-        pool[slot] = state
 
-    return {"recurrent_state": True, "read_state": lambda slot: pool[slot], "write_state": write,
-            "state_bytes": pool.shape[1] * pool.itemsize}  # fmt: skip
+DEVICES = ("auto", "cpu", "cuda")
+ENGINES = ("auto", "onnx", "torch")
+
+
+@dataclass(frozen=True)
+class RunnerChoice:
+    """Which step engine serves the core, where: ("onnx", "cpu"), ("torch", "cpu") or ("torch", "cuda")."""
+
+    engine: str = "onnx"
+    device: str = "cpu"
+
+
+def choose_runner(manifest: Manifest, device: str = "auto", engine: str = "auto") -> RunnerChoice:
+    """--device / --engine against the core and this machine; ValueError says what is missing.
+
+    auto device: CUDA when the core has a torch program (target "cuda") and torch sees a GPU;
+    auto engine: the torch program on CUDA, the ONNX graph on a CPU."""
+    if device not in DEVICES or engine not in ENGINES:
+        raise ValueError(f"--device is one of {', '.join(DEVICES)} and --engine one of {', '.join(ENGINES)}")
+    has_program = manifest.has_engine("step", "cuda")
+    if device == "auto":
+        device = "cuda" if engine != "onnx" and has_program and _cuda_available() else "cpu"
+    if engine == "auto":
+        engine = "torch" if device == "cuda" else "onnx"
+    if engine == "onnx" and device == "cuda":
+        raise ValueError("the ONNX step graph runs on the CPU only; on CUDA helios runs the core's torch program "
+                         "(--engine torch)")  # fmt: skip
+    if engine == "torch" and not has_program:
+        raise ValueError("this core has no torch step program: export it with `ignition export --target cpu,cuda`")
+    if device == "cuda" and not _cuda_available():
+        raise ValueError("--device cuda, but torch sees no CUDA device (a CUDA build of torch and a GPU are needed)")
+    return RunnerChoice(engine, device)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def build_runner(core_dir: Path, manifest: Manifest, choice: RunnerChoice, num_pages: int, threads: int | None,
+                 state_slots: int) -> StepRunner:  # fmt: skip
+    if choice.engine == "onnx":
+        return Runner(core_dir, manifest, num_pages, threads, state_slots=state_slots)
+    from helios.engine.torch_runner import TorchRunner  # torch only where its engine serves
+
+    return TorchRunner(core_dir, manifest, num_pages, device=choice.device, threads=threads, state_slots=state_slots)
+
+
+def describe_runner(manifest: Manifest, runner: StepRunner) -> str:
+    """The start-up line's engine part: which engine, where, and its decode graphs."""
+    from helios.engine.torch_runner import TorchRunner
+
+    if not isinstance(runner, TorchRunner):
+        return "engine: ONNX step graph on onnxruntime (CPU)"
+    engine = manifest.engine("step", "cuda")
+    text = f"engine: torch step program ({engine.dtype}, written by torch {engine.torch_version}) on {runner.device}"
+    graphs = runner.graphs
+    if graphs is not None and graphs.captured:
+        text += f", CUDA graphs for decode batches {', '.join(map(str, graphs.buckets))}"
+    return text

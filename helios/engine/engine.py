@@ -22,15 +22,16 @@ from helios.engine.api import (EngineStats, FinishReason, GenerationEvent, Gener
                                TokenLogprob)
 from helios.engine.block_manager import BlockManager
 from helios.engine.constraints import ConstraintError, Constraints
-from helios.engine.assembly import (host_store_arguments, kv_page_bytes, page_copier, speculator_for,
-                                   state_snapshot_arguments)
+from helios.engine.assembly import (RunnerChoice, build_runner, host_store_arguments, kv_page_bytes, page_copier,
+                                   speculator_for, state_snapshot_arguments)
 from helios.engine.host_store import HostStoreConfig
 from helios.engine.prefix_cache import PrefixCache, PrefixCacheConfig
-from helios.engine.runner import SPARE_STATE_SLOTS, PromptScores, Runner, StepOutput, StepRow
+from helios.engine.runner import SPARE_STATE_SLOTS, PromptScores, StepOutput, StepRow
 from helios.engine.sampler import explicit_logprob, prompt_logprob_entries, sample, token_logprob
 from helios.engine.scheduler import Batch, Scheduler
 from helios.engine.sequence import Sequence
 from helios.engine.speculation import RoundCounts, SpeculationConfig
+from helios.engine.step_io import StepRunner
 from helios.engine.validation import RequestCheck
 from helios.engine.vision import ImagePlacer
 from helios.manifest import Manifest
@@ -51,20 +52,26 @@ class Engine:
         max_concurrency: int | None = None,
         kv_pages: int | None = None,
         threads: int | None = None,
-        runner: Runner | None = None,
+        runner: StepRunner | None = None,
         tokenizer: Any | None = None,
         prefix_cache: PrefixCacheConfig | None = None,
         host_store: HostStoreConfig | None = None,
         speculation: SpeculationConfig | None = None,
+        choice: RunnerChoice | None = None,
     ):
+        """choice: which step engine runs the core, where (default: the ONNX graph on the CPU);
+        ignored when `runner` is given."""
         self.core_dir = Path(core_dir)
         self.manifest = manifest
         limits = manifest.limits
         if runner is None:
             slots = (max_concurrency or limits.max_concurrency) + SPARE_STATE_SLOTS
-            runner = Runner(self.core_dir, manifest, kv_pages or limits.kv_pages, threads, state_slots=slots)
+            runner = build_runner(self.core_dir, manifest, choice or RunnerChoice(), kv_pages or limits.kv_pages, threads,
+                                  slots)
         elif kv_pages is not None and kv_pages != runner.num_pages:
             raise ValueError(f"kv_pages={kv_pages} but the given runner has {runner.num_pages} pages")
+        if not isinstance(runner, StepRunner):
+            raise TypeError(f"{type(runner).__name__} does not implement StepRunner (helios/engine/step_io.py)")
         self.runner = runner
         if tokenizer is None:
             tokenizer = Tokenizer.from_file(str(self.core_dir / manifest.tokenizer.file))
@@ -85,12 +92,12 @@ class Engine:
             max_batch_tokens=limits.max_batch_tokens,
             prefill_chunk_size=limits.prefill_chunk_size,
             prefix_cache=self.prefix_cache,
-            state_slots=getattr(runner, "num_state_slots", 0),
+            state_slots=runner.num_state_slots,
             speculator=speculator,
         )
         self.context_length = limits.context_length
         self.vocab_size = manifest.architecture.vocab_size
-        self.check = RequestCheck.for_core(manifest, bool(getattr(runner, "can_score_prompts", False)))
+        self.check = RequestCheck.for_core(manifest, runner.can_score_prompts)
         self.eos_token_ids = list(manifest.tokenizer.eos_token_ids)
         self.constraints = Constraints(tokenizer, self.vocab_size, self.eos_token_ids)
         self.images = ImagePlacer.for_core(self.core_dir, manifest, threads)  # a text-only core's does nothing
@@ -217,7 +224,9 @@ class Engine:
             checkpoint_extra_work_ns_total=cache.extra_work_ns,
             reasoning_budget_cuts_total=self.constraints.budget_cuts,
             grammar_mask_seconds_total=self.constraints.mask_seconds,
-            graph_seconds_total=getattr(self.runner, "graph_seconds", 0.0),
+            graph_seconds_total=self.runner.graph_seconds,
+            decode_graph_launches_total=self.runner.decode_graph_launches,
+            replay_gpu_ns_total=self.runner.replay_gpu_ns,
             host_store=cache.host.stats() if cache.host is not None else None,
             verification_rounds_total=self._rounds.rounds,
             verification_drafts_total=self._rounds.offered,

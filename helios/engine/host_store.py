@@ -155,27 +155,13 @@ class Chain:
         return self.links[-1].length
 
 
-def core_identity(manifest: Manifest) -> str:
-    """What a record must match to be served: the core's files and its KV layout and dtype."""
+def core_identity(manifest: Manifest, pool_dtype: str = "float32") -> str:
+    """What a record must match to be served: the core's files, its KV layout and the dtype of the
+    pool the K/V came from (a bf16 pool's pages are not a float32 pool's, though stored as float32)."""
     kv = manifest.kv
     text = json.dumps([manifest.digest or manifest.content_digest, kv.num_layers, kv.kv_heads, kv.head_dim,
-                       kv.page_tokens, kv.dtype])
+                       kv.page_tokens, pool_dtype])
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def page_callbacks(runner: Any) -> dict[str, Any]:
-    """PrefixCache's read_pages/write_pages over a runner's pool ([layers, 2, pages, ...] view)."""
-    pages_view = getattr(runner, "_pages", None)
-    if pages_view is None:
-        return {}
-
-    def read(pages: list[int]) -> np.ndarray:
-        return pages_view[:, :, pages]  # fancy indexing: a fresh copy
-
-    def write(pages: list[int], data: np.ndarray) -> None:
-        pages_view[:, :, pages] = data
-
-    return {"read_pages": read, "write_pages": write}
 
 
 class HostStore:

@@ -92,7 +92,7 @@ HOST_HISTOGRAMS = (
 def engine_fields(s: Any, decode_weight_bytes: int, output_failures: int = 0) -> dict[str, Any]:
     """The api.md JSON table from one Engine.stats() snapshot.
 
-    Features this runtime does not have (replay timing) are 0; the host prefix
+    Features this runtime does not use are 0 (replay timing off a GPU); the host prefix
     store's numbers are 0 when the engine runs without one.
     """
     host = getattr(s, "host_store", None)
@@ -113,7 +113,7 @@ def engine_fields(s: Any, decode_weight_bytes: int, output_failures: int = 0) ->
         "completed": s.completed_total,
         "reasoning_budget_cuts": getattr(s, "reasoning_budget_cuts_total", 0),
         "failed": s.failed_total + output_failures,
-        "replay_gpu_ns": 0,
+        "replay_gpu_ns": getattr(s, "replay_gpu_ns_total", 0),
         "replay_readiness_wait_ns": 0,
         "replay_readiness_samples": 0,
         "reused_tokens": getattr(s, "reused_tokens_total", 0),
@@ -202,7 +202,8 @@ class FlareCollector:
             ("flare_speculative_rounds_total", "Completed speculative or verification graphs by draft width",
              ["width"], [([str(w)], n) for w, n in sorted((getattr(s, "rounds_by_width", None) or {0: 0}).items())]),
             ("flare_graph_launches_total", "Graph launches by kind", ["kind"],
-             [(["step"], s.steps_total), (["vision"], (getattr(s, "images", None) or {}).get("vision_graph_launches", 0))]),
+             [(["step"], s.steps_total), (["decode_graph"], getattr(s, "decode_graph_launches_total", 0)),
+              (["vision"], (getattr(s, "images", None) or {}).get("vision_graph_launches", 0))]),
             ("flare_checkpoint_captures_total", "GPU prefix checkpoints captured by role", ["role"],
              [([role], (getattr(s, "checkpoint_captures", None) or {}).get(role, 0)) for role in CHECKPOINT_ROLES]),
             ("flare_checkpoint_skips_total", "Checkpoint selections or captures rejected by reason", ["reason"],

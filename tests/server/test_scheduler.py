@@ -44,7 +44,10 @@ MODES = {
     "ordinary": 'speculation = "off"\n',
     "fixed-width": 'speculation = "auto"\nspeculation_adaptive = false\n',
     "adaptive": 'speculation = "auto"\nspeculation_adaptive = true\n',
+    # The same regressions through the core's torch step program on CPU torch (the GPU engine's runner).
+    "torch-adaptive": 'speculation = "auto"\nspeculation_adaptive = true\n',
 }
+ENGINE_ARGS = {"torch-adaptive": ("--engine", "torch")}
 GREEDY = {"temperature": 0, "top_k": 1, "ignore_eos": True}  # top_k 1: temperature 0 is clamped, not greedy
 WORDS = "the quick brown fox jumps over the lazy dog while seven wizards quietly hex a jovial bard".split()
 
@@ -86,7 +89,8 @@ def service(request, tmp_path_factory) -> Iterator[Service]:
         return
     config: Path = tmp_path_factory.mktemp("scheduler") / "helios.toml"
     config.write_text("[server]\n" + MODES[request.param])
-    server = Server(request.getfixturevalue("tiny_core"), "--max-concurrency", str(SLOTS), "--config", str(config))
+    server = Server(request.getfixturevalue("tiny_core"), "--max-concurrency", str(SLOTS), "--config", str(config),
+                    *ENGINE_ARGS.get(request.param, ()))
     running = Service(server.url, None, request.param)
     try:
         yield running

@@ -130,15 +130,31 @@ def make_manifest(
 
 
 class FakeRunner:
-    """Implements Runner.step: reads history through block tables, writes new tokens into pages.
+    """A StepRunner whose pool holds token ids instead of K/V: step reads history through block
+    tables and writes new tokens into pages.
 
     Next-token logits: for a context that extends a scripted prompt, a one-hot (+100) on the
     script's next token; otherwise pseudo-random logits seeded by a hash of the whole context.
+    What it lacks, said here: page copies (so no copy-on-write prefix checkpoints; CopyingRunner
+    in test_prefix_cache adds them), page export (no host store), verification positions (no
+    speculation), prompt scoring and recurrent state.
     """
+
+    copies_pages = False
+    exports_pages = False
+    can_verify = False
+    can_score_prompts = False
+    num_state_slots = 0
+    max_positions = None
+    pool_dtype = "int64"
+    decode_graph_launches = 0
+    replay_gpu_ns = 0
 
     def __init__(self, num_pages: int, page_tokens: int, scripts: dict[tuple, list[int]] | None = None):
         self.num_pages = num_pages
         self.page_tokens = page_tokens
+        self.kv = KVLayout(page_tokens=page_tokens, num_layers=1, kv_heads=1, head_dim=1)
+        self.graph_seconds = 0.0
         self.pool = np.full((num_pages, page_tokens), -1, dtype=np.int64)
         self.scripts = scripts or {}
         self.steps: list[list] = []  # rows of every call, for scheduling assertions
@@ -180,6 +196,25 @@ class FakeRunner:
             logits=logits, logsumexp=lse, top_logprobs=np.take_along_axis(lp, order, axis=1), top_ids=order,
             token_logprobs=explicit,
         )
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.pool.nbytes
+
+    def copy_page(self, src: int, dst: int) -> None:
+        raise NotImplementedError("FakeRunner does not copy pages (copies_pages is False)")
+
+    def read_pages(self, pages: list[int]) -> np.ndarray:
+        raise NotImplementedError("FakeRunner keeps token ids, not K/V (exports_pages is False)")
+
+    def write_pages(self, pages: list[int], data: np.ndarray) -> None:
+        raise NotImplementedError("FakeRunner keeps token ids, not K/V (exports_pages is False)")
+
+    def read_state(self, slot: int) -> np.ndarray:
+        raise NotImplementedError("FakeRunner keeps no recurrent state")
+
+    def write_state(self, slot: int, state: np.ndarray) -> None:
+        raise NotImplementedError("FakeRunner keeps no recurrent state")
 
     def _logits(self, ctx: list[int]) -> np.ndarray:
         for prompt, cont in self.scripts.items():

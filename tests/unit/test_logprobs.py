@@ -60,7 +60,7 @@ def test_manifest_declares_logprob_capacities(tiny_core):
     caps = Manifest.load(tiny_core).logprobs
     assert (caps.max_top_logprobs, caps.explicit_token_ids, caps.prompt_logprobs) == (20, True, True)
     assert caps.max_explicit_token_ids == 128
-    assert [e.name for e in Manifest.load(tiny_core).engines] == ["step", "score"]
+    assert [(e.name, e.target) for e in Manifest.load(tiny_core).engines] == [("step", "cpu"), ("score", "cpu"), ("step", "cuda")]
 
 
 def test_prompt_scores_match_float64_evaluation(engine, tokenizer, reference):

@@ -427,6 +427,8 @@ def test_random_workload_matches_uncached_and_keeps_pages_consistent(core_dir, s
     """Shared prefixes, random marks, a tight pool: outputs equal the uncached engine's, every
     checkpoint's pages still spell its ids, and every page comes back when the cache is cleared."""
     class CopyingRunner(FakeRunner):
+        copies_pages = True
+
         def copy_page(self, src: int, dst: int) -> None:
             self.pool[dst] = self.pool[src]
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from helios.engine.step_io import step_groups
 from helios.manifest import Manifest, ManifestError, StateLayer, StateLayout
 
 pytest.importorskip("transformers")
@@ -152,7 +153,7 @@ def test_runner_state_slots_through_the_onnx_graph(graph):
     # other these pad 17 tokens > PAD_WASTE_TOKENS, so the runner splits both steps into two graph
     # calls, each reading and writing its own rows' slots.
     out = runner.step([StepRow(seqs[0][:1], 0, tables[0], state_slot=4), StepRow(seqs[1][:19], 0, tables[1], state_slot=0)])
-    assert len(runner._groups([StepRow(seqs[0][:1], 0, []), StepRow(seqs[1][:19], 0, [])])) == 2
+    assert len(step_groups([StepRow(seqs[0][:1], 0, []), StepRow(seqs[1][:19], 0, [])])) == 2
     check(out, [(0, 0), (1, 18)])
     out = runner.step([StepRow(seqs[0][1:19], 1, tables[0], state_slot=4), StepRow(seqs[1][19:20], 19, tables[1], state_slot=0)])
     check(out, [(0, 18), (1, 19)])
