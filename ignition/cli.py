@@ -50,6 +50,13 @@ def export(
         typer.Option(help="A smaller checkpoint with the same tokenizer (a .gguf, a folder or a packaged name), "
                      "compiled into the core as its learned drafter for speculative decoding"),
     ] = None,
+    target: Annotated[
+        str, typer.Option(help="Engines to write: cpu (the ONNX step graph), cuda (a torch step program for GPUs, "
+                          "written beside the ONNX graph), or cpu,cuda")
+    ] = "cpu",
+    torch_dtype: Annotated[
+        str, typer.Option(help="Weights of the torch step program (--target cuda): bfloat16 or float32")
+    ] = "bfloat16",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing core at --out")] = False,
     no_cache: Annotated[
         bool, typer.Option("--no-cache", help="Neither read nor fill the export cache ($FLARE_CACHE/export)")
@@ -58,6 +65,7 @@ def export(
     """Export CHECKPOINT with RECIPE into a core folder."""
     # Imported here: torch and onnxruntime cost seconds that `ignition inspect` and --help never use.
     from ignition.export.pipeline import STAGES, ExportError, ExportOptions, export_core
+    from ignition.export.state import parse_targets
 
     try:
         loaded = load_recipe(recipe)
@@ -72,6 +80,8 @@ def export(
             cache=not no_cache,
             context_length=context_length,
             drafter=drafter,
+            targets=parse_targets(target),
+            torch_dtype=torch_dtype,
         )
         started = time.monotonic()
         current: dict = {"stage": None, "detail": "", "t": started}
@@ -142,7 +152,11 @@ def _summary(out: Path, manifest: Manifest, seconds: float) -> None:
     for engine in manifest.engines:
         size = sum((out / f).stat().st_size for f in [engine.file, *engine.data_files])
         precision = "fp32" if manifest.vision is not None and engine.name == manifest.vision.engine else manifest.precision
-        table.add_row(f"engine {engine.name}", f"{engine.file}  {size / 1e6:.1f} MB  ({precision})")
+        label = f"engine {engine.name}" + ("" if engine.target == "cpu" else f" ({engine.target})")
+        if engine.target != "cpu":  # the torch program: its own dtype and parity
+            precision = f"{engine.dtype}, parity max |Δlogit| {engine.parity.max_abs_logit_error:.2e}" if engine.parity \
+                else str(engine.dtype)
+        table.add_row(label, f"{engine.file}  {size / 1e6:.1f} MB  ({precision})")
     if manifest.parity:
         p = manifest.parity
         table.add_row(

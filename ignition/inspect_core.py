@@ -83,7 +83,13 @@ def render_inspect(data: dict[str, Any]) -> Table:
     )
     for engine in data["engines"]:
         parts = ", ".join(f"{name} {_mb(data['file_bytes'].get(name))}" for name in [engine["file"], *engine["data_files"]])
-        table.add_row(f"engine {engine['name']}", f"{_mb(engine['bytes'])}: {parts}")
+        label = f"engine {engine['name']}"
+        if engine.get("target", "cpu") != "cpu":  # a torch program (1.11): target, dtype, writer, parity
+            label += f" ({engine['target']})"
+            parts += f"; {engine.get('dtype')} torch program written by torch {engine.get('torch_version')}"
+            if engine.get("parity"):
+                parts += f"; parity max |Δlogit| {engine['parity']['max_abs_logit_error']:.2e}"
+        table.add_row(label, f"{_mb(engine['bytes'])}: {parts}")
     table.add_row("decode weights", f"{_mb(data['decode_weight_bytes'])} read per decode token")
     lim, kv = data["limits"], data["kv"]
     table.add_row(

@@ -17,7 +17,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from helios.engine.runner import Runner, StepRow
-from helios.manifest import MANIFEST_NAME, Manifest, ManifestError
+from helios.engine.step_io import StepRunner
+from helios.manifest import MANIFEST_NAME, Manifest, ManifestError, Parity
 from ignition.checkpoints.base import CheckpointError
 from ignition.checkpoints.load import load_checkpoint
 from ignition.checkpoints.packaged import PACKAGED_MODELS
@@ -140,34 +141,62 @@ def _parity(
     model = build_model(*checkpoint.model_inputs())
     prompt_ids = validation_prompt(core / manifest.tokenizer.file, checkpoint)
     steps = recorded.decode_steps if recorded else 8
+    _judge("parity", lambda: validate(core, model, manifest.kv, prompt_ids, steps, precision=manifest.precision,
+                                      state=manifest.state), recorded, result, report)  # fmt: skip
+    for engine in (e for e in manifest.engines if e.target == "cuda"):
+        precision = "fp32" if engine.dtype == "float32" else str(engine.dtype)
+        _judge(f"parity ({engine.target} {engine.dtype})",
+               lambda: validate(core, model, manifest.kv, prompt_ids, steps, precision=precision, state=manifest.state,
+                                make_runner=lambda pages: torch_runner(core, manifest, pages)),
+               engine.parity, result, report)  # fmt: skip
+
+
+def torch_runner(core: Path, manifest: Manifest, num_pages: int) -> StepRunner:
+    """The core's torch program on CPU torch (imported here: only cores with one need torch's runner)."""
+    from helios.engine.torch_runner import TorchRunner
+
+    return TorchRunner(core, manifest, num_pages, device="cpu", state_slots=3, graphs=False)
+
+
+def _judge(name: str, measure: Callable[[], Parity], recorded: Parity | None, result: Verification,
+           report: Callable[[Check], None]) -> None:  # fmt: skip
+    """Measure one engine's parity and hold it to the export-time record."""
     try:
-        measured = validate(core, model, manifest.kv, prompt_ids, steps, precision=manifest.precision, state=manifest.state)
+        measured = measure()
     except ParityError as exc:
-        result.add("parity", False, str(exc), report)
+        result.add(name, False, str(exc), report)
         return
     except Exception as exc:  # noqa: BLE001 - an engine that cannot run is the finding
-        result.add("parity", False, f"the engine failed to run: {type(exc).__name__}: {exc}", report)
+        result.add(name, False, f"the engine failed to run: {type(exc).__name__}: {exc}", report)
         return
     detail = (
         f"max |Δlogit| {measured.max_abs_logit_error:.3g} (tolerance {measured.tolerance:g}), "
         f"top-1 {measured.top1_agreement:.0%} over {measured.prompt_tokens}+{measured.decode_steps} positions"
     )
     if recorded is None:
-        result.add("parity", True, detail + "; no export-time parity recorded", report)
+        result.add(name, True, detail + "; no export-time parity recorded", report)
         return
     detail += f"; at export {recorded.max_abs_logit_error:.3g}, top-1 {recorded.top1_agreement:.0%}"
     drift = abs(measured.max_abs_logit_error - recorded.max_abs_logit_error)
     if measured.prompt_tokens != recorded.prompt_tokens:
-        result.add("parity", False, detail + f"; the validation prompt was {recorded.prompt_tokens} tokens at export", report)
+        result.add(name, False, detail + f"; the validation prompt was {recorded.prompt_tokens} tokens at export", report)
     elif drift > PARITY_DRIFT * measured.tolerance:
-        result.add("parity", False, detail + f"; moved {drift:.3g} since export (> {PARITY_DRIFT:g} x tolerance)", report)
+        result.add(name, False, detail + f"; moved {drift:.3g} since export (> {PARITY_DRIFT:g} x tolerance)", report)
     else:
-        result.add("parity", True, detail, report)
+        result.add(name, True, detail, report)
 
 
 def _smoke(core: Path, manifest: Manifest, result: Verification, report: Callable[[Check], None]) -> None:
-    """Run the engine on the validation prompt (two prefill chunks, then greedy decode) and
+    """Run each step engine on the validation prompt (two prefill chunks, then greedy decode) and
     check that its outputs are finite and consistent with each other."""
+    _smoke_one("smoke", lambda pages: Runner(core, manifest, num_pages=pages), core, manifest, result, report)
+    for engine in (e for e in manifest.engines if e.target == "cuda"):
+        _smoke_one(f"smoke ({engine.target} {engine.dtype})", lambda pages: torch_runner(core, manifest, pages), core,
+                   manifest, result, report)  # fmt: skip
+
+
+def _smoke_one(name: str, make_runner: Callable[[int], StepRunner], core: Path, manifest: Manifest,
+               result: Verification, report: Callable[[Check], None]) -> None:  # fmt: skip
     vocab = manifest.architecture.vocab_size
     ids = Tokenizer.from_file(str(core / manifest.tokenizer.file)).encode(VALIDATION_PROMPT, add_special_tokens=False).ids
     ids = [i for i in ids if i < vocab] or [0, 0]
@@ -176,7 +205,7 @@ def _smoke(core: Path, manifest: Manifest, result: Verification, report: Callabl
     total = len(ids) + SMOKE_DECODE_STEPS
     pages = -(-total // manifest.kv.page_tokens)
     try:
-        runner = Runner(core, manifest, num_pages=pages + 1)
+        runner = make_runner(pages + 1)
         table = list(range(pages, 0, -1))  # reversed, non-zero pages: the order matters
         sequence, problems = list(ids), []
 
@@ -194,13 +223,13 @@ def _smoke(core: Path, manifest: Manifest, result: Verification, report: Callabl
             sequence.append(int(out.logits[0].argmax()))
             out = step(len(sequence) - 1, len(sequence))
     except Exception as exc:  # noqa: BLE001 - any engine failure is the finding
-        result.add("smoke", False, f"the engine failed to run: {type(exc).__name__}: {exc}", report)
+        result.add(name, False, f"the engine failed to run: {type(exc).__name__}: {exc}", report)
         return
     if problems:
-        result.add("smoke", False, "; ".join(problems[:3]), report)
+        result.add(name, False, "; ".join(problems[:3]), report)
         return
     result.add(
-        "smoke",
+        name,
         True,
         f"{len(ids)}-token prompt in 2 chunks + {len(sequence) - len(ids)} decode steps: logits finite, "
         "logsumexp and top logprobs consistent",

@@ -106,6 +106,35 @@ def sample_inputs(kv: KVLayout, state: StateLayout | None = None, hidden: int = 
     )
 
 
+def step_dynamic_shapes(model: DecoderLM, state: StateLayout | None, vision: bool) -> tuple:
+    """torch.export's dynamic dims of the step module's inputs, in INPUT_NAMES order (+ state, vision)."""
+    batch, length, pages = (torch.export.Dim(n, min=1) for n in ("B", "L", "M"))
+    pool_rows = torch.export.Dim("pool_rows", min=1)
+    explicit = torch.export.Dim("E", min=1, max=MAX_LOGPROB_TOKEN_IDS)
+    outputs = torch.export.Dim("N", min=1)
+    dynamic_shapes: tuple = (
+        {0: batch, 1: length},
+        {0: batch, 1: length},
+        {0: batch},
+        {0: batch},
+        {0: batch, 1: pages},
+        {0: pool_rows},
+        {0: batch, 1: explicit},
+        {0: outputs},
+        {0: outputs},
+    )
+    if state is not None:
+        if getattr(model, "state_width", 0) != state.width:
+            raise ValueError(f"the model's state width {getattr(model, 'state_width', 0)} != the layout's {state.width}")
+        dynamic_shapes += ({0: torch.export.Dim("S", min=1)}, {0: batch})
+    if vision:
+        if state is None:
+            dynamic_shapes += (None, None)
+        images = torch.export.Dim("I", min=1)
+        dynamic_shapes += ({1: batch, 2: length}, {0: images}, {0: images})
+    return dynamic_shapes
+
+
 def export_step_graph(
     model: DecoderLM,
     arch: Architecture,
@@ -125,31 +154,8 @@ def export_step_graph(
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / file_name
     data_name = file_name + ".data"
-    batch, length, pages = (torch.export.Dim(n, min=1) for n in ("B", "L", "M"))
-    pool_rows = torch.export.Dim("pool_rows", min=1)
-    explicit = torch.export.Dim("E", min=1, max=MAX_LOGPROB_TOKEN_IDS)
-    outputs = torch.export.Dim("N", min=1)
-    dynamic_shapes = (
-        {0: batch, 1: length},
-        {0: batch, 1: length},
-        {0: batch},
-        {0: batch},
-        {0: batch, 1: pages},
-        {0: pool_rows},
-        {0: batch, 1: explicit},
-        {0: outputs},
-        {0: outputs},
-    )
-    if state is not None:
-        if getattr(model, "state_width", 0) != state.width:
-            raise ValueError(f"the model's state width {getattr(model, 'state_width', 0)} != the layout's {state.width}")
-        dynamic_shapes += ({0: torch.export.Dim("S", min=1)}, {0: batch})
     vision = getattr(model, "mrope_section", None) is not None
-    if vision:
-        if state is None:
-            dynamic_shapes += (None, None)
-        images = torch.export.Dim("I", min=1)
-        dynamic_shapes += ({1: batch, 2: length}, {0: images}, {0: images})
+    dynamic_shapes = step_dynamic_shapes(model, state, vision)
     # The dynamo exporter: ~3x fewer nodes than the legacy tracer, no tracer warnings, and
     # dynamic shapes are checked symbolically rather than guessed from one trace.
     fusion = ops.fused_export() if fused else contextlib.nullcontext()

@@ -21,6 +21,7 @@ from ignition.export.drafter import add_drafter, check_drafter_vocab, describe_d
 from ignition.export.manifest import assemble, serving_limits
 from ignition.export.output import check_out, work_folder
 from ignition.export.quantize import PRECISIONS
+from ignition.export.torch_program import TORCH_DTYPES
 from ignition.export.state import ExportError, ExportOptions, ExportState, Progress
 from ignition.export.validate import ParityError
 from ignition.models import PLANNED, logit_postprocessing
@@ -42,6 +43,7 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
             stages.quantize_step_graph(state)
             stages.add_score_graph(state)
             stages.add_vision_graph(state)
+            stages.add_torch_program(state)
             stages.free_scratch(state)
             add_drafter(state, export_core)
             state.manifest = assemble(state)
@@ -63,6 +65,8 @@ def check_request(options: ExportOptions) -> None:
     recipe = options.recipe
     if options.precision not in PRECISIONS:
         raise ExportError(f"unknown precision {options.precision!r} (choose {', '.join(PRECISIONS)})")
+    if "cuda" in options.targets and options.torch_dtype not in TORCH_DTYPES:
+        raise ExportError(f"unknown --torch-dtype {options.torch_dtype!r} (choose {', '.join(TORCH_DTYPES)})")
     if recipe.family in PLANNED:
         raise ExportError(
             f"recipe {recipe.name!r} compiles the {recipe.family!r} family, which cannot be compiled yet: "

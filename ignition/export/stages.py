@@ -16,6 +16,8 @@ from pathlib import Path
 
 import onnx
 
+from helios.manifest import Parity
+
 from ignition.checkpoints.load import load_checkpoint
 from ignition.export.cache import CachedReference, ReferenceMiss
 from ignition.export.graph import canonicalize_graph, export_step_graph
@@ -24,9 +26,10 @@ from ignition.export.output import publish
 from ignition.export.quantize import quantize, quantize_score
 from ignition.export.score import export_score_graph, lm_head_from_step_graph
 from ignition.export.state import ExportError, ExportState
+from ignition.export.torch_program import TorchExportError, export_torch_program, torch_program_engine
 from ignition.export.validate import validate, validate_scores, validation_prompt
 from ignition.export.vision import VISION_GRAPH_FILE, export_vision_graph, vision_engine, vision_spec
-from ignition.models import build_model
+from ignition.models import DecoderLM, build_model
 from ignition.models.qwen3_5_vision import build_vision_tower
 
 SCORE_SCRATCH_DIR = "score-fp32"  # in the work folder: the fp32 score graph before quantization
@@ -73,6 +76,39 @@ def add_vision_graph(state: ExportState) -> None:
     engine = vision_engine(onnx.load(str(source), load_external_data=False))
     state.engines.append(engine)
     state.vision = vision_spec(state.checkpoint, engine, state.limits.context_length)
+
+
+def add_torch_program(state: ExportState) -> None:
+    """With --target cuda: the torch step program of the same model, beside the ONNX graph.
+
+    Traced beside the fp32 ONNX graph, so the export cache keeps it with a fresh entry; an entry
+    cached without it (an earlier cpu-only export) has the checkpoint read and converted again."""
+    if "cuda" not in state.options.targets:
+        return
+    checkpoint, kv, graph = state.checkpoint, state.kv, state.fp32_graph
+    assert checkpoint is not None and kv is not None and graph is not None
+    dtype = state.options.torch_dtype
+    cached = graph.parent / f"step.cuda.{dtype}.pt2"  # the cache entry's (or staging's, or scratch's)
+    if cached.is_file():
+        state.progress("export", f"cached {dtype} torch step program")
+    else:
+        state.progress("export", f"exporting the {dtype} torch step program (--target cuda)")
+        cached = state.fp32_dir / cached.name  # staging on a miss: committed with the entry
+    try:
+        engine = torch_program_engine(checkpoint.architecture, kv, dtype, state.state_layout, _vision(state))
+        if not cached.is_file():
+            export_torch_program(_torch_model(state), checkpoint.architecture, kv, cached.parent, dtype,
+                                 state.state_layout, file_name=cached.name)  # fmt: skip
+    except TorchExportError as exc:
+        raise ExportError(str(exc)) from None
+    shutil.copyfile(cached, state.core_dir / engine.file)
+    state.engines.append(engine)
+
+
+def _vision(state: ExportState) -> bool:
+    """A multimodal step graph (it takes image features): the program takes them too."""
+    assert state.fp32_engine is not None
+    return any(spec.name == "image_embeds" for spec in state.fp32_engine.inputs)
 
 
 def quantize_step_graph(state: ExportState) -> None:
@@ -136,10 +172,42 @@ def validate_engines(state: ExportState) -> None:
         state.progress("validate", "cached reference does not apply: reading the checkpoint for the reference")
         model = build_model(*load_checkpoint(state.options.checkpoint).model_inputs())
         parity = validate(step_graph, model, kv, prompt_ids, precision=precision, state=state.state_layout)
+    for engine in (e for e in manifest.engines if e.target == "cuda"):
+        state.progress("validate", f"comparing the torch step program ({engine.dtype}) with the {reference}")
+        engine.parity = _validate_torch_program(state, engine.dtype or "float32", prompt_ids)
     if state.options.prompt_logprobs:
         state.progress("validate", "checking prompt scores against the step graph's logprobs")
         validate_scores(step_graph, core / state.engines[1].file, kv, prompt_ids, state=state.state_layout)
     manifest.parity = parity
+
+
+def _validate_torch_program(state: ExportState, dtype: str, prompt_ids: list[int]) -> Parity:
+    """The torch program on CPU torch, through helios' torch runner, against the reference."""
+    from helios.engine.torch_runner import TorchRunner  # torch runner imports only where a program is
+
+    manifest, kv = state.manifest, state.kv
+    assert manifest is not None and kv is not None
+    precision = "fp32" if dtype == "float32" else dtype
+
+    def runner(num_pages: int) -> TorchRunner:
+        return TorchRunner(state.core_dir, manifest, num_pages, device="cpu", state_slots=3, graphs=False)
+
+    try:
+        if state.reference is None:
+            raise ReferenceMiss("the cache entry has no reference logits")
+        return validate(state.core_dir, state.reference, kv, prompt_ids, precision=precision,
+                        state=state.state_layout, make_runner=runner)  # fmt: skip
+    except ReferenceMiss:
+        return validate(state.core_dir, _torch_model(state), kv, prompt_ids, precision=precision,
+                        state=state.state_layout, make_runner=runner)  # fmt: skip
+
+
+def _torch_model(state: ExportState) -> DecoderLM:
+    """The converted model; on an export-cache hit nothing was converted, so read and build it."""
+    if state.model is None:
+        state.progress("export", "cached trace: reading the checkpoint for the torch program")
+        state.model = build_model(*load_checkpoint(state.options.checkpoint).model_inputs())
+    return state.model
 
 
 def write_core(state: ExportState) -> None:

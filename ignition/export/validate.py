@@ -37,6 +37,7 @@ length, so the fp32 graph should be validated too (it fails by 1000x).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,7 @@ import torch
 from tokenizers import Tokenizer
 
 from helios.engine.runner import Runner, StepRow
+from helios.engine.step_io import StepRunner
 from helios.manifest import MANIFEST_NAME, KVLayout, Manifest, Parity, StateLayout
 from ignition.checkpoints.base import Checkpoint
 from ignition.models import DecoderLM
@@ -71,7 +73,11 @@ TOLERANCES = {
     "fp32": Tolerance(max_abs=1e-3, min_top1=0.0, max_kl=float("inf")),  # max-abs is decisive
     "int8": Tolerance(max_abs=4.0, min_top1=0.8, max_kl=0.05),
     "int4": Tolerance(max_abs=16.0, min_top1=0.6, max_kl=0.5),
+    # A bf16 torch program (--target cuda): bf16 weights and activations, fp32 softmax and head.
+    "bfloat16": Tolerance(max_abs=4.0, min_top1=0.8, max_kl=0.05),
 }
+# Runs the validation sequence: num_pages -> a fresh runner (the ONNX graph's, unless given).
+RunnerFactory = Callable[[int], StepRunner]
 MIN_TOKENS = 64  # shorter prompts are repeated up to this length (see module docstring)
 
 
@@ -85,22 +91,29 @@ def validate(
     precision: str,
     seed: int = 0,
     state: StateLayout | None = None,
+    make_runner: RunnerFactory | None = None,
 ) -> Parity:
     """Compare engine and reference logits; return Parity, or raise ParityError past tolerance.
 
-    core_or_onnx_path: a core folder (its core.json names the step graph) or a step .onnx file.
+    core_or_onnx_path: a core folder (its core.json names the step graph) or a step .onnx file;
+    make_runner: another engine to hold to the same reference (e.g. the torch step program).
     """
     if precision not in TOLERANCES:
         raise ValueError(f"unknown precision {precision!r}")
     if not prompt_ids:
         raise ValueError("validation needs a non-empty prompt")
     tolerance = TOLERANCES[precision]
-    graph = _graph_path(Path(core_or_onnx_path))
+    if make_runner is None:
+        graph = _graph_path(Path(core_or_onnx_path))
+
+        def make_runner(num_pages: int) -> StepRunner:
+            return Runner.from_graph(graph, kv_layout, num_pages=num_pages, state=state, state_slots=3)
+
     prompt = (list(prompt_ids) * -(-MIN_TOKENS // len(prompt_ids)))[: max(MIN_TOKENS, len(prompt_ids))]
 
     sequence, reference = _reference(model, prompt, decode_steps)
     try:
-        engine, positions = _engine(graph, kv_layout, sequence, len(prompt), seed, state)
+        engine, positions = _engine(make_runner, kv_layout, sequence, len(prompt), seed)
     except Exception as exc:  # an engine that cannot even run these inputs is broken
         raise ParityError(f"{precision} engine failed on the validation sequence: {exc}") from exc
     expected = reference[positions].astype(np.float64)
@@ -163,16 +176,22 @@ def _reference(model: DecoderLM, prompt_ids: list[int], decode_steps: int) -> tu
 
 
 def _engine(
-    graph: Path, kv: KVLayout, sequence: list[int], prompt_len: int, seed: int, state: StateLayout | None = None
+    make_runner: RunnerFactory, kv: KVLayout, sequence: list[int], prompt_len: int, seed: int
 ) -> tuple[np.ndarray, list[int]]:
     """Engine logits at the positions it reports, and those positions."""
     rng = np.random.default_rng(seed)
     pages = -(-len(sequence) // kv.page_tokens)
-    runner = Runner.from_graph(graph, kv, num_pages=3 * pages + 2, state=state, state_slots=3)
-    runner.pool[...] = rng.standard_normal(runner.pool.shape, dtype=np.float32)  # stale garbage
+    runner = make_runner(3 * pages + 2)
+    every_page = list(range(runner.num_pages))
+    garbage = rng.standard_normal((kv.num_layers, 2, runner.num_pages, kv.page_tokens, kv.kv_heads, kv.head_dim),
+                                  dtype=np.float32)  # fmt: skip
+    runner.write_pages(every_page, garbage)  # stale garbage
     slot = None
-    if runner.state_pool is not None:  # a stale slot: the first chunk (history 0) must ignore it
-        runner.state_pool[...] = rng.standard_normal(runner.state_pool.shape, dtype=np.float32)
+    if runner.num_state_slots:  # a stale slot: the first chunk (history 0) must ignore it
+        width = runner.read_state(0).shape[0]
+        stale = rng.standard_normal((runner.num_state_slots, width), dtype=np.float32)
+        for index, values in enumerate(stale):
+            runner.write_state(index, values)
         slot = 1
     table = [int(p) for p in rng.permutation(runner.num_pages)[:pages]]
     if table == sorted(table):  # make sure the order itself is exercised

@@ -84,7 +84,9 @@ class StepModel(nn.Module):
             logit_rows = torch.arange(batch, dtype=torch.int64)
             logit_positions = query_lens - 1
         flat = normed.reshape(batch * length, hidden)
-        logits = self.logits_of(torch.index_select(flat, 0, logit_rows * length + logit_positions))
+        # The head in fp32 whatever the weights' dtype (a no-op in an fp32 model): exact
+        # logsumexp, top-20 and explicit ids in a bf16 torch program too.
+        logits = self.logits_of(torch.index_select(flat, 0, logit_rows * length + logit_positions)).float()
         logprobs, lse, top_logprobs, top_ids = logprob_stats(logits)
         # Explicit ids: gathered from the full-vocabulary log-softmax (api.md logprob_token_ids).
         token_logprobs = torch.gather(logprobs, 1, torch.index_select(logprob_token_ids, 0, logit_rows))

@@ -23,7 +23,7 @@ PLANNED = [name for name in SEED_RECIPES if load_recipe(name).family in PLANNED_
 @pytest.fixture(scope="session")
 def family_env(tmp_path_factory, request):
     """Every compiled seed recipe's tiny checkpoint (tests/unit/family_checkpoints.py, 32 experts
-    top-4 in every MoE family) and its fp32 core, exported up front by `ignition export`
+    top-4 in every MoE family) and its fp32 core (ONNX graph and torch program), exported up front by `ignition export`
     subprocesses, two families at a time (tracing is single-threaded; the machine has 2 cores).
     Only the recipes the selected tests name are exported. Recipes of one
     family export in sequence through a private export cache, so the second reuses the first's
@@ -48,8 +48,11 @@ def family_env(tmp_path_factory, request):
         done = {}
         for recipe in families[family]:
             out = folder / f"core-{recipe}"
+            # With the fp32 torch step program beside the ONNX graph (validated against the reference at
+            # export; test_torch_families holds it to the ONNX graph).
             command = [sys.executable, "-m", "ignition.cli", "export", "--recipe", recipe, "--checkpoint",
-                       str(checkpoints[family][0]), "--precision", "fp32", "--out", str(out)]  # fmt: skip
+                       str(checkpoints[family][0]), "--precision", "fp32", "--target", "cpu,cuda",
+                       "--torch-dtype", "float32", "--out", str(out)]  # fmt: skip
             result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
             done[recipe] = (out, result.stdout + result.stderr if result.returncode else "")
         return done

@@ -32,6 +32,7 @@ from tests.conftest import REPO, free_port
 
 RECIPE = "qwen25_coder"
 WIDE = {"COLUMNS": "200"}  # rich wraps at 80 columns off a terminal
+AS_TINY_CORE = {"prompt_logprobs": True, "targets": ("cpu", "cuda"), "torch_dtype": "float32"}  # tests/conftest.py
 
 
 def digests(core: Path) -> dict[str, str]:
@@ -108,7 +109,7 @@ def cached_export(tmp_path_factory, tiny_checkpoint_dir, cache_dir: Path):
     os.environ["FLARE_CACHE"] = str(cache_dir)
     try:
         out = tmp_path_factory.mktemp("cached") / "core"
-        manifest, events = export(tiny_checkpoint_dir, out, prompt_logprobs=True)  # as tiny_core
+        manifest, events = export(tiny_checkpoint_dir, out, **AS_TINY_CORE)
     finally:
         if old is None:
             os.environ.pop("FLARE_CACHE", None)
@@ -137,7 +138,8 @@ def test_exports_are_byte_identical_with_and_without_the_cache(
     env = {**os.environ, "PYTHONHASHSEED": "12345", **WIDE}
     run = subprocess.run(
         [sys.executable, "-m", "ignition.cli", "export", "--recipe", RECIPE, "--checkpoint", str(tiny_checkpoint_dir),
-         "--out", str(fresh), "--precision", "fp32", "--no-cache", "--prompt-logprobs"],
+         "--out", str(fresh), "--precision", "fp32", "--no-cache", "--prompt-logprobs", "--target", "cpu,cuda",
+         "--torch-dtype", "float32"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
@@ -151,7 +153,7 @@ def test_exports_are_byte_identical_with_and_without_the_cache(
     monkeypatch.setattr("ignition.export.stages.load_checkpoint", forbidden)
     monkeypatch.setattr("ignition.export.stages.build_model", forbidden)
     monkeypatch.setattr("ignition.export.stages.export_step_graph", forbidden)
-    hit, hit_events = export(tiny_checkpoint_dir, tmp_path / "hit", prompt_logprobs=True)
+    hit, hit_events = export(tiny_checkpoint_dir, tmp_path / "hit", **AS_TINY_CORE)
     assert "export cache hit" in stage_details(hit_events, "read")
     assert "skipped" in stage_details(hit_events, "convert")
     assert "skipped" in stage_details(hit_events, "export")
@@ -160,7 +162,8 @@ def test_exports_are_byte_identical_with_and_without_the_cache(
     # tiny_core (conftest), the cache-filling export, the --no-cache process and the cache hit.
     expected = digests(tiny_core)
     assert set(expected) == {MANIFEST_NAME, "step.onnx", "step.onnx.data", "score.onnx", "score.onnx.data",
-                             "tokenizer.json", "chat_template.jinja"}
+                             "step.cuda.pt2", "tokenizer.json", "chat_template.jinja"}
+    assert "cached float32 torch step program" in stage_details(hit_events, "export")
     for core in (cached_core, fresh, tmp_path / "hit"):
         assert digests(core) == expected, core
     assert hit.digest == manifest.digest == Manifest.load(tiny_core).digest
@@ -168,6 +171,8 @@ def test_exports_are_byte_identical_with_and_without_the_cache(
     # Nothing in the graph says where it was built.
     graph = (tmp_path / "hit" / "step.onnx").read_bytes()
     assert str(REPO).encode() not in graph and b"site-packages" not in graph and b"stack_trace" not in graph
+    program = (tmp_path / "hit" / "step.cuda.pt2").read_bytes()  # an uncompressed zip: names are plain bytes
+    assert str(REPO).encode() not in program and b"site-packages" not in program and b"stack_trace" not in program
 
 
 def test_manifest_records_toolchain_and_digest(tiny_core):
@@ -176,8 +181,8 @@ def test_manifest_records_toolchain_and_digest(tiny_core):
     assert {"flare", "flare-exporter", "torch", "onnx", "onnxscript", "onnxruntime", "numpy"} <= set(chain)
     assert chain["flare-exporter"] == export_cache.exporter_version()
     assert manifest.format_version == FORMAT_VERSION
-    assert set(manifest.files) == {"step.onnx", "step.onnx.data", "score.onnx", "score.onnx.data", "tokenizer.json",
-                                   "chat_template.jinja"}
+    assert set(manifest.files) == {"step.onnx", "step.onnx.data", "score.onnx", "score.onnx.data", "step.cuda.pt2",
+                                   "tokenizer.json", "chat_template.jinja"}
     for rel, digest in manifest.files.items():
         assert file_sha256(tiny_core / rel) == digest
     # The digest is the sha256 of the listing in sha256sum format: `sha256sum -c` checks a core.
