@@ -11,7 +11,7 @@ from typing import Any
 
 from helios.engine.drafter import LearnedDrafter
 from helios.engine.host_store import HostStore, HostStoreConfig, core_identity
-from helios.engine.runner import Runner
+from helios.engine.runner import SPARE_STATE_SLOTS, Runner
 from helios.engine.speculation import SpeculationConfig, Speculator
 from helios.engine.step_io import StepRunner
 from helios.manifest import Manifest
@@ -113,12 +113,15 @@ def _cuda_available() -> bool:
 
 
 def build_runner(core_dir: Path, manifest: Manifest, choice: RunnerChoice, num_pages: int, threads: int | None,
-                 state_slots: int) -> StepRunner:  # fmt: skip
+                 max_concurrency: int) -> StepRunner:  # fmt: skip
+    """The chosen runner, its state slots and decode-graph buckets sized for max_concurrency."""
+    slots = max_concurrency + SPARE_STATE_SLOTS
     if choice.engine == "onnx":
-        return Runner(core_dir, manifest, num_pages, threads, state_slots=state_slots)
+        return Runner(core_dir, manifest, num_pages, threads, state_slots=slots)
     from helios.engine.torch_runner import TorchRunner  # torch only where its engine serves
 
-    return TorchRunner(core_dir, manifest, num_pages, device=choice.device, threads=threads, state_slots=state_slots)
+    return TorchRunner(core_dir, manifest, num_pages, device=choice.device, threads=threads, state_slots=slots,
+                       max_batch=max_concurrency)  # fmt: skip
 
 
 def describe_runner(manifest: Manifest, runner: StepRunner) -> str:

@@ -26,7 +26,7 @@ from helios.engine.assembly import (RunnerChoice, build_runner, host_store_argum
                                    speculator_for, state_snapshot_arguments)
 from helios.engine.host_store import HostStoreConfig
 from helios.engine.prefix_cache import PrefixCache, PrefixCacheConfig
-from helios.engine.runner import SPARE_STATE_SLOTS, PromptScores, StepOutput, StepRow
+from helios.engine.runner import PromptScores, StepOutput, StepRow
 from helios.engine.sampler import explicit_logprob, prompt_logprob_entries, sample, token_logprob
 from helios.engine.scheduler import Batch, Scheduler
 from helios.engine.sequence import Sequence
@@ -65,9 +65,8 @@ class Engine:
         self.manifest = manifest
         limits = manifest.limits
         if runner is None:
-            slots = (max_concurrency or limits.max_concurrency) + SPARE_STATE_SLOTS
             runner = build_runner(self.core_dir, manifest, choice or RunnerChoice(), kv_pages or limits.kv_pages, threads,
-                                  slots)
+                                  max_concurrency or limits.max_concurrency)
         elif kv_pages is not None and kv_pages != runner.num_pages:
             raise ValueError(f"kv_pages={kv_pages} but the given runner has {runner.num_pages} pages")
         if not isinstance(runner, StepRunner):

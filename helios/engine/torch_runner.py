@@ -65,7 +65,9 @@ class TorchRunner:
         self, core_dir: Path, manifest: Manifest, num_pages: int, device: str = "cpu", threads: int | None = None,
         state_slots: int | None = None, graphs: bool | None = None, max_batch: int | None = None,
     ) -> None:  # fmt: skip
-        """graphs: capture decode graphs (default: on CUDA); on a CPU they are eager stand-ins."""
+        """graphs: decode through DecodeGraphs (default: on CUDA, for a core without recurrent state or
+        images); on a CPU its graphs are eager stand-ins. max_batch: the largest bucket (default
+        the core's max_concurrency)."""
         self.engine: Engine = manifest.engine("step", "cuda")
         if num_pages < 1:
             raise ValueError("num_pages must be >= 1")
@@ -94,9 +96,10 @@ class TorchRunner:
         score = next((e for e in manifest.engines if e.name == "score"), None)
         self.scorer = PromptScorer(Path(core_dir) / score.file, threads) if score is not None else None
         self.graphs: DecodeGraphs | None = None
-        if graphs if graphs is not None else self.device.type == "cuda":
-            if self.state_pool is not None or self.takes_images:
-                raise ValueError("decode graphs need a core without recurrent state or images")
+        plain = self.state_pool is None and not self.takes_images  # the buffers hold no state or image inputs
+        if graphs and not plain:
+            raise ValueError("decode graphs need a core without recurrent state or images")
+        if graphs if graphs is not None else (self.device.type == "cuda" and plain):
             self.graphs = DecodeGraphs(self, max_batch or manifest.limits.max_concurrency)
 
     # -- StepRunner ------------------------------------------------------------------------------
