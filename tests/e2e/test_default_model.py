@@ -104,10 +104,30 @@ def test_disconnect_frees_the_slot(http):
     assert after["flare_free_kv_pages"] + after["flare_cached_kv_pages"] == after["flare_total_kv_pages"]
 
 
+# Where greedy answers with and without speculation may part: the target's two best tokens within
+# this many nats. A verification step (k+1 positions) and a decode step (1) are differently shaped
+# computations; kernels that are not shape-invariant (onnxruntime's, on a CPU without AVX512)
+# round them differently, which can flip the argmax at such a tie. After it the answers differ.
+TIE_NATS = 2e-2
+
+
+def assert_same_greedy_tokens(fast: list[dict], slow: list[dict]) -> None:
+    """Chat logprob entries: the same tokens with the same target logprobs (1e-3), parting only at
+    a tie of the plain run's two best tokens, with the speculative choice among them."""
+    for i, (a, b) in enumerate(zip(fast, slow)):
+        if a["token"] != b["token"]:
+            best = {t["token"]: t["logprob"] for t in b["top_logprobs"]}
+            gap = abs(best.get(a["token"], float("-inf")) - b["logprob"])
+            assert gap < TIE_NATS, (i, a["token"], b["token"], b["top_logprobs"])
+            return
+        assert abs(a["logprob"] - b["logprob"]) < 1e-3, (i, a, b)
+    assert len(fast) == len(slow)
+
+
 def test_speculation_is_exact_and_fires_on_an_edit(default_core, default_server, http):
     """Greedy output of an edit (a file re-emitted with one name changed), and of a chat with a
-    tool, is byte-identical with speculation (the default server) and without it, and history
-    drafts were accepted."""
+    tool, is the same with speculation (the default server) and without it, token for token with
+    the same target logprobs (parting only at a tie, TIE_NATS), and history drafts were accepted."""
     from tests.conftest import Server
 
     module = "class Inventory:\n    def __init__(self):\n        self.record_store = {}\n" + "".join(
@@ -122,7 +142,7 @@ def test_speculation_is_exact_and_fires_on_an_edit(default_core, default_server,
             "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
                            "required": ["path", "content"]}}}
     chat = {"messages": [{"role": "user", "content": "Save this module as inventory.py:\n" + module}],
-            "tools": [tool], "max_tokens": 200, "temperature": 0, "top_k": 1}
+            "tools": [tool], "max_tokens": 200, "temperature": 0, "top_k": 1, "logprobs": True, "top_logprobs": 2}
     before = http.get("/metrics", params={"format": "json"}).json()
     fast = http.post("/v1/completions", json=body).json()["choices"][0]
     after = http.get("/metrics", params={"format": "json"}).json()
@@ -137,7 +157,10 @@ def test_speculation_is_exact_and_fires_on_an_edit(default_core, default_server,
     for message in (fast_chat["message"], slow_chat["message"]):
         for call in message.get("tool_calls") or []:
             call.pop("id")  # random per response
-    assert fast_chat["message"] == slow_chat["message"]  # with tools: the same text or the same calls
+    # With tools: the same text or the same calls, unless the answers part at a tie.
+    assert_same_greedy_tokens(fast_chat["logprobs"]["content"], slow_chat["logprobs"]["content"])
+    if [e["token"] for e in fast_chat["logprobs"]["content"]] == [e["token"] for e in slow_chat["logprobs"]["content"]]:
+        assert fast_chat["message"] == slow_chat["message"]
     assert fast["text"] == slow["text"] and "stock_levels" in fast["text"]
     for a, b in zip(fast["logprobs"]["token_logprobs"], slow["logprobs"]["token_logprobs"]):
         assert abs(a - b) < 1e-3  # the target's own distribution at every committed position

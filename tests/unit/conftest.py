@@ -17,13 +17,19 @@ from tests.unit.family_checkpoints import write_family_checkpoint
 SEED_RECIPES = ["qwen38", "qwen38_dense", "glm53", "deepseek4", "deepseek41", "mimo_v2", "kimi3", "step5",
                 "nemotron_h", "kimi31", "minimax_m3", "muse_spark", "gemma4"]  # fmt: skip
 COMPILED = [name for name in SEED_RECIPES if load_recipe(name).family in COMPILED_FAMILIES]
+# Family cores that also carry an fp32 torch step program (--target cpu,cuda): every compiled one
+# with FLARE_ALL_TORCH_FAMILIES=1 (~30 s of torch.export each); by default three that cover the
+# program's distinct paths: recurrent state (Qwen 3.5), compressed attention with routed experts
+# (DeepSeek V4), MLA (DeepSeek V3 / Kimi).
+TORCH_PROGRAM_RECIPES = COMPILED if os.environ.get("FLARE_ALL_TORCH_FAMILIES") == "1" else ["qwen38_dense", "deepseek4",
+                                                                                           "kimi3"]
 PLANNED = [name for name in SEED_RECIPES if load_recipe(name).family in PLANNED_FAMILIES]
 
 
 @pytest.fixture(scope="session")
 def family_env(tmp_path_factory, request):
     """Every compiled seed recipe's tiny checkpoint (tests/unit/family_checkpoints.py, 32 experts
-    top-4 in every MoE family) and its fp32 core (ONNX graph and torch program), exported up front by `ignition export`
+    top-4 in every MoE family) and its fp32 core (with a torch program: TORCH_PROGRAM_RECIPES), exported up front by `ignition export`
     subprocesses, two families at a time (tracing is single-threaded; the machine has 2 cores).
     Only the recipes the selected tests name are exported. Recipes of one
     family export in sequence through a private export cache, so the second reuses the first's
@@ -48,11 +54,11 @@ def family_env(tmp_path_factory, request):
         done = {}
         for recipe in families[family]:
             out = folder / f"core-{recipe}"
-            # With the fp32 torch step program beside the ONNX graph (validated against the reference at
-            # export; test_torch_families holds it to the ONNX graph).
+            # TORCH_PROGRAM_RECIPES also get the fp32 torch step program (validated against the reference
+            # at export; test_torch_families holds it to the ONNX graph).
+            targets = ["--target", "cpu,cuda", "--torch-dtype", "float32"] if recipe in TORCH_PROGRAM_RECIPES else []
             command = [sys.executable, "-m", "ignition.cli", "export", "--recipe", recipe, "--checkpoint",
-                       str(checkpoints[family][0]), "--precision", "fp32", "--target", "cpu,cuda",
-                       "--torch-dtype", "float32", "--out", str(out)]  # fmt: skip
+                       str(checkpoints[family][0]), "--precision", "fp32", *targets, "--out", str(out)]  # fmt: skip
             result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
             done[recipe] = (out, result.stdout + result.stderr if result.returncode else "")
         return done

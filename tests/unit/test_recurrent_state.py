@@ -213,7 +213,7 @@ def test_scheduler_slots_and_prefix_cache_skips():
 def test_manifest_state_layout_is_checked():
     from helios.manifest import FORMAT_VERSION, _build
 
-    assert FORMAT_VERSION == "1.10"
+    assert FORMAT_VERSION == "1.11"
     good = {"width": 30, "dtype": "float32", "layers": [
         {"layer": 0, "kind": "gated_deltanet", "offset": 0, "size": 10},
         {"layer": 2, "kind": "gated_deltanet", "offset": 10, "size": 20}]}  # fmt: skip
@@ -242,7 +242,7 @@ def core(family_env):
     """The tiny Qwen 3.5 checkpoint exported as an fp32 core (qwen38_dense recipe)."""
     core, _ = family_env("qwen38_dense")
     manifest = Manifest.load(core)
-    assert manifest.state is not None and manifest.kv.num_layers == 1 and manifest.format_version == "1.10"
+    assert manifest.state is not None and manifest.kv.num_layers == 1 and manifest.format_version == "1.11"
     return core
 
 

@@ -1,7 +1,8 @@
-"""Every compiled seed family's torch step program (fp32, `--target cpu,cuda`, exported and
-validated against the family's reference beside its ONNX graph) equals the core's ONNX step
-graph through helios' runners: two prefill chunks of two rows, then batched decode steps on
-shuffled page tables (recurrent state slots included)."""
+"""A family core's torch step program (fp32, `--target cpu,cuda`, exported and validated against
+the family's reference beside its ONNX graph) equals the core's ONNX step graph through helios'
+runners: two prefill chunks of two rows, then batched decode steps on shuffled page tables
+(recurrent state slots included). Every compiled family with FLARE_ALL_TORCH_FAMILIES=1, three
+representative ones by default (tests/unit/conftest.py, TORCH_PROGRAM_RECIPES)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ from helios.engine.runner import Runner
 from helios.engine.step_io import StepRow
 from helios.engine.torch_runner import TorchRunner
 from helios.manifest import Manifest
-from tests.unit.conftest import COMPILED
+from tests.unit.conftest import TORCH_PROGRAM_RECIPES
 
 PAGES = 16
 
 
-@pytest.mark.parametrize("recipe", COMPILED)
+@pytest.mark.parametrize("recipe", TORCH_PROGRAM_RECIPES)
 def test_torch_program_equals_the_onnx_graph(family_env, recipe):
     core, _ = family_env(recipe)
     manifest = Manifest.load(core)
