@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 import pytest
 
+from helios import kernels as flare_kernels
 from helios.engine.runner import Runner, StepRow
 from helios.manifest import Manifest
 from ignition.export.manifest import _initializer_bytes, decode_weight_bytes
@@ -62,7 +63,9 @@ def test_quantized_cores_route_packed_experts(precision, bits, tmp_path, monkeyp
     for kernels in ("on", "off"):
         monkeypatch.setenv("FLARE_KERNELS", kernels)
         runner = Runner(core, manifest, num_pages=8)
-        assert runner.kernels == ("flare" if kernels == "on" else "onnxruntime")
+        # "on" runs flare's kernel where this CPU can (AVX512-VNNI and a compiler), else falls back.
+        flare = kernels == "on" and flare_kernels.available()[0] is not None
+        assert runner.kernels == ("flare" if flare else "onnxruntime")
         logits.append(runner.step([StepRow(ids, 0, list(range(4)), state_slot=0)]).logits[0])
     assert np.abs(logits[0] - logits[1]).max() <= 0.05 * np.abs(logits[1]).max()
 
