@@ -23,7 +23,8 @@ from ignition.checkpoints.base import CheckpointError
 from ignition.checkpoints.load import load_checkpoint
 from ignition.checkpoints.packaged import PACKAGED_MODELS
 from ignition.export.cache import identify
-from ignition.export.validate import VALIDATION_PROMPT, ParityError, validate, validation_prompt
+from ignition.export.validate import (TORCH_PROGRAM_PRECISION, VALIDATION_PROMPT, ParityError, torch_program_runners,
+                                      validate, validation_prompt)
 from ignition.models import build_model
 
 # verify fails when the parity it measures moved from the export-time value by more than this
@@ -144,18 +145,11 @@ def _parity(
     _judge("parity", lambda: validate(core, model, manifest.kv, prompt_ids, steps, precision=manifest.precision,
                                       state=manifest.state), recorded, result, report)  # fmt: skip
     for engine in (e for e in manifest.engines if e.target == "cuda"):
-        precision = "fp32" if engine.dtype == "float32" else str(engine.dtype)
+        precision = TORCH_PROGRAM_PRECISION.get(str(engine.dtype), str(engine.dtype))  # unknown: validate says so
         _judge(f"parity ({engine.target} {engine.dtype})",
                lambda: validate(core, model, manifest.kv, prompt_ids, steps, precision=precision, state=manifest.state,
-                                make_runner=lambda pages: torch_runner(core, manifest, pages)),
+                                make_runner=torch_program_runners(core, manifest)),
                engine.parity, result, report)  # fmt: skip
-
-
-def torch_runner(core: Path, manifest: Manifest, num_pages: int) -> StepRunner:
-    """The core's torch program on CPU torch (imported here: only cores with one need torch's runner)."""
-    from helios.engine.torch_runner import TorchRunner
-
-    return TorchRunner(core, manifest, num_pages, device="cpu", state_slots=3, graphs=False)
 
 
 def _judge(name: str, measure: Callable[[], Parity], recorded: Parity | None, result: Verification,
@@ -191,8 +185,8 @@ def _smoke(core: Path, manifest: Manifest, result: Verification, report: Callabl
     check that its outputs are finite and consistent with each other."""
     _smoke_one("smoke", lambda pages: Runner(core, manifest, num_pages=pages), core, manifest, result, report)
     for engine in (e for e in manifest.engines if e.target == "cuda"):
-        _smoke_one(f"smoke ({engine.target} {engine.dtype})", lambda pages: torch_runner(core, manifest, pages), core,
-                   manifest, result, report)  # fmt: skip
+        _smoke_one(f"smoke ({engine.target} {engine.dtype})", torch_program_runners(core, manifest), core, manifest,
+                   result, report)  # fmt: skip
 
 
 def _smoke_one(name: str, make_runner: Callable[[int], StepRunner], core: Path, manifest: Manifest,

@@ -126,10 +126,12 @@ def build_runner(core_dir: Path, manifest: Manifest, choice: RunnerChoice, num_p
 
 def describe_runner(manifest: Manifest, runner: StepRunner) -> str:
     """The start-up line's engine part: which engine, where, and its decode graphs."""
+    if isinstance(runner, Runner):  # checked first: an ONNX core's start-up never imports torch
+        return "engine: ONNX step graph on onnxruntime (CPU)"
     from helios.engine.torch_runner import TorchRunner
 
     if not isinstance(runner, TorchRunner):
-        return "engine: ONNX step graph on onnxruntime (CPU)"
+        return f"engine: {type(runner).__name__}"
     engine = manifest.engine("step", "cuda")
     text = f"engine: torch step program ({engine.dtype}, written by torch {engine.torch_version}) on {runner.device}"
     graphs = runner.graphs

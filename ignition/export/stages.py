@@ -27,7 +27,8 @@ from ignition.export.quantize import quantize, quantize_score
 from ignition.export.score import export_score_graph, lm_head_from_step_graph
 from ignition.export.state import ExportError, ExportState
 from ignition.export.torch_program import TorchExportError, export_torch_program, torch_program_engine
-from ignition.export.validate import validate, validate_scores, validation_prompt
+from ignition.export.validate import (TORCH_PROGRAM_PRECISION, torch_program_runners, validate, validate_scores,
+                                      validation_prompt)
 from ignition.export.vision import VISION_GRAPH_FILE, export_vision_graph, vision_engine, vision_spec
 from ignition.models import DecoderLM, build_model
 from ignition.models.qwen3_5_vision import build_vision_tower
@@ -183,14 +184,10 @@ def validate_engines(state: ExportState) -> None:
 
 def _validate_torch_program(state: ExportState, dtype: str, prompt_ids: list[int]) -> Parity:
     """The torch program on CPU torch, through helios' torch runner, against the reference."""
-    from helios.engine.torch_runner import TorchRunner  # torch runner imports only where a program is
-
     manifest, kv = state.manifest, state.kv
     assert manifest is not None and kv is not None
-    precision = "fp32" if dtype == "float32" else dtype
-
-    def runner(num_pages: int) -> TorchRunner:
-        return TorchRunner(state.core_dir, manifest, num_pages, device="cpu", state_slots=3, graphs=False)
+    precision = TORCH_PROGRAM_PRECISION[dtype]
+    runner = torch_program_runners(state.core_dir, manifest)
 
     try:
         if state.reference is None:

@@ -78,6 +78,20 @@ TOLERANCES = {
 }
 # Runs the validation sequence: num_pages -> a fresh runner (the ONNX graph's, unless given).
 RunnerFactory = Callable[[int], StepRunner]
+# A torch program's weights dtype -> its TOLERANCES key.
+TORCH_PROGRAM_PRECISION = {"float32": "fp32", "bfloat16": "bfloat16"}
+
+
+def torch_program_runners(core: Path, manifest: Manifest) -> RunnerFactory:
+    """The core's torch step program on CPU torch through helios' torch runner (no decode graphs),
+    as export validation and `ignition verify` run it."""
+
+    def make(num_pages: int) -> StepRunner:
+        from helios.engine.torch_runner import TorchRunner  # torch's runner only where a program is
+
+        return TorchRunner(core, manifest, num_pages, device="cpu", state_slots=3, graphs=False)
+
+    return make
 MIN_TOKENS = 64  # shorter prompts are repeated up to this length (see module docstring)
 
 
