@@ -19,6 +19,12 @@ import pytest
 
 from helios.cache import cache_root
 
+# Triton kernels run on CPU tensors only under the interpreter, and @triton.jit picks it when it
+# decorates, triton.language's own helpers included: whichever test module first imports
+# transformers (which imports triton) fixes that for the whole run, so it is set before any.
+if not Path("/dev/nvidia0").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO = Path(__file__).resolve().parent.parent
 CACHE = cache_root()
 # flare's kernel library is built once per machine; tests that point FLARE_CACHE at a scratch
