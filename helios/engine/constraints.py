@@ -24,12 +24,15 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import numpy as np
 
 from helios.engine.api import GenerationRequest
+
+if TYPE_CHECKING:  # a sequence carries its RowConstraint: its module imports this one
+    from helios.engine.sequence import Sequence
 
 log = logging.getLogger("helios.engine")
 
@@ -50,8 +53,13 @@ def llg_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]
 
 def parser_limits() -> Any:
     """Bounds on grammar size and per-step work (compile and masks)."""
-    return llguidance.LLParserLimits(max_grammar_size=200_000, step_lexer_fuel=200_000, step_max_items=50_000,
-                                     max_lexer_states=100_000, initial_lexer_fuel=1_000_000)
+    return llguidance.LLParserLimits(
+        max_grammar_size=200_000,
+        step_lexer_fuel=200_000,
+        step_max_items=50_000,
+        max_lexer_states=100_000,
+        initial_lexer_fuel=1_000_000,
+    )
 
 
 def first_line(error: str) -> str:
@@ -106,8 +114,14 @@ class RowConstraint:
         """The budget is reached, reasoning is open, the close token fits, and no tool opener
         is undecided at the end of the text so far."""
         c = self.control
-        if (c is None or self.phase != REASONING or c.budget is None or c.close_token_id is None
-                or self.reasoning_tokens < c.budget or num_generated >= max_new_tokens):
+        if (
+            c is None
+            or self.phase != REASONING
+            or c.budget is None
+            or c.close_token_id is None
+            or self.reasoning_tokens < c.budget
+            or num_generated >= max_new_tokens
+        ):
             return False
         tail = text[-64:]
         for opener in c.tool_open_texts:
@@ -164,7 +178,7 @@ class Constraints:
         self.mask_seconds = 0.0  # wall time spent computing masks (reported by the benchmark)
         self.budget_cuts = 0
 
-    def attach(self, seq: Any) -> None:
+    def attach(self, seq: Sequence) -> None:
         request = seq.request
         budget = request.reasoning.budget if request.reasoning is not None else None
         if request.grammar is None and budget is None:
@@ -183,11 +197,10 @@ class Constraints:
             self._llg = llg_tokenizer(source, self.vocab_size, self.eos_token_ids)
         return self._llg
 
-    def begin(self, seqs: list[Any]) -> Future | None:
+    def begin(self, seqs: list[Sequence]) -> Future | None:
         """Start computing this step's masks for the rows that will sample (None: no row has
         a constraint). Each row's state is final here: its last token was committed."""
-        rows = [(i, seq) for i, seq in enumerate(seqs) if getattr(seq, "constraint", None) is not None
-                and seq.constraint.active]
+        rows = [(i, seq) for i, seq in enumerate(seqs) if seq.constraint is not None and seq.constraint.active]
         if not rows:
             return None
         if self._executor is None:
@@ -196,8 +209,9 @@ class Constraints:
         limits = {i: (seq.num_generated, seq.stop_checker.max_new_tokens) for i, seq in rows}
         return self._executor.submit(self._masks, rows, texts, limits)
 
-    def _masks(self, rows: list[tuple[int, Any]], texts: dict[int, str],
-               limits: dict[int, tuple[int, int]]) -> dict[int, RowMask]:
+    def _masks(
+        self, rows: list[tuple[int, Sequence]], texts: dict[int, str], limits: dict[int, tuple[int, int]]
+    ) -> dict[int, RowMask]:
         t0 = time.perf_counter()
         out: dict[int, RowMask] = {}
         for i, seq in rows:
@@ -241,8 +255,8 @@ class Constraints:
             allowed = np.concatenate([allowed, np.zeros(self.vocab_size - allowed.size, dtype=bool)])
         return allowed[: self.vocab_size]
 
-    def commit(self, seq: Any, token: int, forced: bool) -> None:
-        c: RowConstraint | None = getattr(seq, "constraint", None)
+    def commit(self, seq: Sequence, token: int, forced: bool) -> None:
+        c = seq.constraint
         if c is None:
             return
         was_cut = c.budget_cut

@@ -18,17 +18,23 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from helios.engine.api import (EngineStats, FinishReason, GenerationEvent, GenerationRequest, PromptLogprob,
-                               TokenLogprob)
+from helios.engine.api import EngineStats, FinishReason, GenerationEvent, GenerationRequest, PromptLogprob, TokenLogprob
+from helios.engine.assembly import (
+    RunnerChoice,
+    build_runner,
+    host_store_arguments,
+    kv_page_bytes,
+    page_copier,
+    speculator_for,
+    state_snapshot_arguments,
+)
 from helios.engine.block_manager import BlockManager
-from helios.engine.constraints import ConstraintError, Constraints
-from helios.engine.assembly import (RunnerChoice, build_runner, host_store_arguments, kv_page_bytes, page_copier,
-                                   speculator_for, state_snapshot_arguments)
+from helios.engine.constraints import ConstraintError, Constraints, RowMask
 from helios.engine.host_store import HostStoreConfig
 from helios.engine.prefix_cache import PrefixCache, PrefixCacheConfig
 from helios.engine.runner import PromptScores, StepOutput, StepRow
 from helios.engine.sampler import explicit_logprob, prompt_logprob_entries, sample, token_logprob
-from helios.engine.scheduler import Batch, Scheduler
+from helios.engine.scheduler import Batch, Scheduler, step_rows
 from helios.engine.sequence import Sequence
 from helios.engine.speculation import RoundCounts, SpeculationConfig
 from helios.engine.step_io import StepRunner
@@ -65,8 +71,14 @@ class Engine:
         self.manifest = manifest
         limits = manifest.limits
         if runner is None:
-            runner = build_runner(self.core_dir, manifest, choice or RunnerChoice(), kv_pages or limits.kv_pages, threads,
-                                  max_concurrency or limits.max_concurrency)
+            runner = build_runner(
+                self.core_dir,
+                manifest,
+                choice or RunnerChoice(),
+                kv_pages or limits.kv_pages,
+                threads,
+                max_concurrency or limits.max_concurrency,
+            )
         elif kv_pages is not None and kv_pages != runner.num_pages:
             raise ValueError(f"kv_pages={kv_pages} but the given runner has {runner.num_pages} pages")
         if not isinstance(runner, StepRunner):
@@ -234,7 +246,8 @@ class Engine:
             rounds_by_width=dict(self._rounds.by_width),
             history_drafts_enabled=spec is not None and spec.config.history_drafts,
             draft_steps_total=learned.steps if learned is not None else 0,
-            learned_drafter=learned is not None, images=self.images.counters(),
+            learned_drafter=learned is not None,
+            images=self.images.counters(),
         )
 
     def generate(self, request: GenerationRequest, timeout: float | None = None) -> list[GenerationEvent]:
@@ -326,28 +339,31 @@ class Engine:
         """Waiting sequences never admitted whose queue deadline has passed (a preempted one
         already produced output, so it keeps its place)."""
         now = time.monotonic()
-        return [seq for seq in self.scheduler.waiting
-                if seq.num_preemptions == 0 and seq.request.queue_deadline is not None
-                and seq.request.queue_deadline <= now]
+        return [
+            seq
+            for seq in self.scheduler.waiting
+            if seq.num_preemptions == 0 and seq.request.queue_deadline is not None and seq.request.queue_deadline <= now
+        ]
 
     def _run_batch(self, batch: Batch, emitted: list[tuple[Sequence, GenerationEvent]]) -> None:
+        """One step of a scheduled batch: its runner inputs, the forward pass, then sampling and
+        the tokens' bookkeeping."""
         if self.scheduler.speculator is not None and self.scheduler.speculator.learned is not None:
             self.scheduler.speculator.learned.draft(batch.rows)  # learned drafts, before the target verifies
-        rows = [
-            StepRow(
-                token_ids=r.token_ids,
-                history_len=r.start,
-                block_table=list(r.seq.page_table),
-                logprob_ids=r.seq.sampling.logprob_token_ids if r.samples else None,
-                score_targets=_score_targets(r.seq, r.start, r.num_tokens),
-                state_slot=r.seq.state_slot,
-                output_positions=list(range(1 + len(r.drafts))) if r.drafts else None,
-            )
-            for r in batch.rows
-        ]
+        rows = step_rows(batch)
         self.images.place(rows, [r.seq for r in batch.rows])
+        sampling = [i for i, r in enumerate(batch.rows) if r.samples]
         # Grammar masks and forced tokens of the rows that sample, computed beside the forward pass.
-        masking = self.constraints.begin([r.seq for r in batch.rows if r.samples])
+        masking = self.constraints.begin([batch.rows[i].seq for i in sampling])
+        out = self._run(batch, rows, emitted)
+        if out is not None:
+            self._postprocess(batch, out, sampling, masking.result() if masking is not None else {}, emitted)
+
+    def _run(
+        self, batch: Batch, rows: list[StepRow], emitted: list[tuple[Sequence, GenerationEvent]]
+    ) -> StepOutput | None:
+        """The forward pass and what it commits in the scheduler's books; None: it failed, and
+        every row's request with it."""
         started = time.perf_counter()
         try:
             out = self.runner.step(rows)
@@ -356,7 +372,7 @@ class Engine:
             for r in batch.rows:
                 if not r.seq.is_finished:
                     emitted.append((r.seq, self._fail(r.seq, f"runner step failed: {exc}")))
-            return
+            return None
         self.scheduler.commit(batch)
         # Every completed step graph is a verification graph (api.md counts its rounds and width).
         self._rounds.step([len(r.drafts) for r in batch.rows], [len(r.drafts) for r in batch.rows if r.is_decode])
@@ -365,52 +381,65 @@ class Engine:
         if self.prefix_cache.host is not None and prefilled >= PREFILL_SAMPLE_TOKENS:
             # The host store prices a restore against the prefill it replaces: this step's rate.
             self.prefix_cache.host.observe_prefill(prefilled, time.perf_counter() - started)
+        return out
+
+    def _postprocess(
+        self,
+        batch: Batch,
+        out: StepOutput,
+        sampling: list[int],
+        masks: dict[int, RowMask],
+        emitted: list[tuple[Sequence, GenerationEvent]],
+    ) -> None:
+        """Prompt scores, then a token for each row that samples (`sampling`: their indices in
+        the batch; `masks`: by position in `sampling`), then the speculative rounds."""
         if out.prompt_scores is not None:
             for r, scores in zip(batch.rows, out.prompt_scores):
                 if scores is not None:
                     emitted.append((r.seq, self._prompt_event(r.seq, scores)))
-
-        idx = [i for i, r in enumerate(batch.rows) if r.samples]
-        # A scoring-only request (max_tokens 0) ends once its prompt is computed: no sampling.
-        for i in [i for i in idx if batch.rows[i].seq.sampling.max_tokens == 0]:
-            seq = batch.rows[i].seq
-            self.scheduler.finish(seq, FinishReason.LENGTH)
-            emitted.append((seq, self._final_event(seq, [], "", None)))
-        idx = [i for i in idx if not batch.rows[i].seq.is_finished]
-        if not idx:
+        todo: list[tuple[int, Sequence, RowMask | None]] = []  # (batch row, sequence, its mask)
+        for j, i in enumerate(sampling):
+            seq, mask = batch.rows[i].seq, masks.get(j)
+            if seq.sampling.max_tokens == 0:  # scoring only: ends once its prompt is computed
+                self.scheduler.finish(seq, FinishReason.LENGTH)
+                emitted.append((seq, self._final_event(seq, [], "", None)))
+            elif seq.is_finished:
+                continue
+            elif mask is not None and mask.error is not None:
+                emitted.append((seq, self._fail(seq, mask.error)))
+            else:
+                todo.append((i, seq, mask))
+        if not todo:
             return
-        seqs = [batch.rows[i].seq for i in idx]
-        masks = masking.result() if masking is not None else {}
-        for j, seq in enumerate(seqs):
-            if (m := masks.get(j)) is not None and m.error is not None:
-                emitted.append((seq, self._fail(seq, m.error)))
-        live = [j for j, seq in enumerate(seqs) if not seq.is_finished]
-        if len(live) < len(seqs):
-            idx, seqs = [idx[j] for j in live], [seqs[j] for j in live]
-            masks = {k: masks[j] for k, j in enumerate(live) if j in masks}
-            if not idx:
-                return
-        row_masks = [masks.get(j) for j in range(len(seqs))] if masks else None
+        seqs = [seq for _, seq, _ in todo]
+        row_masks = [mask for _, _, mask in todo] if masks else None
         try:
             # The step graph's top ids let top-k rows sample without a vocabulary pass (sampler).
-            at = [out.index(i) for i in idx]
+            at = [out.index(i) for i, _, _ in todo]
             tokens = sample(out.logits[at], seqs, row_masks, top_ids=out.top_ids[at], logsumexp=out.logsumexp[at])
         except Exception as exc:
             log.exception("sampling failed")
             for seq in seqs:
                 emitted.append((seq, self._fail(seq, f"sampling failed: {exc}")))
             return
-        for j, (i, seq, token) in enumerate(zip(idx, seqs, tokens.tolist())):
+        for (i, seq, mask), token in zip(todo, tokens.tolist()):
             if token < 0:
                 log.error("non-finite logits for %s", seq.request_id)
                 emitted.append((seq, self._fail(seq, "the model produced non-finite logits")))
                 continue
-            forced = row_masks is not None and row_masks[j] is not None and row_masks[j].forced is not None
+            forced = mask is not None and mask.forced is not None
             self._commit_safely(seq, token, out, out.index(i), forced, emitted)
         self._verify(batch, out, emitted)
 
-    def _commit_safely(self, seq: Sequence, token: int, out: StepOutput, at: int, forced: bool,
-                       emitted: list[tuple[Sequence, GenerationEvent]]) -> None:
+    def _commit_safely(
+        self,
+        seq: Sequence,
+        token: int,
+        out: StepOutput,
+        at: int,
+        forced: bool,
+        emitted: list[tuple[Sequence, GenerationEvent]],
+    ) -> None:
         try:
             emitted.append((seq, self._commit_token(seq, token, out, at, forced)))
         except ConstraintError as exc:
@@ -456,8 +485,9 @@ class Engine:
             if speculator is not None:
                 speculator.record(r.seq, len(r.drafts), accepted[i])
 
-    def _commit_token(self, seq: Sequence, token: int, out: StepOutput, i: int,
-                      forced: bool = False) -> GenerationEvent:
+    def _commit_token(
+        self, seq: Sequence, token: int, out: StepOutput, i: int, forced: bool = False
+    ) -> GenerationEvent:
         self.constraints.commit(seq, token, forced)
         seq.append_token(token)
         self._generated_tokens += 1
@@ -474,7 +504,9 @@ class Engine:
                         token, out.logits[i], out.logsumexp[i], explicit, out.token_logprobs[i, : len(explicit)]
                     )
                 else:
-                    entry = token_logprob(token, out.logits[i], out.logsumexp[i], out.top_logprobs[i], out.top_ids[i], k)
+                    entry = token_logprob(
+                        token, out.logits[i], out.logsumexp[i], out.top_logprobs[i], out.top_ids[i], k
+                    )
             # Entries of tokens a partial stop sequence holds wait for their text.
             logprobs = seq.stop_checker.entries(outcome, entry)
         if outcome.finished:
@@ -486,8 +518,10 @@ class Engine:
         """The prompt entries this step completed (position 0's null entry comes first)."""
         entries: list[PromptLogprob | None] = [None] if seq.prompt_scored == 0 else []
         first, n = max(seq.prompt_scored, 1), len(scores.target_logprobs)
-        entries += [None if e.token_id < 0 else e  # an image token's position has no entry (api.md)
-                    for e in prompt_logprob_entries(scores, seq.token_ids[first : first + n], seq.request.prompt_logprobs or 0)]
+        entries += [
+            None if e.token_id < 0 else e  # an image token's position has no entry (api.md)
+            for e in prompt_logprob_entries(scores, seq.token_ids[first : first + n], seq.request.prompt_logprobs or 0)
+        ]
         seq.prompt_scored = first + n
         event = self._event(seq, [], "", None)
         event.prompt_logprobs = entries
@@ -558,18 +592,3 @@ class Engine:
                 log.exception("event sink failed for %s; aborting it", seq.request_id)
                 if not event.finished:
                     self.abort(seq.request_id)
-
-
-def _score_targets(seq: Sequence, start: int, num_tokens: int) -> list[int] | None:
-    """Per fed position, the prompt token that follows it when that prompt position still needs
-    its score (api.md: entry j scores token j from position j - 1), else -1. An image token
-    (negative identity id) is scored as id 0 and its entry is then null (_prompt_event)."""
-    if not seq.scores_prompt or start >= seq.prompt_len:
-        return None
-    first = max(seq.prompt_scored, 1)  # the first entry still owed (entry 0 is always null)
-    targets = [max(seq.token_ids[p + 1], 0) if first <= p + 1 < seq.prompt_len else -1
-               for p in range(start, start + num_tokens)]  # fmt: skip
-    if all(t < 0 for t in targets):
-        # Nothing to score in this chunk; a 1-token prompt still owes its null entry.
-        return targets if seq.prompt_scored == 0 and start + num_tokens >= seq.prompt_len else None
-    return targets

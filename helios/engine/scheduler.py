@@ -43,6 +43,7 @@ from helios.engine.block_manager import BlockManager
 from helios.engine.prefix_cache import PrefixCache
 from helios.engine.sequence import Sequence, SequenceStatus
 from helios.engine.speculation import Speculator
+from helios.engine.step_io import StepRow
 
 
 @dataclass
@@ -302,8 +303,10 @@ class Scheduler:
             seq, need = row.seq, row.seq.num_tokens
             drafts = speculator.drafts(seq, decoding, budget)
             width = len(drafts) or speculator.learned_width(seq, decoding, budget)
-            if width and not (self._fits_alone(seq, need + width) and self.bm.pages_to_grow(
-                    seq.page_table, need + width) <= self.bm.num_free - self._promised_pages()):
+            if width and not (
+                self._fits_alone(seq, need + width)
+                and self.bm.pages_to_grow(seq.page_table, need + width) <= self.bm.num_free - self._promised_pages()
+            ):
                 drafts, width = [], 0
             self.bm.grow(seq.page_table, need + width)
             row.drafts, row.learned_width = drafts, 0 if drafts else width
@@ -313,9 +316,7 @@ class Scheduler:
     def _promised_pages(self) -> int:
         """Pages running sequences still need to finish their prefill and take a first decode."""
         return sum(
-            max(0, self.bm.pages_for(s.num_tokens + 1) - len(s.page_table))
-            for s in self.running
-            if not s.is_decoding
+            max(0, self.bm.pages_for(s.num_tokens + 1) - len(s.page_table)) for s in self.running if not s.is_decoding
         )
 
     def commit(self, batch: Batch) -> None:
@@ -331,3 +332,36 @@ class Scheduler:
                 if reserve is None:
                     reserve = self._promised_pages()
                 self.cache.capture_reached(seq, reserve)
+
+
+def step_rows(batch: Batch) -> list[StepRow]:
+    """The runner's inputs for a scheduled batch, row for row."""
+    return [
+        StepRow(
+            token_ids=r.token_ids,
+            history_len=r.start,
+            block_table=list(r.seq.page_table),
+            logprob_ids=r.seq.sampling.logprob_token_ids if r.samples else None,
+            score_targets=score_targets(r.seq, r.start, r.num_tokens),
+            state_slot=r.seq.state_slot,
+            output_positions=list(range(1 + len(r.drafts))) if r.drafts else None,
+        )
+        for r in batch.rows
+    ]
+
+
+def score_targets(seq: Sequence, start: int, num_tokens: int) -> list[int] | None:
+    """Per fed position, the prompt token that follows it when that prompt position still needs
+    its score (api.md: entry j scores token j from position j - 1), else -1. An image token
+    (negative identity id) is scored as id 0 and its entry is then null (_prompt_event)."""
+    if not seq.scores_prompt or start >= seq.prompt_len:
+        return None
+    first = max(seq.prompt_scored, 1)  # the first entry still owed (entry 0 is always null)
+    targets = [
+        max(seq.token_ids[p + 1], 0) if first <= p + 1 < seq.prompt_len else -1
+        for p in range(start, start + num_tokens)
+    ]
+    if all(t < 0 for t in targets):
+        # Nothing to score in this chunk; a 1-token prompt still owes its null entry.
+        return targets if seq.prompt_scored == 0 and start + num_tokens >= seq.prompt_len else None
+    return targets

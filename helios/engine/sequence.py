@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from helios.engine.api import CheckpointCandidate, FinishReason, GenerationEvent, GenerationRequest, SamplingParams
 from helios.engine.detokenizer import IncrementalDetokenizer
 from helios.engine.stops import StopChecker
+
+if TYPE_CHECKING:  # constraints loads llguidance; a sequence only carries its row state
+    from helios.engine.constraints import RowConstraint
 
 
 class SequenceStatus(enum.Enum):
@@ -60,6 +63,7 @@ class Sequence:
         # Prompt scoring: prompt positions whose entries were emitted (a recompute after
         # preemption scores nothing twice).
         self.prompt_scored = 0
+        self.constraint: RowConstraint | None = None  # its grammar or forced tokens (helios.engine.constraints)
         self.host_looked_up = False  # its first admission attempt consulted the host store
         self.speculation: Any = None  # helios.engine.speculation.RequestDrafts, made at its first round
         # Learned drafter (helios.engine.drafter): leading tokens whose drafter K/V its pages hold,
@@ -79,13 +83,11 @@ class Sequence:
         eos_token_ids: list[int],
         context_length: int,
         sink: Callable[[GenerationEvent], None] | None = None,
-    ) -> "Sequence":
+    ) -> Sequence:
         prompt = request.prompt_token_ids
         # The output budget is bounded by what is left of the context.
         max_new = min(request.sampling.max_tokens, context_length - len(prompt))
-        checker = StopChecker(
-            request.sampling, eos_token_ids, max_new, IncrementalDetokenizer(tokenizer, prompt)
-        )
+        checker = StopChecker(request.sampling, eos_token_ids, max_new, IncrementalDetokenizer(tokenizer, prompt))
         return cls(request, arrival, checker, sink)
 
     # -- sizes ---------------------------------------------------------------------------------

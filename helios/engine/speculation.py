@@ -34,6 +34,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from helios.engine.sequence import Sequence
+
 MODES = ("auto", "off")
 
 
@@ -61,8 +63,14 @@ class SpeculationConfig:
     position_cost: float = 0.2
 
     def validate(self) -> None:
-        for name in ("max_width", "max_batch_rows", "min_ngram", "max_ngram", "shared_history_tokens",
-                     "drafter_catch_up_tokens"):
+        for name in (
+            "max_width",
+            "max_batch_rows",
+            "min_ngram",
+            "max_ngram",
+            "shared_history_tokens",
+            "drafter_catch_up_tokens",
+        ):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
                 raise ValueError(f"speculation {name} must be an integer")
         if self.mode not in MODES:
@@ -88,14 +96,14 @@ def ngrams(tokens: list[int], lo: int, hi: int, first_end: int = 0) -> Iterator[
     ending at `first_end` or later."""
     for end in range(max(first_end, lo), len(tokens)):
         for n in range(lo, min(hi, end) + 1):
-            yield tuple(tokens[end - n:end]), end
+            yield tuple(tokens[end - n : end]), end
 
 
 def tails(tokens: list[int], lo: int, hi: int) -> Iterator[tuple[int, ...]]:
     """The text's last hi..lo tokens, longest first (what an index is asked for)."""
     for n in range(hi, lo - 1, -1):
         if len(tokens) >= n:
-            yield tuple(tokens[len(tokens) - n:])
+            yield tuple(tokens[len(tokens) - n :])
 
 
 class DraftRate:
@@ -104,8 +112,9 @@ class DraftRate:
     ACCEPTANCE_WEIGHT = 0.25  # weight of the latest round in the running acceptance rate
     PROBE_EVERY = 16  # rounds without drafts between one-draft probes
 
-    def __init__(self, config: SpeculationConfig, draft_cost: float = 0.0, prior: float = 1.0,
-                 probe_every: int | None = None):
+    def __init__(
+        self, config: SpeculationConfig, draft_cost: float = 0.0, prior: float = 1.0, probe_every: int | None = None
+    ):
         self.config = config
         self.draft_cost = draft_cost  # what proposing one draft costs, relative to a one-token step
         self.acceptance = prior  # until measured
@@ -123,7 +132,7 @@ class DraftRate:
             return config.max_width
         best, best_gain, expected = 0, 1.0, 1.0
         for k in range(1, config.max_width + 1):
-            expected += self.acceptance ** k  # the k-th draft survives only if all before it do
+            expected += self.acceptance**k  # the k-th draft survives only if all before it do
             gain = expected / (1 + (config.position_cost + self.draft_cost) * k)
             if gain > best_gain:
                 best, best_gain = k, gain
@@ -154,7 +163,7 @@ class HistoryDrafts(DraftRate):
         for gram in tails(tokens, config.min_ngram, config.max_ngram):
             start = self.follow.get(gram)
             if start is not None:
-                return tokens[start:start + width]
+                return tokens[start : start + width]
         return []
 
 
@@ -214,7 +223,7 @@ class SharedHistory:
             found = self.follow.get(gram)
             if found is not None:
                 key, start = found
-                return self.outputs[key][start:start + width]
+                return self.outputs[key][start : start + width]
         return []
 
 
@@ -247,10 +256,10 @@ class Speculator:
         self.learned = learned  # a LearnedDrafter, or None
         self.shared = SharedHistory(config, config.shared_history_tokens) if config.shared_history_tokens else None
 
-    def _room(self, seq: Any, decoding_rows: int, room: int) -> int:
+    def _room(self, seq: Sequence, decoding_rows: int, room: int) -> int:
         """Drafts `seq` may take: none for constrained requests (grammar masks and reasoning
         budgets see one token at a time) or when more than max_batch_rows decode."""
-        if decoding_rows > self.config.max_batch_rows or getattr(seq, "constraint", None) is not None:
+        if decoding_rows > self.config.max_batch_rows or seq.constraint is not None:
             return 0
         if seq.speculation is None:
             cost = self.learned.cost if self.learned is not None else 0.0
@@ -259,7 +268,7 @@ class Speculator:
         # A draft at or past the last allowed token could never be committed.
         return min(room, seq.stop_checker.max_new_tokens - seq.num_generated - 1)
 
-    def drafts(self, seq: Any, decoding_rows: int, room: int) -> list[int]:
+    def drafts(self, seq: Sequence, decoding_rows: int, room: int) -> list[int]:
         """History drafts for `seq`'s next round (its own tokens first, then shared history)."""
         config = self.config
         if not (config.enabled and config.history_drafts) or (room := self._room(seq, decoding_rows, room)) <= 0:
@@ -275,7 +284,7 @@ class Speculator:
             seq.speculation.source = history
         return drafts
 
-    def learned_width(self, seq: Any, decoding_rows: int, room: int) -> int:
+    def learned_width(self, seq: Sequence, decoding_rows: int, room: int) -> int:
         """How many drafts the learned drafter is to propose for `seq` this round (after history
         had none): 0 without one, or when its acceptance or lag says it would not pay."""
         learned = self.learned
@@ -288,12 +297,12 @@ class Speculator:
         seq.speculation.source = rate
         return width
 
-    def remember(self, seq: Any) -> None:
+    def remember(self, seq: Sequence) -> None:
         """A finished request's output joins the shared history."""
         if self.shared is not None and seq.num_generated:
             self.shared.remember(seq.output_ids)
 
     @staticmethod
-    def record(seq: Any, offered: int, accepted: int) -> None:
+    def record(seq: Sequence, offered: int, accepted: int) -> None:
         if seq.speculation is not None and seq.speculation.source is not None:
             seq.speculation.source.record(offered, accepted)
