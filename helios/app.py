@@ -28,7 +28,6 @@ from helios.frontend.tokenizer import Tokenizer
 from helios.manifest import Manifest
 from helios.protocols import chat, completions, decisions, messages, models, ollama, responses, systemone
 from helios.server import metrics
-from helios.server.generation import Codec, serve
 from helios.server.admission import RETRY_AFTER_SECONDS, Admission
 from helios.server.config import ConfigError, ServerConfig
 from helios.server.context import DRAINING_MESSAGE, ServerContext
@@ -45,6 +44,7 @@ from helios.server.errors import (
     unauthorized,
     unavailable,
 )
+from helios.server.generation import Codec, serve
 
 log = logging.getLogger("helios.server")
 
@@ -112,28 +112,42 @@ def check_startup(manifest: Manifest, config: ServerConfig, tokenizer: Tokenizer
             )
         reasoning = parsers.resolve_reasoning(manifest.parsers.reasoning, tokenizer) if tokenizer else None
         if reasoning is not None and reasoning.close_id is None:
-            raise ConfigError("thinking_token_budget is set but this core's reasoning close delimiter is not "
-                              "one token, so a budget cannot close reasoning; remove it from [server]")
+            raise ConfigError(
+                "thinking_token_budget is set but this core's reasoning close delimiter is not "
+                "one token, so a budget cannot close reasoning; remove it from [server]"
+            )
 
 
-def create_app(manifest: Manifest, core_dir: Path, engine: Any, config: ServerConfig,
-               extra_collectors: tuple[metrics.ExtraCollector, ...] = ()) -> web.Application:
+def create_app(
+    manifest: Manifest,
+    core_dir: Path,
+    engine: Any,
+    config: ServerConfig,
+    extra_collectors: tuple[metrics.ExtraCollector, ...] = (),
+) -> web.Application:
     """Build the application over a started (or about to start) engine. The caller owns the engine."""
     check_startup(manifest, config)
     tokenizer = Tokenizer.from_core(core_dir, manifest)
     check_startup(manifest, config, tokenizer)
     # Build the grammar tokenizer (about a second) now, not on the first structured request.
-    threading.Thread(target=lambda: compiler_for(tokenizer, manifest).llg, name="helios-grammar-warmup",
-                     daemon=True).start()
-    template = ChatTemplate.from_core(core_dir, manifest, bos_token=tokenizer.bos_token,
-                                      eos_token=tokenizer.eos_token)
+    threading.Thread(
+        target=lambda: compiler_for(tokenizer, manifest).llg, name="helios-grammar-warmup", daemon=True
+    ).start()
+    template = ChatTemplate.from_core(core_dir, manifest, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
     max_concurrency = config.max_concurrency or manifest.limits.max_concurrency
     admission = Admission(config.http_admission_slots, config.effective_queue_size(max_concurrency))
     http = metrics.HttpStats(admission_slots=config.http_admission_slots)
     executor = ThreadPoolExecutor(max_workers=config.frontend_workers, thread_name_prefix="helios-frontend")
     ctx = ServerContext(
-        manifest=manifest, core_dir=Path(core_dir), tokenizer=tokenizer, template=template, engine=engine,
-        config=config, admission=admission, http=http, executor=executor,
+        manifest=manifest,
+        core_dir=Path(core_dir),
+        tokenizer=tokenizer,
+        template=template,
+        engine=engine,
+        config=config,
+        admission=admission,
+        http=http,
+        executor=executor,
     )
     app = web.Application(
         middlewares=[_error_middleware, _auth_middleware],
@@ -180,6 +194,7 @@ def create_app(manifest: Manifest, core_dir: Path, engine: Any, config: ServerCo
 
 
 # -- middlewares -----------------------------------------------------------------------------------
+
 
 def is_anthropic(path: str) -> bool:
     return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
@@ -259,6 +274,7 @@ async def _auth_middleware(request: web.Request, handler: Callable) -> web.Strea
 
 # -- open routes -----------------------------------------------------------------------------------
 
+
 async def health(request: web.Request) -> web.Response:
     ctx = request.app[CTX_KEY]
     if ctx.draining:
@@ -278,5 +294,6 @@ async def metrics_route(request: web.Request) -> web.Response:
     collector, extra = request.app[COLLECTOR_KEY], request.app[EXTRA_COLLECTORS_KEY]
     if metrics.wants_json(request.query.get("format"), request.headers.get("Accept")):
         return json_response(metrics.json_snapshot(collector, extra))
-    return web.Response(body=metrics.prometheus_text(collector, extra),
-                        headers={"Content-Type": metrics.TEXT_CONTENT_TYPE})
+    return web.Response(
+        body=metrics.prometheus_text(collector, extra), headers={"Content-Type": metrics.TEXT_CONTENT_TYPE}
+    )

@@ -7,14 +7,13 @@ import os
 import re
 import threading
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
-from helios.dashboard import run as run_dashboard
 from helios.client_config import CLIENTS, ClientConfigError, server_root, usage, write_client_config
+from helios.dashboard import run as run_dashboard
 from helios.manifest import Manifest, ManifestError
 from helios.server.config import ConfigError, ServerConfig, read_api_key_file
 
@@ -31,20 +30,29 @@ def main() -> None:
 @app.command()
 def serve(
     core: Path = typer.Argument(..., help="core folder written by `ignition export`"),
-    host: Optional[str] = typer.Option(None, help="bind address [default: 127.0.0.1]"),
-    port: Optional[int] = typer.Option(None, help="TCP port [default: 8000]"),
-    api_key_file: Optional[Path] = typer.Option(None, help="file holding the serving key (overrides api_key)"),
-    config: Optional[Path] = typer.Option(None, help="TOML file with a [server] table"),
-    max_concurrency: Optional[int] = typer.Option(None, help="active sequences the engine batches"),
-    kv_pages: Optional[int] = typer.Option(None, help="KV pool size in pages"),
-    threads: Optional[int] = typer.Option(None, help="engine compute threads"),
+    host: str | None = typer.Option(None, help="bind address [default: 127.0.0.1]"),
+    port: int | None = typer.Option(None, help="TCP port [default: 8000]"),
+    api_key_file: Path | None = typer.Option(None, help="file holding the serving key (overrides api_key)"),
+    config: Path | None = typer.Option(None, help="TOML file with a [server] table"),
+    max_concurrency: int | None = typer.Option(None, help="active sequences the engine batches"),
+    kv_pages: int | None = typer.Option(None, help="KV pool size in pages"),
+    threads: int | None = typer.Option(None, help="engine compute threads"),
     dashboard: bool = typer.Option(False, "--dashboard", help="show the `helios top` dashboard while serving"),
-    host_store: Optional[Path] = typer.Option(None, help="directory of the host prefix store's disk tier"),
-    host_store_dram_gb: Optional[float] = typer.Option(None, help="DRAM tier budget in GiB (0: off)"),
-    host_store_disk_gb: Optional[float] = typer.Option(None, help="disk tier budget in GiB [default: 16]"),
-    speculation: Optional[str] = typer.Option(None, help="auto: history drafts (and the core's learned drafter) verified in the step graph; off [default: auto]"),
-    device: str = typer.Option("auto", help="auto (CUDA when torch sees a GPU and the core has a torch program), cpu or cuda"),
-    engine_kind: str = typer.Option("auto", "--engine", help="auto (torch on CUDA, onnx on a CPU), onnx or torch (the core's torch program, also on a CPU)"),
+    host_store: Path | None = typer.Option(None, help="directory of the host prefix store's disk tier"),
+    host_store_dram_gb: float | None = typer.Option(None, help="DRAM tier budget in GiB (0: off)"),
+    host_store_disk_gb: float | None = typer.Option(None, help="disk tier budget in GiB [default: 16]"),
+    speculation: str | None = typer.Option(
+        None,
+        help="auto: history drafts (and the core's learned drafter) verified in the step graph; off [default: auto]",
+    ),
+    device: str = typer.Option(
+        "auto", help="auto (CUDA when torch sees a GPU and the core has a torch program), cpu or cuda"
+    ),
+    engine_kind: str = typer.Option(
+        "auto",
+        "--engine",
+        help="auto (torch on CUDA, onnx on a CPU), onnx or torch (the core's torch program, also on a CPU)",
+    ),
 ) -> None:
     """Serve CORE over the OpenAI-compatible HTTP API."""
     # Imported here, not at the top: onnxruntime and the engine cost `helios top` and
@@ -65,9 +73,12 @@ def serve(
             settings.api_key = read_api_key_file(api_key_file)
         if max_concurrency is not None:
             settings.max_concurrency = max_concurrency
-        for name, value in (("host_store_dir", str(host_store) if host_store else None),
-                            ("host_store_dram_gb", host_store_dram_gb), ("host_store_disk_gb", host_store_disk_gb),
-                            ("speculation", speculation)):
+        for name, value in (
+            ("host_store_dir", str(host_store) if host_store else None),
+            ("host_store_dram_gb", host_store_dram_gb),
+            ("host_store_disk_gb", host_store_disk_gb),
+            ("speculation", speculation),
+        ):
             if value is not None:
                 setattr(settings, name, value)
         check_startup(manifest, settings)
@@ -83,9 +94,17 @@ def serve(
         raise typer.Exit(2) from None
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = Engine(core, manifest, max_concurrency=settings.max_concurrency, kv_pages=kv_pages, threads=threads,
-                    prefix_cache=settings.prefix_cache_config(), host_store=settings.host_store_config(),
-                    speculation=settings.speculation_config(), choice=choice)
+    engine = Engine(
+        core,
+        manifest,
+        max_concurrency=settings.max_concurrency,
+        kv_pages=kv_pages,
+        threads=threads,
+        prefix_cache=settings.prefix_cache_config(),
+        host_store=settings.host_store_config(),
+        speculation=settings.speculation_config(),
+        choice=choice,
+    )
     engine.start()
     try:
         application = create_app(manifest, core, engine, settings)
@@ -95,17 +114,21 @@ def serve(
             match = re.search(r"https?://\S+", message)
             url = match.group(0) if match else f"http://{settings.host}:{settings.port}"
             auth = "key required" if settings.api_key else "no auth"
-            kernels = {"flare": ", flare's CPU kernels",
-                       "onnxruntime": ", flare ops run as onnxruntime kernels"}.get(
-                getattr(engine.runner, "kernels", ""), "")  # fmt: skip
-            console.print(f"[bold green]helios[/] serving [bold]{escape(manifest.model_id)}[/] at {escape(url)}/v1 ({auth}{kernels})")
+            kernels = {"flare": ", flare's CPU kernels", "onnxruntime": ", flare ops run as onnxruntime kernels"}.get(
+                getattr(engine.runner, "kernels", ""), ""
+            )
+            console.print(
+                f"[bold green]helios[/] serving [bold]{escape(manifest.model_id)}[/] at {escape(url)}/v1 ({auth}{kernels})"
+            )
             console.print(describe_runner(manifest, engine.runner))
             console.print(_pool_line(manifest, engine.runner))
             speculator = engine.scheduler.speculator
             if speculator is not None and speculator.learned is not None:
                 drafter = speculator.learned.runner
-                console.print(f"learned drafter: {escape(manifest.drafter.checkpoint_id)}, its own KV pool "
-                              f"{drafter.pool.nbytes / 2**30:.2f} GiB over the same pages")
+                console.print(
+                    f"learned drafter: {escape(manifest.drafter.checkpoint_id)}, its own KV pool "
+                    f"{drafter.pool.nbytes / 2**30:.2f} GiB over the same pages"
+                )
 
         stop = _start_dashboard(settings) if dashboard else None
         try:
@@ -117,37 +140,43 @@ def serve(
         engine.shutdown()
 
 
-def _pool_line(manifest: Manifest, runner) -> str:  # noqa: ANN001 - the engine's Runner
+def _pool_line(manifest: Manifest, runner) -> str:
     """The KV pool as sized at start-up, against the context it must hold."""
     pages, page_tokens = runner.num_pages, manifest.kv.page_tokens
     tokens = pages * page_tokens
     context = manifest.limits.context_length
-    return (f"KV pool: {pages} pages x {page_tokens} tokens = {tokens} tokens, {runner.pool_bytes / 2**30:.2f} GiB "
-            f"({runner.pool_dtype}); context {context} tokens ({tokens / context:.1f} full-context sequences)")
+    return (
+        f"KV pool: {pages} pages x {page_tokens} tokens = {tokens} tokens, {runner.pool_bytes / 2**30:.2f} GiB "
+        f"({runner.pool_dtype}); context {context} tokens ({tokens / context:.1f} full-context sequences)"
+    )
 
 
-def _start_dashboard(settings: ServerConfig):  # noqa: ANN202 - returns a threading.Event
+def _start_dashboard(settings: ServerConfig):
     """Run the dashboard in a daemon thread against this server's own /metrics."""
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
     url = f"http://{host}:{settings.port}"
     stop = threading.Event()
-    threading.Thread(target=run_dashboard, args=(url,), kwargs={"stop": stop}, name="helios-dashboard",
-                     daemon=True).start()
+    threading.Thread(
+        target=run_dashboard, args=(url,), kwargs={"stop": stop}, name="helios-dashboard", daemon=True
+    ).start()
     return stop
 
 
-cluster_app = typer.Typer(add_completion=False, no_args_is_help=True,
-                          help="scale-out on Ray Serve (needs the `cluster` extra)")
+cluster_app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="scale-out on Ray Serve (needs the `cluster` extra)"
+)
 app.add_typer(cluster_app, name="cluster")
 
 
-def _cluster_launch():  # noqa: ANN202 - the helios.cluster.launch module
+def _cluster_launch():
     """Ray is the optional `cluster` extra: say how to install it instead of a traceback."""
     try:
         from helios.cluster import launch
     except ImportError as exc:
-        err_console.print(f"[bold red]error:[/] helios cluster needs Ray Serve ({escape(str(exc))}); "
-                          "install it with: pip install -e '.[cpu,cluster]'")
+        err_console.print(
+            f"[bold red]error:[/] helios cluster needs Ray Serve ({escape(str(exc))}); "
+            "install it with: pip install -e '.[cpu,cluster]'"
+        )
         raise typer.Exit(2) from None
     return launch
 
@@ -156,16 +185,20 @@ def _cluster_launch():  # noqa: ANN202 - the helios.cluster.launch module
 def cluster_serve(
     core: Path = typer.Argument(..., help="core folder written by `ignition export`"),
     replicas: int = typer.Option(2, min=1, help="engine replicas"),
-    host: Optional[str] = typer.Option(None, help="bind address [default: 127.0.0.1]"),
-    port: Optional[int] = typer.Option(None, help="TCP port [default: 8000]"),
-    address: Optional[str] = typer.Option(None, help="join this Ray cluster (e.g. auto) instead of starting one"),
-    api_key_file: Optional[Path] = typer.Option(None, help="file holding the serving key (overrides api_key)"),
-    config: Optional[Path] = typer.Option(None, help="TOML file with a [server] table"),
-    threads: Optional[int] = typer.Option(None, min=1, help="engine threads (Ray CPUs) per replica [default: cores / replicas]"),
-    kv_pages: Optional[int] = typer.Option(None, min=1, help="KV pool size in pages, per replica"),
-    host_store: Optional[Path] = typer.Option(None, help="host prefix store directory the replicas share"),
-    router: str = typer.Option("affinity", help="affinity (prefix affinity) or power-of-two (Ray Serve's "
-                               "default: two random replicas, the shorter queue)"),
+    host: str | None = typer.Option(None, help="bind address [default: 127.0.0.1]"),
+    port: int | None = typer.Option(None, help="TCP port [default: 8000]"),
+    address: str | None = typer.Option(None, help="join this Ray cluster (e.g. auto) instead of starting one"),
+    api_key_file: Path | None = typer.Option(None, help="file holding the serving key (overrides api_key)"),
+    config: Path | None = typer.Option(None, help="TOML file with a [server] table"),
+    threads: int | None = typer.Option(
+        None, min=1, help="engine threads (Ray CPUs) per replica [default: cores / replicas]"
+    ),
+    kv_pages: int | None = typer.Option(None, min=1, help="KV pool size in pages, per replica"),
+    host_store: Path | None = typer.Option(None, help="host prefix store directory the replicas share"),
+    router: str = typer.Option(
+        "affinity",
+        help="affinity (prefix affinity) or power-of-two (Ray Serve's default: two random replicas, the shorter queue)",
+    ),
 ) -> None:
     """Serve CORE from N engine replicas behind one endpoint, routed by prefix affinity."""
     from helios.cluster.spec import POLICIES, ClusterSpec
@@ -173,7 +206,11 @@ def cluster_serve(
     try:
         manifest = Manifest.load(core)
         settings = ServerConfig.load(config) if config else ServerConfig()
-        for name, value in (("host", host), ("port", port), ("host_store_dir", str(host_store) if host_store else None)):
+        for name, value in (
+            ("host", host),
+            ("port", port),
+            ("host_store_dir", str(host_store) if host_store else None),
+        ):
             if value is not None:
                 setattr(settings, name, value)
         if api_key_file is not None:
@@ -187,13 +224,22 @@ def cluster_serve(
         err_console.print(f"[bold red]error:[/] {escape(str(exc))}")
         raise typer.Exit(2) from None
     launch = _cluster_launch()
-    spec = ClusterSpec(core=core.resolve(), replicas=replicas, threads=threads, kv_pages=kv_pages, policy=router,
-                       address=address, settings=settings)
+    spec = ClusterSpec(
+        core=core.resolve(),
+        replicas=replicas,
+        threads=threads,
+        kv_pages=kv_pages,
+        policy=router,
+        address=address,
+        settings=settings,
+    )
 
     def ready(url: str) -> None:
         auth = "key required" if settings.api_key else "no auth"
-        console.print(f"[bold green]helios cluster[/] serving [bold]{escape(manifest.model_id)}[/] at {escape(url)}/v1 "
-                      f"({auth}; {replicas} replicas x {spec.replica_threads} threads, {router} routing)")
+        console.print(
+            f"[bold green]helios cluster[/] serving [bold]{escape(manifest.model_id)}[/] at {escape(url)}/v1 "
+            f"({auth}; {replicas} replicas x {spec.replica_threads} threads, {router} routing)"
+        )
 
     launch.serve_forever(spec, ready)
 
@@ -208,8 +254,10 @@ def cluster_scale(
     try:
         launch.scale(address, replicas)
     except Exception as exc:  # no cluster there, no helios application on it, Ray refused
-        err_console.print(f"[bold red]error:[/] cannot scale the helios cluster at {escape(address)}: "
-                          f"{escape(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)}")
+        err_console.print(
+            f"[bold red]error:[/] cannot scale the helios cluster at {escape(address)}: "
+            f"{escape(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)}"
+        )
         raise typer.Exit(2) from None
     console.print(f"engine replicas: {replicas}")
 
@@ -218,9 +266,10 @@ def cluster_scale(
 def client_config(
     client: str = typer.Argument(..., help="codex, claude-code or opencode"),
     url: str = typer.Option("http://127.0.0.1:8000", help="the running helios (http://HOST:PORT)"),
-    api_key_env: Optional[str] = typer.Option(
-        None, help="environment variable that holds the serving key (the clients read it at run time)"),
-    out: Optional[Path] = typer.Option(None, help="folder to write into [default: ./client-config/CLIENT]"),
+    api_key_env: str | None = typer.Option(
+        None, help="environment variable that holds the serving key (the clients read it at run time)"
+    ),
+    out: Path | None = typer.Option(None, help="folder to write into [default: ./client-config/CLIENT]"),
 ) -> None:
     """Write a coding client's configuration for the helios at --url, from its served card."""
     if client not in CLIENTS:

@@ -53,8 +53,13 @@ def read_served_model(url: str, api_key: str | None = None, timeout: float = 10.
     card = _get_json(f"{url}/v1/models", api_key, timeout)["data"][0]
     shown = _get_json(f"{url}/api/show", api_key, timeout, body={"model": card["id"]})
     capabilities = set(shown.get("capabilities", []))
-    return ServedModel(name=card["id"], context_length=int(card["max_model_len"]), tools="tools" in capabilities,
-                       reasoning="thinking" in capabilities, vision="vision" in capabilities)
+    return ServedModel(
+        name=card["id"],
+        context_length=int(card["max_model_len"]),
+        tools="tools" in capabilities,
+        reasoning="thinking" in capabilities,
+        vision="vision" in capabilities,
+    )
 
 
 def _get_json(url: str, api_key: str | None, timeout: float, body: dict | None = None) -> dict:
@@ -64,7 +69,7 @@ def _get_json(url: str, api_key: str | None, timeout: float, body: dict | None =
     if api_key:
         request.add_header("Authorization", f"Bearer {api_key}")
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 - the user's URL
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as exc:
         hint = " (pass --api-key-env with the serving key)" if exc.code == 401 else ""
@@ -85,9 +90,9 @@ def codex_files(model: ServedModel, url: str, key_env: str | None, out: Path) ->
         f"model = {json.dumps(model.name)}",
         'model_provider = "flare"',
         f"model_catalog_json = {json.dumps(str(catalog.resolve()))}",
-        '# helios serves function and custom tools only: hosted web search is a 400 (api.md).',
+        "# helios serves function and custom tools only: hosted web search is a 400 (api.md).",
         'web_search = "disabled"',
-        '# `codex --oss` reaches helios through its Ollama discovery routes (no key is sent there).',
+        "# `codex --oss` reaches helios through its Ollama discovery routes (no key is sent there).",
         'oss_provider = "ollama"',
         "check_for_update_on_startup = false",
         "",
@@ -233,8 +238,9 @@ def server_root(url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-def write_client_config(client: str, url: str, out: Path, key_env: str | None,
-                        api_key: str | None) -> tuple[ServedModel, list[Path]]:
+def write_client_config(
+    client: str, url: str, out: Path, key_env: str | None, api_key: str | None
+) -> tuple[ServedModel, list[Path]]:
     model = read_served_model(url, api_key)
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -250,13 +256,18 @@ def usage(client: str, url: str, out: Path, model_name: str, key_env: str | None
     folder = shlex.quote(str(out.resolve()))
     prompt = shlex.quote("Reply with OK")
     if client == "codex":
-        oss = (f"CODEX_HOME={folder} CODEX_OSS_BASE_URL={url}/v1 codex exec --oss --local-provider ollama "
-               f"-m {shlex.quote(model_name)} {prompt}")
-        return (f"CODEX_HOME={folder} codex exec {prompt}\n{oss}"
-                + ("\n(--oss sends no key: it needs a helios without one)" if key_env else ""))
+        oss = (
+            f"CODEX_HOME={folder} CODEX_OSS_BASE_URL={url}/v1 codex exec --oss --local-provider ollama "
+            f"-m {shlex.quote(model_name)} {prompt}"
+        )
+        return f"CODEX_HOME={folder} codex exec {prompt}\n{oss}" + (
+            "\n(--oss sends no key: it needs a helios without one)" if key_env else ""
+        )
     if client == "claude-code":
         settings = shlex.quote(str((out / "settings.json").resolve()))
         return f"claude --settings {settings} -p {prompt}\nclaude --bare --settings {settings} -p {prompt}"
     config = shlex.quote(str((out / "opencode.json").resolve()))
-    return (f"OPENCODE_CONFIG={config} OPENCODE_DISABLE_MODELS_FETCH=1 opencode run Reply with OK  (OpenCode 1.x)\n"
-            f"merge {shlex.quote(str((out / 'opencode-v2.json').resolve()))} into ~/.config/opencode/opencode.json  (OpenCode v2)")
+    return (
+        f"OPENCODE_CONFIG={config} OPENCODE_DISABLE_MODELS_FETCH=1 opencode run Reply with OK  (OpenCode 1.x)\n"
+        f"merge {shlex.quote(str((out / 'opencode-v2.json').resolve()))} into ~/.config/opencode/opencode.json  (OpenCode v2)"
+    )

@@ -39,13 +39,20 @@ class ReplicaRow:
     reused_tokens: int
 
     @classmethod
-    def from_json(cls, row: dict[str, Any]) -> "ReplicaRow":
+    def from_json(cls, row: dict[str, Any]) -> ReplicaRow:
         def count(name: str) -> int:
             value = row.get(name)
             return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
 
-        return cls(str(row.get("replica", "?")), str(row.get("label", "")), bool(row.get("healthy")),
-                   count("inflight"), count("active"), count("routed"), count("reused_tokens"))
+        return cls(
+            str(row.get("replica", "?")),
+            str(row.get("label", "")),
+            bool(row.get("healthy")),
+            count("inflight"),
+            count("active"),
+            count("routed"),
+            count("reused_tokens"),
+        )
 
 
 @dataclass
@@ -78,7 +85,7 @@ class Snapshot:
     replicas: tuple[ReplicaRow, ...] = ()  # a cluster endpoint's engine replicas (empty: one server)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Snapshot":
+    def from_json(cls, data: dict[str, Any]) -> Snapshot:
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             raw = data.get(f.name)
@@ -154,6 +161,7 @@ class View:
             then, old = self._previous
             dt = at - then
             if dt > 0:
+
                 def rate(name: str) -> float:
                     return max(0, getattr(snapshot, name) - getattr(old, name)) / dt
 
@@ -195,8 +203,11 @@ class View:
             f"active {s.active}  pending {s.pending}  inflight {s.http_inflight_requests}  "
             f"completed {s.completed}  failed {s.failed}  cancelled {s.cancelled}  "
             f"cached pages {s.cached_pages}  host hits {s.host_hits} ({s.host_reused_tokens} tokens)  DEPTH {depth}  first response {first}  uptime {s.uptime_seconds}s"
-            + (f"  images {s.input_decoded_images_total} ({s.input_prepared_cache_hits_total} reused)"
-               if s.input_decoded_images_total else "")
+            + (
+                f"  images {s.input_decoded_images_total} ({s.input_prepared_cache_hits_total} reused)"
+                if s.input_decoded_images_total
+                else ""
+            )
         )
         parts = [Panel(table, title=title, title_align="left"), footer]
         if s.replicas:
@@ -220,12 +231,15 @@ def fetch(client: httpx.Client, url: str) -> Snapshot:
     return Snapshot.from_json(response.json())
 
 
-def run(url: str, interval: float = 1.0, history: int = DEFAULT_HISTORY, console: Console | None = None,
-        stop: Any = None) -> None:
+def run(
+    url: str, interval: float = 1.0, history: int = DEFAULT_HISTORY, console: Console | None = None, stop: Any = None
+) -> None:
     """Poll and redraw until interrupted (or until `stop.is_set()`, for the serve thread)."""
     view = View(url, history)
-    with httpx.Client(timeout=max(2.0, interval * 2)) as client, \
-            Live(view.render(), console=console, refresh_per_second=4, screen=False) as live:
+    with (
+        httpx.Client(timeout=max(2.0, interval * 2)) as client,
+        Live(view.render(), console=console, refresh_per_second=4, screen=False) as live,
+    ):
         while stop is None or not stop.is_set():
             try:
                 view.update(fetch(client, url), time.monotonic())

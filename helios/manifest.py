@@ -144,7 +144,9 @@ class StateLayout:
             if not previous < layer.layer < num_layers:
                 raise ManifestError(f"{where}.layer {layer.layer} is out of order or not a layer (0..{num_layers - 1})")
             if layer.offset != at or layer.size <= 0:
-                raise ManifestError(f"{where} covers [{layer.offset}, {layer.offset + layer.size}), expected to start at {at}")
+                raise ManifestError(
+                    f"{where} covers [{layer.offset}, {layer.offset + layer.size}), expected to start at {at}"
+                )
             if not layer.kind:
                 raise ManifestError(f"{where}.kind is empty")
             at, previous = at + layer.size, layer.layer
@@ -286,14 +288,16 @@ class Drafter:
     decode_weight_bytes: int  # weights one drafter step reads (its cost beside the target's)
     parity: Parity | None = None  # its own graph against its torch reference, at export
 
-    def check(self, manifest: "Manifest") -> None:
+    def check(self, manifest: Manifest) -> None:
         """Raise ManifestError unless the drafter can share the target's pages and token ids."""
         manifest.engine(self.engine)
         if self.engine == "step":
             raise ManifestError("core.drafter.engine must name an engine other than the step graph")
         if self.kv.page_tokens != manifest.kv.page_tokens:
-            raise ManifestError(f"core.drafter.kv.page_tokens {self.kv.page_tokens} differs from the target's "
-                                f"{manifest.kv.page_tokens} (the drafter shares the target's block tables)")
+            raise ManifestError(
+                f"core.drafter.kv.page_tokens {self.kv.page_tokens} differs from the target's "
+                f"{manifest.kv.page_tokens} (the drafter shares the target's block tables)"
+            )
         if self.architecture.vocab_size > manifest.architecture.vocab_size:
             raise ManifestError("core.drafter proposes token ids past the target's vocabulary")
 
@@ -326,7 +330,7 @@ class Vision:
     max_image_bytes: int  # encoded size accepted
     image_feature_window_tokens: int  # feature storage one active image request holds
 
-    def check(self, manifest: "Manifest") -> None:
+    def check(self, manifest: Manifest) -> None:
         manifest.engine(self.engine)
         if self.engine == "step":
             raise ManifestError("core.vision.engine must name an engine other than the step graph")
@@ -406,11 +410,13 @@ class Manifest:
         (Path(folder) / MANIFEST_NAME).write_text(self.to_json())
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Manifest":
+    def from_dict(cls, data: dict[str, Any]) -> Manifest:
         manifest = _build(cls, data, "core")
         for i, engine in enumerate(manifest.engines):
             if engine.target not in ENGINE_TARGETS:
-                raise ManifestError(f"core.engines[{i}].target {engine.target!r} is not one of {', '.join(ENGINE_TARGETS)}")
+                raise ManifestError(
+                    f"core.engines[{i}].target {engine.target!r} is not one of {', '.join(ENGINE_TARGETS)}"
+                )
         if manifest.state is not None:
             manifest.state.check(manifest.architecture.num_layers)
         if manifest.drafter is not None:
@@ -420,7 +426,7 @@ class Manifest:
         return manifest
 
     @classmethod
-    def load(cls, folder: Path, verify_files: bool = True) -> "Manifest":
+    def load(cls, folder: Path, verify_files: bool = True) -> Manifest:
         """Read and check a core folder; raise ManifestError naming the first problem."""
         folder = Path(folder)
         path = folder / MANIFEST_NAME

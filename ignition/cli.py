@@ -6,7 +6,7 @@ import json
 import shlex
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -31,28 +31,33 @@ def main() -> None:
 @app.command()
 def export(
     recipe: Annotated[str, typer.Option(help="Recipe name (recipes/NAME.toml) or path to a .toml")],
-    out: Annotated[Optional[Path], typer.Option(help="Output core folder [default: cores/RECIPE]")] = None,
+    out: Annotated[Path | None, typer.Option(help="Output core folder [default: cores/RECIPE]")] = None,
     checkpoint: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(
             help="A .gguf file, a Hugging Face folder, or a packaged name (default: the recipe's packaged "
             "model, else its hub_ids' newest complete snapshot in the local Hugging Face cache)"
         ),
     ] = None,
     context_length: Annotated[
-        Optional[int],
+        int | None,
         typer.Option(min=1, help="Narrow the served context (prompt + output) below the checkpoint's native one"),
     ] = None,
     precision: Annotated[str, typer.Option(help="Weight precision: int4, int8 or fp32")] = "int4",
     prompt_logprobs: Annotated[bool, typer.Option("--prompt-logprobs", help="Add scored prefill graphs")] = False,
     drafter: Annotated[
-        Optional[str],
-        typer.Option(help="A smaller checkpoint with the same tokenizer (a .gguf, a folder or a packaged name), "
-                     "compiled into the core as its learned drafter for speculative decoding"),
+        str | None,
+        typer.Option(
+            help="A smaller checkpoint with the same tokenizer (a .gguf, a folder or a packaged name), "
+            "compiled into the core as its learned drafter for speculative decoding"
+        ),
     ] = None,
     target: Annotated[
-        str, typer.Option(help="Engines to write: cpu (the ONNX step graph), cuda (a torch step program for GPUs, "
-                          "written beside the ONNX graph), or cpu,cuda")
+        str,
+        typer.Option(
+            help="Engines to write: cpu (the ONNX step graph), cuda (a torch step program for GPUs, "
+            "written beside the ONNX graph), or cpu,cuda"
+        ),
     ] = "cpu",
     torch_dtype: Annotated[
         str, typer.Option(help="Weights of the torch step program (--target cuda): bfloat16 or float32")
@@ -112,7 +117,9 @@ def export(
         console.print(f"[red]interrupted:[/] {escape(str(out))} was left as it was")
         raise typer.Exit(code=130) from None
     _summary(out, manifest, time.monotonic() - started)
-    console.print(f"core written to [bold]{escape(str(out))}[/]; serve it with:\n  helios serve {escape(_shell_path(out))}")
+    console.print(
+        f"core written to [bold]{escape(str(out))}[/]; serve it with:\n  helios serve {escape(_shell_path(out))}"
+    )
 
 
 @app.command("tiny-checkpoint")
@@ -130,8 +137,10 @@ def tiny_checkpoint(
     except (RecipeError, CheckpointError, TinyError) as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}")
         raise typer.Exit(code=2) from None
-    console.print(f"tiny checkpoint written to [bold]{escape(str(folder))}[/]; compile it with:\n"
-                  f"  ignition export --recipe {escape(recipe)} --checkpoint {escape(_shell_path(folder))}")
+    console.print(
+        f"tiny checkpoint written to [bold]{escape(str(folder))}[/]; compile it with:\n"
+        f"  ignition export --recipe {escape(recipe)} --checkpoint {escape(_shell_path(folder))}"
+    )
 
 
 def _shell_path(path: Path) -> str:
@@ -143,7 +152,9 @@ def _summary(out: Path, manifest: Manifest, seconds: float) -> None:
     table.add_column(style="bold")
     table.add_column()
     arch = manifest.architecture
-    table.add_row("model", f"{manifest.model_id}  ({manifest.identity.checkpoint_id}, recipe {manifest.identity.recipe})")
+    table.add_row(
+        "model", f"{manifest.model_id}  ({manifest.identity.checkpoint_id}, recipe {manifest.identity.recipe})"
+    )
     table.add_row(
         "architecture",
         f"{arch.family}: {arch.num_layers} layers, hidden {arch.hidden_size}, "
@@ -151,11 +162,16 @@ def _summary(out: Path, manifest: Manifest, seconds: float) -> None:
     )
     for engine in manifest.engines:
         size = sum((out / f).stat().st_size for f in [engine.file, *engine.data_files])
-        precision = "fp32" if manifest.vision is not None and engine.name == manifest.vision.engine else manifest.precision
+        precision = (
+            "fp32" if manifest.vision is not None and engine.name == manifest.vision.engine else manifest.precision
+        )
         label = f"engine {engine.name}" + ("" if engine.target == "cpu" else f" ({engine.target})")
         if engine.target != "cpu":  # the torch program: its own dtype and parity
-            precision = f"{engine.dtype}, parity max |Δlogit| {engine.parity.max_abs_logit_error:.2e}" if engine.parity \
+            precision = (
+                f"{engine.dtype}, parity max |Δlogit| {engine.parity.max_abs_logit_error:.2e}"
+                if engine.parity
                 else str(engine.dtype)
+            )
         table.add_row(label, f"{engine.file}  {size / 1e6:.1f} MB  ({precision})")
     if manifest.parity:
         p = manifest.parity
@@ -168,8 +184,11 @@ def _summary(out: Path, manifest: Manifest, seconds: float) -> None:
         )
     if manifest.drafter is not None:
         d = manifest.drafter
-        table.add_row("drafter", f"{d.checkpoint_id}: {d.architecture.num_layers} layers, hidden "
-                      f"{d.architecture.hidden_size}, {d.decode_weight_bytes / 1e6:.1f} MB per token")
+        table.add_row(
+            "drafter",
+            f"{d.checkpoint_id}: {d.architecture.num_layers} layers, hidden "
+            f"{d.architecture.hidden_size}, {d.decode_weight_bytes / 1e6:.1f} MB per token",
+        )
     lim = manifest.limits
     table.add_row(
         "limits",
@@ -207,7 +226,7 @@ def inspect(
 def verify(
     core: Annotated[Path, typer.Argument(help="A core folder")],
     checkpoint: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(help="The checkpoint it was exported from (default: its packaged name or id, when present here)"),
     ] = None,
     require_reference: Annotated[

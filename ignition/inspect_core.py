@@ -16,7 +16,6 @@ from rich.text import Text
 
 from helios.manifest import Manifest, listing_digest
 
-
 # -- inspect -----------------------------------------------------------------------------------
 
 
@@ -82,7 +81,9 @@ def render_inspect(data: dict[str, Any]) -> Table:
         f"rope theta {_num(arch['rope_theta'])}, {'tied' if arch['tie_word_embeddings'] else 'untied'} embeddings",
     )
     for engine in data["engines"]:
-        parts = ", ".join(f"{name} {_mb(data['file_bytes'].get(name))}" for name in [engine["file"], *engine["data_files"]])
+        parts = ", ".join(
+            f"{name} {_mb(data['file_bytes'].get(name))}" for name in [engine["file"], *engine["data_files"]]
+        )
         label = f"engine {engine['name']}"
         if engine.get("target", "cpu") != "cpu":  # a torch program (1.11): target, dtype, writer, parity
             label += f" ({engine['target']})"
@@ -114,9 +115,12 @@ def render_inspect(data: dict[str, Any]) -> Table:
     drafter = data.get("drafter")
     if drafter:
         darch = drafter["architecture"]
-        table.add_row("drafter", f"{drafter['checkpoint_id']}: {darch['family']}, {darch['num_layers']} layers, hidden "
-                      f"{darch['hidden_size']}; engine {drafter['engine']}, {_mb(drafter['decode_weight_bytes'])} "
-                      "read per draft token")
+        table.add_row(
+            "drafter",
+            f"{drafter['checkpoint_id']}: {darch['family']}, {darch['num_layers']} layers, hidden "
+            f"{darch['hidden_size']}; engine {drafter['engine']}, {_mb(drafter['decode_weight_bytes'])} "
+            "read per draft token",
+        )
     table.add_row("sampling", _sampling_table(data["sampling"]))
     parsers = data["parsers"]
     table.add_row("parsers", f"tool {parsers['tool'] or 'none'}, reasoning {parsers['reasoning'] or 'none'}")

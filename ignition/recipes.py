@@ -20,9 +20,21 @@ RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 # Families the exporter compiles (qwen2/llama: common.DecoderLM; the rest: models/configured.py)
 # and families recipes may already name whose architecture it refuses with what is missing
 # (ignition.models.PLANNED; docs/recipes.md).
-COMPILED_FAMILIES = ("qwen2", "llama", "deepseek_v3", "mimo_v2_flash", "gemma4", "step3p7", "muse_spark",
-                     "glm_moe_dsa", "minimax_m3_vl", "qwen3_5_moe", "qwen3_5", "deepseek_v4",
-                     "nemotron_h")  # fmt: skip
+COMPILED_FAMILIES = (
+    "qwen2",
+    "llama",
+    "deepseek_v3",
+    "mimo_v2_flash",
+    "gemma4",
+    "step3p7",
+    "muse_spark",
+    "glm_moe_dsa",
+    "minimax_m3_vl",
+    "qwen3_5_moe",
+    "qwen3_5",
+    "deepseek_v4",
+    "nemotron_h",
+)
 PLANNED_FAMILIES: tuple[str, ...] = ()
 KNOWN_FAMILIES = COMPILED_FAMILIES + PLANNED_FAMILIES
 # Template behaviours a recipe can declare its (native) prompt encoder refuses (api.md: the
@@ -152,7 +164,9 @@ def _reasoning(table: dict | None) -> RecipeReasoning | None:
     if not table:
         return None
     numeric = table.get("numeric_effort")
-    if numeric is not None and not (isinstance(numeric, list) and len(numeric) == 2 and all(isinstance(v, int) for v in numeric)):
+    if numeric is not None and not (
+        isinstance(numeric, list) and len(numeric) == 2 and all(isinstance(v, int) for v in numeric)
+    ):
         raise TypeError("reasoning.numeric_effort must be [min, max] integers")
     return RecipeReasoning(
         open=table["open"],
@@ -182,7 +196,10 @@ def _check(recipe: Recipe) -> None:
             raise RecipeError(f"{where}: default {key}={value} lies outside its range [{bounds.min}, {bounds.max}]")
     if "temperature" in recipe.sampling_ranges and recipe.sampling_ranges["temperature"].min <= 0:
         raise RecipeError(f"{where}: temperature bounds must be positive")
-    if "top_p" in recipe.sampling_ranges and not 0 < recipe.sampling_ranges["top_p"].min <= recipe.sampling_ranges["top_p"].max <= 1:
+    if (
+        "top_p" in recipe.sampling_ranges
+        and not 0 < recipe.sampling_ranges["top_p"].min <= recipe.sampling_ranges["top_p"].max <= 1
+    ):
         raise RecipeError(f"{where}: top_p bounds must lie in (0, 1]")
     bad_ids = [i for i in recipe.hub_ids if not HUB_ID.fullmatch(str(i))]
     if bad_ids:
@@ -192,7 +209,9 @@ def _check(recipe: Recipe) -> None:
     if min(lim.max_concurrency, lim.prefill_chunk_size, lim.page_tokens) <= 0 or lim.kv_pages < 0:
         raise RecipeError(f"{where}: limits must be positive")
     if lim.context_length is not None and lim.context_length <= 0:
-        raise RecipeError(f"{where}: limits.context_length must be positive (omit it for the checkpoint's native context)")
+        raise RecipeError(
+            f"{where}: limits.context_length must be positive (omit it for the checkpoint's native context)"
+        )
     if lim.max_batch_tokens < lim.prefill_chunk_size:
         raise RecipeError(f"{where}: max_batch_tokens must be at least prefill_chunk_size")
 
@@ -232,4 +251,6 @@ def _check_syntax(recipe: Recipe) -> None:
         # helios reads the effort vocabulary from the template text (frontend/thinking.py).
         named = template_levels(path.read_text())
         if r.effort_levels and sorted(named) != sorted(r.effort_levels):
-            raise RecipeError(f"{where}: {recipe.template_fallback} names effort levels {named}, the recipe {r.effort_levels}")
+            raise RecipeError(
+                f"{where}: {recipe.template_fallback} names effort levels {named}, the recipe {r.effort_levels}"
+            )

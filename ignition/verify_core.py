@@ -10,6 +10,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,14 @@ from ignition.checkpoints.base import CheckpointError
 from ignition.checkpoints.load import load_checkpoint
 from ignition.checkpoints.packaged import PACKAGED_MODELS
 from ignition.export.cache import identify
-from ignition.export.validate import (TORCH_PROGRAM_PRECISION, VALIDATION_PROMPT, ParityError, torch_program_runners,
-                                      validate, validation_prompt)
+from ignition.export.validate import (
+    TORCH_PROGRAM_PRECISION,
+    VALIDATION_PROMPT,
+    ParityError,
+    torch_program_runners,
+    validate,
+    validation_prompt,
+)
 from ignition.models import build_model
 
 # verify fails when the parity it measures moved from the export-time value by more than this
@@ -134,7 +141,9 @@ def _parity(
             _smoke(core, manifest, result, report)
         return
     if checkpoint.sha256 != want:
-        result.add("checkpoint", False, f"{spec} has sha256 {checkpoint.sha256}, but the core was exported from {want}", report)
+        result.add(
+            "checkpoint", False, f"{spec} has sha256 {checkpoint.sha256}, but the core was exported from {want}", report
+        )
         return
     result.add("checkpoint", True, f"{spec} (sha256 {want[:12]}…)", report)
 
@@ -142,25 +151,50 @@ def _parity(
     model = build_model(*checkpoint.model_inputs())
     prompt_ids = validation_prompt(core / manifest.tokenizer.file, checkpoint)
     steps = recorded.decode_steps if recorded else 8
-    _judge("parity", lambda: validate(core, model, manifest.kv, prompt_ids, steps, precision=manifest.precision,
-                                      state=manifest.state), recorded, result, report)  # fmt: skip
+    _judge(
+        "parity",
+        lambda: validate(
+            core, model, manifest.kv, prompt_ids, steps, precision=manifest.precision, state=manifest.state
+        ),
+        recorded,
+        result,
+        report,
+    )
     for engine in (e for e in manifest.engines if e.target == "cuda"):
         precision = TORCH_PROGRAM_PRECISION.get(str(engine.dtype), str(engine.dtype))  # unknown: validate says so
-        _judge(f"parity ({engine.target} {engine.dtype})",
-               lambda: validate(core, model, manifest.kv, prompt_ids, steps, precision=precision, state=manifest.state,
-                                make_runner=torch_program_runners(core, manifest)),
-               engine.parity, result, report)  # fmt: skip
+        _judge(
+            f"parity ({engine.target} {engine.dtype})",
+            partial(
+                validate,
+                core,
+                model,
+                manifest.kv,
+                prompt_ids,
+                steps,
+                precision=precision,
+                state=manifest.state,
+                make_runner=torch_program_runners(core, manifest),
+            ),
+            engine.parity,
+            result,
+            report,
+        )
 
 
-def _judge(name: str, measure: Callable[[], Parity], recorded: Parity | None, result: Verification,
-           report: Callable[[Check], None]) -> None:  # fmt: skip
+def _judge(
+    name: str,
+    measure: Callable[[], Parity],
+    recorded: Parity | None,
+    result: Verification,
+    report: Callable[[Check], None],
+) -> None:
     """Measure one engine's parity and hold it to the export-time record."""
     try:
         measured = measure()
     except ParityError as exc:
         result.add(name, False, str(exc), report)
         return
-    except Exception as exc:  # noqa: BLE001 - an engine that cannot run is the finding
+    except Exception as exc:
         result.add(name, False, f"the engine failed to run: {type(exc).__name__}: {exc}", report)
         return
     detail = (
@@ -173,7 +207,9 @@ def _judge(name: str, measure: Callable[[], Parity], recorded: Parity | None, re
     detail += f"; at export {recorded.max_abs_logit_error:.3g}, top-1 {recorded.top1_agreement:.0%}"
     drift = abs(measured.max_abs_logit_error - recorded.max_abs_logit_error)
     if measured.prompt_tokens != recorded.prompt_tokens:
-        result.add(name, False, detail + f"; the validation prompt was {recorded.prompt_tokens} tokens at export", report)
+        result.add(
+            name, False, detail + f"; the validation prompt was {recorded.prompt_tokens} tokens at export", report
+        )
     elif drift > PARITY_DRIFT * measured.tolerance:
         result.add(name, False, detail + f"; moved {drift:.3g} since export (> {PARITY_DRIFT:g} x tolerance)", report)
     else:
@@ -185,14 +221,28 @@ def _smoke(core: Path, manifest: Manifest, result: Verification, report: Callabl
     check that its outputs are finite and consistent with each other."""
     _smoke_one("smoke", lambda pages: Runner(core, manifest, num_pages=pages), core, manifest, result, report)
     for engine in (e for e in manifest.engines if e.target == "cuda"):
-        _smoke_one(f"smoke ({engine.target} {engine.dtype})", torch_program_runners(core, manifest), core, manifest,
-                   result, report)  # fmt: skip
+        _smoke_one(
+            f"smoke ({engine.target} {engine.dtype})",
+            torch_program_runners(core, manifest),
+            core,
+            manifest,
+            result,
+            report,
+        )
 
 
-def _smoke_one(name: str, make_runner: Callable[[int], StepRunner], core: Path, manifest: Manifest,
-               result: Verification, report: Callable[[Check], None]) -> None:  # fmt: skip
+def _smoke_one(
+    name: str,
+    make_runner: Callable[[int], StepRunner],
+    core: Path,
+    manifest: Manifest,
+    result: Verification,
+    report: Callable[[Check], None],
+) -> None:
     vocab = manifest.architecture.vocab_size
-    ids = Tokenizer.from_file(str(core / manifest.tokenizer.file)).encode(VALIDATION_PROMPT, add_special_tokens=False).ids
+    ids = (
+        Tokenizer.from_file(str(core / manifest.tokenizer.file)).encode(VALIDATION_PROMPT, add_special_tokens=False).ids
+    )
     ids = [i for i in ids if i < vocab] or [0, 0]
     if len(ids) < 2:
         ids = ids * 2
@@ -203,7 +253,7 @@ def _smoke_one(name: str, make_runner: Callable[[int], StepRunner], core: Path, 
         table = list(range(pages, 0, -1))  # reversed, non-zero pages: the order matters
         sequence, problems = list(ids), []
 
-        def step(start: int, end: int):  # noqa: ANN202
+        def step(start: int, end: int):
             out = runner.step([StepRow(sequence[start:end], start, table, state_slot=0)])
             problems.extend(_output_problems(out, vocab, end - 1))
             return out
@@ -216,7 +266,7 @@ def _smoke_one(name: str, make_runner: Callable[[int], StepRunner], core: Path, 
                 break
             sequence.append(int(out.logits[0].argmax()))
             out = step(len(sequence) - 1, len(sequence))
-    except Exception as exc:  # noqa: BLE001 - any engine failure is the finding
+    except Exception as exc:
         result.add(name, False, f"the engine failed to run: {type(exc).__name__}: {exc}", report)
         return
     if problems:

@@ -1,6 +1,6 @@
 """A memory-read-bandwidth probe for scripts/bench.py: the machine figure its bandwidth bounds use.
 
-    python scripts/bandwidth.py [--threads N]
+python scripts/bandwidth.py [--threads N]
 """
 
 from __future__ import annotations
@@ -67,8 +67,14 @@ def read_bandwidth(threads: int, passes: int = 5, buffer_bytes: int | None = Non
             list(pool.map(np.bitwise_or.reduce, slices))
             samples.append(size / (time.perf_counter() - start) / 1e9)
     del slices, buf
-    return {"gbs": round(max(samples), 2), "threads": threads, "buffer_mb": size >> 20, "passes": passes,
-            "samples": [round(x, 2) for x in samples], "method": "numpy uint64 OR-reduce, one slice per thread"}
+    return {
+        "gbs": round(max(samples), 2),
+        "threads": threads,
+        "buffer_mb": size >> 20,
+        "passes": passes,
+        "samples": [round(x, 2) for x in samples],
+        "method": "numpy uint64 OR-reduce, one slice per thread",
+    }
 
 
 if __name__ == "__main__":

@@ -79,12 +79,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from bandwidth import read_bandwidth  # noqa: E402
-from host_store_ttft import measure as measure_host_store  # noqa: E402
-from prefix_ttft import measure as measure_prefix_reuse  # noqa: E402
-from moe_tps import measure as measure_moe  # noqa: E402
-from speculative_tps import measure as measure_speculative  # noqa: E402
-from tests.conftest import Server  # noqa: E402  (the same launcher the tests use)
+from bandwidth import read_bandwidth
+from host_store_ttft import measure as measure_host_store
+from moe_tps import measure as measure_moe
+from prefix_ttft import measure as measure_prefix_reuse
+from speculative_tps import measure as measure_speculative
+
+from tests.conftest import Server
 
 STORY = "Write a long story about a lighthouse keeper."
 
@@ -182,7 +183,7 @@ class PeakRSS:
             self.peak = max(self.peak, rss_mb(self.pid))
             self._stop.wait(self.interval)
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         self._thread.start()
         return self
 
@@ -216,8 +217,13 @@ def grammar_cost(client: httpx.Client, max_tokens: int, repeats: int) -> dict:
     same chat with and without the constraint (masks run beside the graph; applying one is on
     the sampling path)."""
     messages = [{"role": "user", "content": "Describe a lighthouse keeper as a JSON object with many fields."}]
-    plain = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.7, "stream": True,
-             "stream_options": {"include_usage": True}}
+    plain = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.7,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     constrained = dict(plain, response_format={"type": "json_object"})
     result = {}
     for name, body in (("unconstrained", plain), ("json_object", constrained)):
@@ -230,8 +236,10 @@ def grammar_cost(client: httpx.Client, max_tokens: int, repeats: int) -> dict:
             if tokens > 1:
                 ms_per_token.append(1000 * r["decode_seconds"] / (tokens - 1))
             mask_ms.append((after.get("grammar_mask_ns", 0) - before.get("grammar_mask_ns", 0)) / 1e6 / max(tokens, 1))
-        result[name] = {"decode_ms_per_token": round(statistics.median(ms_per_token), 2) if ms_per_token else None,
-                        "mask_ms_per_step": round(statistics.median(mask_ms), 3)}
+        result[name] = {
+            "decode_ms_per_token": round(statistics.median(ms_per_token), 2) if ms_per_token else None,
+            "mask_ms_per_step": round(statistics.median(mask_ms), 3),
+        }
     return result
 
 
@@ -272,8 +280,10 @@ def long_context_skip(manifest, tokens: int, decode: int) -> str | None:
     need = tokens + decode + SECOND_TURN_NEW + 1
     context = manifest.limits.context_length
     if context < need:
-        return (f"core limits.context_length {context} < {need} tokens needed ({tokens}-token prompt + "
-                f"{decode} decoded + a {SECOND_TURN_NEW}-token second turn); export a core with a longer context")
+        return (
+            f"core limits.context_length {context} < {need} tokens needed ({tokens}-token prompt + "
+            f"{decode} decoded + a {SECOND_TURN_NEW}-token second turn); export a core with a longer context"
+        )
     pool = manifest.limits.kv_pages * manifest.kv.page_tokens
     if pool < need:
         return f"core limits.kv_pages x page_tokens = {pool} KV slots < {need} tokens needed"
@@ -320,12 +330,17 @@ def best(rounds: list[dict]) -> dict:
 
 def _long_result(raw: dict) -> dict:
     """A runner's long-context JSON under the bench's names (and the raw line, for the record)."""
-    return {"prefill_16k_tps": raw["long_prefill_tps"], "decode_16k_tps": raw["long_decode_tps"],
-            "prefill_16k_ms": raw["long_prefill_ms"], "long_run": raw}
+    return {
+        "prefill_16k_tps": raw["long_prefill_tps"],
+        "decode_16k_tps": raw["long_decode_tps"],
+        "prefill_16k_ms": raw["long_prefill_ms"],
+        "long_run": raw,
+    }
 
 
-def bench_peers(core: Path, quick: bool, threads: int, only: list[str] | None,
-                long_tokens: int | None = None, long_decode: int = 64) -> dict:
+def bench_peers(
+    core: Path, quick: bool, threads: int, only: list[str] | None, long_tokens: int | None = None, long_decode: int = 64
+) -> dict:
     """One round of each peer; with `long_tokens`, also each peer's long-context run (a separate
     runner process: prefill_16k_tps, decode_16k_tps, prefill_16k_ms; `long_error` if it failed)."""
     from peers import envs as setup
@@ -350,13 +365,24 @@ def bench_peers(core: Path, quick: bool, threads: int, only: list[str] | None,
         try:
             python = setup.ensure_llamacpp()
             label = f"llama.cpp ({setup.gguf_quantization(gguf_path)})"
-            result = setup.run_peer(python, "llamacpp_run.py", [str(gguf_path), "--threads", str(threads),
-                                    "--decode", decode, "--repeats", repeats], timeout=1800)
+            result = setup.run_peer(
+                python,
+                "llamacpp_run.py",
+                [str(gguf_path), "--threads", str(threads), "--decode", decode, "--repeats", repeats],
+                timeout=1800,
+            )
             if long_args:
                 try:
-                    result.update(_long_result(setup.run_peer(
-                        python, "llamacpp_run.py", [str(gguf_path), "--threads", str(threads), *long_args],
-                        timeout=1800)))
+                    result.update(
+                        _long_result(
+                            setup.run_peer(
+                                python,
+                                "llamacpp_run.py",
+                                [str(gguf_path), "--threads", str(threads), *long_args],
+                                timeout=1800,
+                            )
+                        )
+                    )
                 except Exception as exc:
                     result["long_error"] = str(exc)[-500:]
             peers[label] = result
@@ -366,12 +392,14 @@ def bench_peers(core: Path, quick: bool, threads: int, only: list[str] | None,
         try:
             python = setup.ensure_ortgenai()
             model = setup.ensure_genai_model(python, gguf_path, name, threads, min_context=min_context)
-            result = setup.run_peer(python, "ortgenai_run.py", [str(model), "--decode", decode, "--repeats", repeats],
-                                    timeout=1800)
+            result = setup.run_peer(
+                python, "ortgenai_run.py", [str(model), "--decode", decode, "--repeats", repeats], timeout=1800
+            )
             if long_args:
                 try:
-                    result.update(_long_result(setup.run_peer(python, "ortgenai_run.py", [str(model), *long_args],
-                                                              timeout=1800)))
+                    result.update(
+                        _long_result(setup.run_peer(python, "ortgenai_run.py", [str(model), *long_args], timeout=1800))
+                    )
                 except Exception as exc:
                     result["long_error"] = str(exc)[-500:]
             peers["onnxruntime-genai (int4)"] = result
@@ -389,8 +417,13 @@ def machine(threads: int) -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "python": platform.python_version(),
-            "load_avg": [round(x, 2) for x in os.getloadavg()]}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "threads": threads,
+        "python": platform.python_version(),
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def table(results: dict) -> str:
@@ -410,22 +443,27 @@ def table(results: dict) -> str:
     for phase in ("step_b1", "step_b8"):
         s = helios.get(phase) or {}
         if s:
-            lines.append(f"{phase:<22}{s['step_ms']:>8} ms/step, host overhead {100 * s['host_overhead']:.1f}% "
-                         f"(scheduler {100 * s['schedule_overhead']:.2f}%)")
+            lines.append(
+                f"{phase:<22}{s['step_ms']:>8} ms/step, host overhead {100 * s['host_overhead']:.1f}% "
+                f"(scheduler {100 * s['schedule_overhead']:.2f}%)"
+            )
     g = helios.get("grammar") or {}
     if g:
-        lines.append(f"{'grammar json_object':<22}mask {g['json_object']['mask_ms_per_step']} ms/step; decode "
-                     f"{g['json_object']['decode_ms_per_token']} ms/token vs {g['unconstrained']['decode_ms_per_token']} unconstrained")
+        lines.append(
+            f"{'grammar json_object':<22}mask {g['json_object']['mask_ms_per_step']} ms/step; decode "
+            f"{g['json_object']['decode_ms_per_token']} ms/token vs {g['unconstrained']['decode_ms_per_token']} unconstrained"
+        )
     for n, p in peers.items():
         if "error" in p:
             lines.append(f"peer {n} failed: {p['error']}")
     if names:
         best = {k: max((peers[n].get(k) or 0) for n in names) for k in keys}
-        lines.append("ratios vs best peer: " + ", ".join(
-            f"{k} {helios[k] / best[k]:.2f}x" for k in keys if best[k]))
+        lines.append("ratios vs best peer: " + ", ".join(f"{k} {helios[k] / best[k]:.2f}x" for k in keys if best[k]))
         genai = next((n for n in names if "genai" in n), None)
         if genai and peers[genai].get("decode_b8_tps"):
-            lines.append(f"decode_b8 vs onnxruntime-genai: {helios['decode_b8_tps'] / peers[genai]['decode_b8_tps']:.2f}x")
+            lines.append(
+                f"decode_b8 vs onnxruntime-genai: {helios['decode_b8_tps'] / peers[genai]['decode_b8_tps']:.2f}x"
+            )
     lines += long_table(results)
     return "\n".join(lines)
 
@@ -449,14 +487,19 @@ def long_table(results: dict) -> list[str]:
             cell = f"{value} ({h[key] / value:.2f}x)" if value and h.get(key) else "-"
             row += f"{cell:>26}"
         lines.append(row)
-    lines.append(f"{'second_turn_ttft_ms':<22}{h.get('second_turn_ttft_ms', '-'):>10}  (prompt "
-                 f"{h.get('second_turn_prompt_tokens')} tokens, {h.get('second_turn_cached_tokens')} cached)")
+    lines.append(
+        f"{'second_turn_ttft_ms':<22}{h.get('second_turn_ttft_ms', '-'):>10}  (prompt "
+        f"{h.get('second_turn_prompt_tokens')} tokens, {h.get('second_turn_cached_tokens')} cached)"
+    )
     for n, p in section.items():
         if n != "helios" and "error" in p:
             lines.append(f"long context: peer {n} failed: {p['error']}")
     targets = {"prefill_16k_tps": 1.5, "decode_16k_tps": 1.3}
-    vs_peer = [f"{k} {h[k.replace('_tps', '_vs_best_peer')]:.2f}x (target >= {targets[k]})"
-               for k in LONG_KEYS if h.get(k.replace("_tps", "_vs_best_peer"))]
+    vs_peer = [
+        f"{k} {h[k.replace('_tps', '_vs_best_peer')]:.2f}x (target >= {targets[k]})"
+        for k in LONG_KEYS
+        if h.get(k.replace("_tps", "_vs_best_peer"))
+    ]
     if vs_peer:
         lines.append("long context vs best peer: " + ", ".join(vs_peer))
     machine = []
@@ -464,16 +507,24 @@ def long_table(results: dict) -> list[str]:
         machine.append(f"16k prefill / own 512 prefill {h['prefill_16k_vs_512']:.2f}x (target >= 0.5)")
     if h.get("decode_16k_bound_ratio"):
         bw = (results.get("machine") or {}).get("read_bandwidth_gbs")
-        machine.append(f"decode_16k / bandwidth bound {h['decode_16k_bound_ratio']:.2f}x (bound "
-                       f"{h['decode_16k_bound_tps']} tok/s = {bw} GB/s / "
-                       f"{h['decode_16k_bytes_per_step'] / 1e6:.0f} MB per step; target >= 0.6)")
+        machine.append(
+            f"decode_16k / bandwidth bound {h['decode_16k_bound_ratio']:.2f}x (bound "
+            f"{h['decode_16k_bound_tps']} tok/s = {bw} GB/s / "
+            f"{h['decode_16k_bytes_per_step'] / 1e6:.0f} MB per step; target >= 0.6)"
+        )
     if machine:
         lines.append("long context vs machine: " + "; ".join(machine))
     return lines
 
 
-def long_context_results(skip: str | None, helios_rounds: list[dict], peer_rounds: list[dict], manifest,
-                         tokens: int, bandwidth_gbs: float | None) -> dict:
+def long_context_results(
+    skip: str | None,
+    helios_rounds: list[dict],
+    peer_rounds: list[dict],
+    manifest,
+    tokens: int,
+    bandwidth_gbs: float | None,
+) -> dict:
     """The JSON `long_context` section: {RUNTIME: {prefill_16k_tps, decode_16k_tps, ...}} for helios
     (its best round per metric, plus the second turn and the ratios to the best peer and to the
     machine) and each peer (best round; {"error"} when no round measured it)."""
@@ -484,8 +535,17 @@ def long_context_results(skip: str | None, helios_rounds: list[dict], peer_round
     turns = [r for r in helios_rounds if "second_turn_ttft_ms" in r]
     if turns:  # the fastest second turn, with its own prompt and cached-token counts
         turn = min(turns, key=lambda r: r["second_turn_ttft_ms"])
-        helios.update({k: turn[k] for k in ("second_turn_ttft_ms", "second_turn_prompt_tokens",
-                                            "second_turn_cached_tokens", "decode_16k_cached_tokens")})
+        helios.update(
+            {
+                k: turn[k]
+                for k in (
+                    "second_turn_ttft_ms",
+                    "second_turn_prompt_tokens",
+                    "second_turn_cached_tokens",
+                    "decode_16k_cached_tokens",
+                )
+            }
+        )
     helios["tokens"] = tokens
     if top.get("prefill_tps") and helios.get("prefill_16k_tps"):
         helios["prefill_16k_vs_512"] = round(helios["prefill_16k_tps"] / top["prefill_tps"], 3)
@@ -500,7 +560,9 @@ def long_context_results(skip: str | None, helios_rounds: list[dict], peer_round
     for n in sorted(names):
         measured = [r[n] for r in peer_rounds if n in r and isinstance(r[n].get("prefill_16k_tps"), (int, float))]
         if measured:
-            figures = best([{k: m[k] for k in ("prefill_16k_tps", "decode_16k_tps", "prefill_16k_ms")} for m in measured])
+            figures = best(
+                [{k: m[k] for k in ("prefill_16k_tps", "decode_16k_tps", "prefill_16k_ms")} for m in measured]
+            )
             section[n] = {**figures, "runner": measured[-1].get("long_run")}
         else:
             errors = [r[n].get("long_error") or r[n].get("error") for r in peer_rounds if n in r]
@@ -523,21 +585,44 @@ def main() -> None:
     parser.add_argument("--peers", nargs="+", choices=["llama.cpp", "onnxruntime-genai"], help="only these peers")
     parser.add_argument("--threads", type=int, default=None, help="compute threads for every runtime [cores]")
     parser.add_argument("--rounds", type=int, default=2, help="alternating helios/peer rounds; best kept [2]")
-    parser.add_argument("--no-long-context", action="store_true",
-                        help="skip the 16k-token long-context section (tens of seconds per runtime per round)")
-    parser.add_argument("--long-rounds", type=int, default=None,
-                        help="run the long-context section in the first N rounds only [every round]")
-    parser.add_argument("--speculative", action="store_true",
-                        help="add the speculative decoding section (scripts/speculative_tps.py: two more servers)")
-    parser.add_argument("--speculative-core", type=Path, action="append", default=[],
-                        help="with --speculative: one more core for that section (e.g. the 1.5B exported with "
-                             "--drafter qwen2.5-coder-0.5b); repeatable")
-    parser.add_argument("--moe", action="store_true",
-                        help="add the sparse MoE section (scripts/moe_tps.py: a synthetic 64-expert core)")
-    parser.add_argument("--host-store", action="store_true",
-                        help="add the host prefix store section (scripts/host_store_ttft.py: minutes of 16k prefill)")
-    parser.add_argument("--long-tokens", type=int, default=LONG_TOKENS,
-                        help=f"long-context prompt tokens, for smoke tests; the JSON keys keep their _16k names [{LONG_TOKENS}]")
+    parser.add_argument(
+        "--no-long-context",
+        action="store_true",
+        help="skip the 16k-token long-context section (tens of seconds per runtime per round)",
+    )
+    parser.add_argument(
+        "--long-rounds",
+        type=int,
+        default=None,
+        help="run the long-context section in the first N rounds only [every round]",
+    )
+    parser.add_argument(
+        "--speculative",
+        action="store_true",
+        help="add the speculative decoding section (scripts/speculative_tps.py: two more servers)",
+    )
+    parser.add_argument(
+        "--speculative-core",
+        type=Path,
+        action="append",
+        default=[],
+        help="with --speculative: one more core for that section (e.g. the 1.5B exported with "
+        "--drafter qwen2.5-coder-0.5b); repeatable",
+    )
+    parser.add_argument(
+        "--moe", action="store_true", help="add the sparse MoE section (scripts/moe_tps.py: a synthetic 64-expert core)"
+    )
+    parser.add_argument(
+        "--host-store",
+        action="store_true",
+        help="add the host prefix store section (scripts/host_store_ttft.py: minutes of 16k prefill)",
+    )
+    parser.add_argument(
+        "--long-tokens",
+        type=int,
+        default=LONG_TOKENS,
+        help=f"long-context prompt tokens, for smoke tests; the JSON keys keep their _16k names [{LONG_TOKENS}]",
+    )
     args = parser.parse_args()
     if not (args.core / "core.json").is_file():
         sys.exit(f"{args.core} is not a core; run: ignition export --recipe qwen25_coder --out {args.core}")
@@ -550,8 +635,12 @@ def main() -> None:
 
     manifest = Manifest.load(args.core, verify_files=False)
     long_decode = 32 if args.quick else 64
-    long_skip = "--no-long-context" if args.no_long_context else long_context_skip(manifest, args.long_tokens, long_decode)
-    long_rounds = 0 if long_skip else min(args.rounds, args.long_rounds if args.long_rounds is not None else args.rounds)
+    long_skip = (
+        "--no-long-context" if args.no_long_context else long_context_skip(manifest, args.long_tokens, long_decode)
+    )
+    long_rounds = (
+        0 if long_skip else min(args.rounds, args.long_rounds if args.long_rounds is not None else args.rounds)
+    )
     tokenizer = None if long_skip else Tokenizer.from_core(args.core, manifest)
 
     start_load = os.getloadavg()
@@ -576,8 +665,16 @@ def main() -> None:
                     round_.update(helios_long_context(client, tokenizer, args.long_tokens, long_decode))
                 helios_rounds.append(round_)
                 if not args.no_peers:
-                    peer_rounds.append(bench_peers(args.core, args.quick, threads, args.peers,
-                                                   args.long_tokens if long_round else None, long_decode))
+                    peer_rounds.append(
+                        bench_peers(
+                            args.core,
+                            args.quick,
+                            threads,
+                            args.peers,
+                            args.long_tokens if long_round else None,
+                            long_decode,
+                        )
+                    )
             if not bandwidth:  # no long-context round: the machine figure is still reported
                 bandwidth.append(read_bandwidth(threads))
             repeats = 2 if args.quick else 3
@@ -616,15 +713,18 @@ def main() -> None:
     results = {
         "helios": helios,
         "peers": peers,
-        "long_context": long_context_results(long_skip, helios_rounds, peer_rounds, manifest, args.long_tokens,
-                                             machine_info.get("read_bandwidth_gbs")),
+        "long_context": long_context_results(
+            long_skip, helios_rounds, peer_rounds, manifest, args.long_tokens, machine_info.get("read_bandwidth_gbs")
+        ),
         "machine": machine_info,
         "core": str(args.core),
         "rounds": {"helios": helios_rounds, "peers": peer_rounds},
     }
     if args.speculative:
-        section = {core.name: measure_speculative(core, log=lambda line: print(f"speculative: {line}", flush=True))
-                   for core in [args.core, *args.speculative_core]}
+        section = {
+            core.name: measure_speculative(core, log=lambda line: print(f"speculative: {line}", flush=True))
+            for core in [args.core, *args.speculative_core]
+        }
         section["peer_edit_best_tps"] = section[args.core.name].get("peer_edit_best_tps")
         results["speculative"] = section
     if args.moe:

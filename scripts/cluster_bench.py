@@ -28,8 +28,8 @@ from prefix_ttft import first_token
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.conftest import CACHE  # noqa: E402 - after the repository is importable
-from tests.server.cluster import Cluster  # noqa: E402
+from tests.conftest import CACHE
+from tests.server.cluster import Cluster
 
 THINK_S = 1.0  # between turns: the agent runs its tools
 RULE = "Rule {n}: when the user asks about module {s}_{n}, read it first, then answer in one short line.\n"
@@ -41,19 +41,32 @@ def system_prompt(session: int, rules: int = 60) -> str:
 
 
 def run_session(url: str, session: int, turns: int) -> list[dict]:
-    messages = [{"role": "system", "content": system_prompt(session)},
-                {"role": "user", "content": f"Which module should I read first in project alpha-{session}?"}]
+    messages = [
+        {"role": "system", "content": system_prompt(session)},
+        {"role": "user", "content": f"Which module should I read first in project alpha-{session}?"},
+    ]
     out = []
     with httpx.Client(base_url=url, timeout=600) as client:
         for turn in range(turns):
             seconds, usage = first_token(client, messages)
             details = usage.get("prompt_tokens_details") or {}
-            out.append({"turn": turn, "ttft_s": seconds, "prompt_tokens": usage.get("prompt_tokens", 0),
-                        "cached_tokens": details.get("cached_tokens", 0)})
+            out.append(
+                {
+                    "turn": turn,
+                    "ttft_s": seconds,
+                    "prompt_tokens": usage.get("prompt_tokens", 0),
+                    "cached_tokens": details.get("cached_tokens", 0),
+                }
+            )
             time.sleep(THINK_S)
-            messages += [{"role": "assistant", "content": f"Read module {session}_{turn} first."},
-                         {"role": "user", "content": f"Done reading module {session}_{turn}: it defines two helpers "
-                                                     f"and one class. What should I check in it next, briefly?"}]
+            messages += [
+                {"role": "assistant", "content": f"Read module {session}_{turn} first."},
+                {
+                    "role": "user",
+                    "content": f"Done reading module {session}_{turn}: it defines two helpers "
+                    f"and one class. What should I check in it next, briefly?",
+                },
+            ]
     return out
 
 
@@ -62,8 +75,9 @@ def measure(core: Path, policy: str, sessions: int, turns: int) -> dict:
     try:
         first_token(httpx.Client(base_url=cluster.url, timeout=600), [{"role": "user", "content": "warm up"}])
         with ThreadPoolExecutor(sessions) as pool:
-            results = [r for rows in pool.map(lambda s: run_session(cluster.url, s, turns), range(sessions))
-                       for r in rows]
+            results = [
+                r for rows in pool.map(lambda s: run_session(cluster.url, s, turns), range(sessions)) for r in rows
+            ]
         routing = cluster.metrics().get("routing", {})
     finally:
         cluster.stop()

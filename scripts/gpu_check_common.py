@@ -45,6 +45,7 @@ TINY = Shape("tiny", 2, 64, 128, 4, 2, 16, 1000, max_positions=4096)
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Sizes of one run: the device's, or --cpu-smoke's tiny ones."""
+
     copy_bytes: int = 4 << 30
     matmul: int = 8192
     heads: tuple = ((14, 2, 64), (12, 2, 128), (14, 2, 128), (12, 2, 64))  # the two models first
@@ -60,9 +61,21 @@ class Plan:
     floor_tokens: int = 32
 
 
-SMOKE = Plan(copy_bytes=64 << 20, matmul=256, heads=((4, 2, 16),), decode_hists=(0, 16, 17, 40), mixed_hists=(0, 17, 40),
-             prefill=((20, 0), (20, 17)), history=40, steps=6, prompt=8, parity_steps=12, chunks=(32, 64),
-             compile_peer=False, floor_tokens=4)  # fmt: skip
+SMOKE = Plan(
+    copy_bytes=64 << 20,
+    matmul=256,
+    heads=((4, 2, 16),),
+    decode_hists=(0, 16, 17, 40),
+    mixed_hists=(0, 17, 40),
+    prefill=((20, 0), (20, 17)),
+    history=40,
+    steps=6,
+    prompt=8,
+    parity_steps=12,
+    chunks=(32, 64),
+    compile_peer=False,
+    floor_tokens=4,
+)
 
 
 # -- bookkeeping ------------------------------------------------------------------------------------
@@ -71,13 +84,17 @@ Phase = Callable[["Run", dict], None]  # fills its record (rec) in place
 
 
 def error_record(exc: BaseException) -> dict:
-    return {"type": type(exc).__name__, "message": str(exc)[:8000],
-            "traceback": traceback.format_exc().rstrip().splitlines()[-25:]}  # fmt: skip
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc)[:8000],
+        "traceback": traceback.format_exc().rstrip().splitlines()[-25:],
+    }
 
 
 @dataclasses.dataclass
 class Run:
     """One run's settings and state, handed to every phase (in place of module globals)."""
+
     args: argparse.Namespace
     plan: Plan
     device: str  # "cuda"; "cpu" under --cpu-smoke and --write-fixture
@@ -145,8 +162,13 @@ class Results:
     def __init__(self, run: Run) -> None:
         self.run = run
         self.path: Path = run.args.out
-        self.data: dict[str, Any] = {"args": vars(run.args), "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                     "deadline_s": run.args.deadline, "finished": False, "phases": {}}  # fmt: skip
+        self.data: dict[str, Any] = {
+            "args": vars(run.args),
+            "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "deadline_s": run.args.deadline,
+            "finished": False,
+            "phases": {},
+        }
 
     def write(self) -> None:
         self.data["elapsed_s"] = round(self.run.elapsed(), 2)
@@ -191,10 +213,21 @@ def random_model(shape: Shape, device: str, seed: int = 0) -> Any:
     from helios.manifest import Architecture
     from ignition.models.qwen2 import Qwen2ForCausalLM
 
-    arch = Architecture(family="qwen2", num_layers=shape.layers, hidden_size=shape.hidden, intermediate_size=shape.inter,
-                        num_heads=shape.heads, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim,
-                        vocab_size=shape.vocab, rope_theta=shape.theta, rms_norm_eps=1e-6,
-                        max_position_embeddings=shape.max_positions, tie_word_embeddings=True, attention_bias=True)  # fmt: skip
+    arch = Architecture(
+        family="qwen2",
+        num_layers=shape.layers,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.inter,
+        num_heads=shape.heads,
+        num_kv_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        vocab_size=shape.vocab,
+        rope_theta=shape.theta,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=shape.max_positions,
+        tie_word_embeddings=True,
+        attention_bias=True,
+    )
     with torch.device("meta"):
         model = Qwen2ForCausalLM(arch)
     model = model.to_empty(device=device)
@@ -213,8 +246,18 @@ def random_model(shape: Shape, device: str, seed: int = 0) -> Any:
 def export_core(model: Any, shape: Shape, folder: Path, dtype: str, max_batch: int) -> tuple[Any, float]:
     """Export the model's torch program (dtype) into `folder` with a minimal core.json; returns
     (manifest, export seconds). The program is traced on the CPU, as ignition does."""
-    from helios.manifest import (Identity, KVLayout, Limits, Logprobs, Manifest, Parsers, Sampling, SamplingDefaults,
-                                 TemplateSpec, TokenizerSpec)  # fmt: skip
+    from helios.manifest import (
+        Identity,
+        KVLayout,
+        Limits,
+        Logprobs,
+        Manifest,
+        Parsers,
+        Sampling,
+        SamplingDefaults,
+        TemplateSpec,
+        TokenizerSpec,
+    )
     from ignition.export.torch_program import TORCH_DTYPES, export_torch_program
 
     arch = model.arch
@@ -227,15 +270,27 @@ def export_core(model: Any, shape: Shape, folder: Path, dtype: str, max_batch: i
     weight_bytes = sum(p.numel() for p in model.parameters()) * (2 if dtype == "bfloat16" else 4)
     manifest = Manifest(
         identity=Identity(recipe="gpu-check", checkpoint_id=f"random-qwen2-{shape.name}", checkpoint_sha256=""),
-        architecture=arch, precision=dtype, kv=dataclasses.replace(kv, dtype=dtype), engines=[engine],
-        limits=Limits(context_length=shape.max_positions, max_concurrency=max_batch, prefill_chunk_size=2048,
-                      max_batch_tokens=8192, default_max_tokens=256, kv_pages=1024),
-        tokenizer=TokenizerSpec(file="tokenizer.json", bos_token_id=None, eos_token_ids=[], pad_token_id=None,
-                                add_bos=False),
-        template=TemplateSpec(file=None), sampling=Sampling(defaults=SamplingDefaults()), parsers=Parsers(),
+        architecture=arch,
+        precision=dtype,
+        kv=dataclasses.replace(kv, dtype=dtype),
+        engines=[engine],
+        limits=Limits(
+            context_length=shape.max_positions,
+            max_concurrency=max_batch,
+            prefill_chunk_size=2048,
+            max_batch_tokens=8192,
+            default_max_tokens=256,
+            kv_pages=1024,
+        ),
+        tokenizer=TokenizerSpec(
+            file="tokenizer.json", bos_token_id=None, eos_token_ids=[], pad_token_id=None, add_bos=False
+        ),
+        template=TemplateSpec(file=None),
+        sampling=Sampling(defaults=SamplingDefaults()),
+        parsers=Parsers(),
         logprobs=Logprobs(max_top_logprobs=20, explicit_token_ids=True, prompt_logprobs=False),
         decode_weight_bytes=weight_bytes,
-    )  # fmt: skip
+    )
     manifest.save(folder)
     return manifest, seconds
 

@@ -11,12 +11,12 @@ import sys
 import time
 import types
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-
 from gpu_check_common import Run, error_record, make_runner, write_fixture
 
 # -- phase 1: environment ------------------------------------------------------------------------
@@ -24,8 +24,14 @@ from gpu_check_common import Run, error_record, make_runner, write_fixture
 
 def phase_env(run: Run, rec: dict) -> None:
     device, plan = run.device, run.plan
-    rec.update(python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda, device=device,
-               tf32_matmul=torch.backends.cuda.matmul.allow_tf32, numpy=np.__version__)  # fmt: skip
+    rec.update(
+        python=platform.python_version(),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        device=device,
+        tf32_matmul=torch.backends.cuda.matmul.allow_tf32,
+        numpy=np.__version__,
+    )
     for package in ("triton", "transformers", "onnxruntime"):
         try:
             rec[package] = __import__(package).__version__
@@ -33,16 +39,22 @@ def phase_env(run: Run, rec: dict) -> None:
             rec[package] = f"missing: {type(exc).__name__}: {exc}"
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
-        rec.update(gpu=props.name, capability=list(torch.cuda.get_device_capability(0)), sms=props.multi_processor_count,
-                   memory_gib=round(props.total_memory / 2**30, 1))  # fmt: skip
+        rec.update(
+            gpu=props.name,
+            capability=list(torch.cuda.get_device_capability(0)),
+            sms=props.multi_processor_count,
+            memory_gib=round(props.total_memory / 2**30, 1),
+        )
     try:
-        rec["nvidia_smi"] = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=15).stdout.strip()
+        rec["nvidia_smi"] = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=15
+        ).stdout.strip()
     except Exception as exc:
         rec["nvidia_smi"] = f"unavailable: {type(exc).__name__}: {exc}"
     src = torch.empty(plan.copy_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    best = min(run.device_seconds(lambda: dst.copy_(src), 1) for _ in range(5))
+    best = min(run.device_seconds(partial(dst.copy_, src), 1) for _ in range(5))
     # A copy reads and writes every byte: HBM traffic is twice its size (what a decode step's
     # weight reads are held against).
     rec.update(copy_bytes=plan.copy_bytes, copy_seconds=best, bandwidth_GBps=round(2 * plan.copy_bytes / best / 1e9, 1))
@@ -58,8 +70,9 @@ def phase_env(run: Run, rec: dict) -> None:
 KERNEL_BUDGET_S = 45  # the two real head shapes first; the cross shapes only while this lasts
 
 
-def attention_case(run: Run, heads: int, kvh: int, dim: int, hists: list[int], length: int, dtype: torch.dtype,
-                   seed: int) -> dict:  # fmt: skip
+def attention_case(
+    run: Run, heads: int, kvh: int, dim: int, hists: list[int], length: int, dtype: torch.dtype, seed: int
+) -> dict:
     """pool_attention_triton vs pool_attention_ref (fp32, of the same rounded values) on one case."""
     from helios.kernels.torch_ops import pool_attention_ref
     from helios.kernels.triton_attention import pool_attention_triton
@@ -158,8 +171,12 @@ def phase_compat(run: Run, rec: dict) -> None:
         manifest = write_fixture(core)
         rec["fixture"] = f"MISSING {fixture}: used a tiny float32 program exported by this torch instead"
     engine = manifest.engine("step", "cuda")
-    rec.update(written_by_torch=engine.torch_version, program_dtype=engine.dtype, loading_torch=torch.__version__,
-               program_bytes=(core / engine.file).stat().st_size)  # fmt: skip
+    rec.update(
+        written_by_torch=engine.torch_version,
+        program_dtype=engine.dtype,
+        loading_torch=torch.__version__,
+        program_bytes=(core / engine.file).stat().st_size,
+    )
     from helios.engine.torch_runner import load_step_program
 
     with warnings.catch_warnings(record=True) as caught:
@@ -185,8 +202,14 @@ def phase_compat(run: Run, rec: dict) -> None:
     for seqs, lengths in script:
         rows = rows_for(seqs, lengths)
         a, b = dev.step(rows), cpu.step(rows)
-        rec["steps"].append({"rows": len(rows), "tokens": lengths, "max_abs_logit_diff": float(np.abs(a.logits - b.logits).max()),
-                             "top1_equal": bool((a.top_ids[:, 0] == b.top_ids[:, 0]).all())})  # fmt: skip
+        rec["steps"].append(
+            {
+                "rows": len(rows),
+                "tokens": lengths,
+                "max_abs_logit_diff": float(np.abs(a.logits - b.logits).max()),
+                "top1_equal": bool((a.top_ids[:, 0] == b.top_ids[:, 0]).all()),
+            }
+        )
         for s, n in zip(seqs, lengths):
             hist[s] += n
     worst = max(s["max_abs_logit_diff"] for s in rec["steps"])
@@ -196,8 +219,10 @@ def phase_compat(run: Run, rec: dict) -> None:
             rec[f"graph_vs_eager_b{len(seqs)}"] = graph_vs_eager(dev, rows_for(seqs, [1] * len(seqs)))
             for s in seqs:
                 hist[s] += 1
-    run.log(f"  compat: max |dlogit| {worst:.2e}, graph==eager "
-            f"{[rec.get(k, {}).get('same_bucket_bitwise') for k in ('graph_vs_eager_b1', 'graph_vs_eager_b3')]}")
+    run.log(
+        f"  compat: max |dlogit| {worst:.2e}, graph==eager "
+        f"{[rec.get(k, {}).get('same_bucket_bitwise') for k in ('graph_vs_eager_b1', 'graph_vs_eager_b3')]}"
+    )
 
 
 def graph_vs_eager(runner: Any, rows: list) -> dict:
@@ -216,11 +241,15 @@ def graph_vs_eager(runner: Any, rows: list) -> dict:
         same = all(torch.equal(a, b) for a, b in zip(raw_graph, raw_eager)) and torch.equal(pool_graph, runner.pool)
         diffs = [(a.float() - b.float()).abs().max().item() for a, b in zip(raw_graph, raw_eager)]
         runner.pool.copy_(snapshot)
-        eager = runner._run_eager(rows)
+        eager = runner.run_eager(rows)
         live = slice(0, runner.num_pages)  # the spare page also holds the graph's padding rows
         pool_same = torch.equal(pool_graph.view(runner.pages.shape)[:, :, live], runner.pages[:, :, live])
         runner.pool.copy_(pool_graph)
-    return {"bucket": bucket, "same_bucket_bitwise": same, "same_bucket_max_abs_diff": max(diffs),
-            "rows_eager_logits_bitwise": bool(np.array_equal(graphed.logits, eager.logits)),
-            "rows_eager_max_abs_logit_diff": float(np.abs(graphed.logits - eager.logits).max()),
-            "rows_eager_pool_bitwise": pool_same}  # fmt: skip
+    return {
+        "bucket": bucket,
+        "same_bucket_bitwise": same,
+        "same_bucket_max_abs_diff": max(diffs),
+        "rows_eager_logits_bitwise": bool(np.array_equal(graphed.logits, eager.logits)),
+        "rows_eager_max_abs_logit_diff": float(np.abs(graphed.logits - eager.logits).max()),
+        "rows_eager_pool_bitwise": pool_same,
+    }

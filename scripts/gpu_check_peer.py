@@ -10,16 +10,23 @@ import warnings
 from typing import Any
 
 import torch
-
 from gpu_check_common import MODELS, TINY, Run, Shape, error_record
 
 
 def hf_model(run: Run, shape: Shape) -> Any:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    kw = dict(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.inter,
-              num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-              max_position_embeddings=shape.max_positions, tie_word_embeddings=True, rms_norm_eps=1e-6)  # fmt: skip
+    kw = dict(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.inter,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=shape.max_positions,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+    )
     try:  # transformers 5 names rope settings rope_parameters, 4.x takes rope_theta
         config = Qwen2Config(**kw, rope_parameters={"rope_type": "default", "rope_theta": shape.theta})
     except TypeError:
@@ -35,7 +42,9 @@ def static_cache(run: Run, model: Any, batch: int, length: int) -> Any:
 
     params = inspect.signature(StaticCache.__init__).parameters
     kw: dict[str, Any] = {"config": model.config, "max_cache_len": length}
-    kw.update({k: v for k, v in (("max_batch_size", batch), ("device", run.device), ("dtype", torch.bfloat16)) if k in params})
+    kw.update(
+        {k: v for k, v in (("max_batch_size", batch), ("device", run.device), ("dtype", torch.bfloat16)) if k in params}
+    )
     return StaticCache(**kw)
 
 
@@ -48,7 +57,9 @@ def peer_decode(run: Run, model: Any, batch: int) -> dict:
     prompt = torch.randint(0, model.config.vocab_size, (batch, history), device=device)
     torch._dynamo.reset()
     with torch.no_grad():
-        out = model(input_ids=prompt, past_key_values=cache, cache_position=torch.arange(history, device=device), use_cache=True)
+        out = model(
+            input_ids=prompt, past_key_values=cache, cache_position=torch.arange(history, device=device), use_cache=True
+        )
         token = out.logits[:, -1:].argmax(-1)
         position = torch.tensor([history], device=device)
 
@@ -96,8 +107,9 @@ def peer_floor(run: Run, model: Any) -> dict:
     prompt = torch.randint(0, model.config.vocab_size, (1, run.plan.history), device=run.device)
 
     def gen(k: int) -> float:
-        return run.timed_host(lambda: model.generate(prompt, max_new_tokens=k, min_new_tokens=k, do_sample=False,
-                                                     pad_token_id=0), 1)  # fmt: skip
+        return run.timed_host(
+            lambda: model.generate(prompt, max_new_tokens=k, min_new_tokens=k, do_sample=False, pad_token_id=0), 1
+        )
 
     gen(2)  # warm-up
     seconds = gen(n) - gen(1)

@@ -32,21 +32,32 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from prefix_ttft import first_token  # noqa: E402 (a sibling script)
-from tests.conftest import Server  # noqa: E402
+from prefix_ttft import first_token
 
-TOOL = {"type": "function", "function": {
-    "name": "tool_{i}", "description": "Reads, edits or runs part {i} of the repository: {what}",
-    "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "pattern": {"type": "string"},
-                                                     "limit": {"type": "integer"}}, "required": ["path"]}}}
+from tests.conftest import Server
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "tool_{i}",
+        "description": "Reads, edits or runs part {i} of the repository: {what}",
+        "parameters": {
+            "type": "object",
+            "properties": {"path": {"type": "string"}, "pattern": {"type": "string"}, "limit": {"type": "integer"}},
+            "required": ["path"],
+        },
+    },
+}
 WHAT = "the source files, their tests, the build scripts and the logs they write, one step at a time."
 TARGETS = {"restart_ratio": 0.05, "evicted_ratio": 0.05}
 
 
 def agent_prompt(tag: str, tokens: int) -> list[dict]:
     """A system prompt of about `tokens` tokens (rules plus a tool list) and a question."""
-    tools = json.dumps([json.loads(json.dumps(TOOL).replace("{i}", str(i)).replace("{what}", WHAT))
-                        for i in range(tokens // 140)], indent=1)  # ~140 tokens a tool
+    tools = json.dumps(
+        [json.loads(json.dumps(TOOL).replace("{i}", str(i)).replace("{what}", WHAT)) for i in range(tokens // 140)],
+        indent=1,
+    )  # ~140 tokens a tool
     system = f"Session {tag} {time.time_ns()}. You are a coding agent. Use the tools below.\n{tools}"
     return [{"role": "system", "content": system}, {"role": "user", "content": "Which tool reads part 3?"}]
 
@@ -102,23 +113,31 @@ def measure(core: Path, tokens: int = 16000, others: int = 8, log: Callable[[str
             seconds, usage = first_token(client, prompt)
             restored = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
             moved = metric(server.url, "host_bytes_in")
-            result.update(restart_ttft_ms=round(seconds * 1000, 1), restart_cached_tokens=restored,
-                          restore_tokens_per_s=round(restored / seconds), restore_gbps=round(moved / seconds / 1e9, 3))
+            result.update(
+                restart_ttft_ms=round(seconds * 1000, 1),
+                restart_cached_tokens=restored,
+                restore_tokens_per_s=round(restored / seconds),
+                restore_gbps=round(moved / seconds / 1e9, 3),
+            )
             log(f"restart   {seconds * 1000:9.0f} ms  cached {restored}")
             for index in range(others):
                 first_token(client, agent_prompt(f"other{index}", tokens // 4))
             seconds, usage = first_token(client, prompt)
-            result.update(evicted_ttft_ms=round(seconds * 1000, 1),
-                          evicted_cached_tokens=usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
-                          host_hits=metric(server.url, "host_hits"),
-                          host_memory_records=metric(server.url, "host_memory_records"))
+            result.update(
+                evicted_ttft_ms=round(seconds * 1000, 1),
+                evicted_cached_tokens=usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+                host_hits=metric(server.url, "host_hits"),
+                host_memory_records=metric(server.url, "host_memory_records"),
+            )
             log(f"evicted   {seconds * 1000:9.0f} ms  cached {result['evicted_cached_tokens']}")
     finally:
         server.stop()
     result["disk_read_gbps"] = round(disk_read_gbps(folder), 3)
     result["restart_ratio"] = round(result["restart_ttft_ms"] / result["cold_ttft_ms"], 4)
     result["evicted_ratio"] = round(result["evicted_ttft_ms"] / result["cold_ttft_ms"], 4)
-    result["targets"] = {name: {"target": f"<= {bound}", "met": result[name] <= bound} for name, bound in TARGETS.items()}
+    result["targets"] = {
+        name: {"target": f"<= {bound}", "met": result[name] <= bound} for name, bound in TARGETS.items()
+    }
     return result
 
 

@@ -68,8 +68,11 @@ def measure(url: str, pid: int | None, limit: int, repeats: int = 15) -> dict:
             with httpx.Client(base_url=url, timeout=600) as hostile:
                 while not stop.is_set():
                     try:
-                        response = hostile.post("/v1/completions", content=body, headers={
-                            "Content-Encoding": "gzip", "Content-Type": "application/json"})
+                        response = hostile.post(
+                            "/v1/completions",
+                            content=body,
+                            headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+                        )
                         statuses.append(response.status_code)
                     except httpx.TransportError as exc:  # the server may cut a hostile connection
                         statuses.append(type(exc).__name__)
@@ -108,6 +111,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     run_against(args.url, args.core, lambda url, pid: measure(url, pid, args.body_limit), args.json, args.pid)
+
 
 if __name__ == "__main__":
     main()

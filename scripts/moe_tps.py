@@ -40,21 +40,33 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from bandwidth import read_bandwidth  # noqa: E402
+from bandwidth import read_bandwidth
 
-from helios.cache import cache_root  # noqa: E402
-from helios.engine.runner import Runner, StepRow  # noqa: E402
-from helios.manifest import Manifest  # noqa: E402
+from helios.cache import cache_root
+from helios.engine.runner import Runner, StepRow
+from helios.manifest import Manifest
 
 # Experts dominate what a step reads (~60 MB of ~450 MB at int4): hidden 2048, four full-attention
 # layers (a linear-attention layer adds ~150 small nodes whose dispatch, not bytes, would set the
 # pace), 64 experts of width 512, top-4, a shared expert. A wider token table (std EMBEDDING_STD,
 # tied) keeps the random network's next-token distributions peaked, as a trained model's are, so
 # its int4 export passes validation (transformers' std 0.02 leaves them flat at this width).
-CONFIG = dict(hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=2, head_dim=128,
-              layer_types=["full_attention"] * 4, linear_num_key_heads=4, linear_num_value_heads=8,
-              linear_key_head_dim=64, linear_value_head_dim=64, num_experts=64, num_experts_per_tok=4,
-              moe_intermediate_size=512, shared_expert_intermediate_size=512)
+CONFIG = dict(
+    hidden_size=2048,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=128,
+    layer_types=["full_attention"] * 4,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    num_experts=64,
+    num_experts_per_tok=4,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+)
 EMBEDDING_STD = 0.1
 TARGETS = {"b1_vs_dense": 5.0, "b1_vs_bound": 0.6, "b8_vs_b1": 1.5, "prefill_vs_dense": 1.0}
 
@@ -73,8 +85,9 @@ def synthetic_core(log: Callable[[str], None]) -> Path:
     folder = cache_root() / "checkpoints" / "moe-synthetic"
     shutil.rmtree(folder, ignore_errors=True)
     checkpoint = write_quantizable_checkpoint(folder, "qwen3_5_moe", overrides=CONFIG, embedding_std=EMBEDDING_STD)
-    export_core(ExportOptions(recipe=load_recipe("qwen38"), checkpoint=str(checkpoint), out=core, precision="int4",
-                              force=True))
+    export_core(
+        ExportOptions(recipe=load_recipe("qwen38"), checkpoint=str(checkpoint), out=core, precision="int4", force=True)
+    )
     return core
 
 
@@ -108,9 +121,13 @@ def rates(core: Path, threads: int, b1_rounds: int = 3, scale: int = 1) -> dict:
 
     decode(1, 32, 4)  # warm-up
     b1 = [decode(1, 32, 64 // scale) for _ in range(b1_rounds)]
-    return {"b1_tps": round(max(b1), 2), "b1_rounds_tps": [round(x, 2) for x in b1],
-            "b8_tps": round(decode(8, 32, 32 // scale), 2),
-            "prefill_tps": round(prefill(512), 1), "kernels": runner.kernels}
+    return {
+        "b1_tps": round(max(b1), 2),
+        "b1_rounds_tps": [round(x, 2) for x in b1],
+        "b8_tps": round(decode(8, 32, 32 // scale), 2),
+        "prefill_tps": round(prefill(512), 1),
+        "kernels": runner.kernels,
+    }
 
 
 def measure(threads: int | None = None, log: Callable[[str], None] = print) -> dict:
@@ -132,16 +149,26 @@ def measure(threads: int | None = None, log: Callable[[str], None] = print) -> d
     probes.append(read_bandwidth(threads)["gbs"])
     bandwidth = max(probes)
     bound = bandwidth * 1e9 / manifest.decode_weight_bytes
-    result = {"sparse_b1_tps": sparse["b1_tps"], "sparse_b1_rounds_tps": sparse["b1_rounds_tps"],
-              "dense_b1_tps": dense["b1_tps"], "bound_b1_tps": round(bound, 2),
-              "sparse_b8_tps": sparse["b8_tps"], "dense_b8_tps": dense["b8_tps"],
-              "sparse_prefill_tps": sparse["prefill_tps"], "dense_prefill_tps": dense["prefill_tps"],
-              "decode_weight_bytes": manifest.decode_weight_bytes, "read_bandwidth_gbs": bandwidth,
-              "read_bandwidth_probes_gbs": probes,
-              "core": str(core)}
-    ratios = {"b1_vs_dense": sparse["b1_tps"] / dense["b1_tps"], "b1_vs_bound": sparse["b1_tps"] / bound,
-              "b8_vs_b1": sparse["b8_tps"] / sparse["b1_tps"],
-              "prefill_vs_dense": sparse["prefill_tps"] / dense["prefill_tps"]}
+    result = {
+        "sparse_b1_tps": sparse["b1_tps"],
+        "sparse_b1_rounds_tps": sparse["b1_rounds_tps"],
+        "dense_b1_tps": dense["b1_tps"],
+        "bound_b1_tps": round(bound, 2),
+        "sparse_b8_tps": sparse["b8_tps"],
+        "dense_b8_tps": dense["b8_tps"],
+        "sparse_prefill_tps": sparse["prefill_tps"],
+        "dense_prefill_tps": dense["prefill_tps"],
+        "decode_weight_bytes": manifest.decode_weight_bytes,
+        "read_bandwidth_gbs": bandwidth,
+        "read_bandwidth_probes_gbs": probes,
+        "core": str(core),
+    }
+    ratios = {
+        "b1_vs_dense": sparse["b1_tps"] / dense["b1_tps"],
+        "b1_vs_bound": sparse["b1_tps"] / bound,
+        "b8_vs_b1": sparse["b8_tps"] / sparse["b1_tps"],
+        "prefill_vs_dense": sparse["prefill_tps"] / dense["prefill_tps"],
+    }
     result["ratios"] = {k: round(v, 3) for k, v in ratios.items()}
     result["targets"] = {k: {"target": f">= {t}x", "met": ratios[k] >= t} for k, t in TARGETS.items()}
     return result

@@ -30,14 +30,22 @@ def history(tag: str, lines: int) -> str:
 
 
 def conversation(text: str) -> list[dict]:
-    return [{"role": "user", "content": text}, {"role": "assistant", "content": "Noted."},
-            {"role": "user", "content": "Which file came last? Answer briefly."}]
+    return [
+        {"role": "user", "content": text},
+        {"role": "assistant", "content": "Noted."},
+        {"role": "user", "content": "Which file came last? Answer briefly."},
+    ]
 
 
 def first_token(client: httpx.Client, messages: list[dict]) -> tuple[float, dict]:
     """Seconds to the first streamed choice chunk, and the final usage."""
-    body = {"messages": messages, "max_tokens": 1, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "messages": messages,
+        "max_tokens": 1,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     first, usage = None, {}
     with client.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -58,8 +66,10 @@ def measure(client: httpx.Client, repeats: int = 3, lines: int = 85, log=print) 
     for rep in range(repeats):
         seconds, usage = first_token(client, conversation(history(f"cold{rep}", lines)))
         cold.append(seconds)
-        log(f"uncached  ttft {seconds * 1000:8.0f} ms  prompt {usage.get('prompt_tokens')}  "
-            f"cached {usage.get('prompt_tokens_details', {}).get('cached_tokens')}")
+        log(
+            f"uncached  ttft {seconds * 1000:8.0f} ms  prompt {usage.get('prompt_tokens')}  "
+            f"cached {usage.get('prompt_tokens_details', {}).get('cached_tokens')}"
+        )
         text = history(f"hot{rep}", lines)
         first_token(client, [{"role": "user", "content": text}])  # the earlier turn: checkpointed
         seconds, usage = first_token(client, conversation(text))
@@ -67,8 +77,12 @@ def measure(client: httpx.Client, repeats: int = 3, lines: int = 85, log=print) 
         cached.append(usage.get("prompt_tokens_details", {}).get("cached_tokens", 0))
         log(f"cached    ttft {seconds * 1000:8.0f} ms  prompt {usage.get('prompt_tokens')}  cached {cached[-1]}")
     uncached_ms, cached_ms = statistics.median(cold) * 1000, statistics.median(hot) * 1000
-    return {"uncached_ttft_ms": round(uncached_ms, 1), "cached_ttft_ms": round(cached_ms, 1),
-            "cached_tokens": min(cached), "prefix_hit_ttft_ratio": round(cached_ms / uncached_ms, 4)}
+    return {
+        "uncached_ttft_ms": round(uncached_ms, 1),
+        "cached_ttft_ms": round(cached_ms, 1),
+        "cached_tokens": min(cached),
+        "prefix_hit_ttft_ratio": round(cached_ms / uncached_ms, 4),
+    }
 
 
 def main() -> None:
@@ -84,6 +98,7 @@ def main() -> None:
             return measure(client, args.repeats)
 
     run_against(args.url, args.core, run, args.json)
+
 
 if __name__ == "__main__":
     main()

@@ -12,8 +12,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_against(url: str | None, core: Path | None, measure: Callable[[str, int | None], dict[str, Any]],
-                json_out: Path | None = None, pid: int | None = None) -> None:
+def run_against(
+    url: str | None,
+    core: Path | None,
+    measure: Callable[[str, int | None], dict[str, Any]],
+    json_out: Path | None = None,
+    pid: int | None = None,
+) -> None:
     """measure(url, pid) against `url`, or against a server started on `core` (default
     cores/default) and stopped afterwards."""
     server = None

@@ -40,49 +40,78 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.conftest import Server  # noqa: E402
+from tests.conftest import Server
 
 TARGETS = {"edit": 2.5, "free": 0.95, "b8": 0.95}
 
 
 def source_module(functions: int = 14) -> str:
     """A plausible ~150-line module: a class with methods that use `record_store` often."""
-    lines = ['"""Inventory bookkeeping for the warehouse service."""', "", "import json", "from pathlib import Path",
-             "", "", "class Inventory:", "    def __init__(self, path: Path):", "        self.path = path",
-             "        self.record_store = {}", ""]
+    lines = [
+        '"""Inventory bookkeeping for the warehouse service."""',
+        "",
+        "import json",
+        "from pathlib import Path",
+        "",
+        "",
+        "class Inventory:",
+        "    def __init__(self, path: Path):",
+        "        self.path = path",
+        "        self.record_store = {}",
+        "",
+    ]
     for i in range(functions):
-        lines += [f"    def update_item_{i}(self, sku: str, count: int) -> int:",
-                  f'        """Adjust the stock of item group {i} and return the new count."""',
-                  "        current = self.record_store.get(sku, 0)",
-                  f"        current += count * {i + 1}",
-                  "        if current < 0:",
-                  f'            raise ValueError(f"stock of {{sku}} would drop below zero in group {i}")',
-                  "        self.record_store[sku] = current",
-                  "        return current", ""]
-    lines += ["    def save(self) -> None:", "        self.path.write_text(json.dumps(self.record_store, indent=2))", ""]
+        lines += [
+            f"    def update_item_{i}(self, sku: str, count: int) -> int:",
+            f'        """Adjust the stock of item group {i} and return the new count."""',
+            "        current = self.record_store.get(sku, 0)",
+            f"        current += count * {i + 1}",
+            "        if current < 0:",
+            f'            raise ValueError(f"stock of {{sku}} would drop below zero in group {i}")',
+            "        self.record_store[sku] = current",
+            "        return current",
+            "",
+        ]
+    lines += [
+        "    def save(self) -> None:",
+        "        self.path.write_text(json.dumps(self.record_store, indent=2))",
+        "",
+    ]
     return "\n".join(lines)
 
 
 def edit_prompt() -> str:
     """The file, then the start of its edited copy (a completion, as an editor integration sends
     it: the 0.5B model asked in chat rewrites the file into something else)."""
-    return ("# inventory.py\n```python\n" + source_module() + "\n```\n\n"
-            "# inventory.py after renaming the attribute `record_store` to `stock_levels` everywhere\n```python\n")
+    return (
+        "# inventory.py\n```python\n" + source_module() + "\n```\n\n"
+        "# inventory.py after renaming the attribute `record_store` to `stock_levels` everywhere\n```python\n"
+    )
 
 
 FREE = [{"role": "user", "content": "Write an original short story about a lighthouse keeper who finds a map."}]
 # New code from a short prompt: nothing to copy, but a small model of the family often guesses
 # the next token (where a learned drafter can pay; no target, reported).
-CODE = [{"role": "user", "content": "Write a Python function that merges overlapping intervals in a list of "
-                                    "(start, end) tuples, with a docstring and a few doctest examples."}]
+CODE = [
+    {
+        "role": "user",
+        "content": "Write a Python function that merges overlapping intervals in a list of "
+        "(start, end) tuples, with a docstring and a few doctest examples.",
+    }
+]
 
 
 def stream(client: httpx.Client, prompt: list[dict] | str, max_tokens: int) -> tuple[str, int, float]:
     """(text, tokens, seconds after the first token) of one greedy streamed chat (messages) or
     completion (a string)."""
     chat = not isinstance(prompt, str)
-    body = {"max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-            **({"messages": prompt} if chat else {"prompt": prompt, "stop": ["```"]})}
+    body = {
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **({"messages": prompt} if chat else {"prompt": prompt, "stop": ["```"]}),
+    }
     text, first, tokens = [], None, 0
     with client.stream("POST", "/v1/chat/completions" if chat else "/v1/completions", json=body) as response:
         response.raise_for_status()
@@ -131,12 +160,21 @@ def rates(core: Path, mode: str, log: Callable[[str], None], settings: str = "",
     finally:
         server.stop()
     accepted, offered = metrics.get("accepted_drafts", 0), metrics.get("verification_drafts", 0)
-    log(f"{label or mode:8s} edit {edit:7.1f} tok/s  free {free:7.1f}  code {code:7.1f}  b8 {b8:7.1f}  drafts {offered} "
-        f"accepted {accepted} drafter steps {metrics.get('draft_steps', 0)}")
-    return {"edit_tps": round(edit, 2), "free_tps": round(free, 2), "code_tps": round(code, 2), "b8_tps": round(b8, 2),
-            "edit_text": text,
-            "accepted": accepted, "offered": offered, "rounds": metrics.get("verification_rounds", 0),
-            "draft_steps": metrics.get("draft_steps", 0)}
+    log(
+        f"{label or mode:8s} edit {edit:7.1f} tok/s  free {free:7.1f}  code {code:7.1f}  b8 {b8:7.1f}  drafts {offered} "
+        f"accepted {accepted} drafter steps {metrics.get('draft_steps', 0)}"
+    )
+    return {
+        "edit_tps": round(edit, 2),
+        "free_tps": round(free, 2),
+        "code_tps": round(code, 2),
+        "b8_tps": round(b8, 2),
+        "edit_text": text,
+        "accepted": accepted,
+        "offered": offered,
+        "rounds": metrics.get("verification_rounds", 0),
+        "draft_steps": metrics.get("draft_steps", 0),
+    }
 
 
 def peer_edit(core: Path, log: Callable[[str], None]) -> dict:
@@ -159,15 +197,22 @@ def peer_edit(core: Path, log: Callable[[str], None]) -> dict:
         extra = []
         if manifest.drafter is not None and manifest.drafter.checkpoint_id in PACKAGED_MODELS:
             # The same pair: llama.cpp drafting with the core's drafter model.
-            extra = ["--draft", str(resolve_packaged(PACKAGED_MODELS[manifest.drafter.checkpoint_id],
-                                                     report=setup.log))]
-        result = setup.run_peer(setup.ensure_llamacpp(), "llamacpp_run.py",
-                                [str(gguf), "--threads", str(os.cpu_count() or 1), "--edit", handle.name,
-                                 "--decode", "1200", *extra], timeout=3600)
+            extra = [
+                "--draft",
+                str(resolve_packaged(PACKAGED_MODELS[manifest.drafter.checkpoint_id], report=setup.log)),
+            ]
+        result = setup.run_peer(
+            setup.ensure_llamacpp(),
+            "llamacpp_run.py",
+            [str(gguf), "--threads", str(os.cpu_count() or 1), "--edit", handle.name, "--decode", "1200", *extra],
+            timeout=3600,
+        )
     except Exception as exc:  # a peer failing must not lose helios's numbers
         return {"error": str(exc)[-500:]}
-    log(f"llama.cpp edit {result['edit_plain_tps']:7.1f} tok/s plain, {result['edit_lookup_tps']:7.1f} prompt-lookup"
-        + (f", {result['edit_draft_tps']:7.1f} draft model" if "edit_draft_tps" in result else ""))
+    log(
+        f"llama.cpp edit {result['edit_plain_tps']:7.1f} tok/s plain, {result['edit_lookup_tps']:7.1f} prompt-lookup"
+        + (f", {result['edit_draft_tps']:7.1f} draft model" if "edit_draft_tps" in result else "")
+    )
     return result
 
 
@@ -180,21 +225,38 @@ def measure(core: Path, log: Callable[[str], None] = print, peers: bool = True) 
         parts["history_only"] = rates(core, "auto", log, "speculation_learned_drafter = false\n", "history")
         # The drafter alone, allowed to read the whole edit prompt (the default catch-up bound
         # keeps it off prompts this long).
-        parts["learned_only"] = rates(core, "auto", log, "speculation_history_drafts = false\n"
-                                      "speculation_drafter_catch_up_tokens = 4096\n", "learned")
-    result = {"edit_on_tps": on["edit_tps"], "edit_off_tps": off["edit_tps"], "free_on_tps": on["free_tps"],
-              "free_off_tps": off["free_tps"], "b8_on_tps": on["b8_tps"], "b8_off_tps": off["b8_tps"],
-              "code_on_tps": on["code_tps"], "code_off_tps": off["code_tps"],
-              "acceptance": round(on["accepted"] / on["offered"], 3) if on["offered"] else None,
-              "edit_identical": on["edit_text"] == off["edit_text"], "draft_steps": on["draft_steps"]}
+        parts["learned_only"] = rates(
+            core,
+            "auto",
+            log,
+            "speculation_history_drafts = false\nspeculation_drafter_catch_up_tokens = 4096\n",
+            "learned",
+        )
+    result = {
+        "edit_on_tps": on["edit_tps"],
+        "edit_off_tps": off["edit_tps"],
+        "free_on_tps": on["free_tps"],
+        "free_off_tps": off["free_tps"],
+        "b8_on_tps": on["b8_tps"],
+        "b8_off_tps": off["b8_tps"],
+        "code_on_tps": on["code_tps"],
+        "code_off_tps": off["code_tps"],
+        "acceptance": round(on["accepted"] / on["offered"], 3) if on["offered"] else None,
+        "edit_identical": on["edit_text"] == off["edit_text"],
+        "draft_steps": on["draft_steps"],
+    }
     for name, part in parts.items():
-        result[name] = {key: part[key] for key in ("edit_tps", "free_tps", "code_tps", "b8_tps", "accepted",
-                                                   "offered", "draft_steps")}
+        result[name] = {
+            key: part[key]
+            for key in ("edit_tps", "free_tps", "code_tps", "b8_tps", "accepted", "offered", "draft_steps")
+        }
         result[name]["edit_identical"] = part["edit_text"] == off["edit_text"]
-    result["ratios"] = {name: round(result[f"{name}_on_tps"] / result[f"{name}_off_tps"], 3)
-                        for name in (*TARGETS, "code")}
-    result["targets"] = {name: {"target": f">= {bound}x off", "met": result["ratios"][name] >= bound}
-                         for name, bound in TARGETS.items()}
+    result["ratios"] = {
+        name: round(result[f"{name}_on_tps"] / result[f"{name}_off_tps"], 3) for name in (*TARGETS, "code")
+    }
+    result["targets"] = {
+        name: {"target": f">= {bound}x off", "met": result["ratios"][name] >= bound} for name, bound in TARGETS.items()
+    }
     if peers:
         peer = peer_edit(core, log)
         result["peer"] = peer
@@ -202,8 +264,10 @@ def measure(core: Path, log: Callable[[str], None] = print, peers: bool = True) 
             best = max(peer[key] for key in ("edit_plain_tps", "edit_lookup_tps", "edit_draft_tps") if key in peer)
             result["peer_edit_best_tps"] = best
             result["ratios"]["edit_vs_peer"] = round(result["edit_on_tps"] / best, 3)
-            result["targets"]["edit_vs_peer"] = {"target": ">= 2x the peer's best mode",
-                                                 "met": result["ratios"]["edit_vs_peer"] >= 2}
+            result["targets"]["edit_vs_peer"] = {
+                "target": ">= 2x the peer's best mode",
+                "met": result["ratios"]["edit_vs_peer"] >= 2,
+            }
     return result
 
 

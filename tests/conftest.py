@@ -47,14 +47,30 @@ def code_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def export(recipe: str, checkpoint: str, out: Path, precision: str, force: bool = False,
-           prompt_logprobs: bool = False, targets: tuple[str, ...] = ("cpu",), torch_dtype: str = "bfloat16") -> Path:
+def export(
+    recipe: str,
+    checkpoint: str,
+    out: Path,
+    precision: str,
+    force: bool = False,
+    prompt_logprobs: bool = False,
+    targets: tuple[str, ...] = ("cpu",),
+    torch_dtype: str = "bfloat16",
+) -> Path:
     from ignition.export.pipeline import ExportOptions, export_core
     from ignition.recipes import load_recipe
 
     export_core(
-        ExportOptions(recipe=load_recipe(recipe), checkpoint=checkpoint, out=out, precision=precision, force=force,
-                      prompt_logprobs=prompt_logprobs, targets=targets, torch_dtype=torch_dtype)
+        ExportOptions(
+            recipe=load_recipe(recipe),
+            checkpoint=checkpoint,
+            out=out,
+            precision=precision,
+            force=force,
+            prompt_logprobs=prompt_logprobs,
+            targets=targets,
+            torch_dtype=torch_dtype,
+        )
     )
     return out
 
@@ -71,8 +87,15 @@ def tiny_core(tmp_path_factory, tiny_checkpoint_dir) -> Path:
     """A real fp32 core exported from a tiny random qwen2 checkpoint with the real Qwen tokenizer,
     with the prompt-scoring graph (--prompt-logprobs) and an fp32 torch step program beside the
     ONNX graph (--target cpu,cuda --torch-dtype float32), which `--engine torch` serves on CPU torch."""
-    return export("qwen25_coder", str(tiny_checkpoint_dir), tmp_path_factory.mktemp("cores") / "tiny", "fp32",
-                  prompt_logprobs=True, targets=("cpu", "cuda"), torch_dtype="float32")
+    return export(
+        "qwen25_coder",
+        str(tiny_checkpoint_dir),
+        tmp_path_factory.mktemp("cores") / "tiny",
+        "fp32",
+        prompt_logprobs=True,
+        targets=("cpu", "cuda"),
+        torch_dtype="float32",
+    )
 
 
 THINK_TOKENS = {151667: "<think>", 151668: "</think>"}  # Qwen3's ids for its reasoning delimiters
@@ -89,8 +112,17 @@ def add_think_tokens(tokenizer_json: str) -> str:
         old = next(k for k, v in vocab.items() if v == token_id)
         del vocab[old]
         vocab[text] = token_id
-        doc["added_tokens"].append({"id": token_id, "content": text, "single_word": False, "lstrip": False,
-                                    "rstrip": False, "normalized": False, "special": False})
+        doc["added_tokens"].append(
+            {
+                "id": token_id,
+                "content": text,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": False,
+            }
+        )
     return json.dumps(doc)
 
 

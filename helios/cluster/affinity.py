@@ -99,7 +99,9 @@ class AffinityTable:
         if loads.get(preferred, 0) >= self.capacity and least < self.capacity:
             preferred, decision = by_load(candidates)[0], "least_loaded"
         rest = by_load([r for r in candidates if r != preferred])
-        return Choice([[preferred], rest] if rest else [[preferred]], decision, depth if decision != "least_loaded" else 0)
+        return Choice(
+            [[preferred], rest] if rest else [[preferred]], decision, depth if decision != "least_loaded" else 0
+        )
 
     def record(self, key: RouteKey | None, replica: str) -> None:
         """The replica will hold this prompt's blocks (once its prefill runs)."""

@@ -116,16 +116,36 @@ class ClusterEngine:
 
 
 def _final(request: GenerationRequest, reason: FinishReason, error: str | None) -> GenerationEvent:
-    return GenerationEvent(request_id=request.request_id, token_ids=[], text="", finished=True,
-                           finish_reason=reason, error=error, prompt_tokens=len(request.prompt_token_ids))
+    return GenerationEvent(
+        request_id=request.request_id,
+        token_ids=[],
+        text="",
+        finished=True,
+        finish_reason=reason,
+        error=error,
+        prompt_tokens=len(request.prompt_token_ids),
+    )
 
 
 def sum_stats(snapshots: list[EngineStats]) -> EngineStats:
     """The cluster's stats: counters and gauges summed over replicas (dicts by key), flags or-ed."""
-    total = EngineStats(active=0, pending=0, free_pages=0, total_pages=0, page_tokens=0, prefill_tokens_total=0,
-                        generated_tokens_total=0, completed_total=0, cancelled_total=0, failed_total=0,
-                        steps_total=0, admitted_total=0, preempted_total=0, step_seconds_total=0.0,
-                        schedule_seconds_total=0.0)
+    total = EngineStats(
+        active=0,
+        pending=0,
+        free_pages=0,
+        total_pages=0,
+        page_tokens=0,
+        prefill_tokens_total=0,
+        generated_tokens_total=0,
+        completed_total=0,
+        cancelled_total=0,
+        failed_total=0,
+        steps_total=0,
+        admitted_total=0,
+        preempted_total=0,
+        step_seconds_total=0.0,
+        schedule_seconds_total=0.0,
+    )
     for s in snapshots:
         _add_into(total, s)
         total.page_tokens = s.page_tokens

@@ -15,8 +15,8 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from helios.app import CTX_KEY, create_app
-from helios.cluster.engine import ClusterEngine
 from helios.cluster.affinity import DECISIONS
+from helios.cluster.engine import ClusterEngine
 from helios.cluster.spec import ClusterSpec
 from helios.manifest import Manifest
 from helios.server import lifecycle
@@ -64,32 +64,43 @@ class ReplicaCollector:
         rows = []
         for replica, info in sorted(self.engine.replica_stats().items()):
             s = info.get("stats")
-            rows.append({
-                "replica": replica, "label": info.get("label", ""), "healthy": bool(info.get("healthy", False)),
-                "routed": routed.get(replica, 0),
-                "inflight": inflight.get(replica, 0),
-                "active": s.active if s else 0, "pending": s.pending if s else 0,
-                "free_pages": s.free_pages if s else 0, "prefill_tokens": s.prefill_tokens_total if s else 0,
-                "generated_tokens": s.generated_tokens_total if s else 0,
-                "reused_tokens": s.reused_tokens_total if s else 0,
-            })
+            rows.append(
+                {
+                    "replica": replica,
+                    "label": info.get("label", ""),
+                    "healthy": bool(info.get("healthy", False)),
+                    "routed": routed.get(replica, 0),
+                    "inflight": inflight.get(replica, 0),
+                    "active": s.active if s else 0,
+                    "pending": s.pending if s else 0,
+                    "free_pages": s.free_pages if s else 0,
+                    "prefill_tokens": s.prefill_tokens_total if s else 0,
+                    "generated_tokens": s.generated_tokens_total if s else 0,
+                    "reused_tokens": s.reused_tokens_total if s else 0,
+                }
+            )
         return rows
 
     def collect(self) -> Iterator[Any]:
         rows = self.rows()
-        gauges = [("healthy", "Whether the replica's engine is alive (1) or not (0)"),
-                  ("inflight", "Requests this frontend has in flight on the replica"),
-                  ("active", "Active sequences on the replica"), ("pending", "Requests waiting on the replica"),
-                  ("free_pages", "Free KV pages on the replica")]
+        gauges = [
+            ("healthy", "Whether the replica's engine is alive (1) or not (0)"),
+            ("inflight", "Requests this frontend has in flight on the replica"),
+            ("active", "Active sequences on the replica"),
+            ("pending", "Requests waiting on the replica"),
+            ("free_pages", "Free KV pages on the replica"),
+        ]
         for field, doc in gauges:
             family = GaugeMetricFamily(f"flare_replica_{field}", doc, labels=["replica"])
             for row in rows:
                 family.add_metric([row["replica"]], float(row[field]))
             yield family
-        counters = [("routed", "Requests routed to the replica"),
-                    ("prefill_tokens", "Prompt tokens the replica prefilled"),
-                    ("generated_tokens", "Tokens the replica generated"),
-                    ("reused_tokens", "Prompt tokens the replica restored from prefix checkpoints")]
+        counters = [
+            ("routed", "Requests routed to the replica"),
+            ("prefill_tokens", "Prompt tokens the replica prefilled"),
+            ("generated_tokens", "Tokens the replica generated"),
+            ("reused_tokens", "Prompt tokens the replica restored from prefix checkpoints"),
+        ]
         for field, doc in counters:
             family = CounterMetricFamily(f"flare_replica_{field}", doc, labels=["replica"])
             for row in rows:
@@ -97,17 +108,22 @@ class ReplicaCollector:
             yield family
         yield GaugeMetricFamily("flare_cluster_replicas", "Engine replicas Ray Serve lists as running", value=len(rows))
         router = self.engine.router
-        decisions = CounterMetricFamily("flare_cluster_routing_decisions_total",
-                                        "Requests by what chose their replica", labels=["decision"])
+        decisions = CounterMetricFamily(
+            "flare_cluster_routing_decisions_total", "Requests by what chose their replica", labels=["decision"]
+        )
         for decision in DECISIONS:
             decisions.add_metric([decision], router.decisions.get(decision, 0) if router is not None else 0)
         yield decisions
-        yield CounterMetricFamily("flare_cluster_replica_failures_total",
-                                  "Requests ended because their replica failed or died",
-                                  value=self.engine.replica_failures)
+        yield CounterMetricFamily(
+            "flare_cluster_replica_failures_total",
+            "Requests ended because their replica failed or died",
+            value=self.engine.replica_failures,
+        )
 
     def json_fields(self) -> dict[str, Any]:
         router = self.engine.router
-        return {"replicas": self.rows(),
-                "routing": {d: router.decisions.get(d, 0) if router is not None else 0 for d in DECISIONS},
-                "replica_failures": self.engine.replica_failures}
+        return {
+            "replicas": self.rows(),
+            "routing": {d: router.decisions.get(d, 0) if router is not None else 0 for d in DECISIONS},
+            "replica_failures": self.engine.replica_failures,
+        }

@@ -36,19 +36,27 @@ def build(spec: ClusterSpec, node_resource: str) -> Any:
     """The Serve application: N engine replicas under the affinity router, one frontend."""
     settings = spec.settings
     engines = serve.deployment(EngineReplica).options(
-        name=ENGINES, num_replicas=spec.replicas,
+        name=ENGINES,
+        num_replicas=spec.replicas,
         ray_actor_options={"num_cpus": spec.replica_threads},
         # The frontend admits and queues (its [server] limits); a replica never refuses work.
-        max_ongoing_requests=1 << 16, max_queued_requests=-1,
-        health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=30.0,
-        graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=settings.drain_timeout_s,
+        max_ongoing_requests=1 << 16,
+        max_queued_requests=-1,
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        health_check_timeout_s=30.0,
+        graceful_shutdown_wait_loop_s=0.5,
+        graceful_shutdown_timeout_s=settings.drain_timeout_s,
         request_router_config=RequestRouterConfig(
             request_router_class=f"{PrefixAffinityRouter.__module__}.{PrefixAffinityRouter.__name__}",
             request_router_kwargs={"policy": spec.policy, "capacity": spec.replica_capacity},
-            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S, request_routing_stats_timeout_s=5.0),
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+            request_routing_stats_timeout_s=5.0,
+        ),
     )
     frontend = serve.deployment(Frontend).options(
-        name=FRONTEND, num_replicas=1, max_ongoing_requests=64,
+        name=FRONTEND,
+        num_replicas=1,
+        max_ongoing_requests=64,
         ray_actor_options={"num_cpus": 0, "resources": {node_resource: 0.001}},
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
     )
@@ -65,9 +73,13 @@ def app_builder(args: dict[str, Any]) -> Any:
     settings.port = int(args.get("port", settings.port))
     if args.get("host_store"):
         settings.host_store_dir = str(args["host_store"])
-    spec = ClusterSpec(core=Path(args["core"]), replicas=int(args.get("replicas", 2)),
-                       threads=int(args["threads"]) if args.get("threads") else None,
-                       policy=str(args.get("router", "affinity")), settings=settings)
+    spec = ClusterSpec(
+        core=Path(args["core"]),
+        replicas=int(args.get("replicas", 2)),
+        threads=int(args["threads"]) if args.get("threads") else None,
+        policy=str(args.get("router", "affinity")),
+        settings=settings,
+    )
     return build(spec, str(args.get("frontend_resource", "helios_frontend")))
 
 
@@ -76,8 +88,13 @@ def connect(address: str | None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
     else:
-        ray.init(num_cpus=num_cpus or os.cpu_count(), object_store_memory=OBJECT_STORE_BYTES,
-                 include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+        ray.init(
+            num_cpus=num_cpus or os.cpu_count(),
+            object_store_memory=OBJECT_STORE_BYTES,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            log_to_driver=False,
+        )
 
 
 def deploy(spec: ClusterSpec) -> str:

@@ -28,9 +28,16 @@ class EngineReplica:
     def __init__(self, spec: ClusterSpec):
         settings = spec.settings
         manifest = Manifest.load(spec.core)
-        self.engine = Engine(spec.core, manifest, max_concurrency=settings.max_concurrency, kv_pages=spec.kv_pages,
-                             threads=spec.replica_threads, prefix_cache=settings.prefix_cache_config(),
-                             host_store=settings.host_store_config(), speculation=settings.speculation_config())
+        self.engine = Engine(
+            spec.core,
+            manifest,
+            max_concurrency=settings.max_concurrency,
+            kv_pages=spec.kv_pages,
+            threads=spec.replica_threads,
+            prefix_cache=settings.prefix_cache_config(),
+            host_store=settings.host_store_config(),
+            speculation=settings.speculation_config(),
+        )
         self.engine.start()
         self.label = f"{socket.gethostname()}:{os.getpid()}"
 
@@ -60,8 +67,7 @@ class EngineReplica:
             raise RuntimeError("the engine's step loop stopped")
 
     def record_routing_stats(self) -> dict[str, Any]:
-        return {"healthy": self.engine.healthy(), "label": self.label,
-                "stats": self.engine.stats()}
+        return {"healthy": self.engine.healthy(), "label": self.label, "stats": self.engine.stats()}
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

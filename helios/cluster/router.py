@@ -32,8 +32,9 @@ class PrefixAffinityRouter(RequestRouter):
         self.requests_by_replica: Counter[str] = Counter()
         affinity.ROUTERS[self._deployment_id.name] = self  # through the module: see above
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         candidates = [r for r in candidate_replicas if (r.routing_stats or {}).get("healthy", True)]
         if not candidates:
             return []
@@ -42,7 +43,7 @@ class PrefixAffinityRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidates}
         choice = self.table.choose(list(by_id), dict(self.inflight), _route_of(pending_request))
         if pending_request is not None:  # Ray's per-request scratch, read back in on_request_routed
-            setattr(pending_request.routing_context, "helios_decision", choice.decision)
+            pending_request.routing_context.helios_decision = choice.decision
         return [[by_id[r] for r in rank] for rank in choice.ranks]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
 from helios.manifest import Manifest
 from helios.server.config import ServerConfig
 

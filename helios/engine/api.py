@@ -96,7 +96,7 @@ class GenerationRequest:
     # masking the answer's tokens once reasoning has ended. None: unconstrained.
     grammar: str | None = None
     # Reasoning delimiters and budget (helios.engine.constraints). None: no reasoning syntax.
-    reasoning: "ReasoningControl | None" = None
+    reasoning: ReasoningControl | None = None
     # Prompt scoring (api.md "Prompt log probabilities"): None, or the natural alternatives
     # (0..20) per prompt position. Scoring starts from an uncached prompt.
     prompt_logprobs: int | None = None

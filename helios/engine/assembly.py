@@ -17,7 +17,9 @@ from helios.engine.step_io import StepRunner
 from helios.manifest import Manifest
 
 
-def speculator_for(core_dir: Path, manifest: Manifest, runner: StepRunner, config: SpeculationConfig | None) -> Speculator | None:
+def speculator_for(
+    core_dir: Path, manifest: Manifest, runner: StepRunner, config: SpeculationConfig | None
+) -> Speculator | None:
     """History drafts and the core's learned drafter, where the step graph can verify drafts and
     no recurrent state must roll back; None when neither source is on."""
     config = config or SpeculationConfig()
@@ -66,8 +68,12 @@ def state_snapshot_arguments(manifest: Manifest, runner: StepRunner) -> dict[str
         return {}
     if runner.num_state_slots == 0:
         return {"recurrent_state": True}  # no slots to snapshot: checkpoints are refused
-    return {"recurrent_state": True, "read_state": runner.read_state, "write_state": runner.write_state,
-            "state_bytes": manifest.state.width * 4}  # float32 snapshots
+    return {
+        "recurrent_state": True,
+        "read_state": runner.read_state,
+        "write_state": runner.write_state,
+        "state_bytes": manifest.state.width * 4,
+    }  # float32 snapshots
 
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -95,8 +101,9 @@ def choose_runner(manifest: Manifest, device: str = "auto", engine: str = "auto"
     if engine == "auto":
         engine = "torch" if device == "cuda" else "onnx"
     if engine == "onnx" and device == "cuda":
-        raise ValueError("the ONNX step graph runs on the CPU only; on CUDA helios runs the core's torch program "
-                         "(--engine torch)")  # fmt: skip
+        raise ValueError(
+            "the ONNX step graph runs on the CPU only; on CUDA helios runs the core's torch program (--engine torch)"
+        )
     if engine == "torch" and not has_program:
         raise ValueError("this core has no torch step program: export it with `ignition export --target cpu,cuda`")
     if device == "cuda" and not _cuda_available():
@@ -112,16 +119,24 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def build_runner(core_dir: Path, manifest: Manifest, choice: RunnerChoice, num_pages: int, threads: int | None,
-                 max_concurrency: int) -> StepRunner:  # fmt: skip
+def build_runner(
+    core_dir: Path, manifest: Manifest, choice: RunnerChoice, num_pages: int, threads: int | None, max_concurrency: int
+) -> StepRunner:
     """The chosen runner, its state slots and decode-graph buckets sized for max_concurrency."""
     slots = max_concurrency + SPARE_STATE_SLOTS
     if choice.engine == "onnx":
         return Runner(core_dir, manifest, num_pages, threads, state_slots=slots)
     from helios.engine.torch_runner import TorchRunner  # torch only where its engine serves
 
-    return TorchRunner(core_dir, manifest, num_pages, device=choice.device, threads=threads, state_slots=slots,
-                       max_batch=max_concurrency)  # fmt: skip
+    return TorchRunner(
+        core_dir,
+        manifest,
+        num_pages,
+        device=choice.device,
+        threads=threads,
+        state_slots=slots,
+        max_batch=max_concurrency,
+    )
 
 
 def describe_runner(manifest: Manifest, runner: StepRunner) -> str:

@@ -37,7 +37,7 @@ class LearnedDrafter:
         self.steps = 0  # draft positions run (api.md draft_steps)
 
     @classmethod
-    def load(cls, core_dir: Path, manifest: Manifest, target: Runner, catch_up_tokens: int) -> "LearnedDrafter":
+    def load(cls, core_dir: Path, manifest: Manifest, target: Runner, catch_up_tokens: int) -> LearnedDrafter:
         spec = manifest.drafter
         assert spec is not None
         engine = manifest.engine(spec.engine)
@@ -69,7 +69,7 @@ class LearnedDrafter:
         for r in todo:
             seq = r.seq
             settle(seq)
-            feeds.append(StepRow(seq.token_ids[seq.drafter_len:], seq.drafter_len, list(seq.page_table)))
+            feeds.append(StepRow(seq.token_ids[seq.drafter_len :], seq.drafter_len, list(seq.page_table)))
         drafts: list[list[int]] = [[] for _ in todo]
         active = list(range(len(todo)))
         try:

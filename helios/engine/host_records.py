@@ -77,10 +77,20 @@ def write_record(path: Path, record: HostRecord, identity: str) -> int:
     payload = [record.ids.tobytes(), np.ascontiguousarray(record.kv).tobytes()]
     if record.state is not None:
         payload.append(np.ascontiguousarray(record.state).tobytes())
-    header = {"format": FORMAT, "identity": identity, "key": link.key, "parent": link.parent,
-              "start": link.start, "length": link.length, "first_page": link.first_page,
-              "kv_shape": list(record.kv.shape), "state_shape": None if record.state is None else list(record.state.shape),
-              "dtype": "float32", "inputs": [], "checksum": _checksum(payload)}  # fmt: skip
+    header = {
+        "format": FORMAT,
+        "identity": identity,
+        "key": link.key,
+        "parent": link.parent,
+        "start": link.start,
+        "length": link.length,
+        "first_page": link.first_page,
+        "kv_shape": list(record.kv.shape),
+        "state_shape": None if record.state is None else list(record.state.shape),
+        "dtype": "float32",
+        "inputs": [],
+        "checksum": _checksum(payload),
+    }
     temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         with open(temporary, "wb") as out:
@@ -143,7 +153,13 @@ def _link(header: dict) -> RecordLink:
         state = header["state_shape"]
         nbytes = (int(header["length"]) - int(header["start"])) * 8 + int(np.prod(kv_shape)) * 4
         nbytes += 0 if state is None else int(np.prod([int(n) for n in state])) * 4
-        return RecordLink(str(header["key"]), header["parent"], int(header["start"]), int(header["length"]),
-                          int(header["first_page"]), nbytes)
+        return RecordLink(
+            str(header["key"]),
+            header["parent"],
+            int(header["start"]),
+            int(header["length"]),
+            int(header["first_page"]),
+            nbytes,
+        )
     except (KeyError, TypeError, ValueError) as exc:
         raise RecordError(f"malformed header ({exc})") from None

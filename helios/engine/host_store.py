@@ -39,12 +39,18 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from helios.engine.host_records import (HostRecord, RecordError, RecordLink, RecordReplaced, read_link, read_record,
-                                        write_record)
+from helios.engine.host_records import (
+    HostRecord,
+    RecordError,
+    RecordLink,
+    RecordReplaced,
+    read_link,
+    read_record,
+    write_record,
+)
 from helios.manifest import Manifest
 
 log = logging.getLogger("helios.host_store")
@@ -159,8 +165,16 @@ def core_identity(manifest: Manifest, pool_dtype: str = "float32") -> str:
     """What a record must match to be served: the core's files, its KV layout and the dtype of the
     pool the K/V came from (a bf16 pool's pages are not a float32 pool's, though stored as float32)."""
     kv = manifest.kv
-    text = json.dumps([manifest.digest or manifest.content_digest, kv.num_layers, kv.kv_heads, kv.head_dim,
-                       kv.page_tokens, pool_dtype])
+    text = json.dumps(
+        [
+            manifest.digest or manifest.content_digest,
+            kv.num_layers,
+            kv.kv_heads,
+            kv.head_dim,
+            kv.page_tokens,
+            pool_dtype,
+        ]
+    )
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -201,9 +215,20 @@ class HostStore:
     def stats(self) -> HostStoreStats:
         with self._lock:
             return HostStoreStats(
-                self.hits, self.reused_tokens, len(self._dram), len(self._disk), len(self._parked), self.bytes_out,
-                self.bytes_in, self.store_skipped, self.copyout_deferrals, self.restores_declined, dict(self.held),
-                dict(self.dropped), {name: (h.buckets(), h.sum) for name, h in self.histograms.items()})
+                self.hits,
+                self.reused_tokens,
+                len(self._dram),
+                len(self._disk),
+                len(self._parked),
+                self.bytes_out,
+                self.bytes_in,
+                self.store_skipped,
+                self.copyout_deferrals,
+                self.restores_declined,
+                dict(self.held),
+                dict(self.dropped),
+                {name: (h.buckets(), h.sum) for name, h in self.histograms.items()},
+            )
 
     # -- offers ----------------------------------------------------------------------------------
 
@@ -308,7 +333,7 @@ class HostStore:
                         self._dram[link.key] = record
                         self._dram_bytes += record.nbytes
                         self.held["dram"] += 1
-            if not np.array_equal(record.ids, np.asarray(token_ids[link.start:link.length], dtype=np.int64)):
+            if not np.array_equal(record.ids, np.asarray(token_ids[link.start : link.length], dtype=np.int64)):
                 return None  # a hash collision: never served
             records.append(record)
         with self._lock:
@@ -399,8 +424,7 @@ class HostStore:
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as exc:
-            log.warning("host store directory %s is not writable (%s): keeping checkpoints in memory only",
-                        folder, exc)
+            log.warning("host store directory %s is not writable (%s): keeping checkpoints in memory only", folder, exc)
             return
         self.folder = folder
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="helios-host-store")
@@ -461,8 +485,12 @@ class HostStore:
     def _well_formed(self, link: RecordLink) -> bool:
         """A link's own fields agree (a chain root starts at 0, a link starts inside its parent's
         last page), so walking parents always ends."""
-        return (0 <= link.start < link.length and (link.parent is None) == (link.start == 0)
-                and link.parent != link.key and link.first_page == link.start // self.page_tokens)
+        return (
+            0 <= link.start < link.length
+            and (link.parent is None) == (link.start == 0)
+            and link.parent != link.key
+            and link.first_page == link.start // self.page_tokens
+        )
 
     def _write(self, record: HostRecord) -> None:
         """Writer thread: the record file, then the disk budget."""
@@ -522,7 +550,9 @@ class HostStore:
                 self._folder_mtime = 0.0
             return None
         except (OSError, RecordError) as exc:
-            log.warning("host store record %s failed its checks (%s): dropped, its prefix is recomputed", path.name, exc)
+            log.warning(
+                "host store record %s failed its checks (%s): dropped, its prefix is recomputed", path.name, exc
+            )
             with self._lock:
                 self.dropped[("nvme", "io_error")] += 1
                 self._forget(link.key)

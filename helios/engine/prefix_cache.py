@@ -60,12 +60,20 @@ from helios.engine.host_store import HostStore, prefix_key, prefix_keys
 
 # Selection order: the anchor is shared by every conversation with the same preamble; hints are
 # the client's own boundaries; the endpoint serves repeats and the next turn; message ends last.
-ROLE_PRIORITY = {CheckpointRole.ANCHOR: 0, CheckpointRole.HINT: 1, CheckpointRole.ENDPOINT: 2,
-                 CheckpointRole.MESSAGE: 3}
+ROLE_PRIORITY = {
+    CheckpointRole.ANCHOR: 0,
+    CheckpointRole.HINT: 1,
+    CheckpointRole.ENDPOINT: 2,
+    CheckpointRole.MESSAGE: 3,
+}
 # Exported roles (api.md): a hinted block end is a message-part boundary.
 METRIC_ROLES = ("anchor", "message", "endpoint")
-METRIC_ROLE = {CheckpointRole.ANCHOR: "anchor", CheckpointRole.HINT: "message",
-               CheckpointRole.MESSAGE: "message", CheckpointRole.ENDPOINT: "endpoint"}
+METRIC_ROLE = {
+    CheckpointRole.ANCHOR: "anchor",
+    CheckpointRole.HINT: "message",
+    CheckpointRole.MESSAGE: "message",
+    CheckpointRole.ENDPOINT: "endpoint",
+}
 SKIP_REASONS = ("unknown_cost", "work_budget", "storage", "recurrent_state")
 
 
@@ -96,8 +104,9 @@ class PrefixCacheConfig:
 class Checkpoint:
     __slots__ = ("ids", "length", "pages", "role", "key", "uses", "state", "drafter_len")
 
-    def __init__(self, ids: np.ndarray, pages: list[int], role: CheckpointRole, key: bytes,
-                 state: np.ndarray | None = None):
+    def __init__(
+        self, ids: np.ndarray, pages: list[int], role: CheckpointRole, key: bytes, state: np.ndarray | None = None
+    ):
         self.ids = ids  # int64 [length]
         self.length = int(ids.shape[0])
         self.pages = pages  # covers `length` tokens; every page is immutable
@@ -118,12 +127,21 @@ class PrefixCache:
     only page-aligned or already complete boundaries can be captured and restores round down to
     a page boundary."""
 
-    def __init__(self, bm: BlockManager, *, copy_page: Callable[[int, int], None] | None,
-                 page_bytes: int, config: PrefixCacheConfig | None = None, recurrent_state: bool = False,
-                 read_state: Callable[[int], np.ndarray] | None = None,
-                 write_state: Callable[[int, np.ndarray], None] | None = None, state_bytes: int = 0,
-                 host: HostStore | None = None, read_pages: Callable[[list[int]], np.ndarray] | None = None,
-                 write_pages: Callable[[list[int], np.ndarray], None] | None = None):
+    def __init__(
+        self,
+        bm: BlockManager,
+        *,
+        copy_page: Callable[[int, int], None] | None,
+        page_bytes: int,
+        config: PrefixCacheConfig | None = None,
+        recurrent_state: bool = False,
+        read_state: Callable[[int], np.ndarray] | None = None,
+        write_state: Callable[[int, np.ndarray], None] | None = None,
+        state_bytes: int = 0,
+        host: HostStore | None = None,
+        read_pages: Callable[[list[int]], np.ndarray] | None = None,
+        write_pages: Callable[[list[int], np.ndarray], None] | None = None,
+    ):
         self.config = config or PrefixCacheConfig()
         self.config.validate()
         # K/V pages alone cannot resume the core (see above): checkpoints need state snapshots,
@@ -273,8 +291,9 @@ class PrefixCache:
             return []
         prompt_len = seq.prompt_len
         best: dict[int, CheckpointRole] = {}
-        offered = list(request.checkpoints) + [CheckpointCandidate(p, CheckpointRole.HINT)
-                                               for p in request.checkpoint_hints]
+        offered = list(request.checkpoints) + [
+            CheckpointCandidate(p, CheckpointRole.HINT) for p in request.checkpoint_hints
+        ]
         for cand in offered:
             role = CheckpointRole(cand.role)
             p = int(cand.position)
@@ -372,7 +391,8 @@ class PrefixCache:
 
         # Check that evictions can make room before evicting anything.
         if len(shared) + int(copy) > self.storage_pages or (
-                copy and self.bm.num_free - free_reserve + self.reclaimable_pages() < 1):
+            copy and self.bm.num_free - free_reserve + self.reclaimable_pages() < 1
+        ):
             self.skips["storage"] += 1
             return None
         while self.cached_pages + added() > self.storage_pages:
@@ -445,7 +465,8 @@ class PrefixCache:
         if pages_needed > self.storage_pages or need > free_pages + self.reclaimable_pages(held):
             return
         while self.cached_pages + pages_needed > self.storage_pages or (
-                self.recurrent_state and len(self._lru) >= self.max_snapshots):
+            self.recurrent_state and len(self._lru) >= self.max_snapshots
+        ):
             if not self._evict_one(protect=held):
                 return
         if not self.reclaim(need + promised, protect=held):
@@ -460,7 +481,7 @@ class PrefixCache:
         started = time.perf_counter()
         for record in records:  # root first: each page ends up with the leaf's copy
             first = record.link.first_page
-            self._write_pages(pages[first:first + record.kv.shape[2]], record.kv)
+            self._write_pages(pages[first : first + record.kv.shape[2]], record.kv)
         host.observe_copy(sum(r.nbytes for r in records), time.perf_counter() - started)
         ids = np.concatenate([r.ids for r in records])
         ckpt = Checkpoint(ids, pages, CheckpointRole.ENDPOINT, prefix_key(ids), records[-1].state)

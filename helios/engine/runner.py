@@ -22,9 +22,17 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from helios.engine.step_io import (
+    PromptScores,
+    StepOutput,
+    StepRow,
+    check_rows,
+    pack_images,
+    pack_rows,
+    run_in_groups,
+    scatter_new_kv,
+)
 from helios.kernels.session import open_session
-from helios.engine.step_io import (PromptScores, StepOutput, StepRow, check_rows, pack_images,  # noqa: F401 (re-exported)
-                                   pack_rows, run_in_groups, scatter_new_kv)
 from helios.manifest import KVLayout, Manifest, StateLayout
 
 # Prompt positions the score graph takes per call: its [N, V] logits and log-softmax are
@@ -42,7 +50,12 @@ class Runner:
     replay_gpu_ns = 0
 
     def __init__(
-        self, core_dir: Path, manifest: Manifest, num_pages: int, threads: int | None = None, state_slots: int | None = None
+        self,
+        core_dir: Path,
+        manifest: Manifest,
+        num_pages: int,
+        threads: int | None = None,
+        state_slots: int | None = None,
     ) -> None:
         """state_slots: recurrent-state slots (cores with `state`); default the core's concurrency
         plus SPARE_STATE_SLOTS."""
@@ -57,9 +70,15 @@ class Runner:
 
     @classmethod
     def from_graph(
-        cls, graph_path: Path, kv: KVLayout, num_pages: int, threads: int | None = None, score_graph: Path | None = None,
-        state: StateLayout | None = None, state_slots: int = SPARE_STATE_SLOTS,
-    ) -> "Runner":  # fmt: skip
+        cls,
+        graph_path: Path,
+        kv: KVLayout,
+        num_pages: int,
+        threads: int | None = None,
+        score_graph: Path | None = None,
+        state: StateLayout | None = None,
+        state_slots: int = SPARE_STATE_SLOTS,
+    ) -> Runner:
         """A runner over a bare step graph (export validation has no core.json yet)."""
         runner = cls.__new__(cls)
         runner._setup(Path(graph_path), kv, num_pages, threads, state, state_slots)
@@ -67,9 +86,14 @@ class Runner:
         return runner
 
     def _setup(
-        self, graph_path: Path, kv: KVLayout, num_pages: int, threads: int | None, state: StateLayout | None = None,
+        self,
+        graph_path: Path,
+        kv: KVLayout,
+        num_pages: int,
+        threads: int | None,
+        state: StateLayout | None = None,
         state_slots: int = 0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if num_pages < 1:
             raise ValueError("num_pages must be >= 1")
         if kv.dtype != "float32":
@@ -242,8 +266,12 @@ class PromptScorer:
         if results:
             merged = [np.concatenate(parts) for parts in zip(*results)]
         else:
-            merged = [np.zeros((0,), np.float32), np.zeros((0,), np.int64),
-                      np.zeros((0, 0), np.float32), np.zeros((0, 0), np.int64)]
+            merged = [
+                np.zeros((0,), np.float32),
+                np.zeros((0,), np.int64),
+                np.zeros((0, 0), np.float32),
+                np.zeros((0, 0), np.int64),
+            ]
         scores: list[PromptScores | None] = [None] * len(rows)
         at = 0
         for b, n in owners:

@@ -374,7 +374,7 @@ def _finite(value: float) -> float:
     return value if np.isfinite(value) else NON_FINITE_LOGPROB
 
 
-def prompt_logprob_entries(scores: "PromptScores", token_ids: list[int], k: int) -> list[PromptLogprob]:
+def prompt_logprob_entries(scores: PromptScores, token_ids: list[int], k: int) -> list[PromptLogprob]:
     """api.md prompt entries from the score graph's output: the actual token (`token_ids`, one
     per scored position) with its rank and the k best natural alternatives (decreasing logprob,
     ties by increasing id) with theirs."""
@@ -387,5 +387,7 @@ def prompt_logprob_entries(scores: "PromptScores", token_ids: list[int], k: int)
         # Every logprob strictly greater than an alternative's is itself among the alternatives.
         ranks = 1 + np.searchsorted(-top_lp, -top_lp, side="left")
         top = [(int(i), _finite(float(v)), int(r)) for i, v, r in zip(top_ids[:k], top_lp[:k], ranks[:k])]
-        entries.append(PromptLogprob(token_id=int(token_id), logprob=_finite(float(target_lp)), rank=int(rank), top=top))
+        entries.append(
+            PromptLogprob(token_id=int(token_id), logprob=_finite(float(target_lp)), rank=int(rank), top=top)
+        )
     return entries

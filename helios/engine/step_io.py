@@ -81,7 +81,6 @@ class StepOutput:
 PAD_WASTE_TOKENS = 16
 
 
-
 def check_rows(rows: list[StepRow], kv: KVLayout, num_pages: int, max_positions: int | None, state_slots: int) -> None:
     """Raise ValueError for a step no runner may run (state_slots: 0 for a core without state)."""
     if not rows:
@@ -152,15 +151,17 @@ def run_in_groups(rows: list[StepRow], run: Callable[[list[StepRow]], StepOutput
         first[i] = at
         take.extend(range(start, start + row.num_outputs))
         at += row.num_outputs
-    arrays = {f: np.concatenate([getattr(out, f) for _, out in parts])[take]
-              for f in ("logits", "logsumexp", "top_logprobs", "top_ids")}
+    arrays = {
+        f: np.concatenate([getattr(out, f) for _, out in parts])[take]
+        for f in ("logits", "logsumexp", "top_logprobs", "top_ids")
+    }
     explicit = None
     if any(out.token_logprobs is not None for _, out in parts):
         width = max(out.token_logprobs.shape[1] for _, out in parts if out.token_logprobs is not None)
         merged = np.zeros((int(offsets[-1]), width), dtype=np.float32)
         for k, (_, out) in enumerate(parts):
             if out.token_logprobs is not None:
-                merged[offsets[k]:offsets[k + 1], : out.token_logprobs.shape[1]] = out.token_logprobs
+                merged[offsets[k] : offsets[k + 1], : out.token_logprobs.shape[1]] = out.token_logprobs
         explicit = merged[take]
     scores = None
     if any(out.prompt_scores is not None for _, out in parts):
@@ -230,8 +231,7 @@ class StepRunner(Protocol):
         """A float32 copy of one recurrent-state slot [width]."""
         ...
 
-    def write_state(self, slot: int, state: np.ndarray) -> None:
-        ...
+    def write_state(self, slot: int, state: np.ndarray) -> None: ...
 
 
 def pack_rows(rows: list[StepRow], page_tokens: int) -> dict[str, np.ndarray]:
@@ -307,7 +307,8 @@ def pack_images(rows: list[StepRow], positions: np.ndarray, hidden: int) -> dict
             features.append(values)
     return {
         "mrope_positions": mrope,
-        "image_embeds": np.ascontiguousarray(np.concatenate(features), dtype=np.float32) if features
+        "image_embeds": np.ascontiguousarray(np.concatenate(features), dtype=np.float32)
+        if features
         else np.zeros((0, hidden), np.float32),
         "image_slots": np.concatenate(slots) if slots else np.zeros(0, np.int64),
     }

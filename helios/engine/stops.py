@@ -97,7 +97,7 @@ class TokenSequenceStops:
         A match drops the held tokens of that sequence and releases only what preceded it."""
         window = self.held + [token_id]
         for stop in self.sequences:
-            if tuple(window[-len(stop):]) == stop:
+            if tuple(window[-len(stop) :]) == stop:
                 self.held = []
                 return window[: len(window) - len(stop)], list(stop)
         keep = 0
@@ -107,7 +107,7 @@ class TokenSequenceStops:
             if any(len(stop) > n and stop[:n] == tail for stop in self.sequences):
                 keep = n
                 break
-        self.held = window[len(window) - keep:]
+        self.held = window[len(window) - keep :]
         return window[: len(window) - keep], None
 
     def take(self) -> list[int]:
@@ -160,8 +160,9 @@ class StopChecker:
             return TokenOutcome(self._push(held) + self.finish_text(), False, FinishReason.STOP, reason, len(held))
         released, sequence = self.sequences.feed(token_id)
         if sequence is not None:
-            return TokenOutcome(self._push(released) + self.finish_text(), False, FinishReason.STOP, sequence,
-                                len(released))
+            return TokenOutcome(
+                self._push(released) + self.finish_text(), False, FinishReason.STOP, sequence, len(released)
+            )
         text, matched = self.matcher.feed(self._push(released))
         if matched is not None:
             return TokenOutcome(text, True, FinishReason.STOP, matched, len(released))
@@ -184,7 +185,7 @@ class StopChecker:
         if not self.sequences.sequences and not self._held_entries:
             return [entry] if entry is not None and outcome.released else []
         pending = self._held_entries + [entry]
-        self._held_entries = [] if outcome.finished else pending[outcome.released:]
+        self._held_entries = [] if outcome.finished else pending[outcome.released :]
         return [e for e in pending[: outcome.released] if e is not None]
 
     def finish_text(self) -> str:

@@ -27,8 +27,15 @@ import numpy as np
 import torch
 
 from helios.engine.runner import SPARE_STATE_SLOTS, PromptScorer
-from helios.engine.step_io import (StepOutput, StepRow, check_rows, new_token_slots, pack_images, pack_rows,
-                                   run_in_groups)
+from helios.engine.step_io import (
+    StepOutput,
+    StepRow,
+    check_rows,
+    new_token_slots,
+    pack_images,
+    pack_rows,
+    run_in_groups,
+)
 from helios.manifest import Engine, Manifest
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -62,9 +69,16 @@ class TorchRunner:
     exports_pages = True
 
     def __init__(
-        self, core_dir: Path, manifest: Manifest, num_pages: int, device: str = "cpu", threads: int | None = None,
-        state_slots: int | None = None, graphs: bool | None = None, max_batch: int | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        core_dir: Path,
+        manifest: Manifest,
+        num_pages: int,
+        device: str = "cpu",
+        threads: int | None = None,
+        state_slots: int | None = None,
+        graphs: bool | None = None,
+        max_batch: int | None = None,
+    ) -> None:
         """graphs: decode through DecodeGraphs (default: on CUDA, for a core without recurrent state or
         images); on a CPU its graphs are eager stand-ins. max_batch: the largest bucket (default
         the core's max_concurrency)."""
@@ -83,8 +97,11 @@ class TorchRunner:
         self.module = load_step_program(Path(core_dir) / self.engine.file, self.device)
         kv = self.kv
         # One spare page (index num_pages) that padded rows of a captured batch write to.
-        self.pool = torch.zeros((kv.num_layers * 2 * (num_pages + 1), kv.page_tokens, kv.kv_heads, kv.head_dim),
-                                dtype=self.dtype, device=self.device)  # fmt: skip
+        self.pool = torch.zeros(
+            (kv.num_layers * 2 * (num_pages + 1), kv.page_tokens, kv.kv_heads, kv.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
         self.pages = self.pool.view(kv.num_layers, 2, num_pages + 1, kv.page_tokens, kv.kv_heads, kv.head_dim)
         names = {spec.name for spec in self.engine.inputs}
         self.takes_images = "image_embeds" in names
@@ -138,7 +155,7 @@ class TorchRunner:
         if self.graphs is not None and self.graphs.fits(rows):
             out = self.graphs.run(rows)
         else:
-            out = run_in_groups(rows, self._run_eager, self.split_mixed)
+            out = run_in_groups(rows, self.run_eager, self.split_mixed)
         self.graph_seconds += time.perf_counter() - started
         return out
 
@@ -153,7 +170,9 @@ class TorchRunner:
 
     def write_pages(self, pages: list[int], data: np.ndarray) -> None:
         index = torch.as_tensor(pages, dtype=torch.int64, device=self.device)
-        self.pages[:, :, index] = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(self.device, self.dtype)
+        self.pages[:, :, index] = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(
+            self.device, self.dtype
+        )
 
     def read_state(self, slot: int) -> np.ndarray:
         if self.state_pool is None:
@@ -169,8 +188,9 @@ class TorchRunner:
 
     def program_args(self, packed: dict[str, torch.Tensor], state_slots: torch.Tensor | None = None) -> tuple:
         """The program's positional inputs: the contract's, then state, then image inputs."""
-        args: tuple = tuple(packed[n] for n in ("input_ids", "positions", "history_lens", "query_lens",
-                                                "block_tables")) + (self.pool,)  # fmt: skip
+        args: tuple = tuple(
+            packed[n] for n in ("input_ids", "positions", "history_lens", "query_lens", "block_tables")
+        ) + (self.pool,)
         args += (packed["logprob_token_ids"], packed["logit_rows"], packed["logit_positions"])
         if self.state_pool is not None:
             args += (self.state_pool, state_slots)
@@ -180,7 +200,8 @@ class TorchRunner:
             args += (packed["mrope_positions"], packed["image_embeds"].to(self.dtype), packed["image_slots"])
         return args
 
-    def _run_eager(self, rows: list[StepRow]) -> StepOutput:
+    def run_eager(self, rows: list[StepRow]) -> StepOutput:
+        """One step without the decode graphs (what they are held against)."""
         arrays = pack_rows(rows, self.kv.page_tokens)
         if self.takes_images:
             arrays.update(pack_images(rows, arrays["positions"], self.hidden_size))
@@ -193,7 +214,8 @@ class TorchRunner:
         with torch.inference_mode():
             outputs = self.module(*self.program_args(packed, slots))
             slot_pages, slot_offsets, rows_index, tokens_index = (
-                torch.from_numpy(a).to(self.device) for a in new_token_slots(rows, self.kv.page_tokens))
+                torch.from_numpy(a).to(self.device) for a in new_token_slots(rows, self.kv.page_tokens)
+            )
             self.pages[:, :, slot_pages, slot_offsets] = outputs[5][:, :, rows_index, tokens_index]
             if slots is not None:
                 self.state_pool[slots] = outputs[7].float()
@@ -211,11 +233,14 @@ class TorchRunner:
         if any(r.output_positions is not None for r in rows):
             first = np.cumsum([0] + [r.num_outputs for r in rows])[:-1].tolist()
         return StepOutput(
-            logits=logits.float().cpu().numpy(), logsumexp=lse.float().cpu().numpy(),
-            top_logprobs=top_lp.float().cpu().numpy(), top_ids=top_ids.cpu().numpy(),
+            logits=logits.float().cpu().numpy(),
+            logsumexp=lse.float().cpu().numpy(),
+            top_logprobs=top_lp.float().cpu().numpy(),
+            top_ids=top_ids.cpu().numpy(),
             token_logprobs=explicit.float().cpu().numpy() if any(r.logprob_ids for r in rows) else None,
-            prompt_scores=scores, first=first,
-        )  # fmt: skip
+            prompt_scores=scores,
+            first=first,
+        )
 
 
 class DecodeGraphs:
@@ -240,12 +265,15 @@ class DecodeGraphs:
             return torch.zeros(shape, dtype=torch.int64, device=device)
 
         self.inputs = {
-            "input_ids": zeros(top, 1), "positions": zeros(top, 1), "history_lens": zeros(top),
+            "input_ids": zeros(top, 1),
+            "positions": zeros(top, 1),
+            "history_lens": zeros(top),
             "query_lens": torch.ones(top, dtype=torch.int64, device=device),
             "block_tables": torch.full((top, self.width), self.spare, dtype=torch.int64, device=device),
-            "logprob_token_ids": zeros(top, 1), "logit_rows": torch.arange(top, device=device),
+            "logprob_token_ids": zeros(top, 1),
+            "logit_rows": torch.arange(top, device=device),
             "logit_positions": zeros(top),
-        }  # fmt: skip
+        }
         self.slot_pages = torch.full((top,), self.spare, dtype=torch.int64, device=device)
         self.slot_offsets = zeros(top)
         self.outputs: dict[int, tuple] = {}
@@ -257,9 +285,13 @@ class DecodeGraphs:
 
     def fits(self, rows: list[StepRow]) -> bool:
         """A plain decode step of at most the largest bucket's rows."""
-        return (len(rows) <= self.buckets[-1]
-                and all(len(r.token_ids) == 1 and r.output_positions is None and r.score_targets is None
-                        and len(r.logprob_ids or ()) <= 1 for r in rows))  # fmt: skip
+        return len(rows) <= self.buckets[-1] and all(
+            len(r.token_ids) == 1
+            and r.output_positions is None
+            and r.score_targets is None
+            and len(r.logprob_ids or ()) <= 1
+            for r in rows
+        )
 
     def bucket(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
@@ -318,9 +350,10 @@ class DecodeGraphs:
             "positions": np.array([[h] for h in history] + [[0]] * (bucket - batch), dtype=np.int64),
             "history_lens": np.array(history + [0] * (bucket - batch), dtype=np.int64),
             "block_tables": tables,
-            "logprob_token_ids": np.array([[(r.logprob_ids or [0])[0]] for r in rows] + [[0]] * (bucket - batch),
-                                          dtype=np.int64),
-        }  # fmt: skip
+            "logprob_token_ids": np.array(
+                [[(r.logprob_ids or [0])[0]] for r in rows] + [[0]] * (bucket - batch), dtype=np.int64
+            ),
+        }
         with torch.inference_mode():
             for name, value in host.items():
                 self.inputs[name][:bucket].copy_(torch.from_numpy(value), non_blocking=True)

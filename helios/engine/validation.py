@@ -26,9 +26,14 @@ class RequestCheck:
     @classmethod
     def for_core(cls, manifest: Manifest, can_score_prompts: bool) -> RequestCheck:
         caps = manifest.logprobs
-        return cls(context_length=manifest.limits.context_length, vocab_size=manifest.architecture.vocab_size,
-                   max_top_logprobs=caps.max_top_logprobs, explicit_token_ids=caps.explicit_token_ids,
-                   max_explicit_token_ids=caps.max_explicit_token_ids, can_score_prompts=can_score_prompts)
+        return cls(
+            context_length=manifest.limits.context_length,
+            vocab_size=manifest.architecture.vocab_size,
+            max_top_logprobs=caps.max_top_logprobs,
+            explicit_token_ids=caps.explicit_token_ids,
+            max_explicit_token_ids=caps.max_explicit_token_ids,
+            can_score_prompts=can_score_prompts,
+        )
 
     def __call__(self, request: GenerationRequest) -> None:
         """Raise ValueError (the server's 400) for a request the engine cannot run."""
@@ -53,13 +58,17 @@ class RequestCheck:
             raise ValueError(f"logprobs must be between 0 and {top} for this core")
         if s.logprob_token_ids:
             if not self.explicit_token_ids or s.logprobs is None:
-                raise ValueError("explicit logprob token ids need a core with explicit-ID logprob inputs and logprobs on")
+                raise ValueError(
+                    "explicit logprob token ids need a core with explicit-ID logprob inputs and logprobs on"
+                )
             if len(s.logprob_token_ids) > self.max_explicit_token_ids:
                 raise ValueError(f"at most {self.max_explicit_token_ids} logprob token ids")
             if min(s.logprob_token_ids) < 0 or max(s.logprob_token_ids) >= self.vocab_size:
                 raise ValueError(f"logprob token ids must be in [0, {self.vocab_size})")
         if scoring:
             if not self.can_score_prompts:
-                raise ValueError("prompt logprobs are not available in this model core; re-export it with --prompt-logprobs")
+                raise ValueError(
+                    "prompt logprobs are not available in this model core; re-export it with --prompt-logprobs"
+                )
             if not 0 <= request.prompt_logprobs <= top:
                 raise ValueError(f"prompt_logprobs must be between 0 and {top}")

@@ -81,16 +81,24 @@ class VisionEncoder:
         opts = ort.SessionOptions()
         if threads:
             opts.intra_op_num_threads = threads
-        self.session, _ = open_session(Path(core_dir) / manifest.engine(self.vision.engine).file, opts,
-                                       ["CPUExecutionProvider"])  # fmt: skip
+        self.session, _ = open_session(
+            Path(core_dir) / manifest.engine(self.vision.engine).file, opts, ["CPUExecutionProvider"]
+        )
         self.images_total = 0
 
     def encode(self, image: ImageInput) -> np.ndarray:
         """Image-token features [image.tokens, hidden]."""
         rows, cols = image.grid
         rows_cols, ids, weights = grid_inputs(rows, cols, self.vision.merge_size, self.vision.position_grid)
-        (features,) = self.session.run(None, {"patches": patchify(image, self.vision), "patch_rows_cols": rows_cols,
-                                              "table_ids": ids, "table_weights": weights})  # fmt: skip
+        (features,) = self.session.run(
+            None,
+            {
+                "patches": patchify(image, self.vision),
+                "patch_rows_cols": rows_cols,
+                "table_ids": ids,
+                "table_weights": weights,
+            },
+        )
         self.images_total += 1
         if features.shape[0] != image.tokens:
             raise RuntimeError(f"the vision graph made {features.shape[0]} features for {image.tokens} image tokens")
@@ -162,9 +170,12 @@ class ImagePlacer:
     def counters(self) -> dict[str, int]:
         """api.md's image counters (Prometheus names without flare_): images decoded for
         generation requests, and the prepared-input cache (encoded features by image digest)."""
-        return {"input_decoded_images_total": self.decoded, "input_prepared_cache_hits_total": self.feature_hits,
-                "input_prepared_cache_misses_total": self.feature_misses,
-                "vision_graph_launches": self.encoder.images_total if self.encoder is not None else 0}  # fmt: skip
+        return {
+            "input_decoded_images_total": self.decoded,
+            "input_prepared_cache_hits_total": self.feature_hits,
+            "input_prepared_cache_misses_total": self.feature_misses,
+            "vision_graph_launches": self.encoder.images_total if self.encoder is not None else 0,
+        }
 
     def place(self, rows: list[StepRow], seqs: list[Any]) -> None:
         """Fill each row's rope_positions and image_features (rows of text-only sequences keep the

@@ -97,8 +97,14 @@ class Answer:
     tool envelope, a call the tool choice forbids, a second call with parallel calls disabled,
     a custom tool input outside its grammar, or a required call that never came."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_tokens: int, plan: OutputPlan | None = None,
-                 index: int = 0, call_prefix: str = "call_"):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_tokens: int,
+        plan: OutputPlan | None = None,
+        index: int = 0,
+        call_prefix: str = "call_",
+    ):
         self.prompt_tokens = prompt_tokens
         self.state = ChoiceState(index, tokenizer)
         self.output = OutputAccumulator()
@@ -118,14 +124,19 @@ class Answer:
             if event.finished and not failed:
                 self.policy.finish()
         except (ToolParseError, OutputError) as exc:
-            message = f"the model's tool call could not be parsed: {exc}" if isinstance(exc, ToolParseError) \
-                else str(exc)
+            message = (
+                f"the model's tool call could not be parsed: {exc}" if isinstance(exc, ToolParseError) else str(exc)
+            )
             log.warning("%s; generated text: %r", message, self.state.full_text[-2000:])
             raise OutputFailure(message) from None
         if event.finished:
             # The raw model output, for conformance write-ups (scripts/conformance.sh logs it).
-            log.debug("finished (%s, last token %s); generated text: %r", event.finish_reason,
-                      self.state.token_ids[-1:], self.state.full_text)
+            log.debug(
+                "finished (%s, last token %s); generated text: %r",
+                event.finish_reason,
+                self.state.token_ids[-1:],
+                self.state.full_text,
+            )
             events += self.output.finish()
         return events
 

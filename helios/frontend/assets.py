@@ -38,7 +38,7 @@ def bind_assets(body: dict[str, Any], parts: dict[str, bytes]) -> list[Asset]:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
-        raise RequestError("assets must be an object of named assets ({\"data_base64\": ...})", param="assets")
+        raise RequestError('assets must be an object of named assets ({"data_base64": ...})', param="assets")
     for name in parts:
         if name not in raw:
             raise RequestError(f"multipart part {name!r} belongs to no asset", param="assets")

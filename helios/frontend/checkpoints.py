@@ -61,8 +61,13 @@ def conversation_candidates(
         offer(p.position, p.role)
     if template is not None and prompt_ids:
         try:
-            full = render_text(conversation, template, add_generation_prompt=add_generation_prompt,
-                               continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+            full = render_text(
+                conversation,
+                template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                template_kwargs=template_kwargs,
+            )
         except RequestError:
             full = None
         if full is not None:
@@ -116,8 +121,9 @@ class _Boundaries:
         return self.exact(text)
 
 
-def _anchor(conversation: Conversation, template: ChatTemplate, template_kwargs: dict[str, Any] | None,
-            bounds: _Boundaries) -> int | None:
+def _anchor(
+    conversation: Conversation, template: ChatTemplate, template_kwargs: dict[str, Any] | None, bounds: _Boundaries
+) -> int | None:
     """End of the preamble: what two renders share whose first conversation message is a user
     probe with different text (templates place system text and tools before the first message,
     some insert a default system prompt, so the preamble is found by rendering, not assumed). It
@@ -133,8 +139,7 @@ def _anchor(conversation: Conversation, template: ChatTemplate, template_kwargs:
     for probe in _PROBES:
         probed = Conversation([*messages[:k], Message("user", [TextPart(probe)])], conversation.tools)
         try:
-            renders.append(render_text(probed, template, add_generation_prompt=False,
-                                       template_kwargs=template_kwargs))
+            renders.append(render_text(probed, template, add_generation_prompt=False, template_kwargs=template_kwargs))
         except RequestError:
             return None
     common = 0
@@ -147,8 +152,9 @@ def _anchor(conversation: Conversation, template: ChatTemplate, template_kwargs:
     return bounds.within(common)
 
 
-def _message_ends(conversation: Conversation, template: ChatTemplate, template_kwargs: dict[str, Any] | None,
-                  bounds: _Boundaries) -> list[int]:
+def _message_ends(
+    conversation: Conversation, template: ChatTemplate, template_kwargs: dict[str, Any] | None, bounds: _Boundaries
+) -> list[int]:
     messages = conversation.messages
     first = 0
     while first < len(messages) and messages[first].role in ("system", "developer"):

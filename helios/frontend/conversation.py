@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from helios.frontend.errors import RequestError
 from helios.frontend.template import ChatTemplate
@@ -52,11 +52,11 @@ class ToolCallPart:
 @dataclass
 class ToolResultPart:
     call_id: str
-    content: list[Union[TextPart, ImagePart]] = field(default_factory=list)
+    content: list[TextPart | ImagePart] = field(default_factory=list)
     is_error: bool = False
 
 
-Part = Union[TextPart, ImagePart, ReasoningPart, ToolCallPart, ToolResultPart]
+Part = TextPart | ImagePart | ReasoningPart | ToolCallPart | ToolResultPart
 
 
 @dataclass
@@ -141,15 +141,18 @@ def with_instruction(conversation: Conversation, text: str) -> Conversation:
 
 
 _INLINE_PROBE = "\ue001flare-inline-system\ue001"
-_INLINE_SUPPORT: "weakref.WeakKeyDictionary[ChatTemplate, bool]" = weakref.WeakKeyDictionary()
+_INLINE_SUPPORT: weakref.WeakKeyDictionary[ChatTemplate, bool] = weakref.WeakKeyDictionary()
 
 
 def supports_inline_system(template: ChatTemplate) -> bool:
     """Probe the template once: does a system message after the first turn render its text?"""
     known = _INLINE_SUPPORT.get(template)
     if known is None:
-        probe = [{"role": "user", "content": "x"}, {"role": "system", "content": _INLINE_PROBE},
-                 {"role": "user", "content": "y"}]
+        probe = [
+            {"role": "user", "content": "x"},
+            {"role": "system", "content": _INLINE_PROBE},
+            {"role": "user", "content": "y"},
+        ]
         try:
             known = _INLINE_PROBE in template.render(probe, add_generation_prompt=True)
         except RequestError:
@@ -194,8 +197,12 @@ def reorder_tool_results(messages: list[Message]) -> list[Message]:
             j += 1
         results = [[p for p in out[k].parts if isinstance(p, ToolResultPart)] for k in slots]
         ids = [r[0].call_id for r in results if len(r) == 1]
-        if (len(ids) == len(slots) == len(calls) and len(set(calls)) == len(calls)
-                and len(set(ids)) == len(ids) and set(ids) == set(calls)):
+        if (
+            len(ids) == len(slots) == len(calls)
+            and len(set(calls)) == len(calls)
+            and len(set(ids)) == len(ids)
+            and set(ids) == set(calls)
+        ):
             order = {call_id: n for n, call_id in enumerate(calls)}
             ranked = sorted(zip(ids, (out[k] for k in slots)), key=lambda pair: order[pair[0]])
             for k, (_, message) in zip(slots, ranked):
@@ -241,7 +248,9 @@ def to_template_messages(messages: list[Message]) -> list[dict[str, Any]]:
             results = [p for p in message.parts if isinstance(p, ToolResultPart)]
             if results:
                 for result in results:
-                    out.append({"role": "tool", "tool_call_id": result.call_id, "content": content_text(result.content)})
+                    out.append(
+                        {"role": "tool", "tool_call_id": result.call_id, "content": content_text(result.content)}
+                    )
                 continue
             out.append({"role": "tool", "content": content_text(message.parts)})
             continue
@@ -275,11 +284,14 @@ def template_tools(tools: list[ToolSpec]) -> list[dict[str, Any]] | None:
     if not tools:
         return None
     return [
-        {"type": "function", "function": {
-            "name": t.name,
-            **({"description": t.description} if t.description is not None else {}),
-            "parameters": t.parameters,
-        }}
+        {
+            "type": "function",
+            "function": {
+                "name": t.name,
+                **({"description": t.description} if t.description is not None else {}),
+                "parameters": t.parameters,
+            },
+        }
         for t in tools
     ]
 

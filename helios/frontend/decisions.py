@@ -124,24 +124,40 @@ class Scorer:
                 param="questions",
             )
         labels = LABEL_ALPHABET[: len(question.options)]
-        conversation = Conversation([
-            Message("user", split_assets(f"Read the following state; questions about it follow.\n\nState:\n{state}",
-                                         self.assets)),
-            Message("user", split_assets(question_text(question, labels), self.assets)),
-        ])  # fmt: skip
+        conversation = Conversation(
+            [
+                Message(
+                    "user",
+                    split_assets(
+                        f"Read the following state; questions about it follow.\n\nState:\n{state}", self.assets
+                    ),
+                ),
+                Message("user", split_assets(question_text(question, labels), self.assets)),
+            ]
+        )
         kwargs = {"enable_thinking": False}
-        lowered = lower(conversation, ChatOptions(template_kwargs=kwargs), manifest=self.manifest,
-                        template=self.template, tokenizer=self.tokenizer)
+        lowered = lower(
+            conversation,
+            ChatOptions(template_kwargs=kwargs),
+            manifest=self.manifest,
+            template=self.template,
+            tokenizer=self.tokenizer,
+        )
         if lowered.reasoning is not None and lowered.reasoning.starts_open:
-            raise RequestError("this model core's template always starts in reasoning, so an answer label "
-                               "cannot be the first generated token", param="model")
+            raise RequestError(
+                "this model core's template always starts in reasoning, so an answer label "
+                "cannot be the first generated token",
+                param="model",
+            )
         # Labels follow the rendered text, where each image is still its one placeholder token.
         text_ids = self.tokenizer.encode(lowered.prompt_text, add_bos=False) if lowered.images else lowered.prompt_ids
         label_ids = self._verify_labels(lowered.prompt_text, text_ids, labels)
         limit = self.manifest.limits.context_length
         if len(lowered.prompt_ids) + 1 > limit:
-            raise RequestError(f"a question's prompt has {len(lowered.prompt_ids)} tokens, over this model's "
-                               f"{limit}-token context", param="questions")
+            raise RequestError(
+                f"a question's prompt has {len(lowered.prompt_ids)} tokens, over this model's {limit}-token context",
+                param="questions",
+            )
         sampling = SamplingParams(
             temperature=max(self.manifest.sampling.defaults.temperature, 1e-5),
             max_tokens=1,
@@ -150,8 +166,14 @@ class Scorer:
             logprob_token_ids=label_ids,
             seed=0,
         )
-        [request] = engine_requests(response_id, lowered.prompt_ids, sampling, first_index=index,
-                                    checkpoints=lowered.checkpoints, images=lowered.images)
+        [request] = engine_requests(
+            response_id,
+            lowered.prompt_ids,
+            sampling,
+            first_index=index,
+            checkpoints=lowered.checkpoints,
+            images=lowered.images,
+        )
         return CompiledQuestion(request, label_ids)
 
     def _verify_labels(self, prompt_text: str, prompt_ids: list[int], labels: list[str]) -> list[int]:
@@ -159,8 +181,11 @@ class Scorer:
         for label in labels:
             encoded = self.tokenizer.encode(prompt_text + label, add_bos=False)
             if encoded[: len(prompt_ids)] != prompt_ids or len(encoded) != len(prompt_ids) + 1:
-                raise RequestError(f"the label {label!r} is not one token after this model core's rendered prompt, "
-                                   "so decisions cannot read it", param="questions")
+                raise RequestError(
+                    f"the label {label!r} is not one token after this model core's rendered prompt, "
+                    "so decisions cannot read it",
+                    param="questions",
+                )
             ids.append(encoded[-1])
         if len(set(ids)) != len(ids):
             raise RequestError("the answer labels are not distinct tokens for this model core", param="questions")

@@ -121,8 +121,10 @@ class Envelope:
     def block_rules(self) -> list[str]:
         """Markup blocks, one rule set per form; blocks may follow each other directly (Gemma 4
         concatenates its calls) or after a newline."""
-        rules = ["tagged: " + " | ".join(f"tagged{i}" for i in range(len(self.forms))),
-                 'calls: tagged ("\\n"? tagged)*']
+        rules = [
+            "tagged: " + " | ".join(f"tagged{i}" for i in range(len(self.forms))),
+            'calls: tagged ("\\n"? tagged)*',
+        ]
         for i, form in enumerate(self.forms):
             rules += self._form_rules(form, i)
         return rules
@@ -142,8 +144,11 @@ class Envelope:
         closer = "(?:" + "|".join(_literal(c) for c in text_closers) + ")"
         ends = [f"LAST{i}"] + ([f"MID{i}? ({token_closers})"] if token_closers else [])
         loop = f"(MID{i}? ({inner}))* " if inner else ""
-        return rules + [f"body{i}: {loop}({' | '.join(ends)})", f"MID{i}: /(?s:.+)/ & ~/(?s:.*{closer}.*)/",
-                        f"LAST{i}: /(?s:.*{closer})/ & ~/(?s:.*{closer}.+)/"]
+        return rules + [
+            f"body{i}: {loop}({' | '.join(ends)})",
+            f"MID{i}: /(?s:.+)/ & ~/(?s:.*{closer}.*)/",
+            f"LAST{i}: /(?s:.*{closer})/ & ~/(?s:.*{closer}.+)/",
+        ]
 
 
 def _literal(text: str) -> str:
@@ -163,18 +168,24 @@ def envelope_for(tool_syntax: str | None, special_id: Callable[[str], int | None
 def call_schema(tools: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """A call object of one of the presented tools, its arguments checked by that tool's own
     parameter schema (never the answer's)."""
+
     def one(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
         usable = isinstance(parameters, dict) and parameters and '"$ref"' not in json.dumps(parameters)
         arguments = parameters if usable else ANY_OBJECT  # references only resolve at a schema's root
-        return {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
-                "required": ["name", "arguments"], "additionalProperties": False}
+        return {
+            "type": "object",
+            "properties": {"name": {"const": name}, "arguments": arguments},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
 
     options = [one(name, parameters) for name, parameters in tools.items()]
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def structured_grammar(fmt: OutputFormat, envelope: Envelope | None, tools: dict[str, dict[str, Any]],
-                       bare_calls: bool = True) -> str:
+def structured_grammar(
+    fmt: OutputFormat, envelope: Envelope | None, tools: dict[str, dict[str, Any]], bare_calls: bool = True
+) -> str:
     """The llguidance grammar (JSON text) the engine enforces for this request.
 
     A bare call object (qwen25_coder_json) and a JSON answer both start with "{": once the
@@ -196,7 +207,7 @@ def structured_grammar(fmt: OutputFormat, envelope: Envelope | None, tools: dict
         call = json.dumps(_styled(call_schema(tools)))
         form = envelope.forms[0]
         opener, closer = envelope.ref(form.opener), envelope.ref(form.closers[0])
-        rules = [f"tagged: {opener} \"\\n\" %json {call} \"\\n\" {closer}", 'calls: tagged ("\\n" tagged)*']
+        rules = [f'tagged: {opener} "\\n" %json {call} "\\n" {closer}', 'calls: tagged ("\\n" tagged)*']
     else:
         rules = envelope.block_rules()
     bare = envelope.bare and bare_calls
@@ -279,8 +290,14 @@ class Compiler:
             frontier = following[:PROBE_WIDTH]
         return None
 
-    def output_grammar(self, fmt: OutputFormat, tool_syntax: str | None, tools: dict[str, dict[str, Any]],
-                       param: str, bare_calls: bool = True) -> str:
+    def output_grammar(
+        self,
+        fmt: OutputFormat,
+        tool_syntax: str | None,
+        tools: dict[str, dict[str, Any]],
+        param: str,
+        bare_calls: bool = True,
+    ) -> str:
         """`tools`: the presented tools' parameter schemas by model-facing name."""
         _check_size(fmt.source, "output", param)
         envelope = envelope_for(tool_syntax, self.special_id)
@@ -288,7 +305,7 @@ class Compiler:
             self.validate(structured_grammar(fmt, None, {}), "output", param)
         return self.validate(structured_grammar(fmt, envelope, tools, bare_calls), "output", param)
 
-    def tool_grammar(self, syntax: str, definition: str, param: str) -> "TextGrammar":
+    def tool_grammar(self, syntax: str, definition: str, param: str) -> TextGrammar:
         """A Responses custom tool's Lark or regex grammar."""
         if not isinstance(definition, str) or not definition:
             raise GrammarError("a custom tool grammar needs a nonempty definition", param=param)
@@ -316,7 +333,7 @@ class TextGrammar:
         return matcher.consume_tokens(ids) and matcher.is_accepting()
 
 
-_COMPILERS: "weakref.WeakKeyDictionary[Any, Compiler]" = weakref.WeakKeyDictionary()
+_COMPILERS: weakref.WeakKeyDictionary[Any, Compiler] = weakref.WeakKeyDictionary()
 
 
 def compiler_for(tokenizer: Any, manifest: Any) -> Compiler:
@@ -324,7 +341,8 @@ def compiler_for(tokenizer: Any, manifest: Any) -> Compiler:
     tokenizer object."""
     compiler = _COMPILERS.get(tokenizer)
     if compiler is None:
-        compiler = Compiler(tokenizer.to_json(), manifest.architecture.vocab_size,
-                            list(manifest.tokenizer.eos_token_ids))
+        compiler = Compiler(
+            tokenizer.to_json(), manifest.architecture.vocab_size, list(manifest.tokenizer.eos_token_ids)
+        )
         _COMPILERS[tokenizer] = compiler
     return compiler

@@ -49,8 +49,14 @@ def _marked(part: Part, marker: str) -> Part:
     return part
 
 
-def boundary_positions(conversation: Conversation, hinted: list[Part], template: ChatTemplate | None,
-                       tokenizer: Tokenizer, prompt_ids: list[int], **render: Any) -> list[int]:
+def boundary_positions(
+    conversation: Conversation,
+    hinted: list[Part],
+    template: ChatTemplate | None,
+    tokenizer: Tokenizer,
+    prompt_ids: list[int],
+    **render: Any,
+) -> list[int]:
     """Sorted distinct token positions (0 < p < len(prompt_ids)) that end a hinted part."""
     if not hinted or template is None:
         return []

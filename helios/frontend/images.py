@@ -87,36 +87,51 @@ def prepare_image(data: bytes, vision: Vision, position: int) -> PreparedImage:
     decoded format decides, whatever media type the client declared (decoders checked that one)."""
     where = f"image {position}"
     if len(data) > vision.max_image_bytes:
-        raise RequestError(f"{where} is {len(data)} bytes, more than max_image_bytes {vision.max_image_bytes}",
-                           param="messages")  # fmt: skip
+        raise RequestError(
+            f"{where} is {len(data)} bytes, more than max_image_bytes {vision.max_image_bytes}", param="messages"
+        )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data))
             if image.format not in ("PNG", "JPEG", "WEBP"):
-                raise RequestError(f"{where} is {image.format or 'an unknown format'}; images must be {ALLOWED}",
-                                   param="messages")  # fmt: skip
+                raise RequestError(
+                    f"{where} is {image.format or 'an unknown format'}; images must be {ALLOWED}", param="messages"
+                )
             if getattr(image, "is_animated", False) or getattr(image, "n_frames", 1) > 1:
                 raise RequestError(f"{where} is animated; animated images are unsupported", param="messages")
             width, height = image.size
             if width * height > vision.max_image_pixels:
-                raise RequestError(f"{where} is {width}x{height} pixels ({width * height}), more than "
-                                   f"max_image_pixels {vision.max_image_pixels}", param="messages")  # fmt: skip
+                raise RequestError(
+                    f"{where} is {width}x{height} pixels ({width * height}), more than "
+                    f"max_image_pixels {vision.max_image_pixels}",
+                    param="messages",
+                )
             pixels = np.asarray(image.convert("RGB"), dtype=np.uint8)
     except RequestError:
         raise
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError,
-            Image.DecompressionBombWarning) as exc:  # fmt: skip
+    except (
+        UnidentifiedImageError,
+        OSError,
+        ValueError,
+        SyntaxError,
+        Image.DecompressionBombError,
+        Image.DecompressionBombWarning,
+    ) as exc:
         raise RequestError(f"{where} could not be decoded as {ALLOWED}: {exc}", param="messages") from None
     if min(width, height) < 1 or max(width, height) / min(width, height) > MAX_ASPECT:
-        raise RequestError(f"{where} is {width}x{height} pixels: its aspect ratio exceeds {MAX_ASPECT}:1",
-                           param="messages")  # fmt: skip
+        raise RequestError(
+            f"{where} is {width}x{height} pixels: its aspect ratio exceeds {MAX_ASPECT}:1", param="messages"
+        )
     rows, cols = profile_grid(height, width, vision)
     patches = rows * cols
     tokens = patches // vision.merge_size**2
     if tokens > vision.max_image_tokens_per_image:
-        raise RequestError(f"{where} ({width}x{height} pixels) needs {tokens} image tokens ({patches} patches), more "
-                           f"than max_image_tokens_per_image {vision.max_image_tokens_per_image}", param="messages")  # fmt: skip
+        raise RequestError(
+            f"{where} ({width}x{height} pixels) needs {tokens} image tokens ({patches} patches), more "
+            f"than max_image_tokens_per_image {vision.max_image_tokens_per_image}",
+            param="messages",
+        )
     digest = hashlib.blake2b(pixels.tobytes(), digest_size=16, person=b"flare-image")
     digest.update(repr((pixels.shape, rows, cols, vision.image_mean, vision.image_std, vision.resample)).encode())
     size = (rows * vision.patch_size, cols * vision.patch_size)
@@ -136,7 +151,9 @@ def check_budget(images: list[PreparedImage], budget: int) -> None:
             raise RequestError(
                 f"the request's images need {total} image tokens ({sum(i.patches for i in images)} patches), more "
                 f"than max_image_tokens_per_prompt {budget}; image {position} ({image.width}x{image.height} pixels, "
-                f"{image.tokens} tokens) crossed the budget", param="messages")  # fmt: skip
+                f"{image.tokens} tokens) crossed the budget",
+                param="messages",
+            )
 
 
 def image_budget(manifest: Manifest) -> int:
@@ -169,14 +186,16 @@ def prepare_images(parts: list[ImagePart], manifest: Manifest) -> list[PreparedI
     return prepared
 
 
-def expand_placeholders(ids: list[int], images: list[PreparedImage],
-                        image_token_id: int) -> tuple[list[int], list[ImageInput], list[int]]:
+def expand_placeholders(
+    ids: list[int], images: list[PreparedImage], image_token_id: int
+) -> tuple[list[int], list[ImageInput], list[int]]:
     """(ids with each image's token repeated image.tokens times, the engine's ImageInputs in prompt
     order, and for each original position its position in the expanded ids)."""
     found = [i for i, token in enumerate(ids) if token == image_token_id]
     if len(found) != len(images):
-        raise RequestError("the prompt text contains the model's image placeholder token outside an image part",
-                           param="messages")  # fmt: skip
+        raise RequestError(
+            "the prompt text contains the model's image placeholder token outside an image part", param="messages"
+        )
     out: list[int] = []
     inputs: list[ImageInput] = []
     moved = [0] * (len(ids) + 1)
@@ -185,8 +204,16 @@ def expand_placeholders(ids: list[int], images: list[PreparedImage],
         moved[i] = len(out)
         if i in slots:
             image = images[slots[i]]
-            inputs.append(ImageInput(offset=len(out), tokens=image.tokens, grid=image.grid, size=image.size,
-                                     pixels=image.pixels, digest=image.digest))  # fmt: skip
+            inputs.append(
+                ImageInput(
+                    offset=len(out),
+                    tokens=image.tokens,
+                    grid=image.grid,
+                    size=image.size,
+                    pixels=image.pixels,
+                    digest=image.digest,
+                )
+            )
             out.extend([token] * image.tokens)
         else:
             out.append(token)

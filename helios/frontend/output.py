@@ -12,7 +12,7 @@ buffered until complete, so there are no partial calls).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Literal
 
 from helios.engine.api import TokenLogprob
 from helios.frontend.tools import EmittedCall
@@ -47,7 +47,7 @@ class BlockClosed:
     block: Block
 
 
-OutputEvent = Union[BlockOpened, BlockDelta, BlockClosed]
+OutputEvent = BlockOpened | BlockDelta | BlockClosed
 
 
 class OutputAccumulator:

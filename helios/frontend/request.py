@@ -92,19 +92,38 @@ class Lowered:
     checkpoints: list[CheckpointCandidate] = field(default_factory=list)
     images: list[ImageInput] = field(default_factory=list)  # the prompt's images, in prompt order
 
-    def requests(self, response_id: str, sampling: SamplingParams, choices: int = 1,
-                 prompt_logprobs: int | None = None) -> list[GenerationRequest]:
+    def requests(
+        self, response_id: str, sampling: SamplingParams, choices: int = 1, prompt_logprobs: int | None = None
+    ) -> list[GenerationRequest]:
         """One engine request per choice; the shared prompt is scored once (the first choice)."""
-        return engine_requests(response_id, self.prompt_ids, sampling, choices=choices,
-                               checkpoints=self.checkpoints, grammar=self.grammar, reasoning=self.reasoning,
-                               prompt_logprobs=prompt_logprobs, scored_choices=1, images=self.images)
+        return engine_requests(
+            response_id,
+            self.prompt_ids,
+            sampling,
+            choices=choices,
+            checkpoints=self.checkpoints,
+            grammar=self.grammar,
+            reasoning=self.reasoning,
+            prompt_logprobs=prompt_logprobs,
+            scored_choices=1,
+            images=self.images,
+        )
 
 
-def engine_requests(response_id: str, prompt_ids: list[int], sampling: SamplingParams, *, choices: int = 1,
-                    first_index: int = 0, checkpoints: list[CheckpointCandidate] | None = None,
-                    grammar: str | None = None, reasoning: ReasoningControl | None = None,
-                    prompt_logprobs: int | None = None, scored_choices: int | None = None,
-                    images: list[ImageInput] | None = None) -> list[GenerationRequest]:
+def engine_requests(
+    response_id: str,
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    *,
+    choices: int = 1,
+    first_index: int = 0,
+    checkpoints: list[CheckpointCandidate] | None = None,
+    grammar: str | None = None,
+    reasoning: ReasoningControl | None = None,
+    prompt_logprobs: int | None = None,
+    scored_choices: int | None = None,
+    images: list[ImageInput] | None = None,
+) -> list[GenerationRequest]:
     """One prompt's engine requests: choice j is `{response_id}-{first_index + j}` with the seed
     advanced by j (n > 1 stays reproducible); the first `scored_choices` (default all) score it."""
     scored = choices if scored_choices is None else scored_choices
@@ -123,9 +142,16 @@ def engine_requests(response_id: str, prompt_ids: list[int], sampling: SamplingP
     ]
 
 
-def lower(conversation: Conversation, options: ChatOptions, *, manifest: Manifest,
-          template: ChatTemplate | None, tokenizer: Tokenizer, default_budget: int | None = None,
-          prepare: bool = True) -> Lowered:
+def lower(
+    conversation: Conversation,
+    options: ChatOptions,
+    *,
+    manifest: Manifest,
+    template: ChatTemplate | None,
+    tokenizer: Tokenizer,
+    default_budget: int | None = None,
+    prepare: bool = True,
+) -> Lowered:
     """`prepare` False renders the prompt only (count_tokens): no grammar, no checkpoints."""
     check_encoder_rules(conversation, options, manifest)
     choice = options.choice
@@ -150,7 +176,8 @@ def lower(conversation: Conversation, options: ChatOptions, *, manifest: Manifes
 
     images = prepare_images(image_parts(template_order(effective, template)) if template else [], manifest)
     prompt_text = render_text(
-        effective, template,
+        effective,
+        template,
         add_generation_prompt=options.add_generation_prompt,
         continue_final_message=options.continue_final,
         template_kwargs=options.template_kwargs,
@@ -161,37 +188,52 @@ def lower(conversation: Conversation, options: ChatOptions, *, manifest: Manifes
 
     reasoning = resolve_reasoning(manifest.parsers.reasoning, tokenizer)
     start = start_state(reasoning, prompt_text)
-    budget = _budget(options.budget, default_budget, reasoning is not None,
-                     start == REASONING, reasoning is not None and reasoning.close_id is not None)
+    budget = _budget(
+        options.budget,
+        default_budget,
+        reasoning is not None,
+        start == REASONING,
+        reasoning is not None and reasoning.close_id is not None,
+    )
     control = None
     if reasoning is not None:
         tool_syntax = manifest.parsers.tool if tools else None
         openers = TOOL_OPENER_TEXT.get(tool_syntax or "", ()) if reasoning.syntax.tool_ends_reasoning else ()
         opener_ids = [i for i in (single_token(tokenizer, t) for t in openers) if i is not None]
         control = ReasoningControl(
-            open_token_id=reasoning.open_id, close_token_id=reasoning.close_id,
-            starts_open=start == REASONING, budget=budget,
-            tool_open_ids=opener_ids, tool_open_texts=list(openers),
+            open_token_id=reasoning.open_id,
+            close_token_id=reasoning.close_id,
+            starts_open=start == REASONING,
+            budget=budget,
+            tool_open_ids=opener_ids,
+            tool_open_texts=list(openers),
         )
     spec = OutputSpec(
         tool_syntax=manifest.parsers.tool if tools else None,
         schemas={t.name: t.parameters for t in tools},
-        reasoning=reasoning, start=start, verbatim=fmt is not None,
+        reasoning=reasoning,
+        start=start,
+        verbatim=fmt is not None,
     )
     grammar = None
     if fmt is not None and prepare:
         after_results = bool(conversation.messages) and conversation.messages[-1].role == "tool"
         grammar = compiler_for(tokenizer, manifest).output_grammar(
-            fmt, spec.tool_syntax, {t.name: t.parameters for t in tools}, options.output_format_param,
-            bare_calls=not after_results)
+            fmt,
+            spec.tool_syntax,
+            {t.name: t.parameters for t in tools},
+            options.output_format_param,
+            bare_calls=not after_results,
+        )
     checkpoints = _checkpoints(effective, options, template, tokenizer, prompt_ids) if prepare else []
     inputs: list[ImageInput] = []
     if images:
         assert manifest.vision is not None
         prompt_ids, inputs, moved = expand_placeholders(prompt_ids, images, manifest.vision.image_token_id)
         checkpoints = [dataclasses.replace(c, position=moved[c.position]) for c in checkpoints]
-    return Lowered(effective, prompt_text, prompt_ids, OutputPlan(spec, tools, choice), grammar, control, checkpoints,
-                   inputs)
+    return Lowered(
+        effective, prompt_text, prompt_ids, OutputPlan(spec, tools, choice), grammar, control, checkpoints, inputs
+    )
 
 
 def check_encoder_rules(conversation: Conversation, options: ChatOptions, manifest: Manifest) -> None:
@@ -203,30 +245,43 @@ def check_encoder_rules(conversation: Conversation, options: ChatOptions, manife
         return
     kwargs = options.template_kwargs
     if "drop_thinking" in rejects and "drop_thinking" in kwargs:
-        raise RequestError("drop_thinking is not supported by this model core's encoder",
-                           param="chat_template_kwargs")
+        raise RequestError("drop_thinking is not supported by this model core's encoder", param="chat_template_kwargs")
     ends_with_assistant = bool(conversation.messages) and conversation.messages[-1].role == "assistant"
     if "continuation" in rejects and (options.continue_final or ends_with_assistant):
-        raise RequestError("assistant continuation (a final assistant message) is not supported by this model "
-                           "core's encoder", param="messages")
+        raise RequestError(
+            "assistant continuation (a final assistant message) is not supported by this model core's encoder",
+            param="messages",
+        )
     if "add_generation_prompt_false" in rejects and not options.add_generation_prompt:
-        raise RequestError("add_generation_prompt=false is not supported by this model core's encoder",
-                           param="add_generation_prompt")
-    check_effort(kwargs.get("reasoning_effort"), "chat_template_kwargs.reasoning_effort",
-                 manifest.template.numeric_effort)
+        raise RequestError(
+            "add_generation_prompt=false is not supported by this model core's encoder", param="add_generation_prompt"
+        )
+    check_effort(
+        kwargs.get("reasoning_effort"), "chat_template_kwargs.reasoning_effort", manifest.template.numeric_effort
+    )
 
 
-def _checkpoints(rendered: Conversation, options: ChatOptions, template: ChatTemplate | None,
-                 tokenizer: Tokenizer, prompt_ids: list[int]) -> list[CheckpointCandidate]:
-    render = {"add_generation_prompt": options.add_generation_prompt,
-              "continue_final_message": options.continue_final, "template_kwargs": options.template_kwargs}
-    hints = boundary_positions(rendered, options.cache_hints, template, tokenizer, prompt_ids, **render) \
-        if options.cache_hints else []
+def _checkpoints(
+    rendered: Conversation,
+    options: ChatOptions,
+    template: ChatTemplate | None,
+    tokenizer: Tokenizer,
+    prompt_ids: list[int],
+) -> list[CheckpointCandidate]:
+    render = {
+        "add_generation_prompt": options.add_generation_prompt,
+        "continue_final_message": options.continue_final,
+        "template_kwargs": options.template_kwargs,
+    }
+    hints = (
+        boundary_positions(rendered, options.cache_hints, template, tokenizer, prompt_ids, **render)
+        if options.cache_hints
+        else []
+    )
     return conversation_candidates(rendered, template, tokenizer, prompt_ids, hints=hints, **render)
 
 
-def _budget(budget: Budget, default: int | None, has_syntax: bool, starts_open: bool,
-            single_close: bool) -> int | None:
+def _budget(budget: Budget, default: int | None, has_syntax: bool, starts_open: bool, single_close: bool) -> int | None:
     """The engine cap, after api.md's rules: an explicit budget needs reasoning syntax, and a
     one-token close when output starts in reasoning; output that starts in content is never cut.
     Messages budgets are advisory where no cap is possible; the server default fills an omitted
@@ -234,11 +289,14 @@ def _budget(budget: Budget, default: int | None, has_syntax: bool, starts_open: 
     tokens = budget.tokens
     if tokens is not None and budget.explicit and not budget.advisory:
         if not has_syntax:
-            raise RequestError("thinking_token_budget needs a model core with reasoning syntax",
-                               param="thinking_token_budget")
+            raise RequestError(
+                "thinking_token_budget needs a model core with reasoning syntax", param="thinking_token_budget"
+            )
         if starts_open and not single_close:
-            raise RequestError("thinking_token_budget needs a reasoning close delimiter that is one token",
-                               param="thinking_token_budget")
+            raise RequestError(
+                "thinking_token_budget needs a reasoning close delimiter that is one token",
+                param="thinking_token_budget",
+            )
     if tokens is None:
         tokens = default
     if tokens is None or not (has_syntax and starts_open and single_close):

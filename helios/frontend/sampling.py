@@ -123,13 +123,17 @@ def parse_token_stops(ids: Any, sequences: Any, vocab_size: int) -> tuple[list[i
             runs.append(ids_i)
     if len(stop_ids) + len(runs) > MAX_TOKEN_STOPS:
         param = name if runs else "stop_token_ids"
-        raise RequestError(f"token stops (stop_token_ids and stop_token_sequences) accept at most "
-                           f"{MAX_TOKEN_STOPS} sequences together", param=param)
+        raise RequestError(
+            f"token stops (stop_token_ids and stop_token_sequences) accept at most "
+            f"{MAX_TOKEN_STOPS} sequences together",
+            param=param,
+        )
     return stop_ids, runs
 
 
-def resolve_max_tokens(requested: Any, prompt_tokens: int, limits: Limits, *, name: str = "max_tokens",
-                       allow_zero: bool) -> int:
+def resolve_max_tokens(
+    requested: Any, prompt_tokens: int, limits: Limits, *, name: str = "max_tokens", allow_zero: bool
+) -> int:
     """The output budget: default or requested, bounded by the context left after the prompt."""
     context = limits.context_length
     if prompt_tokens > context:
@@ -148,7 +152,8 @@ def resolve_max_tokens(requested: Any, prompt_tokens: int, limits: Limits, *, na
     if remaining < 1:
         raise RequestError(
             f"the prompt has {prompt_tokens} tokens and leaves no room for output in this model's "
-            f"{context}-token context", param=name
+            f"{context}-token context",
+            param=name,
         )
     return min(budget, remaining)
 
@@ -191,7 +196,8 @@ def resolve_sampling(fields: SamplingFields, sampling: Sampling, vocab_size: int
         raise RequestError("a request cannot combine string stops with token stops", param=fields.stop_name)
     ignore_eos = False if fields.ignore_eos is None else require_bool(fields.ignore_eos, "ignore_eos")
     include_stop = (
-        False if fields.include_stop_str_in_output is None
+        False
+        if fields.include_stop_str_in_output is None
         else require_bool(fields.include_stop_str_in_output, "include_stop_str_in_output")
     )
     return SamplingParams(
@@ -212,8 +218,9 @@ def resolve_sampling(fields: SamplingFields, sampling: Sampling, vocab_size: int
     )
 
 
-def request_sampling(body: Mapping[str, Any], manifest: Manifest, *, stop_name: str = "stop",
-                     logprobs: int | None = None) -> SamplingParams:
+def request_sampling(
+    body: Mapping[str, Any], manifest: Manifest, *, stop_name: str = "stop", logprobs: int | None = None
+) -> SamplingParams:
     """A request body's sampling fields (native extensions included) resolved against the core's
     prepared policy; max_tokens and per-choice seeds are set when its engine requests are built."""
     return resolve_sampling(

@@ -36,8 +36,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # jinja's own tojson HTML-escapes; chat templates expect plain JSON (HF overrides it too).
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -49,7 +50,7 @@ def _strftime_now(fmt: str) -> str:
 class _Namespace(jinja2.utils.Namespace):
     """`namespace()` without underscore attributes (no path to interpreter internals)."""
 
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - jinja's signature trick
+    def __init__(*args: Any, **kwargs: Any) -> None:
         self, rest = args[0], args[1:]
         attrs = dict(*rest, **kwargs)
         for name in attrs:
@@ -88,8 +89,9 @@ class ChatTemplate:
             raise TemplateError(f"the chat template does not compile: {exc}") from None
 
     @classmethod
-    def from_core(cls, core_dir: Path, manifest: Manifest, *, bos_token: str | None,
-                  eos_token: str | None) -> "ChatTemplate | None":
+    def from_core(
+        cls, core_dir: Path, manifest: Manifest, *, bos_token: str | None, eos_token: str | None
+    ) -> ChatTemplate | None:
         if not manifest.template.file:
             return None
         source = (Path(core_dir) / manifest.template.file).read_text(encoding="utf-8")
@@ -162,7 +164,7 @@ def _cut_after_final_message(rendered: str, final_text: str) -> str:
     if tag not in rendered or final_text.strip() not in rendered:
         raise TemplateError("the chat template does not render the final message verbatim, so it cannot be continued")
     at = rendered.rindex(tag)
-    if rendered[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+    if rendered[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
         return rendered[:at]
     # The template trimmed trailing whitespace after the content; trim what precedes the tag too.
     return rendered[:at].rstrip()

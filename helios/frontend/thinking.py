@@ -47,16 +47,19 @@ def check_effort(value: Any, param: str, numeric: list[int] | tuple[int, int] | 
         low, high = numeric
         if isinstance(value, int) and not isinstance(value, bool):
             if not low <= value <= high:
-                raise RequestError(f"{param} must be an integer from {low} through {high} or one of {named}",
-                                   param=param.split(".")[0])
+                raise RequestError(
+                    f"{param} must be an integer from {low} through {high} or one of {named}", param=param.split(".")[0]
+                )
             return value
         if not isinstance(value, str) or value not in EFFORT_LEVELS:
-            raise RequestError(f"{param} must be an integer from {low} through {high} or one of {named}",
-                               param=param.split(".")[0])
+            raise RequestError(
+                f"{param} must be an integer from {low} through {high} or one of {named}", param=param.split(".")[0]
+            )
         return value
     if isinstance(value, int) and not isinstance(value, bool):
-        raise RequestError(f"{param} must be one of {named} (numeric scores are not accepted here)",
-                           param=param.split(".")[0])
+        raise RequestError(
+            f"{param} must be one of {named} (numeric scores are not accepted here)", param=param.split(".")[0]
+        )
     if not isinstance(value, str) or value not in EFFORT_LEVELS:
         raise RequestError(f"{param} must be one of {named}", param=param.split(".")[0])
     return value
@@ -80,8 +83,9 @@ def resolve_effort(level: str, accepted: list[str]) -> str | None:
     return min(accepted, key=lambda a: (abs(_RANK[a] - want), -_RANK[a]))
 
 
-def template_kwargs(kwargs: dict[str, Any], *, enabled: bool | None, effort: str | int | None,
-                    template_source: str | None) -> dict[str, Any]:
+def template_kwargs(
+    kwargs: dict[str, Any], *, enabled: bool | None, effort: str | int | None, template_source: str | None
+) -> dict[str, Any]:
     """chat_template_kwargs with the derived thinking variables filled in where absent. An integer
     effort (already checked against the core's numeric range) goes to the template as it is."""
     out = dict(kwargs)

@@ -50,9 +50,7 @@ def _pieces(text: str) -> Iterator[str]:
 def _gpt2_unicode_to_byte() -> dict[str, int]:
     """Inverse of GPT-2's bytes_to_unicode: printable stand-in character -> raw byte."""
     printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     )
     codes = printable[:]
     shift = 0
@@ -92,7 +90,7 @@ class Tokenizer:
         self._tokenizer_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     @classmethod
-    def from_core(cls, core_dir: Path, manifest: Manifest) -> "Tokenizer":
+    def from_core(cls, core_dir: Path, manifest: Manifest) -> Tokenizer:
         text = (Path(core_dir) / manifest.tokenizer.file).read_text(encoding="utf-8")
         return cls(text, manifest.tokenizer, manifest.architecture.vocab_size, manifest.limits.context_length)
 
@@ -203,8 +201,10 @@ def _uses_byte_level(doc: dict) -> bool:
 
 
 def _uses_metaspace(doc: dict) -> bool:
-    return _has_type(doc.get("decoder"), "Metaspace") or _has_type(doc.get("pre_tokenizer"), "Metaspace") or _has_type(
-        doc.get("decoder"), "Replace"
+    return (
+        _has_type(doc.get("decoder"), "Metaspace")
+        or _has_type(doc.get("pre_tokenizer"), "Metaspace")
+        or _has_type(doc.get("decoder"), "Replace")
     )
 
 

@@ -32,7 +32,9 @@ log = logging.getLogger(__name__)
 DOMAIN = "ai.flare"  # the ONNX domain of flare's operators
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.cc", "attention_kernels.cc", "moe_kernels.cc"))
-LOCAL_HEADERS = tuple(Path(__file__).with_name(n) for n in ("int4_gemm.h", "simd_math.h", "attention_amx.h"))  # included
+LOCAL_HEADERS = tuple(
+    Path(__file__).with_name(n) for n in ("int4_gemm.h", "simd_math.h", "attention_amx.h")
+)  # included
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
 HEADERS_DEB = (
     "http://deb.debian.org/debian/pool/main/o/onnxruntime/libonnxruntime-dev_1.21.0+dfsg-1_amd64.deb",
@@ -41,8 +43,16 @@ HEADERS_DEB = (
 HEADERS = ("onnxruntime_c_api.h", "onnxruntime_cxx_api.h", "onnxruntime_cxx_inline.h", "onnxruntime_float16.h")
 # AMX-BF16 and AVX512-BF16 are compiled in but optional: attention_amx.h checks for them at run time.
 OPTIONAL_FLAGS = ("-mamx-tile", "-mamx-bf16", "-mavx512bf16")
-COMPILE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-mavx2", "-mfma",
-                 *(f"-m{f.replace('_', '')}" for f in CPU_FLAGS), *OPTIONAL_FLAGS]
+COMPILE_FLAGS = [
+    "-O3",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+    "-mavx2",
+    "-mfma",
+    *(f"-m{f.replace('_', '')}" for f in CPU_FLAGS),
+    *OPTIONAL_FLAGS,
+]
 
 _lock = threading.Lock()
 _library: Path | None = None
@@ -149,6 +159,6 @@ def available() -> tuple[Path | None, str | None]:
             else:
                 try:
                     _library = _build()
-                except Exception as exc:  # noqa: BLE001 -- any failure means: fall back, and say why
+                except Exception as exc:
                     _reason = f"could not build the kernel library: {exc}"
         return _library, _reason

@@ -64,7 +64,7 @@ def _expand(node: onnx.NodeProto, heads: int, kv_heads: int, layer: int, num_lay
     def name(x: str) -> str:
         return f"{p}.{x}"
 
-    def const(x: str, value) -> str:  # noqa: ANN001
+    def const(x: str, value) -> str:
         inits.append(numpy_helper.from_array(np.asarray(value, dtype=np.int64), name(x)))
         return name(x)
 
@@ -82,7 +82,13 @@ def _expand(node: onnx.NodeProto, heads: int, kv_heads: int, layer: int, num_lay
         make("Concat", [name("qk_width"), name("kv_width")], [name("split_qkv")], axis=0),
         make("Concat", [name("q_width"), name("kv_width")], [name("split_qk")], axis=0),
         make("Split", [qkv, name("split_qkv")], [name("qk"), v], axis=-1),
-        make("RotaryEmbedding", [name("qk"), positions, cos, sin], [name("qk_rot")], domain="com.microsoft", interleaved=0),
+        make(
+            "RotaryEmbedding",
+            [name("qk"), positions, cos, sin],
+            [name("qk_rot")],
+            domain="com.microsoft",
+            interleaved=0,
+        ),
         make("Split", [name("qk_rot"), name("split_qk")], [name("q"), k], axis=-1),
         # Pool rows of this layer's K and V pages: (2 * layer + kind) * pages + page.
         make("Gather", [name("pool_shape"), const("i0", 0)], [name("rows")], axis=0),
@@ -91,7 +97,12 @@ def _expand(node: onnx.NodeProto, heads: int, kv_heads: int, layer: int, num_lay
         make("Add", [name("k_base"), name("pages")], [name("v_base")]),
         make("Shape", [tables], [name("table_shape")]),
         make("Gather", [name("table_shape"), const("i0b", [0])], [name("batch")], axis=0),
-        make("Concat", [name("batch"), const("bsnd", [-1]), const("kvh", [kv_heads]), name("dim")], [name("bsnd_shape")], axis=0),
+        make(
+            "Concat",
+            [name("batch"), const("bsnd", [-1]), const("kvh", [kv_heads]), name("dim")],
+            [name("bsnd_shape")],
+            axis=0,
+        ),
     ]
     for kind, base in (("k", "k_base"), ("v", "v_base")):
         n += [
@@ -116,11 +127,31 @@ def _expand(node: onnx.NodeProto, heads: int, kv_heads: int, layer: int, num_lay
         make("Cast", [name("total64")], [name("total_len")], to=TensorProto.INT32),
         make(
             "GroupQueryAttention",
-            [name("q"), k, v, name("past_k"), name("past_v"), name("seqlens_k"), name("total_len"),
-             "", "", "", "", "", "", "", "", "", name("query_lens32")],
+            [
+                name("q"),
+                k,
+                v,
+                name("past_k"),
+                name("past_v"),
+                name("seqlens_k"),
+                name("total_len"),
+                "",
+                "",
+                "",
+                "",
+                "",
+                "",
+                "",
+                "",
+                "",
+                name("query_lens32"),
+            ],
             [name("attention"), name("present_k"), name("present_v")],
-            domain="com.microsoft", num_heads=heads, kv_num_heads=kv_heads, scale=scale,
-        ),  # fmt: skip
+            domain="com.microsoft",
+            num_heads=heads,
+            kv_num_heads=kv_heads,
+            scale=scale,
+        ),
         # Padded query rows: zeros, as the fused kernel writes them.
         make("Shape", [name("attention")], [name("attention_shape")]),
         make("Gather", [name("attention_shape"), const("i1d", 1)], [name("length_b")], axis=0),

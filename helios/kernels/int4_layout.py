@@ -41,7 +41,9 @@ def pack(q: np.ndarray, scales: np.ndarray, block: int) -> tuple[np.ndarray, np.
     # k = b * block + 8 p + 4 h + j  ->  [tile, b, p, h, column, j]
     x = qp.reshape(tiles, TILE, blocks, block // 8, 2, 4).transpose(0, 2, 3, 4, 1, 5)
     packed = x[:, :, :, 0] | (x[:, :, :, 1] << 4)
-    return np.ascontiguousarray(packed).reshape(-1), np.ascontiguousarray(sp.reshape(tiles, TILE, blocks).transpose(0, 2, 1))
+    return np.ascontiguousarray(packed).reshape(-1), np.ascontiguousarray(
+        sp.reshape(tiles, TILE, blocks).transpose(0, 2, 1)
+    )
 
 
 def unpack(packed: np.ndarray, scales: np.ndarray, n: int, k: int, block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -134,7 +136,9 @@ def to_int4_tiles(model: onnx.ModelProto) -> int:
         inits[node.input[1]].CopyFrom(numpy_helper.from_array(packed, node.input[1]))
         inits[node.input[2]].CopyFrom(numpy_helper.from_array(tiled, node.input[2]))
         inputs = [node.input[0], node.input[1], node.input[2]] + ([bias] if bias else [])
-        node.CopyFrom(helper.make_node(OP, inputs, outputs, name=node.name, domain=DOMAIN, K=k, N=n, block_size=block, **extra))
+        node.CopyFrom(
+            helper.make_node(OP, inputs, outputs, name=node.name, domain=DOMAIN, K=k, N=n, block_size=block, **extra)
+        )
         converted += 1
     if removed:
         kept = [node for node in model.graph.node if id(node) not in removed]
@@ -157,9 +161,11 @@ def _swiglu_patterns(model: onnx.ModelProto) -> dict[str, tuple[list[onnx.NodePr
     `Split(x) -> (g, u); y = g * Sigmoid(g) * u` over x's last axis whose pieces have no other
     consumer. x's rank comes from the graph's shape information; without it, 3 ([B, L, N]: what
     ignition's layers feed their matmuls; the experts' shared MLP sees flat rows, [N, K])."""
-    ranks = {v.name: len(v.type.tensor_type.shape.dim)
-             for v in [*model.graph.value_info, *model.graph.input, *model.graph.output]
-             if v.type.tensor_type.HasField("shape")}  # fmt: skip
+    ranks = {
+        v.name: len(v.type.tensor_type.shape.dim)
+        for v in [*model.graph.value_info, *model.graph.input, *model.graph.output]
+        if v.type.tensor_type.HasField("shape")
+    }
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for node in model.graph.node:
         for name in node.input:
@@ -185,7 +191,14 @@ def _swiglu_patterns(model: onnx.ModelProto) -> dict[str, tuple[list[onnx.NodePr
         gate, up = split.output
         gate_users = consumers.get(gate, [])
         sigmoid = next((x for x in gate_users if x.op_type == "Sigmoid"), None)
-        silu = next((x for x in gate_users if x.op_type == "Mul" and sorted(x.input) == sorted([gate, sigmoid.output[0]])), None) if sigmoid else None
+        silu = (
+            next(
+                (x for x in gate_users if x.op_type == "Mul" and sorted(x.input) == sorted([gate, sigmoid.output[0]])),
+                None,
+            )
+            if sigmoid
+            else None
+        )
         if sigmoid is None or silu is None or len(gate_users) != 2 or only(sigmoid.output[0], "Mul") is not silu:
             continue
         product = only(silu.output[0], "Mul")
@@ -219,10 +232,20 @@ def to_matmul_nbits(model: onnx.ModelProto, accuracy_level: int = 4) -> int:
         bias = node.input[3] if len(node.input) > 3 else ""
         inputs = [node.input[0], node.input[1], node.input[2]] + (["", "", bias] if bias else [])
         out = node.output[0] + ".gate_up" if swiglu else node.output[0]
-        nodes.append(helper.make_node(
-            "MatMulNBits", inputs, [out], name=node.name, domain="com.microsoft",
-            K=k, N=n, bits=4, block_size=block, accuracy_level=accuracy_level,
-        ))  # fmt: skip
+        nodes.append(
+            helper.make_node(
+                "MatMulNBits",
+                inputs,
+                [out],
+                name=node.name,
+                domain="com.microsoft",
+                K=k,
+                N=n,
+                bits=4,
+                block_size=block,
+                accuracy_level=accuracy_level,
+            )
+        )
         if swiglu:
             gate, up, sig, silu, halves = (f"{node.output[0]}.{x}" for x in ("gate", "up", "sigmoid", "silu", "halves"))
             model.graph.initializer.append(numpy_helper.from_array(np.array([n // 2, n // 2], np.int64), halves))

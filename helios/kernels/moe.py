@@ -36,7 +36,9 @@ def quantize_int4(rows: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]
     packed = np.zeros((n, blocks, block // 2), np.uint8)
     scales = np.zeros(n * blocks, np.float32)
     zero_points = np.zeros(n * ((blocks + 1) // 2), np.uint8)
-    quantize_matmul_4bits(packed, np.ascontiguousarray(rows.T, dtype=np.float32), scales, zero_points, block, n, k, True)
+    quantize_matmul_4bits(
+        packed, np.ascontiguousarray(rows.T, dtype=np.float32), scales, zero_points, block, n, k, True
+    )
     return nbits_to_q(packed, n, k, block), scales.reshape(n, blocks)
 
 
@@ -86,9 +88,20 @@ def quantize_experts(model: onnx.ModelProto, bits: int = 4) -> int:
         extra = {key: attrs[key] for key in ("top_k", "unit", "limit", "alpha") if key in attrs}
         if bits == 8:
             extra["bits"] = 8
-        new = helper.make_node(INT4_OP, [*node.input[:3], *names], list(node.output), name=node.name, domain=DOMAIN,
-                               activation=attrs["activation"], glu=int(gate is not None), inter=inter,
-                               block_up=block_up, block_down=block_down, experts=experts, **extra)
+        new = helper.make_node(
+            INT4_OP,
+            [*node.input[:3], *names],
+            list(node.output),
+            name=node.name,
+            domain=DOMAIN,
+            activation=attrs["activation"],
+            glu=int(gate is not None),
+            inter=inter,
+            block_up=block_up,
+            block_down=block_down,
+            experts=experts,
+            **extra,
+        )
         node.CopyFrom(new)
         converted += 1
     if converted:
@@ -144,7 +157,7 @@ def _dequantized(node: onnx.NodeProto, attrs: dict, tables: dict) -> tuple[onnx.
     dn, dns = dn.reshape(experts, -1), dns.reshape(experts, -1)
     for e in range(experts):
         q, s = unpacker(gu[e], gus[e], n1, width, attrs["block_up"])
-        first = ((q.astype(np.float32) - zero) * np.repeat(s, attrs["block_up"], axis=1))
+        first = (q.astype(np.float32) - zero) * np.repeat(s, attrs["block_up"], axis=1)
         if glu:
             first = first[np.argsort(_swiglu_order(n1))]  # back to [gate rows, up rows]
             gates.append(first[:inter])
@@ -157,8 +170,9 @@ def _dequantized(node: onnx.NodeProto, attrs: dict, tables: dict) -> tuple[onnx.
     arrays = {f"{base}.dense_up": np.stack(ups), f"{base}.dense_down": np.stack(downs)}
     if glu:
         arrays[f"{base}.dense_gate"] = np.stack(gates)
-    dense = helper.make_node(OP, [*node.input[:3], *arrays], list(node.output), name=node.name, domain=DOMAIN,
-                             activation=attrs["activation"])  # the caller expands it with `attrs`
+    dense = helper.make_node(
+        OP, [*node.input[:3], *arrays], list(node.output), name=node.name, domain=DOMAIN, activation=attrs["activation"]
+    )  # the caller expands it with `attrs`
     return dense, [numpy_helper.from_array(a.astype(np.float32), name) for name, a in arrays.items()]
 
 
@@ -176,30 +190,38 @@ def _expand(node: onnx.NodeProto, attrs: dict) -> tuple[list[onnx.NodeProto], li
     def name(x: str) -> str:
         return f"{p}.{x}"
 
-    def const(x: str, value, dtype=np.int64) -> str:  # noqa: ANN001
+    def const(x: str, value, dtype=np.int64) -> str:
         inits.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name(x)))
         return name(x)
 
     def act(x: str, tag: str) -> str:
         """activation(kind, x) as plain ops."""
         if kind == "silu":
-            nodes.extend([make("Sigmoid", [x], [name(tag + ".sig")]), make("Mul", [x, name(tag + ".sig")], [name(tag)])])
+            nodes.extend(
+                [make("Sigmoid", [x], [name(tag + ".sig")]), make("Mul", [x, name(tag + ".sig")], [name(tag)])]
+            )
         elif kind == "relu2":
-            nodes.extend([make("Relu", [x], [name(tag + ".relu")]),
-                          make("Mul", [name(tag + ".relu"), name(tag + ".relu")], [name(tag)])])
+            nodes.extend(
+                [
+                    make("Relu", [x], [name(tag + ".relu")]),
+                    make("Mul", [name(tag + ".relu"), name(tag + ".relu")], [name(tag)]),
+                ]
+            )
         elif kind == "gelu_tanh":  # 0.5 x (1 + tanh(c (x + 0.044715 x^3)))
             f32 = np.float32
-            nodes.extend([
-                make("Mul", [x, x], [name(tag + ".x2")]),
-                make("Mul", [name(tag + ".x2"), x], [name(tag + ".x3")]),
-                make("Mul", [name(tag + ".x3"), const(tag + ".a", 0.044715, f32)], [name(tag + ".ax3")]),
-                make("Add", [x, name(tag + ".ax3")], [name(tag + ".inner")]),
-                make("Mul", [name(tag + ".inner"), const(tag + ".c", GELU_TANH_C, f32)], [name(tag + ".scaled")]),
-                make("Tanh", [name(tag + ".scaled")], [name(tag + ".tanh")]),
-                make("Add", [name(tag + ".tanh"), const(tag + ".one", 1.0, f32)], [name(tag + ".onep")]),
-                make("Mul", [x, name(tag + ".onep")], [name(tag + ".xp")]),
-                make("Mul", [name(tag + ".xp"), const(tag + ".half", 0.5, f32)], [name(tag)]),
-            ])  # fmt: skip
+            nodes.extend(
+                [
+                    make("Mul", [x, x], [name(tag + ".x2")]),
+                    make("Mul", [name(tag + ".x2"), x], [name(tag + ".x3")]),
+                    make("Mul", [name(tag + ".x3"), const(tag + ".a", 0.044715, f32)], [name(tag + ".ax3")]),
+                    make("Add", [x, name(tag + ".ax3")], [name(tag + ".inner")]),
+                    make("Mul", [name(tag + ".inner"), const(tag + ".c", GELU_TANH_C, f32)], [name(tag + ".scaled")]),
+                    make("Tanh", [name(tag + ".scaled")], [name(tag + ".tanh")]),
+                    make("Add", [name(tag + ".tanh"), const(tag + ".one", 1.0, f32)], [name(tag + ".onep")]),
+                    make("Mul", [x, name(tag + ".onep")], [name(tag + ".xp")]),
+                    make("Mul", [name(tag + ".xp"), const(tag + ".half", 0.5, f32)], [name(tag)]),
+                ]
+            )
         else:
             raise ValueError(f"MoE node {p}: unknown activation {kind!r}")
         return name(tag)
@@ -210,8 +232,7 @@ def _expand(node: onnx.NodeProto, attrs: dict) -> tuple[list[onnx.NodeProto], li
         make("Shape", [h], [name("h_shape")], start=0, end=1),
         make("Shape", [up], [name("e_shape")], start=0, end=1),
         make("Concat", [name("h_shape"), name("e_shape")], [name("ne")], axis=0),
-        make("ConstantOfShape", [name("ne")], [name("zeros")],
-             value=numpy_helper.from_array(np.zeros(1, np.float32))),
+        make("ConstantOfShape", [name("ne")], [name("zeros")], value=numpy_helper.from_array(np.zeros(1, np.float32))),
         make("ScatterElements", [name("zeros"), idx, weights], [name("dense")], axis=1, reduction="add"),
         make("Einsum", [h, up], [name("upped")], equation="nh,eih->eni"),
     ]
@@ -230,7 +251,7 @@ def _expand(node: onnx.NodeProto, attrs: dict) -> tuple[list[onnx.NodeProto], li
     return nodes, inits
 
 
-def _unit(unit: str, limit: float, alpha: float, g: str, u: str, act, nodes: list, name, const, make) -> str:  # noqa: ANN001
+def _unit(unit: str, limit: float, alpha: float, g: str, u: str, act, nodes: list, name, const, make) -> str:
     """The gated unit (ignition.models.moe_ops.gated) of tensors g and u as plain ops."""
     f32 = np.float32
     if unit == "glu":
@@ -244,11 +265,13 @@ def _unit(unit: str, limit: float, alpha: float, g: str, u: str, act, nodes: lis
         nodes.append(make("Min", [g, lim], [name("g_min")]))
         nodes.append(make("Identity", [act(name("g_min"), "act")], [name("g_unit")]))
     elif unit == "alpha":  # (u + 1) * g' * sigmoid(alpha g')
-        nodes += [make("Min", [g, lim], [name("g_min")]),
-                  make("Mul", [name("g_min"), const("alpha", alpha, f32)], [name("g_alpha")]),
-                  make("Sigmoid", [name("g_alpha")], [name("g_sig")]),
-                  make("Mul", [name("g_min"), name("g_sig")], [name("g_unit")]),
-                  make("Add", [name("u_clip"), const("one_u", 1.0, f32)], [name("u_plus")])]
+        nodes += [
+            make("Min", [g, lim], [name("g_min")]),
+            make("Mul", [name("g_min"), const("alpha", alpha, f32)], [name("g_alpha")]),
+            make("Sigmoid", [name("g_alpha")], [name("g_sig")]),
+            make("Mul", [name("g_min"), name("g_sig")], [name("g_unit")]),
+            make("Add", [name("u_clip"), const("one_u", 1.0, f32)], [name("u_plus")]),
+        ]
         nodes.append(make("Mul", [name("g_unit"), name("u_plus")], [name("glu")]))
         return name("glu")
     else:

@@ -34,7 +34,8 @@ def open_session(path: Path, options: ort.SessionOptions, providers: list[str]) 
     if library is not None and providers == ["CPUExecutionProvider"]:
         options.register_custom_ops_library(str(library))
         if os.environ.get("FLARE_EXPERTS", "").lower() == "dense" and any(
-                n.op_type in ("MoE", "MoEInt4") and n.domain == DOMAIN for n in header.graph.node):
+            n.op_type in ("MoE", "MoEInt4") and n.domain == DOMAIN for n in header.graph.node
+        ):
             # A comparison switch (scripts/moe_tps.py): routed experts computed densely, as
             # ignition's graphs did before ai.flare.MoE.
             model = onnx.load(str(path))
@@ -50,8 +51,9 @@ def open_session(path: Path, options: ort.SessionOptions, providers: list[str]) 
     return _open_rewritten(model, path, options, providers), "onnxruntime"
 
 
-def _open_rewritten(model: onnx.ModelProto, path: Path, options: ort.SessionOptions,
-                    providers: list[str]) -> ort.InferenceSession:
+def _open_rewritten(
+    model: onnx.ModelProto, path: Path, options: ort.SessionOptions, providers: list[str]
+) -> ort.InferenceSession:
     with tempfile.TemporaryDirectory(prefix="flare-graph-") as tmp:
         rewritten = Path(tmp) / path.name
         onnx.save(model, str(rewritten), save_as_external_data=True, location=path.name + ".data")

@@ -167,9 +167,18 @@ def gated(kind: str, unit: str, limit: float, alpha: float, gate: torch.Tensor, 
     raise ValueError(f"unknown gated unit {unit!r}")
 
 
-def experts_ref(h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                gate: torch.Tensor | None, kind: str, unit: str = "glu", limit: float = 0.0,
-                alpha: float = 0.0) -> torch.Tensor:
+def experts_ref(
+    h: torch.Tensor,
+    idx: torch.Tensor,
+    weights: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    gate: torch.Tensor | None,
+    kind: str,
+    unit: str = "glu",
+    limit: float = 0.0,
+    alpha: float = 0.0,
+) -> torch.Tensor:
     """h [N, W], idx/weights [N, k], up/gate [E, I, W], down [E, W, I] -> [N, W], every expert
     computed; `kind` one of ACTIVATIONS, (unit, limit, alpha) the gated unit (`gated`)."""
     upped = torch.einsum("nh,eih->eni", h, up)
@@ -178,7 +187,9 @@ def experts_ref(h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, up: t
     else:
         glu = gated(kind, unit, limit, alpha, torch.einsum("nh,eih->eni", h, gate), upped)
     outputs = torch.einsum("eni,ehi->enh", glu, down)
-    dense = torch.zeros(h.shape[0], up.shape[0], dtype=weights.dtype, device=h.device).scatter_add(1, idx, weights)  # [N, E]
+    dense = torch.zeros(h.shape[0], up.shape[0], dtype=weights.dtype, device=h.device).scatter_add(
+        1, idx, weights
+    )  # [N, E]
     return (outputs * dense.t().unsqueeze(-1)).sum(0)
 
 
@@ -214,29 +225,66 @@ def pool_attention_op(
     kv_heads: int,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    out, k, v = pool_attention_ref(qkv, positions, cos_cache, sin_cache, kv_pool, block_tables, history_lens,
-                                   query_lens, layer, num_layers, num_heads, kv_heads, scale)  # fmt: skip
+    out, k, v = pool_attention_ref(
+        qkv,
+        positions,
+        cos_cache,
+        sin_cache,
+        kv_pool,
+        block_tables,
+        history_lens,
+        query_lens,
+        layer,
+        num_layers,
+        num_heads,
+        kv_heads,
+        scale,
+    )
     # v is a slice of qkv: a custom op's output may not alias its input, so copy it.
     return out, k.contiguous(), v.clone(memory_format=torch.contiguous_format)
 
 
 @pool_attention_op.register_fake
-def _(qkv, positions, cos_cache, sin_cache, kv_pool, block_tables, history_lens, query_lens, layer, num_layers,
-      num_heads, kv_heads, scale):  # fmt: skip
+def _(
+    qkv,
+    positions,
+    cos_cache,
+    sin_cache,
+    kv_pool,
+    block_tables,
+    history_lens,
+    query_lens,
+    layer,
+    num_layers,
+    num_heads,
+    kv_heads,
+    scale,
+):
     batch, length, _ = qkv.shape
     dim = kv_pool.shape[-1]
-    return (qkv.new_empty(batch, length, num_heads * dim), qkv.new_empty(batch, length, kv_heads * dim),
-            qkv.new_empty(batch, length, kv_heads * dim))  # fmt: skip
+    return (
+        qkv.new_empty(batch, length, num_heads * dim),
+        qkv.new_empty(batch, length, kv_heads * dim),
+        qkv.new_empty(batch, length, kv_heads * dim),
+    )
 
 
 @torch.library.custom_op("flare::experts", mutates_args=())
-def experts_op(h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                gate: torch.Tensor | None, kind: str, unit: str, limit: float, alpha: float) -> torch.Tensor:
+def experts_op(
+    h: torch.Tensor,
+    idx: torch.Tensor,
+    weights: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    gate: torch.Tensor | None,
+    kind: str,
+    unit: str,
+    limit: float,
+    alpha: float,
+) -> torch.Tensor:
     return experts_ref(h, idx, weights, up, down, gate, kind, unit, limit, alpha).contiguous()
 
 
 @experts_op.register_fake
 def _(h, idx, weights, up, down, gate, kind, unit, limit, alpha):
     return h.new_empty(h.shape)
-
-

@@ -41,9 +41,20 @@ SPLIT_MAX_PROGRAMS = 128  # split a decode only while the fused grid underfills 
 
 
 @triton.jit
-def _rotary_kernel(qkv, positions, cos, sin, q_out, k_out, v_out,
-                   H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                   HEADS_PAD: tl.constexpr):  # fmt: skip
+def _rotary_kernel(
+    qkv,
+    positions,
+    cos,
+    sin,
+    q_out,
+    k_out,
+    v_out,
+    H: tl.constexpr,
+    KVH: tl.constexpr,
+    D: tl.constexpr,
+    HALF: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+):
     """One token per program: rotate-half rotary of its q and k heads, v copied, in one pass."""
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, HEADS_PAD)
@@ -104,9 +115,28 @@ def _merge(acc, m_i, l_i, acc_s, m_s, l_s):
 
 
 @triton.jit
-def _segment(q, k_pool, v_pool, k_new, v_new, table_row, new_row, seg, nseg, hist, q_end, qi, qk_scale,
-             KVH: tl.constexpr, D: tl.constexpr, T: tl.constexpr, TILE: tl.constexpr, SEG: tl.constexpr,
-             BLOCK_M: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+def _segment(
+    q,
+    k_pool,
+    v_pool,
+    k_new,
+    v_new,
+    table_row,
+    new_row,
+    seg,
+    nseg,
+    hist,
+    q_end,
+    qi,
+    qk_scale,
+    KVH: tl.constexpr,
+    D: tl.constexpr,
+    T: tl.constexpr,
+    TILE: tl.constexpr,
+    SEG: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Segment `seg` of a row from a fresh state: its history keys from the pool pages, then, for
     the last segment, the step's new keys (k_new/v_new, causal). Returns (acc, max, sum)."""
     kvh = tl.program_id(1)
@@ -147,11 +177,36 @@ def _store_out(out, acc, l_i, tok, head, qi, g, qlen, L, G: tl.constexpr, H: tl.
 
 
 @triton.jit
-def _attention_kernel(q, k_new, v_new, k_pool, v_pool, block_tables, history_lens, query_lens, out,
-                      part_acc, part_max, part_sum, L, M, num_segments, qk_scale,
-                      H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                      D: tl.constexpr, T: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-                      TILE: tl.constexpr, SEG: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+def _attention_kernel(
+    q,
+    k_new,
+    v_new,
+    k_pool,
+    v_pool,
+    block_tables,
+    history_lens,
+    query_lens,
+    out,
+    part_acc,
+    part_max,
+    part_sum,
+    L,
+    M,
+    num_segments,
+    qk_scale,
+    H: tl.constexpr,
+    KVH: tl.constexpr,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    T: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE: tl.constexpr,
+    SEG: tl.constexpr,
+    SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """grid (B * cdiv(L, BLOCK_Q), KVH[, segments]). A program owns BLOCK_Q query positions x the G
     query heads of one KV head, packed as BLOCK_M = BLOCK_Q * G_PAD rows (row r: query r // G_PAD,
     head r % G_PAD), so each K/V tile is loaded once for the whole group (vLLM's trick)."""
@@ -180,8 +235,28 @@ def _attention_kernel(q, k_new, v_new, k_pool, v_pool, block_tables, history_len
     if SPLIT:
         seg = tl.program_id(2)
         if seg < nseg:  # segments past the row's own count (and padding blocks) do nothing
-            acc, m_i, l_i = _segment(qt, k_pool, v_pool, k_new, v_new, table_row, new_row, seg, nseg, hist,
-                                     q_end, qi, qk_scale, KVH, D, T, TILE, SEG, BLOCK_M, UPCAST)  # fmt: skip
+            acc, m_i, l_i = _segment(
+                qt,
+                k_pool,
+                v_pool,
+                k_new,
+                v_new,
+                table_row,
+                new_row,
+                seg,
+                nseg,
+                hist,
+                q_end,
+                qi,
+                qk_scale,
+                KVH,
+                D,
+                T,
+                TILE,
+                SEG,
+                BLOCK_M,
+                UPCAST,
+            )
             at = ((pid * KVH + kvh).to(tl.int64) * num_segments + seg) * BLOCK_M + rows
             tl.store(part_max + at, m_i)
             tl.store(part_sum + at, l_i)
@@ -191,16 +266,53 @@ def _attention_kernel(q, k_new, v_new, k_pool, v_pool, block_tables, history_len
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         for seg in range(0, nseg):
-            acc_s, m_s, l_s = _segment(qt, k_pool, v_pool, k_new, v_new, table_row, new_row, seg, nseg, hist,
-                                       q_end, qi, qk_scale, KVH, D, T, TILE, SEG, BLOCK_M, UPCAST)  # fmt: skip
+            acc_s, m_s, l_s = _segment(
+                qt,
+                k_pool,
+                v_pool,
+                k_new,
+                v_new,
+                table_row,
+                new_row,
+                seg,
+                nseg,
+                hist,
+                q_end,
+                qi,
+                qk_scale,
+                KVH,
+                D,
+                T,
+                TILE,
+                SEG,
+                BLOCK_M,
+                UPCAST,
+            )
             acc, m_i, l_i = _merge(acc, m_i, l_i, acc_s, m_s, l_s)
         _store_out(out, acc, l_i, tok, head, qi, g, qlen, L, G, H, D)
 
 
 @triton.jit
-def _reduce_kernel(part_acc, part_max, part_sum, history_lens, query_lens, out, L, M, num_segments,
-                   H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                   T: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, SEG: tl.constexpr):  # fmt: skip
+def _reduce_kernel(
+    part_acc,
+    part_max,
+    part_sum,
+    history_lens,
+    query_lens,
+    out,
+    L,
+    M,
+    num_segments,
+    H: tl.constexpr,
+    KVH: tl.constexpr,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    T: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SEG: tl.constexpr,
+):
     """grid (B * cdiv(L, BLOCK_Q), KVH): fold the row's own segments in order, then normalize."""
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -287,12 +399,22 @@ def pool_attention_triton(
     if batch * length == 0:
         return out, k, v
     _rotary_kernel[(batch * length,)](
-        qkv.contiguous(), positions.contiguous(), cos_cache.contiguous(), sin_cache.contiguous(), q, k, v,
-        H=num_heads, KVH=kv_heads, D=dim, HALF=dim // 2, HEADS_PAD=triton.next_power_of_2(num_heads + 2 * kv_heads),
-    )  # fmt: skip
+        qkv.contiguous(),
+        positions.contiguous(),
+        cos_cache.contiguous(),
+        sin_cache.contiguous(),
+        q,
+        k,
+        v,
+        H=num_heads,
+        KVH=kv_heads,
+        D=dim,
+        HALF=dim // 2,
+        HEADS_PAD=triton.next_power_of_2(num_heads + 2 * kv_heads),
+    )
     pages = pool_rows // (2 * num_layers)
-    k_pool = kv_pool[2 * layer * pages:(2 * layer + 1) * pages]  # views: no copy, offset in the pointer
-    v_pool = kv_pool[(2 * layer + 1) * pages:(2 * layer + 2) * pages]
+    k_pool = kv_pool[2 * layer * pages : (2 * layer + 1) * pages]  # views: no copy, offset in the pointer
+    v_pool = kv_pool[(2 * layer + 1) * pages : (2 * layer + 2) * pages]
     tables = block_tables.to(torch.int64).contiguous()
     max_pages = tables.shape[1]
     group = num_heads // kv_heads
@@ -310,17 +432,45 @@ def pool_attention_triton(
     part_acc = torch.empty(rows * dim if split else 1, device=dev, dtype=torch.float32)
     part_max = torch.empty(rows if split else 1, device=dev, dtype=torch.float32)
     part_sum = torch.empty_like(part_max)
-    shape = dict(H=num_heads, KVH=kv_heads, G=group, G_PAD=group_pad, D=dim, T=tokens, BLOCK_Q=block_q,
-                 BLOCK_M=block_m, SEG=segment_keys)  # fmt: skip
+    shape = dict(
+        H=num_heads,
+        KVH=kv_heads,
+        G=group,
+        G_PAD=group_pad,
+        D=dim,
+        T=tokens,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        SEG=segment_keys,
+    )
     grid = (batch * q_blocks, kv_heads, segments) if split else (batch * q_blocks, kv_heads)
     _attention_kernel[grid](
-        q, k, v, k_pool, v_pool, tables, hist, qlens, out, part_acc, part_max, part_sum, length, max_pages,
-        segments, scale * LOG2E, TILE=tile, SPLIT=split, UPCAST=upcast, num_warps=warps, **shape,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        k_pool,
+        v_pool,
+        tables,
+        hist,
+        qlens,
+        out,
+        part_acc,
+        part_max,
+        part_sum,
+        length,
+        max_pages,
+        segments,
+        scale * LOG2E,
+        TILE=tile,
+        SPLIT=split,
+        UPCAST=upcast,
+        num_warps=warps,
+        **shape,
+    )
     if split:
         _reduce_kernel[(batch * q_blocks, kv_heads)](
             part_acc, part_max, part_sum, hist, qlens, out, length, max_pages, segments, num_warps=4, **shape
-        )  # fmt: skip
+        )
     return out, k, v
 
 

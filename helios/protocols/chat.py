@@ -25,9 +25,9 @@ from helios.frontend.conversation import (
     ToolSpec,
 )
 from helios.frontend.errors import RequestError
-from helios.frontend.images import decode_data_url
 from helios.frontend.fields import choice_count, opt_bool, opt_int, opt_object
 from helios.frontend.grammar import OutputFormat
+from helios.frontend.images import decode_data_url
 from helios.frontend.output import BlockDelta, BlockOpened, OutputEvent
 from helios.frontend.request import ChatOptions, OutputPlan, lower
 from helios.frontend.sampling import check_top_logprobs, request_sampling, resolve_max_tokens
@@ -59,6 +59,7 @@ class ChatPlan:
 
 
 # -- decoding --------------------------------------------------------------------------------------
+
 
 def decode_messages(value: Any) -> list[Message]:
     if not isinstance(value, list) or not value:
@@ -115,8 +116,7 @@ def _decode_content(content: Any, where: str, role: str) -> list[Part]:
                 raise RequestError(f"{where}.content[{j}].image_url.url must be a string", param="messages")
             parts.append(ImagePart(*decode_data_url(url, "messages")))
         else:
-            raise RequestError(f"{where}.content[{j}] has an unsupported content part type {kind!r}",
-                               param="messages")
+            raise RequestError(f"{where}.content[{j}] has an unsupported content part type {kind!r}", param="messages")
     return parts
 
 
@@ -132,8 +132,7 @@ def _decode_tool_calls(value: Any, where: str) -> list[ToolCallPart]:
             raise RequestError(f"{where}.tool_calls[{j}] needs function.name", param="messages")
         arguments = fn.get("arguments", "{}")
         if not isinstance(arguments, (str, dict)):
-            raise RequestError(f"{where}.tool_calls[{j}].function.arguments must be a JSON string",
-                               param="messages")
+            raise RequestError(f"{where}.tool_calls[{j}].function.arguments must be a JSON string", param="messages")
         call_id = call.get("id") or ""
         if not isinstance(call_id, str):
             raise RequestError(f"{where}.tool_calls[{j}].id must be a string", param="messages")
@@ -186,16 +185,14 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> ChatPlan
     messages = decode_messages(body.get("messages"))
     tools, choice = decode_tools(body)
     if body.get("chat_template") is not None:
-        raise RequestError("custom chat templates are not accepted; the core's template is used",
-                           param="chat_template")
+        raise RequestError("custom chat templates are not accepted; the core's template is used", param="chat_template")
     fmt, fmt_param = decode_output_format(body)
     budget = check_budget(body.get("thinking_token_budget"))
     effort = check_effort(body.get("reasoning_effort"), "reasoning_effort", m.template.numeric_effort)
     common.reject_unsupported_extensions(body, structured=True)
     n = choice_count(body)
     if n > ctx.admission.slots:
-        raise RequestError(f"n={n} needs more admission slots than this server has ({ctx.admission.slots})",
-                           param="n")
+        raise RequestError(f"n={n} needs more admission slots than this server has ({ctx.admission.slots})", param="n")
     stream = opt_bool(body, "stream", False)
     options = common.stream_options(body)
 
@@ -212,18 +209,34 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> ChatPlan
     add_generation_prompt = opt_bool(body, "add_generation_prompt", True)
     continue_final = opt_bool(body, "continue_final_message", False)
     kwargs = opt_object(body, "chat_template_kwargs") or {}
-    kwargs = template_kwargs(kwargs, enabled=common.reasoning_switch(body, kwargs), effort=effort,
-                             template_source=ctx.template.source if ctx.template else None)
+    kwargs = template_kwargs(
+        kwargs,
+        enabled=common.reasoning_switch(body, kwargs),
+        effort=effort,
+        template_source=ctx.template.source if ctx.template else None,
+    )
     base = request_sampling(body, m, logprobs=k)
     base.logprob_token_ids = explicit
     chat_options = ChatOptions(
-        tools=tools, choice=choice, output_format=fmt, output_format_param=fmt_param, template_kwargs=kwargs,
-        add_generation_prompt=add_generation_prompt, continue_final=continue_final,
+        tools=tools,
+        choice=choice,
+        output_format=fmt,
+        output_format_param=fmt_param,
+        template_kwargs=kwargs,
+        add_generation_prompt=add_generation_prompt,
+        continue_final=continue_final,
         budget=Budget(budget, explicit=budget is not None),
-        user_stops=base.has_user_stops, ignore_eos=base.ignore_eos,
+        user_stops=base.has_user_stops,
+        ignore_eos=base.ignore_eos,
     )
-    lowered = lower(Conversation(messages), chat_options, manifest=m, template=ctx.template, tokenizer=ctx.tokenizer,
-                    default_budget=ctx.config.thinking_token_budget)
+    lowered = lower(
+        Conversation(messages),
+        chat_options,
+        manifest=m,
+        template=ctx.template,
+        tokenizer=ctx.tokenizer,
+        default_budget=ctx.config.thinking_token_budget,
+    )
     requested = body.get("max_completion_tokens")
     name = "max_completion_tokens"
     if requested is None:
@@ -249,6 +262,7 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> ChatPlan
 
 # -- encoding --------------------------------------------------------------------------------------
 
+
 def finish_reason(answer: Answer) -> str:
     """length, tool_calls (parsed calls completed an answer the user did not stop) or stop."""
     cause = answer.cause
@@ -256,8 +270,11 @@ def finish_reason(answer: Answer) -> str:
 
 
 def _tool_call(call: EmittedCall, index: int | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = {"id": call.id, "type": "function",
-                           "function": {"name": call.name, "arguments": call.arguments_json}}
+    out: dict[str, Any] = {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments_json},
+    }
     return out if index is None else {"index": index, **out}
 
 
@@ -279,7 +296,6 @@ def _delta(events: list[OutputEvent], calls_before: int) -> dict[str, Any]:
 class ChatEncoder(common.OpenAIStream):
     """One Answer per choice; a chat.completion object, or chat.completion.chunk frames."""
 
-
     def __init__(self, ctx: ServerContext, p: ChatPlan):
         self.ctx, self.p, self.options = ctx, p, p.options
         self.answers = [Answer(ctx.tokenizer, len(p.prompt_ids), p.output, index=i) for i in range(len(p.requests))]
@@ -297,8 +313,13 @@ class ChatEncoder(common.OpenAIStream):
         )
 
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        out = {"id": self.p.response_id, "object": "chat.completion.chunk", "created": self.created,
-               "model": self.ctx.model_id, "choices": choices}
+        out = {
+            "id": self.p.response_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.ctx.model_id,
+            "choices": choices,
+        }
         if self.p.options.continuous_usage:
             out["usage"] = self.usage()  # cumulative counts on every chunk
         return out
@@ -317,10 +338,23 @@ class ChatEncoder(common.OpenAIStream):
         if not self.role_sent[index] and (event.token_ids or event.finished):
             # The role delta waits for the first generated token (api.md).
             self.role_sent[index] = True
-            frames.append((self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}]), None))
-        entries = state.logprobs[before[0]:] if p.logprobs is not None else []
-        ids = state.token_ids[before[1]:] if p.return_token_ids else []
+            frames.append(
+                (
+                    self.chunk(
+                        [
+                            {
+                                "index": index,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ]
+                    ),
+                    None,
+                )
+            )
+        entries = state.logprobs[before[0] :] if p.logprobs is not None else []
+        ids = state.token_ids[before[1] :] if p.return_token_ids else []
         delta = _delta(events, self.calls_sent[index])
         self.calls_sent[index] += len(delta.get("tool_calls", []))
         if not (delta or entries or ids or event.finished):
@@ -335,7 +369,7 @@ class ChatEncoder(common.OpenAIStream):
         if p.return_token_ids:
             choice["token_ids"] = ids
         if p.return_timestamps:
-            choice["token_timestamps_ns"] = state.timestamps_ns[before[2]:]
+            choice["token_timestamps_ns"] = state.timestamps_ns[before[2] :]
         if event.finished:
             choice["finish_reason"] = finish_reason(answer)
             choice["stop_reason"] = state.stop_reason
@@ -355,8 +389,13 @@ class ChatEncoder(common.OpenAIStream):
             text, reasoning, calls = a.output.text("text"), a.output.text("reasoning"), a.output.calls
             choice: dict[str, Any] = {
                 "index": s.index,
-                "message": {"role": "assistant", "content": text if text or not calls else None, "refusal": None,
-                            "tool_calls": [_tool_call(c) for c in calls], "reasoning_content": reasoning or None},
+                "message": {
+                    "role": "assistant",
+                    "content": text if text or not calls else None,
+                    "refusal": None,
+                    "tool_calls": [_tool_call(c) for c in calls],
+                    "reasoning_content": reasoning or None,
+                },
                 "logprobs": None,
                 "finish_reason": finish_reason(a),
                 "stop_reason": s.stop_reason,
@@ -379,8 +418,11 @@ class ChatEncoder(common.OpenAIStream):
             "choices": choices,
             "usage": self.usage(),
             "system_fingerprint": None,
-            "prompt_logprobs": (common.prompt_logprobs_field(tokenizer, first.state.prompt_logprobs, p.prompt_logprobs)
-                                if p.prompt_logprobs is not None else None),
+            "prompt_logprobs": (
+                common.prompt_logprobs_field(tokenizer, first.state.prompt_logprobs, p.prompt_logprobs)
+                if p.prompt_logprobs is not None
+                else None
+            ),
         }
         if p.return_token_ids:
             out["prompt_token_ids"] = p.prompt_ids

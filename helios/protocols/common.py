@@ -56,6 +56,7 @@ def reject_unsupported_extensions(body: dict[str, Any], *, structured: bool = Fa
 
 # -- structured output formats ---------------------------------------------------------------------
 
+
 def _schema(value: Any, param: str) -> dict[str, Any]:
     if isinstance(value, str):
         try:
@@ -89,8 +90,9 @@ def decode_format(value: Any, param: str, *, nested: bool) -> OutputFormat | Non
         if "schema" not in holder:
             raise RequestError(f"{param} needs a schema", param=top)
         name = holder.get("name")
-        return OutputFormat("json_schema", _schema(holder["schema"], f"{param}.schema"),
-                            name if isinstance(name, str) else None)
+        return OutputFormat(
+            "json_schema", _schema(holder["schema"], f"{param}.schema"), name if isinstance(name, str) else None
+        )
     raise RequestError(f"{param}.type must be text, json_object or json_schema", param=top)
 
 
@@ -160,7 +162,9 @@ def logprob_token_ids(body: dict[str, Any], logprobs_enabled: bool, manifest: Ma
     return list(dict.fromkeys(ids))
 
 
-def prompt_logprobs_count(value: Any, *, streaming: bool, manifest: Manifest, name: str = "prompt_logprobs") -> int | None:
+def prompt_logprobs_count(
+    value: Any, *, streaming: bool, manifest: Manifest, name: str = "prompt_logprobs"
+) -> int | None:
     """A prompt-scoring request's alternatives count (0..20), or None when not requested."""
     if value is None:
         return None
@@ -178,8 +182,15 @@ def prompt_logprobs_count(value: Any, *, streaming: bool, manifest: Manifest, na
 
 # -- usage and errors ------------------------------------------------------------------------------
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, *,
-          reasoning_tokens: int | None = None, image_tokens: int = 0) -> dict[str, Any]:
+
+def usage(
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    *,
+    reasoning_tokens: int | None = None,
+    image_tokens: int = 0,
+) -> dict[str, Any]:
     """OpenAI usage with prompt_tokens_details.cached_tokens always present (vLLM's
     --enable-prompt-tokens-details); chat adds completion_tokens_details.reasoning_tokens, and
     image requests prompt_tokens_details.multimodal_tokens.image (already in prompt_tokens)."""
@@ -237,6 +248,7 @@ def logprob_value(value: float) -> float:
 
 # -- logprob encodings ---------------------------------------------------------------------------
 
+
 def token_label(tokenizer: Tokenizer, token_id: int, as_ids: bool) -> str:
     return f"token_id:{token_id}" if as_ids else tokenizer.token_string(token_id)
 
@@ -248,8 +260,9 @@ def natural_top(entry: TokenLogprob, k: int) -> list[tuple[int, float]]:
     return sorted(entry.top, key=lambda t: (-t[1], t[0]))[:k]
 
 
-def chat_logprob_entries(tokenizer: Tokenizer, entries: list[TokenLogprob], k: int,
-                         as_ids: bool) -> list[dict[str, Any]]:
+def chat_logprob_entries(
+    tokenizer: Tokenizer, entries: list[TokenLogprob], k: int, as_ids: bool
+) -> list[dict[str, Any]]:
     def one(token_id: int, lp: float) -> dict[str, Any]:
         return {
             "token": token_label(tokenizer, token_id, as_ids),
@@ -258,13 +271,13 @@ def chat_logprob_entries(tokenizer: Tokenizer, entries: list[TokenLogprob], k: i
         }
 
     return [
-        {**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in natural_top(e, k)]}
-        for e in entries
+        {**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in natural_top(e, k)]} for e in entries
     ]
 
 
-def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob], offsets: list[int], k: int,
-                        as_ids: bool, offset_base: int = 0) -> dict[str, Any]:
+def completion_logprobs(
+    tokenizer: Tokenizer, entries: list[TokenLogprob], offsets: list[int], k: int, as_ids: bool, offset_base: int = 0
+) -> dict[str, Any]:
     """Parallel arrays of Completions; top maps keep the first id per decoded string."""
     tops = []
     for e in entries:
@@ -299,8 +312,15 @@ def _scored(tokenizer: Tokenizer, token_id: int, logprob: float, rank: int) -> d
     return {"logprob": logprob_value(logprob), "rank": rank, "decoded_token": tokenizer.token_string(token_id)}
 
 
-def echo_logprobs(tokenizer: Tokenizer, prompt_ids: list[int], entries: list[PromptLogprob | None], k: int,
-                  as_ids: bool, first: int = 0, offset_base: int = 0) -> dict[str, Any]:
+def echo_logprobs(
+    tokenizer: Tokenizer,
+    prompt_ids: list[int],
+    entries: list[PromptLogprob | None],
+    k: int,
+    as_ids: bool,
+    first: int = 0,
+    offset_base: int = 0,
+) -> dict[str, Any]:
     """Completions arrays for echoed prompt positions first..first+len(entries): position zero has
     null token_logprobs and top_logprobs; text_offset counts the preceding decoded token strings
     (offset_base: the characters of the positions before `first`)."""

@@ -55,8 +55,9 @@ def decode_prompts(value: Any, tokenizer: Tokenizer, vocab_size: int) -> list[Pr
     if isinstance(value, str):
         return [_text_prompt(value, tokenizer)]
     if not isinstance(value, list) or not value:
-        raise RequestError("prompt must be a string, an array of strings, or a nonempty array of token ids",
-                           param="prompt")
+        raise RequestError(
+            "prompt must be a string, an array of strings, or a nonempty array of token ids", param="prompt"
+        )
     if all(isinstance(v, str) for v in value):
         return [_text_prompt(v, tokenizer) for v in value]
     if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
@@ -120,15 +121,18 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Completi
     base = request_sampling(body, m, logprobs=k)
     base.logprob_token_ids = explicit
     prompts = decode_prompts(raw, ctx.tokenizer, m.architecture.vocab_size)
-    budgets = [resolve_max_tokens(body.get("max_tokens"), len(p.token_ids), m.limits, allow_zero=True)
-               for p in prompts]
+    budgets = [resolve_max_tokens(body.get("max_tokens"), len(p.token_ids), m.limits, allow_zero=True) for p in prompts]
     requests: list[GenerationRequest] = []
     # max_tokens 0 reaches the model only to score the prompt (api.md).
     if any(budgets) or scoring is not None:
         for pi, (prompt, budget) in enumerate(zip(prompts, budgets)):
             requests += engine_requests(
-                response_id, prompt.token_ids, dataclasses.replace(base, max_tokens=budget), choices=n,
-                first_index=pi * n, checkpoints=endpoint(prompt.token_ids),  # raw prompts: the endpoint only
+                response_id,
+                prompt.token_ids,
+                dataclasses.replace(base, max_tokens=budget),
+                choices=n,
+                first_index=pi * n,
+                checkpoints=endpoint(prompt.token_ids),  # raw prompts: the endpoint only
                 prompt_logprobs=scoring,
             )
     return CompletionPlan(
@@ -149,10 +153,10 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Completi
 
 # -- encoding --------------------------------------------------------------------------------------
 
+
 class CompletionEncoder(common.OpenAIStream):
     """One ChoiceState per (prompt, choice); a text_completion object or its chunks. Without
     engine requests (max_tokens 0, unscored) every choice is the echo alone, finished by length."""
-
 
     def __init__(self, ctx: ServerContext, p: CompletionPlan):
         self.ctx, self.p, self.options = ctx, p, p.options
@@ -170,8 +174,13 @@ class CompletionEncoder(common.OpenAIStream):
         return common.usage(prompt_tokens, sum(s.completion_tokens for s in self.states), cached)
 
     def response(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.p.response_id, "object": "text_completion", "created": self.created,
-                "model": self.ctx.model_id, "choices": choices}
+        return {
+            "id": self.p.response_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.ctx.model_id,
+            "choices": choices,
+        }
 
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         out = self.response(choices)
@@ -182,16 +191,24 @@ class CompletionEncoder(common.OpenAIStream):
     def _unsubmitted(self) -> list[dict[str, Any]]:
         p = self.p
         return [
-            {"index": pi * p.n + j, "text": prompt.echo_text if p.echo else "", "logprobs": None,
-             "finish_reason": "length", "stop_reason": None, "prompt_logprobs": None}
-            for pi, prompt in enumerate(p.prompts) for j in range(p.n)
+            {
+                "index": pi * p.n + j,
+                "text": prompt.echo_text if p.echo else "",
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "prompt_logprobs": None,
+            }
+            for pi, prompt in enumerate(p.prompts)
+            for j in range(p.n)
         ]
 
     def start(self) -> list[Frame]:
         if self.p.requests:
             return []
-        return [(self.chunk([{k: v for k, v in c.items() if k != "prompt_logprobs"}]), None)
-                for c in self._unsubmitted()]
+        return [
+            (self.chunk([{k: v for k, v in c.items() if k != "prompt_logprobs"}]), None) for c in self._unsubmitted()
+        ]
 
     def apply(self, index: int, event: GenerationEvent) -> list[Frame]:
         p, tokenizer = self.p, self.ctx.tokenizer
@@ -207,25 +224,45 @@ class CompletionEncoder(common.OpenAIStream):
         entries = delta.logprobs if p.logprobs is not None else []
         logprobs = None
         if entries:
-            logprobs = common.completion_logprobs(tokenizer, entries, delta.offsets, p.logprobs or 0, p.as_token_ids,
-                                                  offset_base=len(prompt.echo_text) if p.echo else 0)
+            logprobs = common.completion_logprobs(
+                tokenizer,
+                entries,
+                delta.offsets,
+                p.logprobs or 0,
+                p.as_token_ids,
+                offset_base=len(prompt.echo_text) if p.echo else 0,
+            )
         if p.echo_scores and delta.prompt_logprobs:
             # One logprob frame per completed prompt chunk, before generated entries.
             first = self.scored[index]
             self.scored[index] += len(delta.prompt_logprobs)
             logprobs = common.echo_logprobs(
-                tokenizer, prompt.token_ids, delta.prompt_logprobs, p.logprobs or 0, p.as_token_ids,
-                first=first, offset_base=common.echo_chars(tokenizer, prompt.token_ids[:first]),
+                tokenizer,
+                prompt.token_ids,
+                delta.prompt_logprobs,
+                p.logprobs or 0,
+                p.as_token_ids,
+                first=first,
+                offset_base=common.echo_chars(tokenizer, prompt.token_ids[:first]),
             )
         if not (text or logprobs or event.finished):
             return []
-        return [(self.chunk([{
-            "index": index,
-            "text": text,
-            "logprobs": logprobs,
-            "finish_reason": common.finish_reason_name(state.finish_reason) if event.finished else None,
-            "stop_reason": state.stop_reason if event.finished else None,
-        }]), None)]
+        return [
+            (
+                self.chunk(
+                    [
+                        {
+                            "index": index,
+                            "text": text,
+                            "logprobs": logprobs,
+                            "finish_reason": common.finish_reason_name(state.finish_reason) if event.finished else None,
+                            "stop_reason": state.stop_reason if event.finished else None,
+                        }
+                    ]
+                ),
+                None,
+            )
+        ]
 
     def body(self) -> dict[str, Any]:
         p, tokenizer = self.p, self.ctx.tokenizer
@@ -237,21 +274,28 @@ class CompletionEncoder(common.OpenAIStream):
             prefix = prompt.echo_text if p.echo else ""
             logprobs = None
             if p.logprobs is not None:
-                logprobs = common.completion_logprobs(tokenizer, s.logprobs, s.offsets, p.logprobs, p.as_token_ids,
-                                                      offset_base=len(prefix))
+                logprobs = common.completion_logprobs(
+                    tokenizer, s.logprobs, s.offsets, p.logprobs, p.as_token_ids, offset_base=len(prefix)
+                )
                 if p.echo_scores:
-                    echoed = common.echo_logprobs(tokenizer, prompt.token_ids, s.prompt_logprobs, p.logprobs,
-                                                  p.as_token_ids)
+                    echoed = common.echo_logprobs(
+                        tokenizer, prompt.token_ids, s.prompt_logprobs, p.logprobs, p.as_token_ids
+                    )
                     logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
-            choices.append({
-                "index": s.index,
-                "text": prefix + s.full_text,
-                "logprobs": logprobs,
-                "finish_reason": common.finish_reason_name(s.finish_reason),
-                "stop_reason": s.stop_reason,
-                "prompt_logprobs": (common.prompt_logprobs_field(tokenizer, s.prompt_logprobs, p.prompt_logprobs)
-                                    if p.prompt_logprobs is not None else None),
-            })
+            choices.append(
+                {
+                    "index": s.index,
+                    "text": prefix + s.full_text,
+                    "logprobs": logprobs,
+                    "finish_reason": common.finish_reason_name(s.finish_reason),
+                    "stop_reason": s.stop_reason,
+                    "prompt_logprobs": (
+                        common.prompt_logprobs_field(tokenizer, s.prompt_logprobs, p.prompt_logprobs)
+                        if p.prompt_logprobs is not None
+                        else None
+                    ),
+                }
+            )
         return {**self.response(choices), "usage": self.usage(), "system_fingerprint": None}
 
 

@@ -66,10 +66,13 @@ def _input_text(value: Any) -> str:
             raise _bad("message content must be a string or an array of text parts", "input")
         parts = []
         for part in content:
-            if not (isinstance(part, dict) and part.get("type") in ("text", "input_text")
-                    and isinstance(part.get("text"), str) and set(part) <= {"type", "text"}):
-                raise _bad("message content parts must be text or input_text (images are not supported here)",
-                           "input")
+            if not (
+                isinstance(part, dict)
+                and part.get("type") in ("text", "input_text")
+                and isinstance(part.get("text"), str)
+                and set(part) <= {"type", "text"}
+            ):
+                raise _bad("message content parts must be text or input_text (images are not supported here)", "input")
             parts.append(part["text"])
         messages.append("\n".join(parts))
     return "\n\n".join(messages)
@@ -100,9 +103,14 @@ def _question(raw: Any, index: int, max_options: int) -> d.Question:
         options, seen = [], set()
         for choice in choices:
             value = choice.get("value") if isinstance(choice, dict) else None
-            if not isinstance(choice, dict) or set(choice) - {"value", "description"} or not isinstance(value, (str, bool)):
-                raise _bad("each choice needs a string or boolean value and an optional description",
-                           f"{param}.choices")
+            if (
+                not isinstance(choice, dict)
+                or set(choice) - {"value", "description"}
+                or not isinstance(value, (str, bool))
+            ):
+                raise _bad(
+                    "each choice needs a string or boolean value and an optional description", f"{param}.choices"
+                )
             key = (type(value), value)
             if key in seen:
                 raise _bad("choice values must be distinct", f"{param}.choices")
@@ -115,7 +123,11 @@ def _question(raw: Any, index: int, max_options: int) -> d.Question:
         raise _bad(f"levels must be an array of 2 to {limit} levels", f"{param}.levels")
     options = []
     for level in levels:
-        if not isinstance(level, dict) or set(level) - {"label", "description"} or not isinstance(level.get("label"), str):
+        if (
+            not isinstance(level, dict)
+            or set(level) - {"label", "description"}
+            or not isinstance(level.get("label"), str)
+        ):
             raise _bad("each level needs a string label and an optional description", f"{param}.levels")
         options.append(d.Option(level["label"], _description(level, f"{param}.levels")))
     return d.Question("score", instructions, options)
@@ -137,13 +149,21 @@ def encode_answer(raw: dict[str, Any], question: d.Question, scored: d.Scored) -
     confidence = probs[best] * scored.mass
     if question.kind == "choice":
         values = [c["value"] for c in raw["choices"]]
-        return {**out, "choice": values[best],
-                "probabilities": [{"value": v, "probability": p} for v, p in zip(values, probs)],
-                "confidence": confidence}
-    return {**out, "score": d.expected_score(probs),
-            "probabilities": [{"value": i, "label": level["label"], "probability": p}
-                              for i, (level, p) in enumerate(zip(raw["levels"], probs))],
-            "confidence": confidence}
+        return {
+            **out,
+            "choice": values[best],
+            "probabilities": [{"value": v, "probability": p} for v, p in zip(values, probs)],
+            "confidence": confidence,
+        }
+    return {
+        **out,
+        "score": d.expected_score(probs),
+        "probabilities": [
+            {"value": i, "label": level["label"], "probability": p}
+            for i, (level, p) in enumerate(zip(raw["levels"], probs))
+        ],
+        "confidence": confidence,
+    }
 
 
 async def handle(request: web.Request, ctx: ServerContext) -> web.StreamResponse:
@@ -158,14 +178,17 @@ async def handle(request: web.Request, ctx: ServerContext) -> web.StreamResponse
     for (raw, question), scored in zip(questions, results):
         usage.add(scored)
         answers.append(encode_answer(raw, question, scored))
-    return json_response({
-        "model": ctx.model_id,
-        "answers": answers,
-        "usage": {
-            "input_tokens": usage.input_tokens,
-            "input_tokens_details": {"cached_tokens": usage.cached_tokens},
-            "output_tokens": usage.output_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": usage.input_tokens + usage.output_tokens,
+    return json_response(
+        {
+            "model": ctx.model_id,
+            "answers": answers,
+            "usage": {
+                "input_tokens": usage.input_tokens,
+                "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+                "output_tokens": usage.output_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": usage.input_tokens + usage.output_tokens,
+            },
         },
-    }, headers=response_headers(request, response_id))
+        headers=response_headers(request, response_id),
+    )

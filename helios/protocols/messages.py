@@ -33,9 +33,9 @@ from helios.frontend.conversation import (
     ToolSpec,
 )
 from helios.frontend.errors import RequestError
-from helios.frontend.images import decode_base64
 from helios.frontend.fields import opt_bool, opt_int, opt_object
 from helios.frontend.grammar import OutputFormat
+from helios.frontend.images import decode_base64
 from helios.frontend.output import Block, BlockClosed, BlockDelta, BlockOpened, OutputEvent
 from helios.frontend.request import ChatOptions, Lowered, OutputPlan, lower
 from helios.frontend.sampling import request_sampling, resolve_max_tokens
@@ -105,6 +105,7 @@ def thinking_signature(text: str) -> str:
 
 # -- decoding --------------------------------------------------------------------------------------
 
+
 def _text_of(value: Any, where: str) -> str:
     if not isinstance(value, str):
         raise RequestError(f"{where} must be a string", param="messages")
@@ -116,8 +117,10 @@ def image_block(block: dict[str, Any], at: str) -> ImagePart:
     source = block.get("source")
     if not isinstance(source, dict) or source.get("type") != "base64":
         kind = source.get("type") if isinstance(source, dict) else None
-        raise RequestError(f"{at}.source must be a base64 image source (got {kind!r}); remote image URLs and files "
-                           "are not supported", param="messages")  # fmt: skip
+        raise RequestError(
+            f"{at}.source must be a base64 image source (got {kind!r}); remote image URLs and files are not supported",
+            param="messages",
+        )
     data, media = source.get("data"), source.get("media_type")
     if not isinstance(data, str) or not isinstance(media, str):
         raise RequestError(f"{at}.source needs string data and media_type", param="messages")
@@ -207,8 +210,9 @@ def _decode_message(raw: Any, where: str, hints: list[Part]) -> list[Message]:
         elif kind == "thinking" and role == "assistant":
             current.append(_thinking(block, at))
         elif kind == "redacted_thinking":
-            raise RequestError(f"{at}: redacted (encrypted-only) thinking cannot be replayed to this model",
-                               param="messages")
+            raise RequestError(
+                f"{at}: redacted (encrypted-only) thinking cannot be replayed to this model", param="messages"
+            )
         elif kind == "tool_result" and role == "user":
             flush()
             result = _tool_result(block, at)
@@ -216,8 +220,7 @@ def _decode_message(raw: Any, where: str, hints: list[Part]) -> list[Message]:
             if hinted:
                 hints.append(result)
         else:
-            raise RequestError(f"{at} has an unsupported content block type {kind!r} for role {role}",
-                               param="messages")
+            raise RequestError(f"{at} has an unsupported content block type {kind!r} for role {role}", param="messages")
     flush()
     return messages
 
@@ -238,8 +241,7 @@ def _thinking(block: dict[str, Any], at: str) -> ReasoningPart:
         raise RequestError(f"{at}.signature must be a string", param="messages")
     # Our own markers must match their text; readable thinking from other providers is replayed.
     if signature and signature.startswith(THINKING_MARKER) and signature != thinking_signature(text):
-        raise RequestError(f"{at}: the thinking text does not match its flare-thinking-v1 signature",
-                           param="messages")
+        raise RequestError(f"{at}: the thinking text does not match its flare-thinking-v1 signature", param="messages")
     return ReasoningPart(text)
 
 
@@ -266,8 +268,11 @@ def decode_tools(body: dict[str, Any]) -> tuple[list[ToolSpec], ToolChoice]:
             raise RequestError(f"tools[{i}] must be an object", param="tools")
         kind = tool.get("type", "custom")
         if kind != "custom":
-            raise RequestError(f"tools[{i}]: server tools ({kind!r}) are not supported; declare client tools "
-                               "with name and input_schema", param="tools")
+            raise RequestError(
+                f"tools[{i}]: server tools ({kind!r}) are not supported; declare client tools "
+                "with name and input_schema",
+                param="tools",
+            )
         name, schema, description = tool.get("name"), tool.get("input_schema"), tool.get("description")
         if not isinstance(name, str) or not name:
             raise RequestError(f"tools[{i}].name must be a nonempty string", param="tools")
@@ -315,10 +320,13 @@ def _check_controls(body: dict[str, Any]) -> None:
             raise RequestError("context_management.edits must be an array", param="context_management")
         for edit in edits:
             # Preserving every thinking block is a no-op here; active edits would rewrite history.
-            if not (isinstance(edit, dict) and edit.get("type") == "clear_thinking_20251015"
-                    and edit.get("keep") == "all"):
-                raise RequestError("context_management edits are not supported (only clear_thinking_20251015 "
-                                   'with keep: "all")', param="context_management")
+            if not (
+                isinstance(edit, dict) and edit.get("type") == "clear_thinking_20251015" and edit.get("keep") == "all"
+            ):
+                raise RequestError(
+                    'context_management edits are not supported (only clear_thinking_20251015 with keep: "all")',
+                    param="context_management",
+                )
     common.reject_unsupported_extensions(body)
 
 
@@ -339,8 +347,10 @@ def _thinking_controls(body: dict[str, Any]) -> tuple[bool | None, str | None, B
                 raise RequestError("thinking.budget_tokens must be a positive integer", param="thinking")
     explicit = check_budget(body.get("thinking_token_budget"))
     if explicit is not None and requested is not None and explicit != requested:
-        raise RequestError("thinking_token_budget and thinking.budget_tokens must match when both are given",
-                           param="thinking_token_budget")
+        raise RequestError(
+            "thinking_token_budget and thinking.budget_tokens must match when both are given",
+            param="thinking_token_budget",
+        )
     output_config = opt_object(body, "output_config") or {}
     effort = check_effort(output_config.get("effort"), "output_config.effort")
     if effort is None and requested is not None and enabled:
@@ -378,25 +388,39 @@ def decode(ctx: ServerContext, body: dict[str, Any]) -> Decoded:
     kwargs = opt_object(body, "chat_template_kwargs") or {}
     if enabled is None:
         enabled = common.reasoning_switch(body, kwargs)
-    kwargs = template_kwargs(kwargs, enabled=enabled, effort=effort,
-                             template_source=ctx.template.source if ctx.template else None)
+    kwargs = template_kwargs(
+        kwargs, enabled=enabled, effort=effort, template_source=ctx.template.source if ctx.template else None
+    )
     fmt, fmt_param = _output_format(body)
     options = ChatOptions(
-        tools=tools, choice=choice, output_format=fmt, output_format_param=fmt_param, template_kwargs=kwargs,
-        add_generation_prompt=not continue_final, continue_final=continue_final, budget=budget,
+        tools=tools,
+        choice=choice,
+        output_format=fmt,
+        output_format_param=fmt_param,
+        template_kwargs=kwargs,
+        add_generation_prompt=not continue_final,
+        continue_final=continue_final,
+        budget=budget,
         # Read from the body (count_tokens shares this decoder without resolving sampling); the
         # same fields as SamplingParams.has_user_stops.
         user_stops=any(body.get(name) for name in ("stop_sequences", "stop_token_ids", "stop_token_sequences")),
-        ignore_eos=body.get("ignore_eos") is True, cache_hints=hints[:MAX_CACHE_HINTS],
+        ignore_eos=body.get("ignore_eos") is True,
+        cache_hints=hints[:MAX_CACHE_HINTS],
     )
     return Decoded(Conversation(messages), options)
 
 
 def _lower(ctx: ServerContext, decoded: Decoded, prepare: bool = True) -> Lowered:
     config = getattr(ctx, "config", None)
-    return lower(decoded.conversation, decoded.options, manifest=ctx.manifest, template=ctx.template,
-                 tokenizer=ctx.tokenizer, default_budget=config.thinking_token_budget if config else None,
-                 prepare=prepare)
+    return lower(
+        decoded.conversation,
+        decoded.options,
+        manifest=ctx.manifest,
+        template=ctx.template,
+        tokenizer=ctx.tokenizer,
+        default_budget=config.thinking_token_budget if config else None,
+        prepare=prepare,
+    )
 
 
 def _prompt(ctx: ServerContext, decoded: Decoded) -> list[int]:
@@ -420,6 +444,7 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Messages
 
 
 # -- encoding --------------------------------------------------------------------------------------
+
 
 def usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict[str, Any]:
     return {
@@ -450,8 +475,14 @@ def content_block(block: Block) -> dict[str, Any]:
     return {"type": "text", "text": block.text}
 
 
-def message_object(ctx: ServerContext, p: MessagesPlan, content: list[dict[str, Any]],
-                   reason: str | None, sequence: str | None, usage_: dict[str, Any]) -> dict[str, Any]:
+def message_object(
+    ctx: ServerContext,
+    p: MessagesPlan,
+    content: list[dict[str, Any]],
+    reason: str | None,
+    sequence: str | None,
+    usage_: dict[str, Any],
+) -> dict[str, Any]:
     return {
         "id": p.response_id,
         "type": "message",
@@ -489,8 +520,13 @@ class MessagesEncoder:
     def end(self) -> list[Frame]:
         reason, sequence = stop_reason(self.answer)
         return [
-            _named({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                    "usage": self.usage()}),
+            _named(
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                    "usage": self.usage(),
+                }
+            ),
             _named({"type": "message_stop"}),
         ]
 
@@ -532,8 +568,13 @@ def _frames(item: OutputEvent) -> list[dict[str, Any]]:
     if isinstance(item, BlockClosed):
         frames = []
         if block.kind == "reasoning":  # the block's marker, once its text is complete
-            frames.append({"type": "content_block_delta", "index": index,
-                           "delta": {"type": "signature_delta", "signature": thinking_signature(block.text)}})
+            frames.append(
+                {
+                    "type": "content_block_delta",
+                    "index": index,
+                    "delta": {"type": "signature_delta", "signature": thinking_signature(block.text)},
+                }
+            )
         return frames + [{"type": "content_block_stop", "index": index}]
     return []
 

@@ -40,21 +40,23 @@ def model_card(ctx: ServerContext) -> dict[str, Any]:
         "root": m.identity.checkpoint_id,
         "parent": None,
         "max_model_len": m.limits.context_length,
-        "permission": [{
-            # Stable for the life of the server: derived from the start time, not random.
-            "id": f"modelperm-{m.identity.checkpoint_sha256[:16]}{created:x}",
-            "object": "model_permission",
-            "created": created,
-            "allow_create_engine": False,
-            "allow_sampling": True,
-            "allow_logprobs": m.logprobs.max_top_logprobs > 0,
-            "allow_search_indices": False,
-            "allow_view": True,
-            "allow_fine_tuning": False,
-            "organization": "*",
-            "group": None,
-            "is_blocking": False,
-        }],
+        "permission": [
+            {
+                # Stable for the life of the server: derived from the start time, not random.
+                "id": f"modelperm-{m.identity.checkpoint_sha256[:16]}{created:x}",
+                "object": "model_permission",
+                "created": created,
+                "allow_create_engine": False,
+                "allow_sampling": True,
+                "allow_logprobs": m.logprobs.max_top_logprobs > 0,
+                "allow_search_indices": False,
+                "allow_view": True,
+                "allow_fine_tuning": False,
+                "organization": "*",
+                "group": None,
+                "is_blocking": False,
+            }
+        ],
         "flare": {
             "vocab_size": m.architecture.vocab_size,
             "max_top_logprobs": max(0, min(20, m.logprobs.max_top_logprobs)),

@@ -66,8 +66,12 @@ def digest(ctx: ServerContext) -> str:
     """A SHA-256 cache key over the prepared identity and everything discovery advertises."""
     ident = ctx.manifest.identity
     material = {
-        "identity": {"recipe": ident.recipe, "checkpoint_id": ident.checkpoint_id,
-                     "checkpoint_sha256": ident.checkpoint_sha256, "aliases": ident.aliases},
+        "identity": {
+            "recipe": ident.recipe,
+            "checkpoint_id": ident.checkpoint_id,
+            "checkpoint_sha256": ident.checkpoint_sha256,
+            "aliases": ident.aliases,
+        },
         "precision": ctx.manifest.precision,
         "name": ctx.model_id,
         "details": details(ctx),
@@ -96,8 +100,9 @@ async def tags(request: web.Request, ctx: ServerContext) -> web.Response:
 async def show(request: web.Request, ctx: ServerContext) -> web.Response:
     if bodies.content_encodings(request.headers.get("Content-Encoding")):
         # Discovery bodies are small; api.md accepts them uncompressed only.
-        raise ApiError(415, "invalid_request_error", "/api/show accepts uncompressed JSON only",
-                       "unsupported_content_encoding")
+        raise ApiError(
+            415, "invalid_request_error", "/api/show accepts uncompressed JSON only", "unsupported_content_encoding"
+        )
     body = await ctx.read_json_object(request)
     name = body.get("model")
     if not isinstance(name, str) or not name:
@@ -108,12 +113,14 @@ async def show(request: web.Request, ctx: ServerContext) -> web.Response:
     if name not in served_names(ctx):
         raise not_found(f"model {name!r} not found", code="model_not_found")
     # verbose adds nothing: templates and tensor inventories are not exposed.
-    return json_response({
-        "license": "",
-        "modelfile": "",
-        "parameters": "",
-        "details": details(ctx),
-        "model_info": model_info(ctx),
-        "capabilities": capabilities(ctx),
-        "modified_at": UNKNOWN_TIME,
-    })
+    return json_response(
+        {
+            "license": "",
+            "modelfile": "",
+            "parameters": "",
+            "details": details(ctx),
+            "model_info": model_info(ctx),
+            "capabilities": capabilities(ctx),
+            "modified_at": UNKNOWN_TIME,
+        }
+    )

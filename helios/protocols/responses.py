@@ -28,9 +28,9 @@ from helios.frontend.conversation import (
     ToolSpec,
 )
 from helios.frontend.errors import RequestError
-from helios.frontend.images import decode_data_url
 from helios.frontend.fields import opt_bool, opt_int, opt_object
 from helios.frontend.grammar import Compiler, OutputFormat, compiler_for
+from helios.frontend.images import decode_data_url
 from helios.frontend.output import Block, BlockDelta, BlockOpened, OutputEvent
 from helios.frontend.request import ChatOptions, OutputPlan, lower
 from helios.frontend.sampling import check_top_logprobs, request_sampling, resolve_max_tokens
@@ -68,6 +68,7 @@ class ResponsesPlan:
 
 
 # -- decoding --------------------------------------------------------------------------------------
+
 
 def _bad(message: str, param: str = "input") -> RequestError:
     return RequestError(message, param=param)
@@ -170,7 +171,9 @@ def decode_input(value: Any, instructions: Any) -> list[Message]:
         elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = _string(item.get("call_id"), f"{where}.call_id")
             output = item.get("output")
-            content = [p for p in _content_parts(output, where) if isinstance(p, (TextPart, ImagePart))] if output else []
+            content = (
+                [p for p in _content_parts(output, where) if isinstance(p, (TextPart, ImagePart))] if output else []
+            )
             messages.append(Message("tool", [ToolResultPart(call_id, list(content))]))
         elif kind == "item_reference":
             raise _bad(f"{where}: item references need stored responses; this server is stateless")
@@ -203,8 +206,9 @@ def decode_tools(body: dict[str, Any], compiler: Compiler) -> tuple[list[ToolSpe
     return specs, _tool_choice(body, specs)
 
 
-def _tool(tool: Any, where: str, compiler: Compiler, namespace: str | None = None,
-          namespace_description: str | None = None) -> ToolSpec:
+def _tool(
+    tool: Any, where: str, compiler: Compiler, namespace: str | None = None, namespace_description: str | None = None
+) -> ToolSpec:
     kind = tool.get("type") if isinstance(tool, dict) else None
     if kind not in ("function", "custom"):
         raise _bad(f"{where}: hosted tools ({kind!r}) are not supported; declare function or custom tools", "tools")
@@ -228,8 +232,15 @@ def _tool(tool: Any, where: str, compiler: Compiler, namespace: str | None = Non
             if fmt["type"] == "grammar":
                 syntax, definition = fmt.get("syntax"), fmt.get("definition")
                 grammar = compiler.tool_grammar(syntax, definition, "tools")
-        return ToolSpec(model_name, custom_description(description, syntax, definition), CUSTOM_PARAMETERS,
-                        client_name=client, namespace=namespace, custom=True, grammar=grammar)
+        return ToolSpec(
+            model_name,
+            custom_description(description, syntax, definition),
+            CUSTOM_PARAMETERS,
+            client_name=client,
+            namespace=namespace,
+            custom=True,
+            grammar=grammar,
+        )
     if tool.get("strict") is True:
         raise _bad("strict function schemas (strict: true) are not supported", "tools")
     params = tool.get("parameters")
@@ -246,8 +257,7 @@ def _tool_choice(body: dict[str, Any], specs: list[ToolSpec]) -> ToolChoice:
     if choice is None or choice in ("auto", "none", "required"):
         return ToolChoice(choice or "auto", parallel=parallel)
     if not isinstance(choice, dict) or choice.get("type") not in ("function", "custom"):
-        raise _bad('tool_choice must be "auto", "none", "required" or a named function or custom tool',
-                   "tool_choice")
+        raise _bad('tool_choice must be "auto", "none", "required" or a named function or custom tool', "tool_choice")
     name = choice.get("name")
     if isinstance(name, str) and isinstance(choice.get("namespace"), str):
         name = namespaced(choice["namespace"], name)
@@ -336,20 +346,36 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Response
     messages = decode_input(body["input"], body.get("instructions"))
     tools, choice = decode_tools(body, compiler_for(ctx.tokenizer, m))
     kwargs = opt_object(body, "chat_template_kwargs") or {}
-    kwargs = template_kwargs(kwargs, enabled=common.reasoning_switch(body, kwargs), effort=controls.effort,
-                             template_source=ctx.template.source if ctx.template else None)
+    kwargs = template_kwargs(
+        kwargs,
+        enabled=common.reasoning_switch(body, kwargs),
+        effort=controls.effort,
+        template_source=ctx.template.source if ctx.template else None,
+    )
     sampling = request_sampling(body, m, logprobs=k)
     sampling.logprob_token_ids = explicit
     options = ChatOptions(
-        tools=tools, choice=choice, output_format=controls.output_format, output_format_param="text",
-        template_kwargs=kwargs, budget=Budget(controls.budget, explicit=controls.budget is not None),
-        user_stops=sampling.has_user_stops, ignore_eos=sampling.ignore_eos,
+        tools=tools,
+        choice=choice,
+        output_format=controls.output_format,
+        output_format_param="text",
+        template_kwargs=kwargs,
+        budget=Budget(controls.budget, explicit=controls.budget is not None),
+        user_stops=sampling.has_user_stops,
+        ignore_eos=sampling.ignore_eos,
     )
-    lowered = lower(Conversation(messages), options, manifest=m, template=ctx.template, tokenizer=ctx.tokenizer,
-                    default_budget=ctx.config.thinking_token_budget)
+    lowered = lower(
+        Conversation(messages),
+        options,
+        manifest=m,
+        template=ctx.template,
+        tokenizer=ctx.tokenizer,
+        default_budget=ctx.config.thinking_token_budget,
+    )
     prompt_ids = lowered.prompt_ids
-    max_tokens = resolve_max_tokens(body.get("max_output_tokens"), len(prompt_ids), m.limits,
-                                    name="max_output_tokens", allow_zero=False)
+    max_tokens = resolve_max_tokens(
+        body.get("max_output_tokens"), len(prompt_ids), m.limits, name="max_output_tokens", allow_zero=False
+    )
     sampling = dataclasses.replace(sampling, max_tokens=max_tokens)
     echo = controls.echo
     echo["max_output_tokens"] = body.get("max_output_tokens")
@@ -367,6 +393,7 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Response
 
 
 # -- encoding --------------------------------------------------------------------------------------
+
 
 class ResponsesEncoder:
     """Output items and response objects from one Answer; item ids are fixed when a block opens.
@@ -387,15 +414,20 @@ class ResponsesEncoder:
         return data, kind
 
     def start(self) -> list[Frame]:
-        return [self.event("response.created", response=self.response("in_progress")),
-                self.event("response.in_progress", response=self.response("in_progress"))]
+        return [
+            self.event("response.created", response=self.response("in_progress")),
+            self.event("response.in_progress", response=self.response("in_progress")),
+        ]
 
     def apply(self, index: int, event: GenerationEvent) -> list[Frame]:
         items = self.answer.apply(event)
         if not self.plan.stream:
             return []
-        return [frame for item in items for frame in
-                (_call_events(self, item) if item.block.kind == "tool_call" else _output_events(self, item))]
+        return [
+            frame
+            for item in items
+            for frame in (_call_events(self, item) if item.block.kind == "tool_call" else _output_events(self, item))
+        ]
 
     def end(self) -> list[Frame]:
         status = self.final_status()
@@ -431,22 +463,43 @@ class ResponsesEncoder:
             status = "incomplete" if self.answer.hit_limit and block.kind != "tool_call" else "completed"
         if block.kind == "reasoning":
             # Readable reasoning: reasoning_text content, an empty summary, no encrypted state.
-            return {"id": self.item_id(block), "type": "reasoning", "summary": [], "status": status,
-                    "content": [{"type": "reasoning_text", "text": block.text}]}
+            return {
+                "id": self.item_id(block),
+                "type": "reasoning",
+                "summary": [],
+                "status": status,
+                "content": [{"type": "reasoning_text", "text": block.text}],
+            }
         if block.kind == "tool_call":
             call = block.call
             assert call is not None
             if call.custom_input is not None:
-                item: dict[str, Any] = {"id": self.item_id(block), "type": "custom_tool_call", "call_id": call.id,
-                                        "name": call.name, "input": call.custom_input}
+                item: dict[str, Any] = {
+                    "id": self.item_id(block),
+                    "type": "custom_tool_call",
+                    "call_id": call.id,
+                    "name": call.name,
+                    "input": call.custom_input,
+                }
             else:
-                item = {"id": self.item_id(block), "type": "function_call", "call_id": call.id, "name": call.name,
-                        "arguments": call.arguments_json, "status": status}
+                item = {
+                    "id": self.item_id(block),
+                    "type": "function_call",
+                    "call_id": call.id,
+                    "name": call.name,
+                    "arguments": call.arguments_json,
+                    "status": status,
+                }
             if call.namespace is not None:
                 item["namespace"] = call.namespace
             return item
-        return {"id": self.item_id(block), "type": "message", "status": status, "role": "assistant",
-                "content": [self.part(block)]}
+        return {
+            "id": self.item_id(block),
+            "type": "message",
+            "status": status,
+            "role": "assistant",
+            "content": [self.part(block)],
+        }
 
     def usage(self) -> dict[str, Any]:
         a = self.answer
@@ -488,21 +541,35 @@ def _output_events(encoder: ResponsesEncoder, item: OutputEvent) -> list[Frame]:
     emit = encoder.event
     if isinstance(item, BlockOpened):
         opened = {**encoder.item(block), "content": []}
-        part = {"type": "reasoning_text", "text": ""} if reasoning else \
-            {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return [emit("response.output_item.added", output_index=block.index, item=opened),
-                emit("response.content_part.added", **where, content_index=0, part=part)]
+        part = (
+            {"type": "reasoning_text", "text": ""}
+            if reasoning
+            else {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        )
+        return [
+            emit("response.output_item.added", output_index=block.index, item=opened),
+            emit("response.content_part.added", **where, content_index=0, part=part),
+        ]
     if isinstance(item, BlockDelta):
         if reasoning:
             return [emit("response.reasoning_text.delta", **where, content_index=0, delta=item.text)]
-        return [emit("response.output_text.delta", **where, content_index=0, delta=item.text,
-                     logprobs=encoder.entries(item.logprobs))]
+        return [
+            emit(
+                "response.output_text.delta",
+                **where,
+                content_index=0,
+                delta=item.text,
+                logprobs=encoder.entries(item.logprobs),
+            )
+        ]
     done = encoder.item(block)
     part = done["content"][0]
     extra = {} if reasoning else {"logprobs": part["logprobs"]}
-    return [emit(f"response.{kind}.done", **where, content_index=0, text=block.text, **extra),
-            emit("response.content_part.done", **where, content_index=0, part=part),
-            emit("response.output_item.done", output_index=block.index, item=done)]
+    return [
+        emit(f"response.{kind}.done", **where, content_index=0, text=block.text, **extra),
+        emit("response.content_part.done", **where, content_index=0, part=part),
+        emit("response.output_item.done", output_index=block.index, item=done),
+    ]
 
 
 def _call_events(encoder: ResponsesEncoder, item: OutputEvent) -> list[Frame]:
@@ -520,8 +587,11 @@ def _call_events(encoder: ResponsesEncoder, item: OutputEvent) -> list[Frame]:
     if isinstance(item, BlockDelta):
         kind = "custom_tool_call_input" if custom else "function_call_arguments"
         return [emit(f"response.{kind}.delta", **where, delta=block.text)]
-    done = emit("response.custom_tool_call_input.done", **where, input=block.text) if custom else \
-        emit("response.function_call_arguments.done", **where, arguments=block.text, name=call.name)
+    done = (
+        emit("response.custom_tool_call_input.done", **where, input=block.text)
+        if custom
+        else emit("response.function_call_arguments.done", **where, arguments=block.text, name=call.name)
+    )
     return [done, emit("response.output_item.done", output_index=block.index, item=encoder.item(block))]
 
 

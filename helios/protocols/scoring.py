@@ -18,8 +18,9 @@ def scorer(ctx: ServerContext) -> Scorer:
     return Scorer(ctx.manifest, ctx.tokenizer, ctx.template)
 
 
-async def score_questions(ctx: ServerContext, state: str, questions: list[Question], response_id: str,
-                          assets: list[Asset] | None = None) -> list[Scored]:
+async def score_questions(
+    ctx: ServerContext, state: str, questions: list[Question], response_id: str, assets: list[Asset] | None = None
+) -> list[Scored]:
     """assets: System One image assets the state and questions refer to (helios.frontend.assets)."""
     s = scorer(ctx)
     s.assets = list(assets or [])
@@ -47,10 +48,12 @@ async def score_questions(ctx: ServerContext, state: str, questions: list[Questi
             group.close()
         if entry is None:
             raise server_error("the engine returned no label logprobs for a question")
-        results.append(Scored(
-            logprobs=label_logprobs(entry.top, item.label_ids),
-            prompt_tokens=event.prompt_tokens,
-            cached_tokens=event.cached_tokens,
-            output_tokens=event.completion_tokens,
-        ))
+        results.append(
+            Scored(
+                logprobs=label_logprobs(entry.top, item.label_ids),
+                prompt_tokens=event.prompt_tokens,
+                cached_tokens=event.cached_tokens,
+                output_tokens=event.completion_tokens,
+            )
+        )
     return results

@@ -40,20 +40,44 @@ def decode(body: dict[str, Any], max_options: int) -> tuple[str, list[tuple[str,
     """(state text, [(name, question JSON, neutral question)]) or SchemaErrors."""
     errors: list[dict[str, Any]] = []
     if not isinstance(body.get("model"), str):
-        errors.append(_detail("missing" if "model" not in body else "string_type", ["model"],
-                              "model must be a string", body.get("model")))
+        errors.append(
+            _detail(
+                "missing" if "model" not in body else "string_type",
+                ["model"],
+                "model must be a string",
+                body.get("model"),
+            )
+        )
     state = body.get("state")
     if not isinstance(state, (str, dict, list)):
-        errors.append(_detail("missing" if "state" not in body else "model_attributes_type", ["state"],
-                              "state must be a string, an object or an array", state))
+        errors.append(
+            _detail(
+                "missing" if "state" not in body else "model_attributes_type",
+                ["state"],
+                "state must be a string, an object or an array",
+                state,
+            )
+        )
     questions = body.get("questions")
     decoded: list[tuple[str, dict[str, Any], d.Question]] = []
     if not isinstance(questions, dict):
-        errors.append(_detail("missing" if "questions" not in body else "dict_type", ["questions"],
-                              "questions must be an object of named questions", questions))
+        errors.append(
+            _detail(
+                "missing" if "questions" not in body else "dict_type",
+                ["questions"],
+                "questions must be an object of named questions",
+                questions,
+            )
+        )
     elif not 1 <= len(questions) <= d.MAX_QUESTIONS:
-        errors.append(_detail("too_short" if not questions else "too_long", ["questions"],
-                              f"questions must have 1 to {d.MAX_QUESTIONS} entries", len(questions)))
+        errors.append(
+            _detail(
+                "too_short" if not questions else "too_long",
+                ["questions"],
+                f"questions must have 1 to {d.MAX_QUESTIONS} entries",
+                len(questions),
+            )
+        )
     else:
         for name, raw in questions.items():
             question = _question(name, raw, errors, max_options)
@@ -83,16 +107,30 @@ def _question(name: str, raw: Any, errors: list[dict[str, Any]], max_options: in
     elif kind == "choice":
         limit = min(MAX_CHOICE_CRITERIA, max_options)
         if not isinstance(criteria, dict) or not 1 <= len(criteria) <= limit:
-            errors.append(_detail("value_error", [*loc, "criteria"],
-                                  f"choice criteria must be an object with 1 to {limit} labels", criteria))
+            errors.append(
+                _detail(
+                    "value_error",
+                    [*loc, "criteria"],
+                    f"choice criteria must be an object with 1 to {limit} labels",
+                    criteria,
+                )
+            )
         else:
-            options = [d.Option(label, d.as_text(desc) if desc is not None else None) for label, desc in criteria.items()]
+            options = [
+                d.Option(label, d.as_text(desc) if desc is not None else None) for label, desc in criteria.items()
+            ]
             question = d.Question("choice", text, options)
     elif kind == "score":
         limit = min(MAX_SCORE_LEVELS, max_options)
         if not isinstance(criteria, list) or not 1 <= len(criteria) <= limit or any(c is None for c in criteria):
-            errors.append(_detail("value_error", [*loc, "criteria"],
-                                  f"score criteria must be an array of 1 to {limit} nonnull levels", criteria))
+            errors.append(
+                _detail(
+                    "value_error",
+                    [*loc, "criteria"],
+                    f"score criteria must be an array of 1 to {limit} nonnull levels",
+                    criteria,
+                )
+            )
         else:
             question = d.Question("score", text, [d.Option(d.as_text(level)) for level in criteria])
     else:
@@ -126,8 +164,12 @@ async def read_multipart(request: web.Request, ctx: ServerContext) -> tuple[dict
     part first, then uniquely named image parts, all within the body limit."""
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):  # api.md: multipart is never compressed
-        raise ApiError(415, "invalid_request_error", f"multipart bodies must not be compressed "
-                       f"(Content-Encoding {encoding!r}); send identity", "unsupported_content_encoding")
+        raise ApiError(
+            415,
+            "invalid_request_error",
+            f"multipart bodies must not be compressed (Content-Encoding {encoding!r}); send identity",
+            "unsupported_content_encoding",
+        )
     limit = ctx.config.max_body_bytes
     if (request.content_length or 0) > limit:
         raise too_large(limit)
@@ -185,8 +227,11 @@ async def handle(request: web.Request, ctx: ServerContext) -> web.StreamResponse
         usage.add(scored)
         original = originals.get(name, raw) if isinstance(originals, dict) else raw
         answers[name] = encode_answer(original, question, scored)
-    return json_response({
-        "model": ctx.model_id,
-        "answers": answers,
-        "usage": {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens},
-    }, headers=response_headers(request, response_id))
+    return json_response(
+        {
+            "model": ctx.model_id,
+            "answers": answers,
+            "usage": {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens},
+        },
+        headers=response_headers(request, response_id),
+    )

@@ -39,11 +39,10 @@ class Admission:
         self.queue_size = queue_size  # bound on engine-pending requests; None: unbounded
         self.used = 0
 
-    def reserve(self, count: int, pending_in_engine: int = 0) -> "Reservation":
+    def reserve(self, count: int, pending_in_engine: int = 0) -> Reservation:
         if count > self.slots:
             raise bad_request(
-                f"the request needs {count} admission slots (one per generated choice); "
-                f"this server has {self.slots}"
+                f"the request needs {count} admission slots (one per generated choice); this server has {self.slots}"
             )
         if self.used + count > self.slots:
             raise rate_limited(f"all {self.slots} admission slots are busy; retry shortly", RETRY_AFTER_SECONDS)
@@ -73,8 +72,14 @@ class FirstResponseRecorder(Protocol):
 class GenerationGroup:
     """The engine requests of one HTTP request (its choices), consumed as one event stream."""
 
-    def __init__(self, engine: EngineLike, requests: list[GenerationRequest], reservation: Reservation | None,
-                 first_response: FirstResponseRecorder | None = None, admitted_at: float | None = None):
+    def __init__(
+        self,
+        engine: EngineLike,
+        requests: list[GenerationRequest],
+        reservation: Reservation | None,
+        first_response: FirstResponseRecorder | None = None,
+        admitted_at: float | None = None,
+    ):
         self._engine = engine
         self.requests = requests
         self._reservation = reservation
@@ -128,7 +133,7 @@ class GenerationGroup:
         """The next event of any child, or None after `timeout` seconds without one."""
         try:
             item = await asyncio.wait_for(self._queue.get(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None
         if not self._first_text_seen and item[1].text:
             self._first_text_seen = True

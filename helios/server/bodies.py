@@ -288,8 +288,12 @@ def parse_json(data: bytes | bytearray, limits: JsonLimits = JsonLimits(), *, ch
         raise _invalid(f"it is not UTF-8 ({exc.reason} at byte {exc.start})") from None
     del data
     try:
-        value = json.loads(text.removeprefix("\ufeff"), parse_constant=_reject_constant, parse_float=_finite_float,
-                           parse_int=_double_range_int)
+        value = json.loads(
+            text.removeprefix("\ufeff"),
+            parse_constant=_reject_constant,
+            parse_float=_finite_float,
+            parse_int=_double_range_int,
+        )
     except (ValueError, RecursionError) as exc:
         raise _invalid(str(exc)) from None
     # Escaped surrogates (\ud800) parse into lone ones unless they pair up; only walk when present.

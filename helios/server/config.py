@@ -1,32 +1,32 @@
 """Serving configuration: the `[server]` table of a TOML file, then CLI overrides.
 
-    [server]
-    host = "127.0.0.1"
-    port = 8000
-    api_key = ""                  # empty: authentication off; --api-key-file overrides it
-    max_body_bytes = 33554432     # bound on encoded and decoded request bodies
-    max_concurrency = 8           # engine active sequences (default: the core's limit)
-    http_admission_slots = 256    # generated choices admitted at once (429 beyond)
-    queue_size = 64               # engine-pending requests before 503 (default: 4 x max_concurrency)
-    queue_timeout_s = 120         # longest wait for a first batch slot before a 503 (0: no deadline)
-    drain_timeout_s = 30          # on SIGTERM: how long in-flight requests may finish
-    header_timeout_s = 30         # request headers (and an idle keep-alive) must arrive within this
-    body_timeout_s = 60           # a request body must arrive within this
-    max_json_elements = 262144    # values and keys in a body (default: max(body/128, 4 x context))
-    max_json_depth = 64           # nesting of a body
-    thinking_token_budget = 4096  # default reasoning cap; needs a core with reasoning syntax
-    frontend_workers = 4          # threads for templating and tokenization (bodies have their own)
-    prefix_cache = true           # reuse KV prefix checkpoints across requests
-    checkpoint_storage_fraction = 0.5    # most of the KV pool that checkpoints may own
-    checkpoint_work_allowance_us = 5000  # predicted capture copy work allowed per request
-    speculation = "auto"          # drafts verified in the step graph; "off" disables them
-    speculation_history_drafts = true   # n-gram drafts from the request and recent outputs
-    speculation_learned_drafter = true  # the core's learned drafter (ignition export --drafter)
-    speculation_drafter_catch_up_tokens = 256  # a request whose drafter lags more drafts from history
-    speculation_max_width = 8     # drafts per decode round at most
-    speculation_adaptive = true   # false: always the full width when drafts are found
-    speculation_max_batch_rows = 2  # more decoding requests than this: no drafts
-    speculation_shared_history_tokens = 262144  # finished outputs all requests draft from (0: off)
+[server]
+host = "127.0.0.1"
+port = 8000
+api_key = ""                  # empty: authentication off; --api-key-file overrides it
+max_body_bytes = 33554432     # bound on encoded and decoded request bodies
+max_concurrency = 8           # engine active sequences (default: the core's limit)
+http_admission_slots = 256    # generated choices admitted at once (429 beyond)
+queue_size = 64               # engine-pending requests before 503 (default: 4 x max_concurrency)
+queue_timeout_s = 120         # longest wait for a first batch slot before a 503 (0: no deadline)
+drain_timeout_s = 30          # on SIGTERM: how long in-flight requests may finish
+header_timeout_s = 30         # request headers (and an idle keep-alive) must arrive within this
+body_timeout_s = 60           # a request body must arrive within this
+max_json_elements = 262144    # values and keys in a body (default: max(body/128, 4 x context))
+max_json_depth = 64           # nesting of a body
+thinking_token_budget = 4096  # default reasoning cap; needs a core with reasoning syntax
+frontend_workers = 4          # threads for templating and tokenization (bodies have their own)
+prefix_cache = true           # reuse KV prefix checkpoints across requests
+checkpoint_storage_fraction = 0.5    # most of the KV pool that checkpoints may own
+checkpoint_work_allowance_us = 5000  # predicted capture copy work allowed per request
+speculation = "auto"          # drafts verified in the step graph; "off" disables them
+speculation_history_drafts = true   # n-gram drafts from the request and recent outputs
+speculation_learned_drafter = true  # the core's learned drafter (ignition export --drafter)
+speculation_drafter_catch_up_tokens = 256  # a request whose drafter lags more drafts from history
+speculation_max_width = 8     # drafts per decode round at most
+speculation_adaptive = true   # false: always the full width when drafts are found
+speculation_max_batch_rows = 2  # more decoding requests than this: no drafts
+speculation_shared_history_tokens = 262144  # finished outputs all requests draft from (0: off)
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class ServerConfig:
     speculation_shared_history_tokens: int = 1 << 18
 
     @classmethod
-    def load(cls, path: Path) -> "ServerConfig":
+    def load(cls, path: Path) -> ServerConfig:
         try:
             data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
         except OSError as exc:
@@ -105,7 +105,7 @@ class ServerConfig:
         return cls.from_table(data.get("server", {}), where=f"{path} [server]")
 
     @classmethod
-    def from_table(cls, table: dict[str, Any], where: str = "[server]") -> "ServerConfig":
+    def from_table(cls, table: dict[str, Any], where: str = "[server]") -> ServerConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(table) - known)
         if unknown:
@@ -181,20 +181,31 @@ class ServerConfig:
 
     def host_store_config(self) -> HostStoreConfig:
         dram = default_dram_bytes() if self.host_store_dram_gb is None else int(self.host_store_dram_gb * (1 << 30))
-        return HostStoreConfig(dram_bytes=dram, directory=Path(self.host_store_dir) if self.host_store_dir else None,
-                               disk_bytes=int(self.host_store_disk_gb * (1 << 30)), restore=self.host_store_restore)
+        return HostStoreConfig(
+            dram_bytes=dram,
+            directory=Path(self.host_store_dir) if self.host_store_dir else None,
+            disk_bytes=int(self.host_store_disk_gb * (1 << 30)),
+            restore=self.host_store_restore,
+        )
 
     def speculation_config(self) -> SpeculationConfig:
-        return SpeculationConfig(mode=self.speculation, max_width=self.speculation_max_width,
-                                 adaptive=self.speculation_adaptive, max_batch_rows=self.speculation_max_batch_rows,
-                                 shared_history_tokens=self.speculation_shared_history_tokens,
-                                 history_drafts=self.speculation_history_drafts,
-                                 learned_drafter=self.speculation_learned_drafter,
-                                 drafter_catch_up_tokens=self.speculation_drafter_catch_up_tokens)
+        return SpeculationConfig(
+            mode=self.speculation,
+            max_width=self.speculation_max_width,
+            adaptive=self.speculation_adaptive,
+            max_batch_rows=self.speculation_max_batch_rows,
+            shared_history_tokens=self.speculation_shared_history_tokens,
+            history_drafts=self.speculation_history_drafts,
+            learned_drafter=self.speculation_learned_drafter,
+            drafter_catch_up_tokens=self.speculation_drafter_catch_up_tokens,
+        )
 
     def prefix_cache_config(self) -> PrefixCacheConfig:
-        return PrefixCacheConfig(enabled=self.prefix_cache, storage_fraction=float(self.checkpoint_storage_fraction),
-                                 work_allowance_ns=self.checkpoint_work_allowance_us * 1000)
+        return PrefixCacheConfig(
+            enabled=self.prefix_cache,
+            storage_fraction=float(self.checkpoint_storage_fraction),
+            work_allowance_ns=self.checkpoint_work_allowance_us * 1000,
+        )
 
 
 def read_api_key_file(path: Path) -> str:

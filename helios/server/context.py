@@ -62,7 +62,8 @@ class ServerContext:
     # Decoding of compressed and large bodies, one at a time: a burst of hostile bodies queues
     # here instead of filling `executor`, which every request's templating needs.
     body_executor: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="helios-bodies"))
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="helios-bodies")
+    )
     created: int = field(default_factory=lambda: int(time.time()))  # discovery init time
     draining: bool = False  # SIGTERM received: /health is 503 and no new generation is admitted
 
@@ -96,8 +97,16 @@ class ServerContext:
             # Small plain bodies parse in well under a millisecond: no queueing behind big ones.
             body = bodies.parse_json(raw, self.json_limits)
         else:
-            body = await self.in_frontend(_then_rest, self.body_executor, bodies.decode_json, raw, encodings,
-                                          limit, self.json_limits, executor=self.body_executor)
+            body = await self.in_frontend(
+                _then_rest,
+                self.body_executor,
+                bodies.decode_json,
+                raw,
+                encodings,
+                limit,
+                self.json_limits,
+                executor=self.body_executor,
+            )
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
         return body

@@ -30,12 +30,12 @@ class ApiError(Exception):
         self.param: str | None = None  # the offending request field, when one is known
         self.headers: dict[str, str] = {}  # e.g. x-request-id once the request reached the model
 
-    def with_headers(self, headers: dict[str, str]) -> "ApiError":
+    def with_headers(self, headers: dict[str, str]) -> ApiError:
         self.headers = {**self.headers, **headers}
         return self
 
     @classmethod
-    def from_request_error(cls, exc: RequestError) -> "ApiError":
+    def from_request_error(cls, exc: RequestError) -> ApiError:
         error = bad_request(exc.message, code=exc.code)
         error.param = exc.param
         return error
@@ -64,7 +64,8 @@ def too_large(limit: int) -> ApiError:
 
 def unsupported_encoding(encoding: str) -> ApiError:
     return ApiError(
-        415, "invalid_request_error",
+        415,
+        "invalid_request_error",
         f"unsupported Content-Encoding {encoding!r}; use identity, gzip, deflate, br or zstd",
         "unsupported_content_encoding",
     )
@@ -76,7 +77,8 @@ def request_timeout(message: str) -> ApiError:
 
 def rate_limited(message: str, retry_after: int = 1) -> ApiError:
     return ApiError(429, "rate_limit_error", message, "rate_limit_exceeded").with_headers(
-        {"Retry-After": str(retry_after)})
+        {"Retry-After": str(retry_after)}
+    )
 
 
 def unavailable(message: str, retry_after: int | None = None) -> ApiError:
@@ -125,8 +127,13 @@ def openai_error_response(error: ApiError) -> web.Response:
 
 
 # Anthropic's error types by status; everything 5xx is api_error (api.md).
-_MESSAGES_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-                   413: "request_too_large", 429: "rate_limit_error"}
+_MESSAGES_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+}
 
 
 def messages_error_body(error: ApiError) -> dict[str, Any]:

@@ -75,8 +75,7 @@ async def serve(request: web.Request, ctx: ServerContext, codec: Codec) -> web.S
         child.session_hint = hint
     encoder = codec.encoder(ctx, plan)
     if not plan.requests:  # answered from the prompt alone: it never reached the model
-        return await _stream(request, ctx, codec, encoder, None, {}) if plan.stream \
-            else json_response(encoder.body())
+        return await _stream(request, ctx, codec, encoder, None, {}) if plan.stream else json_response(encoder.body())
     group = ctx.start_group(plan.requests, ctx.reserve(len(plan.requests)))
     headers = response_headers(request, response_id)
     try:
@@ -100,8 +99,9 @@ def session_hint(headers: Any, body: dict[str, Any]) -> str | None:
     return None
 
 
-async def follow(group: GenerationGroup, keepalive: Callable[[], Awaitable[None]] | None = None
-                 ) -> AsyncIterator[tuple[int, GenerationEvent]]:
+async def follow(
+    group: GenerationGroup, keepalive: Callable[[], Awaitable[None]] | None = None
+) -> AsyncIterator[tuple[int, GenerationEvent]]:
     """Every (child index, event) of a group until each child's final event. With `keepalive`,
     it is awaited after each quiet KEEPALIVE_SECONDS (an SSE comment) so proxies keep the stream."""
     remaining = len(group.requests)
@@ -121,8 +121,9 @@ def _output_failure(ctx: ServerContext, exc: OutputFailure) -> ApiError:
     return server_error(str(exc))
 
 
-async def _buffered(ctx: ServerContext, encoder: Encoder, group: GenerationGroup,
-                    headers: dict[str, str]) -> web.Response:
+async def _buffered(
+    ctx: ServerContext, encoder: Encoder, group: GenerationGroup, headers: dict[str, str]
+) -> web.Response:
     async for index, event in follow(group):
         if event.finished and (failure := terminal_failure(event)) is not None:
             raise failure.with_headers(headers)
@@ -133,8 +134,14 @@ async def _buffered(ctx: ServerContext, encoder: Encoder, group: GenerationGroup
     return json_response(encoder.body(), headers=headers)
 
 
-async def _stream(request: web.Request, ctx: ServerContext, codec: Codec, encoder: Encoder,
-                  group: GenerationGroup | None, headers: dict[str, str]) -> web.StreamResponse:
+async def _stream(
+    request: web.Request,
+    ctx: ServerContext,
+    codec: Codec,
+    encoder: Encoder,
+    group: GenerationGroup | None,
+    headers: dict[str, str],
+) -> web.StreamResponse:
     writer = await SSEWriter.start(request, headers)
 
     async def send(frames: list[Frame]) -> None:

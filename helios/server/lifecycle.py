@@ -45,8 +45,13 @@ def serve(app: web.Application, ctx: ServerContext, config: ServerConfig, ready:
 async def listen(app: web.Application, config: ServerConfig) -> tuple[web.AppRunner, str]:
     """Set `app` up and listen on config.host:port: the runner (its cleanup closes everything)
     and the bound address."""
-    runner = web.AppRunner(app, access_log=None, keepalive_timeout=config.header_timeout_s,
-                           lingering_time=LINGER_S, shutdown_timeout=CANCEL_GRACE_S)
+    runner = web.AppRunner(
+        app,
+        access_log=None,
+        keepalive_timeout=config.header_timeout_s,
+        lingering_time=LINGER_S,
+        shutdown_timeout=CANCEL_GRACE_S,
+    )
     await runner.setup()
     try:
         site = web.TCPSite(runner, config.host, config.port)
@@ -57,8 +62,7 @@ async def listen(app: web.Application, config: ServerConfig) -> tuple[web.AppRun
     return runner, site.name
 
 
-async def _serve(app: web.Application, ctx: ServerContext, config: ServerConfig,
-                 ready: Callable[[str], None]) -> None:
+async def _serve(app: web.Application, ctx: ServerContext, config: ServerConfig, ready: Callable[[str], None]) -> None:
     runner, address = await listen(app, config)
     stop, hurry = asyncio.Event(), asyncio.Event()
 

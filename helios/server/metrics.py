@@ -9,14 +9,15 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from helios.engine.host_store import DROP_REASONS as HOST_DROP_REASONS, TIERS as HOST_TIERS
+from helios.engine.host_store import DROP_REASONS as HOST_DROP_REASONS
+from helios.engine.host_store import TIERS as HOST_TIERS
 from helios.server.errors import bad_request
 
 TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -141,79 +142,165 @@ class FlareCollector:
         self.admission = admission
         self.decode_weight_bytes = decode_weight_bytes
 
-    def collect(self):  # noqa: ANN201 - prometheus_client protocol
+    def collect(self):
         s = self.engine.stats()
         f = engine_fields(s, self.decode_weight_bytes, self.http.output_failures)
         host = getattr(s, "host_store", None)
         counters = [
-            ("flare_generated_tokens_total", "Committed generated tokens, including EOS and tokens withheld by stops",
-             f["generated_tokens"]),
+            (
+                "flare_generated_tokens_total",
+                "Committed generated tokens, including EOS and tokens withheld by stops",
+                f["generated_tokens"],
+            ),
             ("flare_prefill_tokens_total", "Prompt tokens consumed by completed prefill", f["prefill_tokens"]),
             ("flare_requests_completed_total", "Requests whose generation completed successfully", f["completed"]),
-            ("flare_requests_failed_total", "Requests failed by admission, execution or output processing",
-             f["failed"]),
+            (
+                "flare_requests_failed_total",
+                "Requests failed by admission, execution or output processing",
+                f["failed"],
+            ),
             ("flare_requests_cancelled_total", "Requests cancelled by their client", s.cancelled_total),
             ("flare_requests_admitted_total", "Requests admitted into the model scheduler", s.admitted_total),
-            ("flare_requests_preempted_total", "Preemptions (recompute) for lack of KV pages",
-             getattr(s, "preempted_total", 0)),
+            (
+                "flare_requests_preempted_total",
+                "Preemptions (recompute) for lack of KV pages",
+                getattr(s, "preempted_total", 0),
+            ),
             ("flare_engine_steps_total", "Engine steps (graph launches)", s.steps_total),
             ("flare_engine_step_seconds_total", "Seconds spent running engine steps", s.step_seconds_total),
             ("flare_engine_schedule_seconds_total", "Seconds spent scheduling engine steps", s.schedule_seconds_total),
-            ("flare_engine_graph_seconds_total", "Seconds of engine steps spent inside the step graph",
-             getattr(s, "graph_seconds_total", 0.0)),
-            ("flare_grammar_mask_seconds_total", "Seconds spent computing grammar masks",
-             getattr(s, "grammar_mask_seconds_total", 0.0)),
+            (
+                "flare_engine_graph_seconds_total",
+                "Seconds of engine steps spent inside the step graph",
+                getattr(s, "graph_seconds_total", 0.0),
+            ),
+            (
+                "flare_grammar_mask_seconds_total",
+                "Seconds spent computing grammar masks",
+                getattr(s, "grammar_mask_seconds_total", 0.0),
+            ),
             ("flare_cache_reused_tokens_total", "Tokens covered by GPU prefix-cache hits", f["reused_tokens"]),
-            ("flare_reasoning_budget_cuts_total", "Requests whose reasoning was closed by their token budget",
-             f["reasoning_budget_cuts"]),
-            ("flare_verification_draft_tokens_total", "Draft positions allocated for progressing request rounds",
-             f["verification_drafts"]),
-            ("flare_verification_request_rounds_total", "Progressing decode or verification request rounds",
-             f["verification_rounds"]),
-            ("flare_accepted_draft_tokens_total", "Accepted draft tokens, excluding the bonus token",
-             f["accepted_drafts"]),
+            (
+                "flare_reasoning_budget_cuts_total",
+                "Requests whose reasoning was closed by their token budget",
+                f["reasoning_budget_cuts"],
+            ),
+            (
+                "flare_verification_draft_tokens_total",
+                "Draft positions allocated for progressing request rounds",
+                f["verification_drafts"],
+            ),
+            (
+                "flare_verification_request_rounds_total",
+                "Progressing decode or verification request rounds",
+                f["verification_rounds"],
+            ),
+            (
+                "flare_accepted_draft_tokens_total",
+                "Accepted draft tokens, excluding the bonus token",
+                f["accepted_drafts"],
+            ),
             ("flare_draft_request_rounds_total", "Request rounds that offered at least one draft", f["draft_rounds"]),
             ("flare_replay_gpu_nanoseconds_total", "Summed device durations of completed graphs", f["replay_gpu_ns"]),
-            ("flare_replay_readiness_wait_nanoseconds_total", "Exposed embedding readiness delay",
-             f["replay_readiness_wait_ns"]),
-            ("flare_replay_readiness_samples_total", "Completed graphs with readiness timing outputs",
-             f["replay_readiness_samples"]),
+            (
+                "flare_replay_readiness_wait_nanoseconds_total",
+                "Exposed embedding readiness delay",
+                f["replay_readiness_wait_ns"],
+            ),
+            (
+                "flare_replay_readiness_samples_total",
+                "Completed graphs with readiness timing outputs",
+                f["replay_readiness_samples"],
+            ),
             ("flare_host_cache_hits_total", "Host prefix-store lookups whose chain admission fetched", f["host_hits"]),
-            ("flare_host_cache_reused_tokens_total", "Tokens covered by host prefix-store chains",
-             f["host_reused_tokens"]),
-            ("flare_host_cache_bytes_out_total", "Bytes copied from GPU checkpoints to the host store",
-             f["host_bytes_out"]),
+            (
+                "flare_host_cache_reused_tokens_total",
+                "Tokens covered by host prefix-store chains",
+                f["host_reused_tokens"],
+            ),
+            (
+                "flare_host_cache_bytes_out_total",
+                "Bytes copied from GPU checkpoints to the host store",
+                f["host_bytes_out"],
+            ),
             ("flare_host_cache_bytes_in_total", "Bytes copied from the host store into GPU pages", f["host_bytes_in"]),
-            ("flare_host_cache_copyout_headroom_deferrals_total", "Copy-out offers deferred by the headroom check",
-             host.copyout_deferrals if host else 0),
-            ("flare_host_cache_store_skipped_total", "Host store offers skipped (duplicates and retries)",
-             host.store_skipped if host else 0),
-            ("flare_checkpoint_extra_work_nanoseconds_total", "Charged predicted extra prefill and copy work",
-             getattr(s, "checkpoint_extra_work_ns_total", 0)),
+            (
+                "flare_host_cache_copyout_headroom_deferrals_total",
+                "Copy-out offers deferred by the headroom check",
+                host.copyout_deferrals if host else 0,
+            ),
+            (
+                "flare_host_cache_store_skipped_total",
+                "Host store offers skipped (duplicates and retries)",
+                host.store_skipped if host else 0,
+            ),
+            (
+                "flare_checkpoint_extra_work_nanoseconds_total",
+                "Charged predicted extra prefill and copy work",
+                getattr(s, "checkpoint_extra_work_ns_total", 0),
+            ),
             ("flare_embedding_row_cache_hits_total", "Embedding row-cache hits", 0),
             ("flare_embedding_row_cache_misses_total", "Embedding row-cache misses", 0),
-            ("flare_http_rate_limited_total", "Requests refused for lack of HTTP admission slots",
-             self.http.rejected_rate_limited),
-            *((f"flare_{name}", "Image preparation and prepared-input cache counter", f[name]) for name in INPUT_METRICS),
+            (
+                "flare_http_rate_limited_total",
+                "Requests refused for lack of HTTP admission slots",
+                self.http.rejected_rate_limited,
+            ),
+            *(
+                (f"flare_{name}", "Image preparation and prepared-input cache counter", f[name])
+                for name in INPUT_METRICS
+            ),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
         labelled = [
-            ("flare_speculative_rounds_total", "Completed speculative or verification graphs by draft width",
-             ["width"], [([str(w)], n) for w, n in sorted((getattr(s, "rounds_by_width", None) or {0: 0}).items())]),
-            ("flare_graph_launches_total", "Graph launches by kind", ["kind"],
-             [(["step"], s.steps_total), (["decode_graph"], getattr(s, "decode_graph_launches_total", 0)),
-              (["vision"], (getattr(s, "images", None) or {}).get("vision_graph_launches", 0))]),
-            ("flare_checkpoint_captures_total", "GPU prefix checkpoints captured by role", ["role"],
-             [([role], (getattr(s, "checkpoint_captures", None) or {}).get(role, 0)) for role in CHECKPOINT_ROLES]),
-            ("flare_checkpoint_skips_total", "Checkpoint selections or captures rejected by reason", ["reason"],
-             [([reason], (getattr(s, "checkpoint_skips", None) or {}).get(reason, 0))
-              for reason in CHECKPOINT_SKIP_REASONS]),
-            ("flare_host_cache_held_total", "Checkpoint records held by the host store by tier", ["tier"],
-             [([tier], host.held.get(tier, 0) if host else 0) for tier in HOST_TIERS]),
-            ("flare_host_cache_dropped_total", "Host store records dropped by tier and reason", ["tier", "reason"],
-             [([tier, reason], host.dropped.get((tier, reason), 0) if host else 0)
-              for tier in HOST_TIERS for reason in HOST_DROP_REASONS]),
+            (
+                "flare_speculative_rounds_total",
+                "Completed speculative or verification graphs by draft width",
+                ["width"],
+                [([str(w)], n) for w, n in sorted((getattr(s, "rounds_by_width", None) or {0: 0}).items())],
+            ),
+            (
+                "flare_graph_launches_total",
+                "Graph launches by kind",
+                ["kind"],
+                [
+                    (["step"], s.steps_total),
+                    (["decode_graph"], getattr(s, "decode_graph_launches_total", 0)),
+                    (["vision"], (getattr(s, "images", None) or {}).get("vision_graph_launches", 0)),
+                ],
+            ),
+            (
+                "flare_checkpoint_captures_total",
+                "GPU prefix checkpoints captured by role",
+                ["role"],
+                [([role], (getattr(s, "checkpoint_captures", None) or {}).get(role, 0)) for role in CHECKPOINT_ROLES],
+            ),
+            (
+                "flare_checkpoint_skips_total",
+                "Checkpoint selections or captures rejected by reason",
+                ["reason"],
+                [
+                    ([reason], (getattr(s, "checkpoint_skips", None) or {}).get(reason, 0))
+                    for reason in CHECKPOINT_SKIP_REASONS
+                ],
+            ),
+            (
+                "flare_host_cache_held_total",
+                "Checkpoint records held by the host store by tier",
+                ["tier"],
+                [([tier], host.held.get(tier, 0) if host else 0) for tier in HOST_TIERS],
+            ),
+            (
+                "flare_host_cache_dropped_total",
+                "Host store records dropped by tier and reason",
+                ["tier", "reason"],
+                [
+                    ([tier, reason], host.dropped.get((tier, reason), 0) if host else 0)
+                    for tier in HOST_TIERS
+                    for reason in HOST_DROP_REASONS
+                ],
+            ),
         ]
         for name, doc, labels, samples in labelled:
             family = CounterMetricFamily(name, doc, labels=labels)
@@ -228,25 +315,43 @@ class FlareCollector:
             ("flare_kv_page_tokens", "History tokens per KV page", f["page_tokens"]),
             ("flare_cached_kv_pages", "KV pages owned by immutable prefix checkpoints", f["cached_pages"]),
             ("flare_checkpoint_anchor_reservations", "Unused anchor guards", 0),
-            ("flare_host_cache_memory_records", "Checkpoint records in the host store's memory",
-             f["host_memory_records"]),
-            ("flare_host_cache_disk_records", "Checkpoint records in the host store's directory",
-             f["host_disk_records"]),
-            ("flare_host_cache_parked_records", "Complete DRAM copies awaiting disk writes",
-             host.parked_records if host else 0),
+            (
+                "flare_host_cache_memory_records",
+                "Checkpoint records in the host store's memory",
+                f["host_memory_records"],
+            ),
+            (
+                "flare_host_cache_disk_records",
+                "Checkpoint records in the host store's directory",
+                f["host_disk_records"],
+            ),
+            (
+                "flare_host_cache_parked_records",
+                "Complete DRAM copies awaiting disk writes",
+                host.parked_records if host else 0,
+            ),
             # Slots are KV pages: those checkpoints own, their budget, and those fetched from the host.
             ("flare_host_cache_slots_in_use", "Local checkpoint pool slots in use", f["cached_pages"]),
             ("flare_host_cache_slots_total", "Local checkpoint pool slots", getattr(s, "checkpoint_storage_pages", 0)),
             ("flare_host_cache_intake_slots", "Local checkpoint pool intake slots", getattr(s, "intake_pages", 0)),
-            ("flare_history_drafts_enabled", "Whether shared decoded history augments learned proposals",
-             int(getattr(s, "history_drafts_enabled", False))),
+            (
+                "flare_history_drafts_enabled",
+                "Whether shared decoded history augments learned proposals",
+                int(getattr(s, "history_drafts_enabled", False)),
+            ),
             ("flare_http_inflight_requests", "HTTP generation requests in progress", self.http.inflight_requests),
             ("flare_http_admission_slots", "HTTP admission slots (one per generated choice)", self.admission.slots),
             ("flare_http_admission_slots_used", "HTTP admission slots in use", self.admission.used),
-            ("flare_decode_weight_bytes", "Weight bytes one decode step reads for one request",
-             f["decode_weight_bytes"]),
-            ("flare_uptime_seconds", "Seconds since the server started",
-             time.monotonic() - self.http.started_monotonic),
+            (
+                "flare_decode_weight_bytes",
+                "Weight bytes one decode step reads for one request",
+                f["decode_weight_bytes"],
+            ),
+            (
+                "flare_uptime_seconds",
+                "Seconds since the server started",
+                time.monotonic() - self.http.started_monotonic,
+            ),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)

@@ -17,7 +17,7 @@ class SSEWriter:
         self.response = response
 
     @classmethod
-    async def start(cls, request: web.Request, headers: dict[str, str] | None = None) -> "SSEWriter":
+    async def start(cls, request: web.Request, headers: dict[str, str] | None = None) -> SSEWriter:
         response = web.StreamResponse(
             status=200,
             headers={
@@ -33,10 +33,10 @@ class SSEWriter:
     async def send(self, data: Any, event: str | None = None) -> None:
         payload = data if isinstance(data, str) else dumps(data)
         head = f"event: {event}\n" if event else ""
-        await self.response.write(f"{head}data: {payload}\n\n".encode("utf-8"))
+        await self.response.write(f"{head}data: {payload}\n\n".encode())
 
     async def comment(self, text: str = "keepalive") -> None:
-        await self.response.write(f": {text}\n\n".encode("utf-8"))
+        await self.response.write(f": {text}\n\n".encode())
 
     async def done(self) -> None:
         """The OpenAI `[DONE]` sentinel, then end of body."""

@@ -135,7 +135,9 @@ def read_gguf(path: Path, checkpoint_id: str | None = None, sha256: str | None =
 def checkpoint_from_reader(reader: gguf.GGUFReader, checkpoint_id: str, sha256: str, source: str) -> Checkpoint:
     family = check_family(str(metadata_value(reader, "general.architecture")), source)
     if family not in ("qwen2", "llama"):
-        raise CheckpointError(f"{source}: GGUF files of the {family!r} family are not supported; use its safetensors folder")
+        raise CheckpointError(
+            f"{source}: GGUF files of the {family!r} family are not supported; use its safetensors folder"
+        )
     by_name = {t.name: t for t in reader.tensors}
     unknown = [name for name in by_name if hf_tensor_name(name) is None]
     if unknown:
@@ -183,11 +185,18 @@ def checkpoint_from_reader(reader: gguf.GGUFReader, checkpoint_id: str, sha256: 
 # A header scan for `general.architecture`: GGUFReader parses every field (seconds for a 150k
 # vocabulary), while the CLI only needs the family before any work starts.
 _SCALAR_SIZES = {
-    GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.BOOL: 1,
-    GGUFValueType.UINT16: 2, GGUFValueType.INT16: 2,
-    GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4,
-    GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8,
-}  # fmt: skip
+    GGUFValueType.UINT8: 1,
+    GGUFValueType.INT8: 1,
+    GGUFValueType.BOOL: 1,
+    GGUFValueType.UINT16: 2,
+    GGUFValueType.INT16: 2,
+    GGUFValueType.UINT32: 4,
+    GGUFValueType.INT32: 4,
+    GGUFValueType.FLOAT32: 4,
+    GGUFValueType.UINT64: 8,
+    GGUFValueType.INT64: 8,
+    GGUFValueType.FLOAT64: 8,
+}
 
 
 def _read_u64(f: BinaryIO) -> int:

@@ -108,8 +108,7 @@ def identify(spec: str) -> Source | None:
             return Source(path.stem, file_sha256(path))
         if path.is_dir() and (path / "config.json").is_file():
             extra = tuple(
-                (name, file_sha256(path / name) if (path / name).is_file() else "")
-                for name in HF_METADATA_FILES
+                (name, file_sha256(path / name) if (path / name).is_file() else "") for name in HF_METADATA_FILES
             )
             return Source(path.resolve().name, files_sha256(safetensors_files(path)), extra)
     except (OSError, ValueError):

@@ -25,8 +25,10 @@ DRAFTER_WORK = "drafter-core"  # in the work folder: the drafter exported as a c
 def check_drafter_vocab(drafter: str, ours: dict[str, int], theirs: dict[str, int]) -> None:
     """Refuse a drafter whose vocabulary (token -> id, added tokens included) is not the target's."""
     if ours != theirs:
-        raise ExportError(f"the drafter {drafter} has another tokenizer than the target "
-                          f"({len(theirs)} vs {len(ours)} tokens, or other ids): its drafts would be other tokens")
+        raise ExportError(
+            f"the drafter {drafter} has another tokenizer than the target "
+            f"({len(theirs)} vs {len(ours)} tokens, or other ids): its drafts would be other tokens"
+        )
 
 
 def add_drafter(state: ExportState, export_core) -> None:
@@ -40,15 +42,23 @@ def add_drafter(state: ExportState, export_core) -> None:
     def progress(stage: str, detail: str) -> None:  # the drafter's stages show inside "export"
         outer("export", f"drafter: {stage}: {detail}")
 
-    nested = dataclasses.replace(options, checkpoint=options.drafter, out=state.work / DRAFTER_WORK, drafter=None,
-                                 prompt_logprobs=False, force=False)
+    nested = dataclasses.replace(
+        options,
+        checkpoint=options.drafter,
+        out=state.work / DRAFTER_WORK,
+        drafter=None,
+        prompt_logprobs=False,
+        force=False,
+    )
     try:
         drafter = export_core(nested, progress)
     except ExportError as exc:
         raise ExportError(f"the drafter {options.drafter}: {exc}") from None
     if drafter.state is not None:
-        raise ExportError(f"the drafter {options.drafter} keeps recurrent state, which cannot roll back rejected "
-                          "drafts: choose an attention-only drafter")
+        raise ExportError(
+            f"the drafter {options.drafter} keeps recurrent state, which cannot roll back rejected "
+            "drafts: choose an attention-only drafter"
+        )
     source = state.work / DRAFTER_WORK
     assert state.checkpoint is not None
     ours = Tokenizer.from_str(state.checkpoint.tokenizer_json).get_vocab(with_added_tokens=True)
@@ -59,9 +69,14 @@ def add_drafter(state: ExportState, export_core) -> None:
     target.mkdir()
     for name in (step.file, *step.data_files):
         shutil.move(source / name, target / name)
-    state.engines.append(dataclasses.replace(
-        step, name=DRAFTER_ENGINE, file=f"{DRAFTER_DIR}/{step.file}",
-        data_files=[f"{DRAFTER_DIR}/{name}" for name in step.data_files]))
+    state.engines.append(
+        dataclasses.replace(
+            step,
+            name=DRAFTER_ENGINE,
+            file=f"{DRAFTER_DIR}/{step.file}",
+            data_files=[f"{DRAFTER_DIR}/{name}" for name in step.data_files],
+        )
+    )
     state.drafter = drafter
     shutil.rmtree(source)
 

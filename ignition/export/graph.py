@@ -17,14 +17,22 @@ import onnx
 import torch
 
 from helios.manifest import Architecture, Engine, KVLayout, StateLayout, TensorSpec
-from ignition.models import moe_ops, ops
-from ignition.models import TOP_K, DecoderLM
+from ignition.models import TOP_K, DecoderLM, moe_ops, ops
 
 # The exporter logs a warning per missing torchvision op it would have registered.
 logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
 
-INPUT_NAMES = ["input_ids", "positions", "history_lens", "query_lens", "block_tables", "kv_pool", "logprob_token_ids",
-               "logit_rows", "logit_positions"]
+INPUT_NAMES = [
+    "input_ids",
+    "positions",
+    "history_lens",
+    "query_lens",
+    "block_tables",
+    "kv_pool",
+    "logprob_token_ids",
+    "logit_rows",
+    "logit_positions",
+]
 OUTPUT_NAMES = ["logits", "logsumexp", "top_logprobs", "top_ids", "token_logprobs", "new_kv", "hidden"]
 # A state-bearing graph (manifest `state`) appends these (docs/architecture.md, "Recurrent state").
 STATE_INPUT_NAMES = ["state_pool", "state_slots"]
@@ -71,9 +79,11 @@ def step_signature(
         inputs += [TensorSpec("state_pool", state.dtype, ["S", state.width]), TensorSpec("state_slots", "int64", ["B"])]
         outputs.append(TensorSpec("new_state", state.dtype, ["B", state.width]))
     if vision:
-        inputs += [TensorSpec("mrope_positions", "int64", [3, "B", "L"]),
-                   TensorSpec("image_embeds", "float32", ["I", arch.hidden_size]),
-                   TensorSpec("image_slots", "int64", ["I"])]  # fmt: skip
+        inputs += [
+            TensorSpec("mrope_positions", "int64", [3, "B", "L"]),
+            TensorSpec("image_embeds", "float32", ["I", arch.hidden_size]),
+            TensorSpec("image_slots", "int64", ["I"]),
+        ]
     return inputs, outputs
 
 
@@ -125,7 +135,9 @@ def step_dynamic_shapes(model: DecoderLM, state: StateLayout | None, vision: boo
     )
     if state is not None:
         if getattr(model, "state_width", 0) != state.width:
-            raise ValueError(f"the model's state width {getattr(model, 'state_width', 0)} != the layout's {state.width}")
+            raise ValueError(
+                f"the model's state width {getattr(model, 'state_width', 0)} != the layout's {state.width}"
+            )
         dynamic_shapes += ({0: torch.export.Dim("S", min=1)}, {0: batch})
     if vision:
         if state is None:
@@ -243,7 +255,7 @@ def canonicalize_graph(path: Path) -> None:
     model = onnx.load(str(path), load_external_data=False)
     changed = False
 
-    def strip(props) -> None:  # noqa: ANN001
+    def strip(props) -> None:
         nonlocal changed
         keep = [p for p in props if p.key not in STRIPPED_METADATA]
         if len(keep) != len(props):

@@ -78,8 +78,9 @@ def cache_layouts(recipe: Recipe, checkpoint: Checkpoint) -> tuple[KVLayout, Sta
     families): recurrent layers have no K/V rows (docs/architecture.md)."""
     arch = checkpoint.architecture
     kv_layers, state = cache_layout(arch.family, checkpoint.model_config, arch.num_layers)
-    kv = KVLayout(page_tokens=recipe.limits.page_tokens, num_layers=kv_layers, kv_heads=arch.num_kv_heads,
-                  head_dim=arch.head_dim)  # fmt: skip
+    kv = KVLayout(
+        page_tokens=recipe.limits.page_tokens, num_layers=kv_layers, kv_heads=arch.num_kv_heads, head_dim=arch.head_dim
+    )
     return kv, state
 
 

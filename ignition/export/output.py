@@ -67,7 +67,7 @@ def replace_into(folder: Path, out: Path, force: bool) -> None:
     os.rename(out, aside)
     try:
         os.rename(folder, out)
-    except BaseException:  # noqa: BLE001 - interrupted too: put the old core back
+    except BaseException:
         os.rename(aside, out)
         raise
     shutil.rmtree(aside, ignore_errors=True)

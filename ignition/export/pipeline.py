@@ -21,8 +21,8 @@ from ignition.export.drafter import add_drafter, check_drafter_vocab, describe_d
 from ignition.export.manifest import assemble, serving_limits
 from ignition.export.output import check_out, work_folder
 from ignition.export.quantize import PRECISIONS
-from ignition.export.torch_program import TORCH_DTYPES
 from ignition.export.state import ExportError, ExportOptions, ExportState, Progress
+from ignition.export.torch_program import TORCH_DTYPES
 from ignition.export.validate import ParityError
 from ignition.models import PLANNED, logit_postprocessing
 
@@ -76,19 +76,25 @@ def check_request(options: ExportOptions) -> None:
         raise ExportError(f"recipe {recipe.name!r} has no default checkpoint: pass --checkpoint")
     check_out(Path(options.out), options.force)
     if options.drafter is not None and (drafter := peek_family(options.drafter)) != recipe.family:
-        raise ExportError(f"drafter {options.drafter} is a {drafter!r} model but recipe {recipe.name!r} compiles "
-                          f"{recipe.family!r}: the drafter is compiled with the target's recipe")
+        raise ExportError(
+            f"drafter {options.drafter} is a {drafter!r} model but recipe {recipe.name!r} compiles "
+            f"{recipe.family!r}: the drafter is compiled with the target's recipe"
+        )
     if options.drafter is not None and isinstance(peek_config(options.checkpoint).get("vision_config"), dict):
-        raise ExportError("a learned drafter cannot be compiled beside a vision tower yet: the drafter would see "
-                          "image placeholders without their features (export the target alone)")
+        raise ExportError(
+            "a learned drafter cannot be compiled beside a vision tower yet: the drafter would see "
+            "image placeholders without their features (export the target alone)"
+        )
     family = peek_family(options.checkpoint)
     if family != recipe.family:
         raise ExportError(
             f"checkpoint {options.checkpoint} is a {family!r} model but recipe {recipe.name!r} compiles {recipe.family!r}"
         )
     if options.prompt_logprobs and (reason := logit_postprocessing(family, peek_config(options.checkpoint))):
-        raise ExportError(f"--prompt-logprobs is not supported for this family ({family}): {reason}, "
-                          "so prompt scores from the bare lm_head would differ from generation logprobs")
+        raise ExportError(
+            f"--prompt-logprobs is not supported for this family ({family}): {reason}, "
+            "so prompt scores from the bare lm_head would differ from generation logprobs"
+        )
     if options.drafter is not None:  # folders: compared here; .gguf and packaged ones once read
         ours, theirs = peek_vocab(options.checkpoint), peek_vocab(options.drafter)
         if ours is not None and theirs is not None:

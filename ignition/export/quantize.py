@@ -99,10 +99,12 @@ class QuantSettings:
 #   b=1 14.0-14.9 -> 11.8-12.3 ms, b=8 41.9-43.1 -> 22.8-23.3 ms (with SwiGLU folded in), KL
 #   0.0029 -> 0.0026.
 SETTINGS = {
-    "int4": QuantSettings(bits=4, block_size=64, accuracy_level=4, lm_head_bits=4, embedding_bits=4, int4_tiles=True,
-                          attention="bfloat16"),
+    "int4": QuantSettings(
+        bits=4, block_size=64, accuracy_level=4, lm_head_bits=4, embedding_bits=4, int4_tiles=True, attention="bfloat16"
+    ),
     "int8": QuantSettings(bits=8, block_size=128, accuracy_level=4, lm_head_bits=8, embedding_bits=None),
 }
+
 
 def manifest_quantization(precision: str) -> Quantization | None:
     """What the manifest records about a precision's weight storage (None for fp32)."""

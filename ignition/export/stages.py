@@ -17,7 +17,6 @@ from pathlib import Path
 import onnx
 
 from helios.manifest import Parity
-
 from ignition.checkpoints.load import load_checkpoint
 from ignition.export.cache import CachedReference, ReferenceMiss
 from ignition.export.graph import canonicalize_graph, export_step_graph
@@ -27,8 +26,13 @@ from ignition.export.quantize import quantize, quantize_score
 from ignition.export.score import export_score_graph, lm_head_from_step_graph
 from ignition.export.state import ExportError, ExportState
 from ignition.export.torch_program import TorchExportError, export_torch_program, torch_program_engine
-from ignition.export.validate import (TORCH_PROGRAM_PRECISION, torch_program_runners, validate, validate_scores,
-                                      validation_prompt)
+from ignition.export.validate import (
+    TORCH_PROGRAM_PRECISION,
+    torch_program_runners,
+    validate,
+    validate_scores,
+    validation_prompt,
+)
 from ignition.export.vision import VISION_GRAPH_FILE, export_vision_graph, vision_engine, vision_spec
 from ignition.models import DecoderLM, build_model
 from ignition.models.qwen3_5_vision import build_vision_tower
@@ -98,8 +102,15 @@ def add_torch_program(state: ExportState) -> None:
     try:
         engine = torch_program_engine(checkpoint.architecture, kv, dtype, state.state_layout, _vision(state))
         if not cached.is_file():
-            export_torch_program(_torch_model(state), checkpoint.architecture, kv, cached.parent, dtype,
-                                 state.state_layout, file_name=cached.name)  # fmt: skip
+            export_torch_program(
+                _torch_model(state),
+                checkpoint.architecture,
+                kv,
+                cached.parent,
+                dtype,
+                state.state_layout,
+                file_name=cached.name,
+            )
     except TorchExportError as exc:
         raise ExportError(str(exc)) from None
     shutil.copyfile(cached, state.core_dir / engine.file)
@@ -192,11 +203,25 @@ def _validate_torch_program(state: ExportState, dtype: str, prompt_ids: list[int
     try:
         if state.reference is None:
             raise ReferenceMiss("the cache entry has no reference logits")
-        return validate(state.core_dir, state.reference, kv, prompt_ids, precision=precision,
-                        state=state.state_layout, make_runner=runner)  # fmt: skip
+        return validate(
+            state.core_dir,
+            state.reference,
+            kv,
+            prompt_ids,
+            precision=precision,
+            state=state.state_layout,
+            make_runner=runner,
+        )
     except ReferenceMiss:
-        return validate(state.core_dir, _torch_model(state), kv, prompt_ids, precision=precision,
-                        state=state.state_layout, make_runner=runner)  # fmt: skip
+        return validate(
+            state.core_dir,
+            _torch_model(state),
+            kv,
+            prompt_ids,
+            precision=precision,
+            state=state.state_layout,
+            make_runner=runner,
+        )
 
 
 def _torch_model(state: ExportState) -> DecoderLM:

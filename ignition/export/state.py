@@ -32,8 +32,9 @@ def parse_targets(text: str) -> tuple[str, ...]:
     named = {part.strip() for part in text.split(",") if part.strip()}
     unknown = sorted(named - set(TARGETS))
     if unknown or not named:
-        raise ExportError(f"unknown --target {', '.join(unknown) or repr(text)} (choose from {', '.join(TARGETS)}, "
-                          "comma-separated)")  # fmt: skip
+        raise ExportError(
+            f"unknown --target {', '.join(unknown) or repr(text)} (choose from {', '.join(TARGETS)}, comma-separated)"
+        )
     return tuple(t for t in TARGETS if t in named or t == "cpu")
 
 

@@ -8,7 +8,17 @@ import hashlib
 import importlib.metadata
 from pathlib import Path
 
-TOOLCHAIN_PACKAGES = ("flare", "torch", "onnx", "onnxscript", "onnxruntime", "numpy", "gguf", "safetensors", "tokenizers")
+TOOLCHAIN_PACKAGES = (
+    "flare",
+    "torch",
+    "onnx",
+    "onnxscript",
+    "onnxruntime",
+    "numpy",
+    "gguf",
+    "safetensors",
+    "tokenizers",
+)
 
 # Code that does not shape a core's bytes (presentation only) and so is not in its version.
 _NOT_EXPORTER = {"ignition/cli.py", "ignition/inspect_core.py", "ignition/verify_core.py"}

@@ -36,9 +36,14 @@ class TorchExportError(ValueError):
 
 
 def export_torch_program(
-    model: DecoderLM, arch: Architecture, kv: KVLayout, out_dir: Path, dtype: str = "bfloat16",
-    state: StateLayout | None = None, file_name: str = TORCH_PROGRAM_FILE,
-) -> Engine:  # fmt: skip
+    model: DecoderLM,
+    arch: Architecture,
+    kv: KVLayout,
+    out_dir: Path,
+    dtype: str = "bfloat16",
+    state: StateLayout | None = None,
+    file_name: str = TORCH_PROGRAM_FILE,
+) -> Engine:
     """Write out_dir/file_name and return the manifest's "step" engine for target "cuda"."""
     vision = getattr(model, "mrope_section", None) is not None
     engine = dataclasses.replace(torch_program_engine(arch, kv, dtype, state, vision), file=file_name)
@@ -51,8 +56,9 @@ def export_torch_program(
     )
     with torch.no_grad(), warnings.catch_warnings(), ops.fused_export():
         warnings.simplefilter("ignore")
-        program = torch.export.export(module.eval(), args, dynamic_shapes=step_dynamic_shapes(model, state, vision),
-                                      strict=False)  # fmt: skip
+        program = torch.export.export(
+            module.eval(), args, dynamic_shapes=step_dynamic_shapes(model, state, vision), strict=False
+        )
     strip_metadata(program)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -60,16 +66,27 @@ def export_torch_program(
     return engine
 
 
-def torch_program_engine(arch: Architecture, kv: KVLayout, dtype: str, state: StateLayout | None, vision: bool) -> Engine:
+def torch_program_engine(
+    arch: Architecture, kv: KVLayout, dtype: str, state: StateLayout | None, vision: bool
+) -> Engine:
     """The manifest's "step" engine of target "cuda"; TorchExportError for what cannot be exported."""
     if dtype not in TORCH_DTYPES:
         raise TorchExportError(f"unknown torch program dtype {dtype!r} (choose {', '.join(TORCH_DTYPES)})")
     if dtype != "float32" and (state is not None or vision):
-        raise TorchExportError(f"a {dtype} torch program of a model with recurrent state or a vision tower is not "
-                               "supported yet (export it with --torch-dtype float32)")  # fmt: skip
+        raise TorchExportError(
+            f"a {dtype} torch program of a model with recurrent state or a vision tower is not "
+            "supported yet (export it with --torch-dtype float32)"
+        )
     inputs, outputs = step_signature(arch, kv, state, vision)
-    return Engine(name="step", file=TORCH_PROGRAM_FILE, inputs=_retyped(inputs, dtype), outputs=_retyped(outputs, dtype),
-                  target="cuda", dtype=dtype, torch_version=torch.__version__)  # fmt: skip
+    return Engine(
+        name="step",
+        file=TORCH_PROGRAM_FILE,
+        inputs=_retyped(inputs, dtype),
+        outputs=_retyped(outputs, dtype),
+        target="cuda",
+        dtype=dtype,
+        torch_version=torch.__version__,
+    )
 
 
 def strip_metadata(program: torch.export.ExportedProgram) -> None:

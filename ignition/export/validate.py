@@ -53,8 +53,7 @@ from ignition.models import DecoderLM
 
 # What export validates on (repeated to MIN_TOKENS) and `ignition verify` smoke-runs.
 VALIDATION_PROMPT = (
-    "<|im_start|>user\nWrite a Python function that returns the sum of a list.<|im_end|>\n"
-    "<|im_start|>assistant\n"
+    "<|im_start|>user\nWrite a Python function that returns the sum of a list.<|im_end|>\n<|im_start|>assistant\n"
 )
 
 
@@ -92,6 +91,8 @@ def torch_program_runners(core: Path, manifest: Manifest) -> RunnerFactory:
         return TorchRunner(core, manifest, num_pages, device="cpu", state_slots=3, graphs=False)
 
     return make
+
+
 MIN_TOKENS = 64  # shorter prompts are repeated up to this length (see module docstring)
 
 
@@ -143,7 +144,12 @@ def validate(
         top1_agreement=top1,
         mean_kl=kl,
     )
-    if not (np.isfinite(engine).all() and error <= tolerance.max_abs and top1 >= tolerance.min_top1 and kl <= tolerance.max_kl):
+    if not (
+        np.isfinite(engine).all()
+        and error <= tolerance.max_abs
+        and top1 >= tolerance.min_top1
+        and kl <= tolerance.max_kl
+    ):
         raise ParityError(
             f"{precision} engine disagrees with the torch reference: max |logit error| {error:.4g} "
             f"(tolerance {tolerance.max_abs:g}), top-1 agreement {top1:.3f} (minimum {tolerance.min_top1:g}), "
@@ -197,8 +203,9 @@ def _engine(
     pages = -(-len(sequence) // kv.page_tokens)
     runner = make_runner(3 * pages + 2)
     every_page = list(range(runner.num_pages))
-    garbage = rng.standard_normal((kv.num_layers, 2, runner.num_pages, kv.page_tokens, kv.kv_heads, kv.head_dim),
-                                  dtype=np.float32)  # fmt: skip
+    garbage = rng.standard_normal(
+        (kv.num_layers, 2, runner.num_pages, kv.page_tokens, kv.kv_heads, kv.head_dim), dtype=np.float32
+    )
     runner.write_pages(every_page, garbage)  # stale garbage
     slot = None
     if runner.num_state_slots:  # a stale slot: the first chunk (history 0) must ignore it
@@ -242,10 +249,12 @@ def validate_scores(
     try:
         slot = 0 if state is not None else None
         runner = Runner.from_graph(step_graph, kv, num_pages=pages, score_graph=score_graph, state=state, state_slots=1)
-        scored = runner.step([StepRow(prompt, 0, table, score_targets=prompt[1:] + [-1], state_slot=slot)]).prompt_scores[0]
+        scored = runner.step(
+            [StepRow(prompt, 0, table, score_targets=prompt[1:] + [-1], state_slot=slot)]
+        ).prompt_scores[0]
         runner = Runner.from_graph(step_graph, kv, num_pages=pages, state=state, state_slots=1)
         step = runner.step([StepRow(prompt[:-1], 0, table, state_slot=slot)])
-    except Exception as exc:  # noqa: BLE001 - a score graph that cannot run is broken
+    except Exception as exc:
         raise ParityError(f"the prompt-scoring graph failed on the validation prompt: {exc}") from exc
     if scored is None or len(scored.target_logprobs) != len(prompt) - 1:
         raise ParityError("the prompt-scoring graph did not score every prompt position")

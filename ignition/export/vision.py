@@ -39,9 +39,16 @@ def export_vision_graph(tower: Qwen35VisionTower, out_dir: Path) -> Engine:
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
-            tower, sample, input_names=VISION_INPUT_NAMES, output_names=["features"], dynamic_shapes=dynamic,
-            opset_version=OPSET, dynamo=True, optimize=True, verbose=False,
-        )  # fmt: skip
+            tower,
+            sample,
+            input_names=VISION_INPUT_NAMES,
+            output_names=["features"],
+            dynamic_shapes=dynamic,
+            opset_version=OPSET,
+            dynamo=True,
+            optimize=True,
+            verbose=False,
+        )
     proto = program.model_proto
     for value in list(proto.graph.input) + list(proto.graph.output):
         first = value.type.tensor_type.shape.dim[0]
@@ -64,9 +71,16 @@ def vision_engine(proto: onnx.ModelProto) -> Engine:
     outputs = [TensorSpec("features", "float32", ["T", out_hidden])]
     return Engine("vision", VISION_GRAPH_FILE, inputs, outputs, data_files=[VISION_GRAPH_FILE + ".data"])
 
+
 # Qwen 3.5's image processor (its preprocessor_config.json), for checkpoints that carry none.
-DEFAULT_PROFILE = {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
-                   "image_std": [0.5, 0.5, 0.5], "size": {"shortest_edge": 65_536, "longest_edge": 16_777_216}}  # fmt: skip
+DEFAULT_PROFILE = {
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "size": {"shortest_edge": 65_536, "longest_edge": 16_777_216},
+}
 # Decoded extent and encoded size accepted before any resizing (api.md max_image_pixels / _bytes):
 # past Pillow's own decompression-bomb guard would be refused by the decoder anyway.
 MAX_IMAGE_PIXELS = 33_554_432
@@ -80,7 +94,11 @@ def vision_spec(checkpoint: Checkpoint, engine: Engine, context_length: int) -> 
     vision = config["vision_config"]
     patch, merge = int(vision.get("patch_size", 16)), int(vision.get("spatial_merge_size", 2))
     temporal = int(vision.get("temporal_patch_size", 2))
-    if (int(profile["patch_size"]), int(profile["merge_size"]), int(profile["temporal_patch_size"])) != (patch, merge, temporal):
+    if (int(profile["patch_size"]), int(profile["merge_size"]), int(profile["temporal_patch_size"])) != (
+        patch,
+        merge,
+        temporal,
+    ):
         raise ExportError("the checkpoint's image processor and vision tower disagree on patch, merge or temporal size")
     size = profile.get("size") or {}
     min_pixels = int(profile.get("min_pixels") or size.get("shortest_edge") or DEFAULT_PROFILE["size"]["shortest_edge"])
@@ -93,11 +111,21 @@ def vision_spec(checkpoint: Checkpoint, engine: Engine, context_length: int) -> 
     window = min(per_image, context_length)
     section = mrope_axes(config)
     return Vision(
-        engine=engine.name, patch_size=patch, temporal_patch_size=temporal, merge_size=merge,
-        min_pixels=min_pixels, max_pixels=max_pixels, image_mean=[float(v) for v in profile["image_mean"]],
-        image_std=[float(v) for v in profile["image_std"]], resample="bicubic",
-        position_grid=int(int(vision["num_position_embeddings"]) ** 0.5), image_token_id=int(ids[1]),
-        placeholder="".join(names[int(i)] for i in ids), mrope_section=section,
-        max_image_tokens_per_image=window, max_image_pixels=MAX_IMAGE_PIXELS, max_image_bytes=MAX_IMAGE_BYTES,
+        engine=engine.name,
+        patch_size=patch,
+        temporal_patch_size=temporal,
+        merge_size=merge,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        image_mean=[float(v) for v in profile["image_mean"]],
+        image_std=[float(v) for v in profile["image_std"]],
+        resample="bicubic",
+        position_grid=int(int(vision["num_position_embeddings"]) ** 0.5),
+        image_token_id=int(ids[1]),
+        placeholder="".join(names[int(i)] for i in ids),
+        mrope_section=section,
+        max_image_tokens_per_image=window,
+        max_image_pixels=MAX_IMAGE_PIXELS,
+        max_image_bytes=MAX_IMAGE_BYTES,
         image_feature_window_tokens=window,
-    )  # fmt: skip
+    )

@@ -14,29 +14,42 @@ import numpy as np
 
 from helios.manifest import Architecture, StateLayout
 from ignition.models import (
-    deepseek_v3, deepseek_v4, gemma4, glm_moe_dsa, llama, mimo_v2_flash, minimax_m3, muse_spark, nemotron_h, qwen2,
-    qwen3_5, step3p7,
+    deepseek_v3,
+    deepseek_v4,
+    gemma4,
+    glm_moe_dsa,
+    llama,
+    mimo_v2_flash,
+    minimax_m3,
+    muse_spark,
+    nemotron_h,
+    qwen2,
+    qwen3_5,
+    step3p7,
 )
 from ignition.models.base import TOP_K, FamilyError, StepModel, logprob_stats
 from ignition.models.configured import ConfiguredLM
 from ignition.models.decoder import DecoderLM
 
 # The registry: flare family name -> its model class.
-FAMILIES: dict[str, type[StepModel]] = {model.family: model for model in (
-    qwen2.Qwen2ForCausalLM,
-    llama.LlamaForCausalLM,
-    deepseek_v3.DeepseekV3LM,
-    mimo_v2_flash.MiMoV2FlashLM,
-    gemma4.Gemma4LM,
-    step3p7.Step3p7LM,
-    muse_spark.MuseSparkLM,
-    glm_moe_dsa.GlmMoeDsaLM,
-    minimax_m3.MiniMaxM3LM,
-    qwen3_5.Qwen35LM,
-    qwen3_5.Qwen35MoeLM,
-    nemotron_h.NemotronHLM,
-    deepseek_v4.DeepseekV4LM,
-)}  # fmt: skip
+FAMILIES: dict[str, type[StepModel]] = {
+    model.family: model
+    for model in (
+        qwen2.Qwen2ForCausalLM,
+        llama.LlamaForCausalLM,
+        deepseek_v3.DeepseekV3LM,
+        mimo_v2_flash.MiMoV2FlashLM,
+        gemma4.Gemma4LM,
+        step3p7.Step3p7LM,
+        muse_spark.MuseSparkLM,
+        glm_moe_dsa.GlmMoeDsaLM,
+        minimax_m3.MiniMaxM3LM,
+        qwen3_5.Qwen35LM,
+        qwen3_5.Qwen35MoeLM,
+        nemotron_h.NemotronHLM,
+        deepseek_v4.DeepseekV4LM,
+    )
+}
 
 # Hugging Face model_type -> flare family. Multimodal wrappers compile their text model (their
 # `text_config`); vision/audio towers are not part of the text step graph.
@@ -81,6 +94,17 @@ def build_model(arch: Architecture, config: dict[str, Any], tensors: dict[str, n
 
 
 __all__ = [
-    "FAMILIES", "MODEL_TYPES", "PLANNED", "PLANNED_MODEL_TYPES", "TOP_K", "ConfiguredLM", "DecoderLM", "FamilyError",
-    "architecture", "build_model", "cache_layout", "logit_postprocessing", "logprob_stats",
+    "FAMILIES",
+    "MODEL_TYPES",
+    "PLANNED",
+    "PLANNED_MODEL_TYPES",
+    "TOP_K",
+    "ConfiguredLM",
+    "DecoderLM",
+    "FamilyError",
+    "architecture",
+    "build_model",
+    "cache_layout",
+    "logit_postprocessing",
+    "logprob_stats",
 ]

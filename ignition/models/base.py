@@ -72,8 +72,12 @@ class StepModel(nn.Module):
         return self.lm_head(h)
 
     def step_outputs(
-        self, normed: torch.Tensor, query_lens: torch.Tensor, logprob_token_ids: torch.Tensor,
-        logit_rows: torch.Tensor | None = None, logit_positions: torch.Tensor | None = None,
+        self,
+        normed: torch.Tensor,
+        query_lens: torch.Tensor,
+        logprob_token_ids: torch.Tensor,
+        logit_rows: torch.Tensor | None = None,
+        logit_positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """(logits [N, V], logsumexp [N], top_logprobs [N, K], top_ids [N, K], token_logprobs [N, E])
         at N output positions of the final-normed hidden states [B, L, H]: position

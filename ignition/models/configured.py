@@ -54,7 +54,7 @@ class PreNormLayer(nn.Module):
         self.self_attn = attention(plan, hidden, head_eps)
         self.mlp = make_mlp(plan, hidden)
 
-    def forward(self, x, step, past_k, past_v, shared=None, per_layer_input=None):  # noqa: ANN001, ANN201
+    def forward(self, x, step, past_k, past_v, shared=None, per_layer_input=None):
         attn, k, v = self.self_attn(self.input_layernorm(x), step, past_k, past_v, shared)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), k, v
@@ -80,7 +80,7 @@ class RecurrentLayer(nn.Module):
             self.post_attention_layernorm = RMSNorm(hidden, eps, offset=plan.norm_offset, fusable=True)
             self.mlp = make_mlp(plan, hidden)
 
-    def forward(self, x, state, valid):  # noqa: ANN001, ANN201
+    def forward(self, x, state, valid):
         h, new_state = self.mixer(self.input_layernorm(x), state, valid)
         x = x + h
         if self.has_mlp:
@@ -198,8 +198,11 @@ class ConfiguredLM(StepModel):
         sources = {p.kv_source for p in self.plan.layers if p.kv_source is not None}
         for i, layer in enumerate(self.layers):
             attention = getattr(layer, "self_attn", None)
-            if (isinstance(attention, GQAttention) and i not in sources
-                    and attention.fits_pool_kernel(self.arch.num_kv_heads, self.arch.head_dim)):  # fmt: skip
+            if (
+                isinstance(attention, GQAttention)
+                and i not in sources
+                and attention.fits_pool_kernel(self.arch.num_kv_heads, self.arch.head_dim)
+            ):
                 attention.use_pool_kernel(self._kv_index[i])
 
     # -- the step graph ---------------------------------------------------------------------------
@@ -211,7 +214,7 @@ class ConfiguredLM(StepModel):
             x = x * torch.tensor(self.plan.embed_scale, dtype=torch.float32)
         return x, None
 
-    def _history(self, kv_pool, block_tables, layer: int):  # noqa: ANN001, ANN202
+    def _history(self, kv_pool, block_tables, layer: int):
         batch, pages = block_tables.shape
         num_pages = kv_pool.shape[0] // (2 * len(self.kv_layers))
         _, tokens, heads, dim = kv_pool.shape
@@ -223,8 +226,17 @@ class ConfiguredLM(StepModel):
             out.append(kv.transpose(1, 2))
         return out
 
-    def hidden_states(self, input_ids, positions, history_lens, block_tables, kv_pool, query_lens=None, state=None,  # noqa: ANN001, ANN201
-                      images=None):  # fmt: skip
+    def hidden_states(
+        self,
+        input_ids,
+        positions,
+        history_lens,
+        block_tables,
+        kv_pool,
+        query_lens=None,
+        state=None,
+        images=None,
+    ):
         """Final-normed hidden states [B, L, H], the attention layers' new (k, v) padded to the pool,
         and the recurrent layers' new state [B, W] (None without recurrent layers).
 
@@ -282,9 +294,23 @@ class ConfiguredLM(StepModel):
             logits = torch.tanh(logits / self.plan.final_softcap) * self.plan.final_softcap
         return logits
 
-    def forward(self, input_ids, positions, history_lens, query_lens, block_tables, kv_pool, logprob_token_ids,  # noqa: ANN001, ANN201
-                logit_rows=None, logit_positions=None, state_pool=None, state_slots=None, mrope_positions=None,
-                image_embeds=None, image_slots=None):  # fmt: skip
+    def forward(
+        self,
+        input_ids,
+        positions,
+        history_lens,
+        query_lens,
+        block_tables,
+        kv_pool,
+        logprob_token_ids,
+        logit_rows=None,
+        logit_positions=None,
+        state_pool=None,
+        state_slots=None,
+        mrope_positions=None,
+        image_embeds=None,
+        image_slots=None,
+    ):
         state = None
         images = None if mrope_positions is None else (mrope_positions, image_embeds, image_slots)
         if self.state_width:
@@ -310,9 +336,12 @@ class ConfiguredLM(StepModel):
         length = ids.shape[0]
         pool = torch.zeros(2 * len(self.kv_layers), 1, self.arch.num_kv_heads, self.arch.head_dim)
         normed, _, _ = self.hidden_states(
-            ids.unsqueeze(0), torch.arange(length).unsqueeze(0), torch.zeros(1, dtype=torch.int64),
-            torch.zeros(1, 1, dtype=torch.int64), pool,
-        )  # fmt: skip
+            ids.unsqueeze(0),
+            torch.arange(length).unsqueeze(0),
+            torch.zeros(1, dtype=torch.int64),
+            torch.zeros(1, 1, dtype=torch.int64),
+            pool,
+        )
         return self.logits_of(normed[0])
 
     # -- loading ----------------------------------------------------------------------------------

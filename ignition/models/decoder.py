@@ -72,9 +72,19 @@ class Attention(nn.Module):
         # Rotary, the layer's pool pages and causal GQA in one op (ai.flare.PagedAttention in the
         # exported graph: the pages are read in place).
         out, k, v = ops.pool_attention(
-            self.qkv_proj(x), ctx.positions, rotary.cos_cache, rotary.sin_cache, ctx.kv_pool, ctx.block_tables,
-            ctx.history_lens, ctx.query_lens, self.layer, ctx.num_layers, self.num_heads, self.num_kv_heads,
-        )  # fmt: skip
+            self.qkv_proj(x),
+            ctx.positions,
+            rotary.cos_cache,
+            rotary.sin_cache,
+            ctx.kv_pool,
+            ctx.block_tables,
+            ctx.history_lens,
+            ctx.query_lens,
+            self.layer,
+            ctx.num_layers,
+            self.num_heads,
+            self.num_kv_heads,
+        )
         return self.o_proj(out), k, v
 
     def reference(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -36,9 +36,20 @@ def mla_rope(cfg: dict[str, Any]) -> dict[str, Any]:
         attention = yarn_attention_factor(factor, rope.get("mscale"), mscale_all)
     if mscale_all:
         scale *= yarn_mscale(factor, mscale_all) ** 2
-    yarn = (factor, float(rope.get("beta_fast") or 32), float(rope.get("beta_slow") or 1),
-            int(rope["original_max_position_embeddings"]), bool(rope.get("truncate", True)))  # fmt: skip
-    return {"rope_theta": theta, "scale": scale, "rope_kind": "yarn", "rope_yarn": yarn, "rope_attention": float(attention)}
+    yarn = (
+        factor,
+        float(rope.get("beta_fast") or 32),
+        float(rope.get("beta_slow") or 1),
+        int(rope["original_max_position_embeddings"]),
+        bool(rope.get("truncate", True)),
+    )
+    return {
+        "rope_theta": theta,
+        "scale": scale,
+        "rope_kind": "yarn",
+        "rope_yarn": yarn,
+        "rope_attention": float(attention),
+    }
 
 
 def plan_deepseek_v3(cfg: dict[str, Any], layer_plan: type[LayerPlan] = LayerPlan) -> ModelPlan:

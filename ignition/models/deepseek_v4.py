@@ -28,7 +28,6 @@ entry w iff its window is complete, (w + 1) * m <= p + 1 (transformers' causal t
 entry carries rotary position w * m. A buffered (incomplete) window is simply not visible yet.
 """
 
-
 from __future__ import annotations
 
 import re
@@ -48,6 +47,7 @@ from ignition.models.blocks.rotary import default_inv_freq, yarn_attention_facto
 from ignition.models.deepseek_v4_layers import CSA, HCA, SLIDING, HyperHead, Layer, V4Step
 
 _RATIO_TYPES = {0: SLIDING, 4: CSA, 128: HCA}  # legacy per-layer `compress_ratios`
+
 
 @dataclass
 class V4Plan:
@@ -138,34 +138,55 @@ def plan_of(config: dict[str, Any]) -> V4Plan:
     if int(cfg.get("num_key_value_heads", 1)) != 1:
         raise ValueError("deepseek_v4 attention is shared-KV MQA: num_key_value_heads must be 1")
     return V4Plan(
-        vocab_size=int(cfg["vocab_size"]), hidden=int(cfg["hidden_size"]),
-        num_heads=int(cfg.get("num_attention_heads", 64)), head_dim=head_dim, rope_dim=int(head_dim * partial),
-        q_lora_rank=int(cfg.get("q_lora_rank", 1024)), o_groups=int(cfg.get("o_groups", 8)),
-        o_lora_rank=int(cfg.get("o_lora_rank", 1024)), eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        window=int(cfg.get("sliding_window", 128)), hc_mult=int(cfg.get("hc_mult", 4)),
-        hc_iters=int(cfg.get("hc_sinkhorn_iters", 20)), hc_eps=float(cfg.get("hc_eps", 1e-6)),
-        layer_types=list(layer_types[:n]), mlp_types=list(mlp_types[:n]), rates=rates,
-        index_heads=int(cfg.get("index_n_heads", 64)), index_dim=int(cfg.get("index_head_dim", 128)),
-        index_topk=int(cfg.get("index_topk", 512)), num_experts=int(cfg.get("n_routed_experts", 256)),
-        top_k=int(cfg.get("num_experts_per_tok", 6)), moe_intermediate=int(cfg.get("moe_intermediate_size", 2048)),
-        routed_scaling=float(cfg.get("routed_scaling_factor", 1.5)), swiglu_limit=float(cfg.get("swiglu_limit", 10.0)),
-        main_theta=main_theta, compress_rope=compress,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden=int(cfg["hidden_size"]),
+        num_heads=int(cfg.get("num_attention_heads", 64)),
+        head_dim=head_dim,
+        rope_dim=int(head_dim * partial),
+        q_lora_rank=int(cfg.get("q_lora_rank", 1024)),
+        o_groups=int(cfg.get("o_groups", 8)),
+        o_lora_rank=int(cfg.get("o_lora_rank", 1024)),
+        eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        window=int(cfg.get("sliding_window", 128)),
+        hc_mult=int(cfg.get("hc_mult", 4)),
+        hc_iters=int(cfg.get("hc_sinkhorn_iters", 20)),
+        hc_eps=float(cfg.get("hc_eps", 1e-6)),
+        layer_types=list(layer_types[:n]),
+        mlp_types=list(mlp_types[:n]),
+        rates=rates,
+        index_heads=int(cfg.get("index_n_heads", 64)),
+        index_dim=int(cfg.get("index_head_dim", 128)),
+        index_topk=int(cfg.get("index_topk", 512)),
+        num_experts=int(cfg.get("n_routed_experts", 256)),
+        top_k=int(cfg.get("num_experts_per_tok", 6)),
+        moe_intermediate=int(cfg.get("moe_intermediate_size", 2048)),
+        routed_scaling=float(cfg.get("routed_scaling_factor", 1.5)),
+        swiglu_limit=float(cfg.get("swiglu_limit", 10.0)),
+        main_theta=main_theta,
+        compress_rope=compress,
         max_positions=int(cfg.get("max_position_embeddings") or 4096),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-    )  # fmt: skip
+    )
 
 
 def architecture_of(plan: V4Plan) -> Architecture:
     """The manifest Architecture; num_kv_heads/head_dim are the pool geometry (plan.cache_dims)."""
     kv_heads, head_dim = plan.cache_dims()
     return Architecture(
-        family="deepseek_v4", num_layers=len(plan.layer_types), hidden_size=plan.hidden,
-        intermediate_size=plan.moe_intermediate, num_heads=plan.num_heads, num_kv_heads=kv_heads,
-        head_dim=head_dim, vocab_size=plan.vocab_size, rope_theta=plan.main_theta, rms_norm_eps=plan.eps,
-        max_position_embeddings=plan.max_positions, tie_word_embeddings=plan.tie_word_embeddings,
+        family="deepseek_v4",
+        num_layers=len(plan.layer_types),
+        hidden_size=plan.hidden,
+        intermediate_size=plan.moe_intermediate,
+        num_heads=plan.num_heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=plan.vocab_size,
+        rope_theta=plan.main_theta,
+        rms_norm_eps=plan.eps,
+        max_position_embeddings=plan.max_positions,
+        tie_word_embeddings=plan.tie_word_embeddings,
         attention_bias=False,
-    )  # fmt: skip
-
+    )
 
 
 # -- rotary ---------------------------------------------------------------------------------------
@@ -185,8 +206,15 @@ def inv_freq_of(plan: V4Plan, kind: str) -> tuple[torch.Tensor, float]:
     if params["rope_type"] != "yarn":
         raise ValueError(f"deepseek_v4 rope type {params['rope_type']!r} is not supported (default or yarn)")
     factor = float(params["factor"])
-    inv = yarn_inv_freq(dim, theta, factor, float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1),
-                        int(params["original_max_position_embeddings"]), True)  # fmt: skip
+    inv = yarn_inv_freq(
+        dim,
+        theta,
+        factor,
+        float(params.get("beta_fast") or 32),
+        float(params.get("beta_slow") or 1),
+        int(params["original_max_position_embeddings"]),
+        True,
+    )
     attention = params.get("attention_factor")
     if attention is None:
         attention = yarn_attention_factor(factor, params.get("mscale"), params.get("mscale_all_dim"))
@@ -252,7 +280,7 @@ class DeepseekV4LM(StepModel):
             parts.append(torch.index_select(kv_pool, 0, rows).reshape(batch, pages * tokens, heads * dim))
         return torch.cat(parts, dim=-1)
 
-    def hidden_states(self, input_ids, positions, history_lens, block_tables, kv_pool):  # noqa: ANN001, ANN201
+    def hidden_states(self, input_ids, positions, history_lens, block_tables, kv_pool):
         """Final-normed hidden states [B, L, H] and new_kv [layers, 2, B, L, kvh, D]."""
         batch, length = input_ids.shape
         kv_heads, head_dim = self.arch.num_kv_heads, self.arch.head_dim
@@ -266,8 +294,18 @@ class DeepseekV4LM(StepModel):
             new_kv.append(new.reshape(batch, length, 2, kv_heads, head_dim).permute(2, 0, 1, 3, 4))
         return self.norm(self.hc_head(streams)), torch.stack(new_kv, dim=0)
 
-    def forward(self, input_ids, positions, history_lens, query_lens, block_tables, kv_pool, logprob_token_ids,  # noqa: ANN001, ANN201
-                logit_rows=None, logit_positions=None):  # fmt: skip
+    def forward(
+        self,
+        input_ids,
+        positions,
+        history_lens,
+        query_lens,
+        block_tables,
+        kv_pool,
+        logprob_token_ids,
+        logit_rows=None,
+        logit_positions=None,
+    ):
         normed, new_kv = self.hidden_states(input_ids, positions, history_lens, block_tables, kv_pool)
         outputs = self.step_outputs(normed, query_lens, logprob_token_ids, logit_rows, logit_positions)
         return *outputs, new_kv, normed
@@ -278,9 +316,12 @@ class DeepseekV4LM(StepModel):
         length = ids.shape[0]
         pool = torch.zeros(2 * self.arch.num_layers, 1, self.arch.num_kv_heads, self.arch.head_dim)
         normed, _ = self.hidden_states(
-            ids.unsqueeze(0), torch.arange(length).unsqueeze(0), torch.zeros(1, dtype=torch.int64),
-            torch.zeros(1, 1, dtype=torch.int64), pool,
-        )  # fmt: skip
+            ids.unsqueeze(0),
+            torch.arange(length).unsqueeze(0),
+            torch.zeros(1, dtype=torch.int64),
+            torch.zeros(1, 1, dtype=torch.int64),
+            pool,
+        )
         return self.lm_head(normed[0])
 
 
@@ -289,24 +330,47 @@ class DeepseekV4LM(StepModel):
 # transformers' deepseek_v4 conversion renames (conversion_mapping.py), applied in order to names
 # without the "model." prefix: the original checkpoint layout (which save_pretrained writes back)
 # -> transformers module names. Names already in transformers form pass through unchanged.
-_RENAMES = [(re.compile(a), b) for a, b in (
-    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
-    (r"^embed\.weight", "embed_tokens.weight"), (r"^head\.weight", "lm_head.weight"),
-    (r"^hc_head_fn", "hc_head.hc_fn"), (r"^hc_head_base", "hc_head.hc_base"), (r"^hc_head_scale", "hc_head.hc_scale"),
-    (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
-    (r"\.hc_attn_fn", ".attn_hc.fn"), (r"\.hc_attn_base", ".attn_hc.base"), (r"\.hc_attn_scale", ".attn_hc.scale"),
-    (r"\.hc_ffn_fn", ".ffn_hc.fn"), (r"\.hc_ffn_base", ".ffn_hc.base"), (r"\.hc_ffn_scale", ".ffn_hc.scale"),
-    (r"\.attn_sink", ".sinks"), (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
-    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."), (r"\.norm\.", ".kv_norm."), (r"\.ape", ".position_bias"),
-    (r"\.wq_a\.", ".q_a_proj."), (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."), (r"\.wkv\.", ".kv_proj."),
-    (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."), (r"\.wo_b\.", ".o_b_proj."),
-    (r"\.q_norm\.", ".q_a_norm."), (r"\.gate\.bias", ".gate.e_score_correction_bias"),
-    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."), (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
-    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
-    # per-expert w1 (gate), w3 (up), w2 (down): the layout the shared experts loader reads
-    (r"\.experts\.(\d+)\.w1\.", r".experts.\1.gate_proj."), (r"\.experts\.(\d+)\.w3\.", r".experts.\1.up_proj."),
-    (r"\.experts\.(\d+)\.w2\.", r".experts.\1.down_proj."),
-)]  # fmt: skip
+_RENAMES = [
+    (re.compile(a), b)
+    for a, b in (
+        (r"\.attn\.", ".self_attn."),
+        (r"\.ffn\.", ".mlp."),
+        (r"\.indexer\.compressor\.", ".compressor.indexer."),
+        (r"^embed\.weight", "embed_tokens.weight"),
+        (r"^head\.weight", "lm_head.weight"),
+        (r"^hc_head_fn", "hc_head.hc_fn"),
+        (r"^hc_head_base", "hc_head.hc_base"),
+        (r"^hc_head_scale", "hc_head.hc_scale"),
+        (r"\.attn_norm\.", ".input_layernorm."),
+        (r"\.ffn_norm\.", ".post_attention_layernorm."),
+        (r"\.hc_attn_fn", ".attn_hc.fn"),
+        (r"\.hc_attn_base", ".attn_hc.base"),
+        (r"\.hc_attn_scale", ".attn_hc.scale"),
+        (r"\.hc_ffn_fn", ".ffn_hc.fn"),
+        (r"\.hc_ffn_base", ".ffn_hc.base"),
+        (r"\.hc_ffn_scale", ".ffn_hc.scale"),
+        (r"\.attn_sink", ".sinks"),
+        (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+        (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
+        (r"\.norm\.", ".kv_norm."),
+        (r"\.ape", ".position_bias"),
+        (r"\.wq_a\.", ".q_a_proj."),
+        (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
+        (r"\.wkv\.", ".kv_proj."),
+        (r"\.wgate\.", ".gate_proj."),
+        (r"\.wo_a\.", ".o_a_proj."),
+        (r"\.wo_b\.", ".o_b_proj."),
+        (r"\.q_norm\.", ".q_a_norm."),
+        (r"\.gate\.bias", ".gate.e_score_correction_bias"),
+        (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+        (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+        (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+        # per-expert w1 (gate), w3 (up), w2 (down): the layout the shared experts loader reads
+        (r"\.experts\.(\d+)\.w1\.", r".experts.\1.gate_proj."),
+        (r"\.experts\.(\d+)\.w3\.", r".experts.\1.up_proj."),
+        (r"\.experts\.(\d+)\.w2\.", r".experts.\1.down_proj."),
+    )
+]
 
 
 def hf_name(name: str) -> str:

@@ -128,7 +128,7 @@ class Indexer(nn.Module):
         self.q_b_proj = nn.Linear(plan.q_lora_rank, plan.index_heads * plan.index_dim, bias=False)
         self.weights_proj = nn.Linear(plan.hidden, plan.index_heads, bias=False)
 
-    def select(self, x, q_resid, merged, step, visible):  # noqa: ANN001, ANN201
+    def select(self, x, q_resid, merged, step, visible):
         p = self.plan
         batch, length, _ = x.shape
         keys = self.compressor.entries(merged, step)  # [B, n_w, Di]
@@ -241,9 +241,17 @@ def moe_plan(plan: V4Plan, hashed: bool) -> MoEPlan:
     """sqrt(softplus) scores; hash-routed or top-k over scores + correction bias; renormalised and
     scaled; clamped SwiGLU experts and shared expert."""
     glu = ClampedSiLUGLU(limit=plan.swiglu_limit)
-    return MoEPlan(num_experts=plan.num_experts, top_k=plan.top_k, intermediate=plan.moe_intermediate,
-                   scoring="sqrtsoftplus", correction_bias=not hashed, scaling=plan.routed_scaling, glu=glu,
-                   shared_intermediate=plan.moe_intermediate, shared_glu=glu)  # fmt: skip
+    return MoEPlan(
+        num_experts=plan.num_experts,
+        top_k=plan.top_k,
+        intermediate=plan.moe_intermediate,
+        scoring="sqrtsoftplus",
+        correction_bias=not hashed,
+        scaling=plan.routed_scaling,
+        glu=glu,
+        shared_intermediate=plan.moe_intermediate,
+        shared_glu=glu,
+    )
 
 
 class DeepseekV4MoE(MoE):
@@ -280,7 +288,7 @@ class HyperConnection(nn.Module):
         self.scale = nn.Parameter(torch.ones(3))
         self.norm = RMSNorm(n * plan.hidden, plan.eps, weighted=False)
 
-    def forward(self, streams: torch.Tensor):  # noqa: ANN201
+    def forward(self, streams: torch.Tensor):
         n, eps = self.plan.hc_mult, self.plan.hc_eps
         batch, length = streams.shape[:2]
         mix = F.linear(self.norm(streams.reshape(batch, length, -1)), self.fn)
@@ -323,7 +331,7 @@ class Layer(nn.Module):
         self.self_attn = Attention(plan, plan.layer_types[index])
         self.mlp = DeepseekV4MoE(plan, plan.mlp_types[index] == "hash_moe")
 
-    def forward(self, streams, input_ids, step, past):  # noqa: ANN001, ANN201
+    def forward(self, streams, input_ids, step, past):
         # comb mixes the input streams transposed: out_k = sum_j comb[j, k] * in_j
         post, comb, collapsed = self.attn_hc(streams)
         attn, new = self.self_attn(self.input_layernorm(collapsed), step, past)

@@ -39,7 +39,9 @@ def plan_gemma4(cfg: dict[str, Any]) -> Gemma4ModelPlan:
         raise FamilyError("gemma4 configs must list layer_types")
     if cfg.get("use_bidirectional_attention") == "all":
         raise FamilyError("bidirectional gemma4 attention is not a causal decoder")
-    act = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "silu": "silu"}.get(cfg.get("hidden_activation", "gelu_pytorch_tanh"))
+    act = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "silu": "silu"}.get(
+        cfg.get("hidden_activation", "gelu_pytorch_tanh")
+    )
     if act is None:
         raise FamilyError(f"activation {cfg.get('hidden_activation')!r} is not supported")
     if cfg.get("use_double_wide_mlp"):
@@ -61,19 +63,35 @@ def plan_gemma4(cfg: dict[str, Any]) -> Gemma4ModelPlan:
             source = max(j for j in range(shared_from) if layer_types[j] == kind)
         moe = None
         if cfg.get("enable_moe_block"):
-            moe = MoEPlan(num_experts=int(cfg["num_experts"]), top_k=int(cfg["top_k_experts"]),
-                          intermediate=int(cfg["moe_intermediate_size"]), scoring="softmax", glu=GLU(act))  # fmt: skip
+            moe = MoEPlan(
+                num_experts=int(cfg["num_experts"]),
+                top_k=int(cfg["top_k_experts"]),
+                intermediate=int(cfg["moe_intermediate_size"]),
+                scoring="softmax",
+                glu=GLU(act),
+            )
         sliding = kind == "sliding_attention"
         layers.append(
             Gemma4LayerPlan(
-                kind="gqa", num_heads=int(cfg["num_attention_heads"]), num_kv_heads=kv_heads,
-                head_dim=head_dim, v_head_dim=head_dim, rotary_dim=head_dim, rope_theta=float(params.get("rope_theta", 10000.0)),
-                rope_kind=rope_type, rope_partial=float(params.get("partial_rotary_factor", 1.0)) if rope_type == "proportional" else 1.0,
-                window=int(cfg["sliding_window"]) if sliding else None, qk_norm=True,
-                k_eq_v=bool(cfg.get("attention_k_eq_v")) and not sliding, scale=1.0, kv_source=source,
-                attention_bias=bool(cfg.get("attention_bias", False)), intermediate=int(cfg["intermediate_size"]),
-                moe=moe, glu=GLU(act),
-            )  # fmt: skip
+                kind="gqa",
+                num_heads=int(cfg["num_attention_heads"]),
+                num_kv_heads=kv_heads,
+                head_dim=head_dim,
+                v_head_dim=head_dim,
+                rotary_dim=head_dim,
+                rope_theta=float(params.get("rope_theta", 10000.0)),
+                rope_kind=rope_type,
+                rope_partial=float(params.get("partial_rotary_factor", 1.0)) if rope_type == "proportional" else 1.0,
+                window=int(cfg["sliding_window"]) if sliding else None,
+                qk_norm=True,
+                k_eq_v=bool(cfg.get("attention_k_eq_v")) and not sliding,
+                scale=1.0,
+                kv_source=source,
+                attention_bias=bool(cfg.get("attention_bias", False)),
+                intermediate=int(cfg["intermediate_size"]),
+                moe=moe,
+                glu=GLU(act),
+            )
         )
         if float(params.get("factor", 1.0)) != 1.0:
             raise FamilyError("scaled proportional rope is not supported yet")
@@ -96,7 +114,7 @@ class Gemma4Attention(GQAttention):
             del self.v_proj
         self.v_norm = RMSNorm(plan.v_head_dim, eps, weighted=False)
 
-    def keys_values(self, x, step):  # noqa: ANN001, ANN201
+    def keys_values(self, x, step):
         p = self.plan
         batch, length, _ = x.shape
         k = self.k_proj(x).reshape(batch, length, p.num_kv_heads, p.head_dim)
@@ -146,7 +164,7 @@ class Gemma4Layer(nn.Module):
             self.post_per_layer_input_norm = RMSNorm(hidden, eps)
         self.layer_scalar = nn.Parameter(torch.ones(1))
 
-    def forward(self, x, step, past_k, past_v, shared=None, per_layer_input=None):  # noqa: ANN001, ANN201
+    def forward(self, x, step, past_k, past_v, shared=None, per_layer_input=None):
         attn, k, v = self.self_attn(self.input_layernorm(x), step, past_k, past_v, shared)
         x = x + self.post_attention_layernorm(attn)
         h = self.mlp(self.pre_feedforward_layernorm(x))
@@ -162,8 +180,12 @@ class Gemma4Layer(nn.Module):
         return x * self.layer_scalar, k, v
 
     def load(self, loader: TensorLoader, p: str) -> None:
-        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm"):  # fmt: skip
+        for name in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ):
             loader.norm(getattr(self, name), p + name)
         self.self_attn.load(loader, p + "self_attn.")
         self.mlp.load(loader, p + "mlp.")
@@ -187,7 +209,7 @@ class Gemma4LM(ConfiguredLM):
     planner = staticmethod(plan_gemma4)
     plan: Gemma4ModelPlan
 
-    def __init__(self, arch, plan: Gemma4ModelPlan) -> None:  # noqa: ANN001
+    def __init__(self, arch, plan: Gemma4ModelPlan) -> None:
         super().__init__(arch, plan)
         if plan.ple_dim:  # per-layer inputs: a token table and a projection of the embedding
             n = len(plan.layers)

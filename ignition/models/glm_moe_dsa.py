@@ -70,7 +70,7 @@ class Indexer(nn.Module):
     def key(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return rotate_leading(self.k_norm(self.wk(x)).unsqueeze(2), cos_sin, True)
 
-    def select(self, x, q_resid, cos_sin, k_new, k_past, visible, plan: DSALayerPlan) -> torch.Tensor:  # noqa: ANN001
+    def select(self, x, q_resid, cos_sin, k_new, k_past, visible, plan: DSALayerPlan) -> torch.Tensor:
         batch, length, _ = x.shape
         q = self.wq_b(q_resid).reshape(batch, length, plan.index_heads, plan.index_head_dim)
         q = rotate_leading(q, cos_sin, True)
@@ -91,7 +91,7 @@ class DSAttention(MLAttention):
         if plan.indexer == "full":
             self.indexer = Indexer(plan, hidden)
 
-    def select(self, x, q_resid, cos_sin, past_v, visible, step, c):  # noqa: ANN001, ANN201
+    def select(self, x, q_resid, cos_sin, past_v, visible, step, c):
         p = self.plan
         if p.indexer == "shared":
             return step.selection, c

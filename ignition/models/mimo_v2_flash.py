@@ -55,7 +55,7 @@ def plan_mimo_v2_flash(cfg: dict[str, Any]) -> ModelPlan:
 
 
 class MiMoAttention(GQAttention):
-    def keys_values(self, x, step):  # noqa: ANN001, ANN201
+    def keys_values(self, x, step):
         k, v = super().keys_values(x, step)
         return k, (v * self.plan.value_scale if self.plan.value_scale != 1.0 else v)
 

@@ -73,21 +73,39 @@ def plan_minimax_m3(cfg: dict[str, Any]) -> ModelPlan:
         moe = None
         if mlp_types[i] == "sparse":
             moe = MoEPlan(
-                num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
-                intermediate=int(cfg["intermediate_size"]), correction_bias=True, norm_eps=0.0,
-                scaling=float(cfg.get("routed_scaling_factor", 1.0)), scale_output=True,
-                shared_intermediate=int(cfg.get("shared_intermediate_size") or 0), glu=glu, shared_glu=glu,
-            )  # fmt: skip
+                num_experts=int(cfg["num_local_experts"]),
+                top_k=int(cfg["num_experts_per_tok"]),
+                intermediate=int(cfg["intermediate_size"]),
+                correction_bias=True,
+                norm_eps=0.0,
+                scaling=float(cfg.get("routed_scaling_factor", 1.0)),
+                scale_output=True,
+                shared_intermediate=int(cfg.get("shared_intermediate_size") or 0),
+                glu=glu,
+                shared_glu=glu,
+            )
         layers.append(
             BlockSparseLayerPlan(
-                kind="gqa", num_heads=int(cfg["num_attention_heads"]), num_kv_heads=int(cfg["num_key_value_heads"]),
-                head_dim=head_dim, v_head_dim=head_dim, rotary_dim=rotary, rope_theta=theta, qk_norm=True,
-                norm_offset=1.0, o_bias=False, intermediate=int(cfg.get("dense_intermediate_size") or 0),
-                glu=glu, moe=moe, sparse=layer_types[i] == "minimax_m3_sparse",
-                index_heads=int(cfg.get("index_n_heads") or 0), index_head_dim=index_dim,
-                index_block=int(cfg.get("index_block_size") or 0), index_blocks=int(cfg.get("index_topk_blocks") or 0),
+                kind="gqa",
+                num_heads=int(cfg["num_attention_heads"]),
+                num_kv_heads=int(cfg["num_key_value_heads"]),
+                head_dim=head_dim,
+                v_head_dim=head_dim,
+                rotary_dim=rotary,
+                rope_theta=theta,
+                qk_norm=True,
+                norm_offset=1.0,
+                o_bias=False,
+                intermediate=int(cfg.get("dense_intermediate_size") or 0),
+                glu=glu,
+                moe=moe,
+                sparse=layer_types[i] == "minimax_m3_sparse",
+                index_heads=int(cfg.get("index_n_heads") or 0),
+                index_head_dim=index_dim,
+                index_block=int(cfg.get("index_block_size") or 0),
+                index_blocks=int(cfg.get("index_topk_blocks") or 0),
                 index_local=int(cfg.get("index_local_blocks") or 0),
-            )  # fmt: skip
+            )
         )
     eps = float(cfg.get("rms_norm_eps", 1e-6))
     return ModelPlan(layers=layers, rms_norm_eps=eps, head_norm_eps=eps, final_norm_offset=1.0)
@@ -102,11 +120,11 @@ class BlockIndexer(nn.Module):
         self.q_norm = RMSNorm(plan.index_head_dim, eps, offset=plan.norm_offset)
         self.k_norm = RMSNorm(plan.index_head_dim, eps, offset=plan.norm_offset)
 
-    def key(self, x: torch.Tensor, rotate, step) -> torch.Tensor:  # noqa: ANN001
+    def key(self, x: torch.Tensor, rotate, step) -> torch.Tensor:
         batch, length, _ = x.shape
         return rotate(self.k_norm(self.k_proj(x).reshape(batch, length, 1, -1)), step)
 
-    def select(self, x, rotate, step, k_new, k_past, visible) -> torch.Tensor:  # noqa: ANN001
+    def select(self, x, rotate, step, k_new, k_past, visible) -> torch.Tensor:
         """The keys each attention head sees [B, G, rep, L, T]."""
         p = self.plan
         batch, length, _ = x.shape
@@ -144,7 +162,7 @@ class BlockSparseAttention(GQAttention):
         if plan.sparse:
             self.indexer = BlockIndexer(plan, hidden, eps)
 
-    def select(self, x, step, past_k, k, visible):  # noqa: ANN001, ANN201
+    def select(self, x, step, past_k, k, visible):
         p = self.plan
         if not p.sparse:
             return visible, k

@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from helios.kernels.torch_ops import ACTIVATIONS, UNITS, activation, experts_op, experts_ref, gated  # noqa: F401
+from helios.kernels.torch_ops import ACTIVATIONS, UNITS, activation, experts_op, experts_ref, gated  # noqa: F401 (re-exported for the family modules)
 from ignition.models import ops
 
 
@@ -42,18 +42,28 @@ def _flare():
         attr = onnx.defs.OpSchema.Attribute
         onnx.defs.register_schema(
             onnx.defs.OpSchema(
-                "MoE", "ai.flare", 1,
-                inputs=[param("h", "T"), param("idx", "I"), param("weights", "T"), param("up", "T"),
-                        param("down", "T"), param("gate", "T", param_option=optional)],
+                "MoE",
+                "ai.flare",
+                1,
+                inputs=[
+                    param("h", "T"),
+                    param("idx", "I"),
+                    param("weights", "T"),
+                    param("up", "T"),
+                    param("down", "T"),
+                    param("gate", "T", param_option=optional),
+                ],
                 outputs=[param("out", "T")],
                 type_constraints=[("T", ["tensor(float)"], ""), ("I", ["tensor(int64)"], "")],
-                attributes=[attr("activation", onnx.defs.OpSchema.AttrType.STRING, "", required=True),
-                            attr("unit", onnx.defs.OpSchema.AttrType.STRING, "", required=False),
-                            attr("limit", onnx.defs.OpSchema.AttrType.FLOAT, "", required=False),
-                            attr("alpha", onnx.defs.OpSchema.AttrType.FLOAT, "", required=False),
-                            attr("top_k", onnx.defs.OpSchema.AttrType.INT, "", required=False)],
+                attributes=[
+                    attr("activation", onnx.defs.OpSchema.AttrType.STRING, "", required=True),
+                    attr("unit", onnx.defs.OpSchema.AttrType.STRING, "", required=False),
+                    attr("limit", onnx.defs.OpSchema.AttrType.FLOAT, "", required=False),
+                    attr("alpha", onnx.defs.OpSchema.AttrType.FLOAT, "", required=False),
+                    attr("top_k", onnx.defs.OpSchema.AttrType.INT, "", required=False),
+                ],
             )
-        )  # fmt: skip
+        )
     return onnxscript.values.Opset("ai.flare", 1)
 
 

@@ -50,27 +50,44 @@ def plan_muse_spark(cfg: dict[str, Any]) -> MuseModelPlan:
     for i in range(n):
         moe = None
         if mlp_types[i] == "sparse":  # the router's logits are scaled by the output multiplier too
-            moe = MoEPlan(num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
-                          intermediate=int(cfg["moe_intermediate_size"]), correction_bias=True, norm_eps=1e-15,
-                          scaling=float(cfg.get("routed_scaling_factor", 1.0)), logit_scale=multiplier)  # fmt: skip
+            moe = MoEPlan(
+                num_experts=int(cfg["num_local_experts"]),
+                top_k=int(cfg["num_experts_per_tok"]),
+                intermediate=int(cfg["moe_intermediate_size"]),
+                correction_bias=True,
+                norm_eps=1e-15,
+                scaling=float(cfg.get("routed_scaling_factor", 1.0)),
+                logit_scale=multiplier,
+            )
         layers.append(
             MuseLayerPlan(
-                kind="gqa", num_heads=int(cfg["num_attention_heads"]),
-                num_kv_heads=int(cfg["num_key_value_heads"]), head_dim=head_dim, v_head_dim=head_dim,
-                rotary_dim=int(head_dim * partial) if thetas[i] else 0, rope_theta=theta,
+                kind="gqa",
+                num_heads=int(cfg["num_attention_heads"]),
+                num_kv_heads=int(cfg["num_key_value_heads"]),
+                head_dim=head_dim,
+                v_head_dim=head_dim,
+                rotary_dim=int(head_dim * partial) if thetas[i] else 0,
+                rope_theta=theta,
                 window=int(cfg["sliding_window"]) if layer_types[i] == "sliding_attention" else None,
-                qk_norm=True, q_scale=float(cfg.get("qk_scale_factor", 1.0)), out_gate="full",
-                attention_bias=bool(cfg.get("attention_bias", False)), intermediate=int(cfg["intermediate_size"]),
+                qk_norm=True,
+                q_scale=float(cfg.get("qk_scale_factor", 1.0)),
+                out_gate="full",
+                attention_bias=bool(cfg.get("attention_bias", False)),
+                intermediate=int(cfg["intermediate_size"]),
                 moe=moe,
-            )  # fmt: skip
+            )
         )
     eps = float(cfg.get("rms_norm_eps", 1e-5))
     return MuseModelPlan(
-        layers=layers, rms_norm_eps=eps, head_norm_eps=eps, final_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
-        logit_multiplier=multiplier, post_norm_eps=float(cfg.get("post_norm_eps", 1e-8)),
+        layers=layers,
+        rms_norm_eps=eps,
+        head_norm_eps=eps,
+        final_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
+        logit_multiplier=multiplier,
+        post_norm_eps=float(cfg.get("post_norm_eps", 1e-8)),
         moe_hidden=int(cfg.get("moe_hidden_size") or cfg["hidden_size"]),
         residual_gate_temperature=float(cfg.get("residual_gate_temperature", 1.0)),
-    )  # fmt: skip
+    )
 
 
 class InputScaledRMSNorm(nn.Module):
@@ -109,13 +126,13 @@ class MuseAttention(GQAttention):
         self.k_norm = RMSNorm(plan.head_dim, eps, weighted=False)
         self.o_norm = RMSNorm(plan.v_head_dim, eps, weighted=False)
 
-    def queries(self, x, step):  # noqa: ANN001, ANN201
+    def queries(self, x, step):
         p = self.plan
         batch, length, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(batch, length, p.num_heads, p.head_dim))
         return self.rotate(q * p.q_scale if p.q_scale != 1.0 else q, step), None
 
-    def gate_output(self, out, x, gate):  # noqa: ANN001, ANN201
+    def gate_output(self, out, x, gate):
         return super().gate_output(self.o_norm(out), x, gate)
 
 
@@ -184,15 +201,19 @@ class MuseLayer(nn.Module):
         self.post_feedforward_layernorm = InputScaledRMSNorm(hidden, post_eps)
         self.post_feedforward_residual_gate = ResidualGate(hidden, temperature)
 
-    def forward(self, x, step, past_k, past_v, shared=None, per_layer_input=None):  # noqa: ANN001, ANN201
+    def forward(self, x, step, past_k, past_v, shared=None, per_layer_input=None):
         attn, k, v = self.self_attn(self.input_layernorm(x), step, past_k, past_v, shared)
         x = self.post_attention_residual_gate(x, self.post_attention_layernorm(attn))
         h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         return self.post_feedforward_residual_gate(x, h), k, v
 
     def load(self, loader: TensorLoader, p: str) -> None:
-        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm"):  # fmt: skip
+        for name in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ):
             loader.norm(getattr(self, name), p + name)
         for name in ("post_attention_residual_gate", "post_feedforward_residual_gate"):
             loader.put(getattr(self, name), "gate", loader.take(p + name + ".gate"))
@@ -206,7 +227,7 @@ class MuseSparkLM(ConfiguredLM):
     planner = staticmethod(plan_muse_spark)
     plan: MuseModelPlan
 
-    def __init__(self, arch, plan: MuseModelPlan) -> None:  # noqa: ANN001
+    def __init__(self, arch, plan: MuseModelPlan) -> None:
         super().__init__(arch, plan)
         self.embed_norm = RMSNorm(arch.hidden_size, plan.rms_norm_eps, weighted=False)
 

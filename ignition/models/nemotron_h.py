@@ -34,8 +34,12 @@ from ignition.models.plans import LayerPlan, ModelPlan
 PATTERN_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 BLOCK_TYPE_KINDS = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp", "moe": "moe"}
 # older config.json spellings that transformers' NemotronHConfig still accepts
-_ALIASES = {"n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv", "time_step_min": "mamba_dt_min",
-            "use_conv_bias": "mamba_conv_bias"}  # fmt: skip
+_ALIASES = {
+    "n_groups": "mamba_n_groups",
+    "conv_kernel": "mamba_d_conv",
+    "time_step_min": "mamba_dt_min",
+    "use_conv_bias": "mamba_conv_bias",
+}
 
 
 def layer_kinds(config: dict[str, Any]) -> list[str]:
@@ -105,24 +109,37 @@ def plan_nemotron_h(cfg: dict[str, Any]) -> ModelPlan:
         if experts % n_group:
             raise FamilyError("nemotron_h n_routed_experts must be a multiple of n_group")
         moe = NemotronMoEPlan(
-            num_experts=experts, top_k=int(cfg.get("num_experts_per_tok") or 2),
-            intermediate=int(cfg.get("moe_intermediate_size") or 7688), scoring="sigmoid", correction_bias=True,
-            n_group=n_group, topk_group=int(cfg.get("topk_group") or 1), norm_topk=bool(cfg.get("norm_topk_prob", True)),
+            num_experts=experts,
+            top_k=int(cfg.get("num_experts_per_tok") or 2),
+            intermediate=int(cfg.get("moe_intermediate_size") or 7688),
+            scoring="sigmoid",
+            correction_bias=True,
+            n_group=n_group,
+            topk_group=int(cfg.get("topk_group") or 1),
+            norm_topk=bool(cfg.get("norm_topk_prob", True)),
             scaling=float(cfg.get("routed_scaling_factor") or 1.0),
             shared_intermediate=int(cfg.get("moe_shared_expert_intermediate_size") or 7688),
-            latent=int(cfg.get("moe_latent_size") or 0), bias=bias,
-        )  # fmt: skip
+            latent=int(cfg.get("moe_latent_size") or 0),
+            bias=bias,
+        )
     mixer = dataclasses.asdict(spec) if spec is not None else {}
     layers = []
     for kind in kinds:
         layers.append(
             NemotronLayerPlan(
-                kind={"mamba": "mamba2", "attention": "gqa"}.get(kind, "ffn"), num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=head_dim, v_head_dim=head_dim,
-                rotary_dim=0, rope_theta=10000.0, scale=head_dim**-0.5,
+                kind={"mamba": "mamba2", "attention": "gqa"}.get(kind, "ffn"),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=head_dim,
+                v_head_dim=head_dim,
+                rotary_dim=0,
+                rope_theta=10000.0,
+                scale=head_dim**-0.5,
                 intermediate=int(cfg.get("intermediate_size") or 0) if kind == "mlp" else 0,
-                moe=moe if kind == "moe" else None, mlp_bias=bias, mixer=dict(mixer) if kind == "mamba" else {},
-            )  # fmt: skip
+                moe=moe if kind == "moe" else None,
+                mlp_bias=bias,
+                mixer=dict(mixer) if kind == "mamba" else {},
+            )
         )
     return ModelPlan(layers=layers, rms_norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)))
 
@@ -169,7 +186,7 @@ class SingleMixerLayer(nn.Module):
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(self.input_layernorm(x))
 
-    def forward(self, x, step, past_k, past_v, shared=None, per_layer_input=None):  # noqa: ANN001, ANN201
+    def forward(self, x, step, past_k, past_v, shared=None, per_layer_input=None):
         attn, k, v = self.self_attn(self.input_layernorm(x), step, past_k, past_v, shared)
         return x + attn, k, v
 
@@ -190,8 +207,9 @@ class NemotronHLM(ConfiguredLM):
         `backbone.norm_f.weight`, `lm_head.weight` (transformers' own module names, `model.*`, are
         accepted too). Experts per expert (`mixer.experts.E.{up,down}_proj.weight`) or stacked
         (`mixer.experts.{up,down}_proj` [E, ...]). `mtp.*` tensors are kept aside."""
-        renamed = {("backbone." + name.removeprefix("model.") if name.startswith("model.") else name): name
-                   for name in tensors}
+        renamed = {
+            ("backbone." + name.removeprefix("model.") if name.startswith("model.") else name): name for name in tensors
+        }
         loader = TensorLoader({new: tensors[old] for new, old in renamed.items()})
         loader.put(self.embed_tokens, "weight", loader.take("backbone.embeddings.weight"))
         for i, layer in enumerate(self.layers):

@@ -31,8 +31,12 @@ from collections.abc import Iterator
 import torch
 
 # The ops' schemas and plain-torch meaning live in helios (a torch step program needs them at load).
-from helios.kernels.torch_ops import (add_rms_norm_op, add_rms_norm_ref, paged_attention_ref, pool_attention_op,  # noqa: F401
-                                      pool_attention_ref, rotary_ref)
+from helios.kernels.torch_ops import (
+    add_rms_norm_op,
+    add_rms_norm_ref,
+    pool_attention_op,
+    pool_attention_ref,
+)
 
 _FUSED = False
 
@@ -55,13 +59,39 @@ def add_rms_norm(x, residual, weight, eps: float):
     return (add_rms_norm_op if _FUSED else add_rms_norm_ref)(x, residual, weight, eps)
 
 
-def pool_attention(qkv, positions, cos_cache, sin_cache, kv_pool, block_tables, history_lens, query_lens,
-                   layer: int, num_layers: int, num_heads: int, kv_heads: int, scale: float | None = None):  # fmt: skip
+def pool_attention(
+    qkv,
+    positions,
+    cos_cache,
+    sin_cache,
+    kv_pool,
+    block_tables,
+    history_lens,
+    query_lens,
+    layer: int,
+    num_layers: int,
+    num_heads: int,
+    kv_heads: int,
+    scale: float | None = None,
+):
     """scale: the softmax scale (None: 1/sqrt(head_dim))."""
     scale = scale or 1.0 / math.sqrt(2 * cos_cache.shape[1])
     fn = pool_attention_op if _FUSED else pool_attention_ref
-    return fn(qkv, positions, cos_cache, sin_cache, kv_pool, block_tables, history_lens, query_lens, layer,
-              num_layers, num_heads, kv_heads, scale)  # fmt: skip
+    return fn(
+        qkv,
+        positions,
+        cos_cache,
+        sin_cache,
+        kv_pool,
+        block_tables,
+        history_lens,
+        query_lens,
+        layer,
+        num_layers,
+        num_heads,
+        kv_heads,
+        scale,
+    )
 
 
 # -- ONNX translations (onnxruntime contrib ops) ---------------------------------------------------
@@ -97,7 +127,9 @@ def _contrib():
                 outputs=params(s.outputs),
                 type_constraints=[(c.type_param_str, list(c.allowed_type_strs), "") for c in s.type_constraints],
                 attributes=[
-                    onnx.defs.OpSchema.Attribute(a.name, onnx.defs.OpSchema.AttrType(int(a.type)), "", required=a.required)
+                    onnx.defs.OpSchema.Attribute(
+                        a.name, onnx.defs.OpSchema.AttrType(int(a.type)), "", required=a.required
+                    )
                     for a in s.attributes.values()
                 ],
             )
@@ -127,26 +159,63 @@ def _flare():
         kind = onnx.defs.OpSchema.AttrType
         onnx.defs.register_schema(
             onnx.defs.OpSchema(
-                "PagedAttention", "ai.flare", 1,
-                inputs=[param("qkv", "T"), param("positions", "I"), param("cos_cache", "T"), param("sin_cache", "T"),
-                        param("kv_pool", "T"), param("block_tables", "I"), param("history_lens", "I"),
-                        param("query_lens", "I")],
+                "PagedAttention",
+                "ai.flare",
+                1,
+                inputs=[
+                    param("qkv", "T"),
+                    param("positions", "I"),
+                    param("cos_cache", "T"),
+                    param("sin_cache", "T"),
+                    param("kv_pool", "T"),
+                    param("block_tables", "I"),
+                    param("history_lens", "I"),
+                    param("query_lens", "I"),
+                ],
                 outputs=[param("out", "T"), param("k", "T"), param("v", "T")],
                 type_constraints=[("T", ["tensor(float)"], ""), ("I", ["tensor(int64)"], "")],
-                attributes=[attr("num_heads", kind.INT, "", required=True), attr("kv_heads", kind.INT, "", required=True),
-                            attr("layer", kind.INT, "", required=True), attr("num_layers", kind.INT, "", required=True),
-                            attr("scale", kind.FLOAT, "", required=True)],
+                attributes=[
+                    attr("num_heads", kind.INT, "", required=True),
+                    attr("kv_heads", kind.INT, "", required=True),
+                    attr("layer", kind.INT, "", required=True),
+                    attr("num_layers", kind.INT, "", required=True),
+                    attr("scale", kind.FLOAT, "", required=True),
+                ],
             )
-        )  # fmt: skip
+        )
     return onnxscript.values.Opset("ai.flare", 1)
 
 
-def _pool_attention_onnx(qkv, positions, cos_cache, sin_cache, kv_pool, block_tables, history_lens, query_lens,
-                         layer: int, num_layers: int, num_heads: int, kv_heads: int, scale: float):  # fmt: skip
+def _pool_attention_onnx(
+    qkv,
+    positions,
+    cos_cache,
+    sin_cache,
+    kv_pool,
+    block_tables,
+    history_lens,
+    query_lens,
+    layer: int,
+    num_layers: int,
+    num_heads: int,
+    kv_heads: int,
+    scale: float,
+):
     return _flare().PagedAttention(
-        qkv, positions, cos_cache, sin_cache, kv_pool, block_tables, history_lens, query_lens,
-        num_heads=num_heads, kv_heads=kv_heads, layer=layer, num_layers=num_layers, scale=scale,
-    )  # fmt: skip
+        qkv,
+        positions,
+        cos_cache,
+        sin_cache,
+        kv_pool,
+        block_tables,
+        history_lens,
+        query_lens,
+        num_heads=num_heads,
+        kv_heads=kv_heads,
+        layer=layer,
+        num_layers=num_layers,
+        scale=scale,
+    )
 
 
 TRANSLATIONS = {

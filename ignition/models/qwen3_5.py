@@ -25,8 +25,9 @@ from ignition.models.qwen3_5_vision import vision_tensors
 def plan_qwen3_5(cfg: dict[str, Any]) -> ModelPlan:
     n = int(cfg["num_hidden_layers"])
     interval = int(cfg.get("full_attention_interval") or 4)
-    layer_types = list(cfg.get("layer_types") or
-                       ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)])  # fmt: skip
+    layer_types = list(
+        cfg.get("layer_types") or ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+    )
     unknown = sorted(set(layer_types) - {"linear_attention", "full_attention"})
     if unknown or len(layer_types) != n:
         raise FamilyError(f"qwen3_5 layer types {unknown or layer_types} are not supported")
@@ -36,13 +37,22 @@ def plan_qwen3_5(cfg: dict[str, Any]) -> ModelPlan:
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     moe = None
     if cfg.get("num_experts"):
-        moe = MoEPlan(num_experts=int(cfg["num_experts"]), top_k=int(cfg["num_experts_per_tok"]),
-                      intermediate=int(cfg["moe_intermediate_size"]), scoring="softmax", norm_eps=0.0,
-                      shared_intermediate=int(cfg.get("shared_expert_intermediate_size") or 0),
-                      shared_gate=bool(cfg.get("shared_expert_intermediate_size")))  # fmt: skip
-    mixer = {"key_heads": int(cfg["linear_num_key_heads"]), "value_heads": int(cfg["linear_num_value_heads"]),
-             "key_dim": int(cfg["linear_key_head_dim"]), "value_dim": int(cfg["linear_value_head_dim"]),
-             "kernel": int(cfg.get("linear_conv_kernel_dim") or 4)}  # fmt: skip
+        moe = MoEPlan(
+            num_experts=int(cfg["num_experts"]),
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate=int(cfg["moe_intermediate_size"]),
+            scoring="softmax",
+            norm_eps=0.0,
+            shared_intermediate=int(cfg.get("shared_expert_intermediate_size") or 0),
+            shared_gate=bool(cfg.get("shared_expert_intermediate_size")),
+        )
+    mixer = {
+        "key_heads": int(cfg["linear_num_key_heads"]),
+        "value_heads": int(cfg["linear_num_value_heads"]),
+        "key_dim": int(cfg["linear_key_head_dim"]),
+        "value_dim": int(cfg["linear_value_head_dim"]),
+        "kernel": int(cfg.get("linear_conv_kernel_dim") or 4),
+    }
     if mixer["value_heads"] % mixer["key_heads"]:
         raise FamilyError("linear_num_value_heads must be a multiple of linear_num_key_heads")
     layers = []
@@ -50,13 +60,21 @@ def plan_qwen3_5(cfg: dict[str, Any]) -> ModelPlan:
         linear = kind == "linear_attention"
         layers.append(
             LayerPlan(
-                kind="gated_deltanet" if linear else "gqa", num_heads=int(cfg["num_attention_heads"]),
-                num_kv_heads=int(cfg["num_key_value_heads"]), head_dim=head_dim, v_head_dim=head_dim,
-                rotary_dim=int(head_dim * partial), rope_theta=theta, qk_norm=True, norm_offset=1.0,
-                out_gate="query", attention_bias=bool(cfg.get("attention_bias", False)),
-                intermediate=0 if moe else int(cfg["intermediate_size"]), moe=moe,
+                kind="gated_deltanet" if linear else "gqa",
+                num_heads=int(cfg["num_attention_heads"]),
+                num_kv_heads=int(cfg["num_key_value_heads"]),
+                head_dim=head_dim,
+                v_head_dim=head_dim,
+                rotary_dim=int(head_dim * partial),
+                rope_theta=theta,
+                qk_norm=True,
+                norm_offset=1.0,
+                out_gate="query",
+                attention_bias=bool(cfg.get("attention_bias", False)),
+                intermediate=0 if moe else int(cfg["intermediate_size"]),
+                moe=moe,
                 mixer=dict(mixer) if linear else {},
-            )  # fmt: skip
+            )
         )
     eps = float(cfg.get("rms_norm_eps", 1e-6))
     return ModelPlan(layers=layers, rms_norm_eps=eps, head_norm_eps=eps, final_norm_offset=1.0)

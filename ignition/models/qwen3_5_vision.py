@@ -135,7 +135,7 @@ def vision_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     for name, value in tensors.items():
         for prefix in (PREFIX, "visual.", "model.vision_tower."):
             if name.startswith(prefix):
-                out[PREFIX + name[len(prefix):]] = value
+                out[PREFIX + name[len(prefix) :]] = value
     return out
 
 

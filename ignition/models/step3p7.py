@@ -52,8 +52,10 @@ def plan_step3p7(cfg: dict[str, Any]) -> ModelPlan:
         params = rope.get(kind) or {}
         if not rope:  # hub configs: per-layer rope_theta / partial_rotary_factors lists
             theta, partial = cfg.get("rope_theta", 10000.0), cfg.get("partial_rotary_factors")
-            params = {"rope_theta": theta[i] if isinstance(theta, list) else theta,
-                      "partial_rotary_factor": partial[i] if isinstance(partial, list) else 1.0}  # fmt: skip
+            params = {
+                "rope_theta": theta[i] if isinstance(theta, list) else theta,
+                "partial_rotary_factor": partial[i] if isinstance(partial, list) else 1.0,
+            }
         if params.get("rope_type", "default") != "default":
             raise FamilyError(f"rope type {params.get('rope_type')!r} is not supported yet")
         over = dict(per_layer_overrides(cfg, i))
@@ -62,34 +64,52 @@ def plan_step3p7(cfg: dict[str, Any]) -> ModelPlan:
         moe = None
         if mlp_types[i] == "sparse":
             moe = MoEPlan(
-                num_experts=int(cfg["n_routed_experts"]), top_k=int(cfg["num_experts_per_tok"]),
-                intermediate=int(cfg["moe_intermediate_size"]), scoring="sigmoid", correction_bias=True,
-                scaling=float(cfg.get("moe_router_scaling_factor", 1.0)), scale_output=True, norm_eps=0.0,
-                shared_intermediate=int(cfg.get("share_expert_dim") or 0), glu=clamped(limits[i]),
+                num_experts=int(cfg["n_routed_experts"]),
+                top_k=int(cfg["num_experts_per_tok"]),
+                intermediate=int(cfg["moe_intermediate_size"]),
+                scoring="sigmoid",
+                correction_bias=True,
+                scaling=float(cfg.get("moe_router_scaling_factor", 1.0)),
+                scale_output=True,
+                norm_eps=0.0,
+                shared_intermediate=int(cfg.get("share_expert_dim") or 0),
+                glu=clamped(limits[i]),
                 shared_glu=clamped(shared_limits[i]),
-            )  # fmt: skip
+            )
         layers.append(
             LayerPlan(
-                kind="gqa", num_heads=int(over.get("num_attention_heads", cfg["num_attention_heads"])),
-                num_kv_heads=int(cfg["num_key_value_heads"]), head_dim=head_dim, v_head_dim=head_dim,
+                kind="gqa",
+                num_heads=int(over.get("num_attention_heads", cfg["num_attention_heads"])),
+                num_kv_heads=int(cfg["num_key_value_heads"]),
+                head_dim=head_dim,
+                v_head_dim=head_dim,
                 rotary_dim=int(head_dim * float(params.get("partial_rotary_factor", 1.0))),
                 rope_theta=float(params.get("rope_theta", 10000.0)),
-                window=int(cfg["sliding_window"]) if kind == "sliding_attention" else None, qk_norm=True,
-                norm_offset=1.0, out_gate="head" if gating is True or gating == "per-head" else "full",
+                window=int(cfg["sliding_window"]) if kind == "sliding_attention" else None,
+                qk_norm=True,
+                norm_offset=1.0,
+                out_gate="head" if gating is True or gating == "per-head" else "full",
                 scale=float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5,
-                attention_bias=bool(cfg.get("attention_bias", False)), intermediate=int(cfg["intermediate_size"]),
-                glu=clamped(shared_limits[i]), moe=moe,
-            )  # fmt: skip
+                attention_bias=bool(cfg.get("attention_bias", False)),
+                intermediate=int(cfg["intermediate_size"]),
+                glu=clamped(shared_limits[i]),
+                moe=moe,
+            )
         )
     eps = float(cfg.get("rms_norm_eps", 1e-5))
     return ModelPlan(layers=layers, rms_norm_eps=eps, head_norm_eps=eps, final_norm_offset=1.0)
 
 
 # The hub layout -> transformers' module names (experts stacked [E, ...] per projection).
-_RENAMES = [(re.compile(a), b) for a, b in (
-    (r"\.moe\.gate\.weight$", ".mlp.gate.weight"), (r"\.moe\.router_bias$", ".mlp.gate.e_score_correction_bias"),
-    (r"\.moe\.(gate|up|down)_proj\.weight$", r".mlp.experts.\1_proj"), (r"\.share_expert\.", ".mlp.shared_experts."),
-)]  # fmt: skip
+_RENAMES = [
+    (re.compile(a), b)
+    for a, b in (
+        (r"\.moe\.gate\.weight$", ".mlp.gate.weight"),
+        (r"\.moe\.router_bias$", ".mlp.gate.e_score_correction_bias"),
+        (r"\.moe\.(gate|up|down)_proj\.weight$", r".mlp.experts.\1_proj"),
+        (r"\.share_expert\.", ".mlp.shared_experts."),
+    )
+]
 
 
 class Step3p7LM(ConfiguredLM):

@@ -73,19 +73,33 @@ def ensure_llamacpp() -> Path:
     if not built:
         log(f"building llama-cpp-python {LLAMA_CPP_VERSION} ({LLAMA_CPP_BUILD}) from source (~12 minutes, once)")
         # CFLAGS/CXXFLAGS seed CMAKE_C(XX)_FLAGS: the -mno-amx-* flags reach every ggml source.
-        env = dict(os.environ, CMAKE_ARGS="-DGGML_NATIVE=ON",
-                   CFLAGS=f"{os.environ.get('CFLAGS', '')} {LLAMA_CPP_CFLAGS}".strip(),
-                   CXXFLAGS=f"{os.environ.get('CXXFLAGS', '')} {LLAMA_CPP_CFLAGS}".strip())
+        env = dict(
+            os.environ,
+            CMAKE_ARGS="-DGGML_NATIVE=ON",
+            CFLAGS=f"{os.environ.get('CFLAGS', '')} {LLAMA_CPP_CFLAGS}".strip(),
+            CXXFLAGS=f"{os.environ.get('CXXFLAGS', '')} {LLAMA_CPP_CFLAGS}".strip(),
+        )
         subprocess.run(
-            [str(python), "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "-w", str(wheels),
-             f"llama-cpp-python=={LLAMA_CPP_VERSION}"],
-            check=True, env=env,
+            [
+                str(python),
+                "-m",
+                "pip",
+                "wheel",
+                "--no-deps",
+                "--no-cache-dir",
+                "-w",
+                str(wheels),
+                f"llama-cpp-python=={LLAMA_CPP_VERSION}",
+            ],
+            check=True,
+            env=env,
         )
         built = sorted(wheels.glob(f"llama_cpp_python-{LLAMA_CPP_VERSION}-*.whl"))
     subprocess.run([str(python), "-m", "pip", "install", "-q", str(built[-1]), "numpy"], check=True)
     # The same version of another flavour counts as installed: replace it with this wheel.
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--force-reinstall", "--no-deps", str(built[-1])],
-                   check=True)
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--force-reinstall", "--no-deps", str(built[-1])], check=True
+    )
     marker.write_text(build + "\n")
     return python
 
@@ -178,8 +192,9 @@ def ensure_genai_model(python: Path, gguf_path: Path, name: str, threads: int, m
         shutil.rmtree(out)
     if not (out / "genai_config.json").is_file():
         hf = ROOT / "hf" / name
-        if (hf / "config.json").is_file() and \
-                json.loads((hf / "config.json").read_text()).get("max_position_embeddings", 0) < min_context:
+        if (hf / "config.json").is_file() and json.loads((hf / "config.json").read_text()).get(
+            "max_position_embeddings", 0
+        ) < min_context:
             shutil.rmtree(hf)
         if not (hf / "config.json").is_file():
             log(f"writing a Hugging Face copy of {gguf_path.name}")
@@ -193,8 +208,22 @@ def ensure_genai_model(python: Path, gguf_path: Path, name: str, threads: int, m
         )
         log("building the onnxruntime-genai int4 model")
         subprocess.run(
-            [str(python), "-c", code, main_site, "-i", str(hf), "-o", str(tmp), "-p", "int4", "-e", "cpu",
-             "-c", str(ROOT / "genai" / "cache")],
+            [
+                str(python),
+                "-c",
+                code,
+                main_site,
+                "-i",
+                str(hf),
+                "-o",
+                str(tmp),
+                "-p",
+                "int4",
+                "-e",
+                "cpu",
+                "-c",
+                str(ROOT / "genai" / "cache"),
+            ],
             check=True,
         )
         shutil.rmtree(ROOT / "genai" / "cache", ignore_errors=True)
@@ -225,9 +254,7 @@ def gguf_quantization(path: Path) -> str:
 
 def run_peer(python: Path, script: str, args: list[str], timeout: float) -> dict:
     """Run a runner script with a peer's python; its last stdout line is its JSON result."""
-    proc = subprocess.run(
-        [str(python), str(HERE / script), *args], capture_output=True, text=True, timeout=timeout
-    )
+    proc = subprocess.run([str(python), str(HERE / script), *args], capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{script} failed ({proc.returncode}): {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -48,8 +48,17 @@ def next_token(llm: Llama, vocab: int) -> int:
 
 
 def long_context(a: argparse.Namespace) -> dict:
-    llm = Llama(a.model, n_ctx=a.long + a.decode + 16, n_threads=a.threads, n_threads_batch=a.threads,
-                n_batch=BATCH, n_ubatch=BATCH, flash_attn=not a.no_flash_attn, verbose=False, logits_all=False)
+    llm = Llama(
+        a.model,
+        n_ctx=a.long + a.decode + 16,
+        n_threads=a.threads,
+        n_threads_batch=a.threads,
+        n_batch=BATCH,
+        n_ubatch=BATCH,
+        flash_attn=not a.no_flash_attn,
+        verbose=False,
+        logits_all=False,
+    )
     vocab = llm.n_vocab()
     llm.eval(prompt_ids(min(BATCH, a.long), 9999))  # warm up the batch path and the decode path
     llm.eval([next_token(llm, vocab)])
@@ -64,9 +73,15 @@ def long_context(a: argparse.Namespace) -> dict:
         llm.eval([token])
         token = next_token(llm, vocab)
     decode_s = time.perf_counter() - start
-    return {"long_tokens": a.long, "long_prefill_tps": round(a.long / prefill_s, 1),
-            "long_prefill_ms": round(prefill_s * 1000, 1), "long_decode_tps": round(a.decode / decode_s, 2),
-            "long_decode_tokens": a.decode, "flash_attn": not a.no_flash_attn, "n_ctx": llm.n_ctx()}
+    return {
+        "long_tokens": a.long,
+        "long_prefill_tps": round(a.long / prefill_s, 1),
+        "long_prefill_ms": round(prefill_s * 1000, 1),
+        "long_decode_tps": round(a.decode / decode_s, 2),
+        "long_decode_tokens": a.decode,
+        "flash_attn": not a.no_flash_attn,
+        "n_ctx": llm.n_ctx(),
+    }
 
 
 class ModelDraft(LlamaDraftModel):
@@ -74,11 +89,19 @@ class ModelDraft(LlamaDraftModel):
     draft-model hook with a Llama of its own (its KV cache keeps the common prefix between calls)."""
 
     def __init__(self, path: str, threads: int, width: int):
-        self.llm = Llama(path, n_ctx=3072, n_threads=threads, n_threads_batch=threads, n_batch=BATCH,
-                         n_ubatch=BATCH, verbose=False, logits_all=False)
+        self.llm = Llama(
+            path,
+            n_ctx=3072,
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_batch=BATCH,
+            n_ubatch=BATCH,
+            verbose=False,
+            logits_all=False,
+        )
         self.width = width
 
-    def __call__(self, input_ids, /, **kwargs):  # noqa: ANN001, ANN003, ANN204
+    def __call__(self, input_ids, /, **kwargs):
         drafts = []
         for token in self.llm.generate(input_ids.tolist(), top_k=1, temp=0.0):
             drafts.append(token)
@@ -95,11 +118,21 @@ def edit(a: argparse.Namespace) -> dict:
         modes.append(("draft", ModelDraft(a.draft, a.threads, a.draft_width)))
     for label, draft in modes:
         # The wrapper verifies drafts against every position's logits: it needs logits_all.
-        llm = Llama(a.model, n_ctx=3072, n_threads=a.threads, n_threads_batch=a.threads, n_batch=BATCH,
-                    n_ubatch=BATCH, verbose=False, draft_model=draft, logits_all=draft is not None)
+        llm = Llama(
+            a.model,
+            n_ctx=3072,
+            n_threads=a.threads,
+            n_threads_batch=a.threads,
+            n_batch=BATCH,
+            n_ubatch=BATCH,
+            verbose=False,
+            draft_model=draft,
+            logits_all=draft is not None,
+        )
         first, tokens = None, 0
-        for chunk in llm.create_completion(prompt, max_tokens=a.decode, temperature=0.0, top_k=1, stop=["```"],
-                                           stream=True):
+        for _chunk in llm.create_completion(
+            prompt, max_tokens=a.decode, temperature=0.0, top_k=1, stop=["```"], stream=True
+        ):
             tokens += 1
             if first is None:
                 first = time.perf_counter()
@@ -127,8 +160,16 @@ def main() -> None:
     if a.long:
         print(json.dumps(long_context(a)))
         return
-    llm = Llama(a.model, n_ctx=2048, n_threads=a.threads, n_threads_batch=a.threads, n_batch=BATCH,
-                n_ubatch=BATCH, verbose=False, logits_all=False)
+    llm = Llama(
+        a.model,
+        n_ctx=2048,
+        n_threads=a.threads,
+        n_threads_batch=a.threads,
+        n_batch=BATCH,
+        n_ubatch=BATCH,
+        verbose=False,
+        logits_all=False,
+    )
     vocab = llm.n_vocab()
 
     def decode(steps: int) -> float:

@@ -31,8 +31,10 @@ def long_context(a: argparse.Namespace) -> dict:
     config = json.loads((Path(a.model) / "genai_config.json").read_text())
     context = config["model"].get("context_length", 0)
     if context < total:
-        sys.exit(f"{a.model}: genai_config.json context_length {context} < {total} tokens needed "
-                 f"(rebuild the model with a longer context)")
+        sys.exit(
+            f"{a.model}: genai_config.json context_length {context} < {total} tokens needed "
+            f"(rebuild the model with a longer context)"
+        )
     model = og.Model(a.model)
 
     def generator(length: int):
@@ -49,16 +51,22 @@ def long_context(a: argparse.Namespace) -> dict:
     gen = generator(total)
     start = time.perf_counter()
     for i in range(0, a.long, a.chunk):
-        gen.append_tokens(np.array([ids[i:i + a.chunk]], dtype=np.int32))
+        gen.append_tokens(np.array([ids[i : i + a.chunk]], dtype=np.int32))
     prefill_s = time.perf_counter() - start
     gen.generate_next_token()  # the first output token
     start = time.perf_counter()
     for _ in range(a.decode):
         gen.generate_next_token()
     decode_s = time.perf_counter() - start
-    return {"long_tokens": a.long, "long_prefill_tps": round(a.long / prefill_s, 1),
-            "long_prefill_ms": round(prefill_s * 1000, 1), "long_decode_tps": round(a.decode / decode_s, 2),
-            "long_decode_tokens": a.decode, "chunk": a.chunk, "context_length": context}
+    return {
+        "long_tokens": a.long,
+        "long_prefill_tps": round(a.long / prefill_s, 1),
+        "long_prefill_ms": round(prefill_s * 1000, 1),
+        "long_decode_tps": round(a.decode / decode_s, 2),
+        "long_decode_tokens": a.decode,
+        "chunk": a.chunk,
+        "context_length": context,
+    }
 
 
 def main() -> None:

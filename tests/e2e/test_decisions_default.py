@@ -19,12 +19,20 @@ def http(default_server):
 
 
 def test_decisions_answer_obvious_questions(http):
-    body = {"model": "local", "input": STATE, "questions": [
-        {"type": "predicate", "name": "paid", "instructions": "Was the invoice paid?"},
-        {"type": "predicate", "name": "unpaid", "instructions": "Is the invoice still unpaid?"},
-        {"type": "choice", "name": "method", "instructions": "How was the invoice paid?",
-         "choices": [{"value": "cash"}, {"value": "card"}, {"value": "bank transfer"}]},
-    ]}
+    body = {
+        "model": "local",
+        "input": STATE,
+        "questions": [
+            {"type": "predicate", "name": "paid", "instructions": "Was the invoice paid?"},
+            {"type": "predicate", "name": "unpaid", "instructions": "Is the invoice still unpaid?"},
+            {
+                "type": "choice",
+                "name": "method",
+                "instructions": "How was the invoice paid?",
+                "choices": [{"value": "cash"}, {"value": "card"}, {"value": "bank transfer"}],
+            },
+        ],
+    }
     response = http.post("/v1/decisions", json=body, headers={"X-Request-Id": "decide-1"})
     assert response.status_code == 200, response.text
     assert response.headers["x-request-id"] == "decide-1"  # it reached model submission
@@ -37,11 +45,18 @@ def test_decisions_answer_obvious_questions(http):
 
 
 def test_systemone_answers_obvious_questions(http):
-    body = {"model": "local", "state": {"ticket": STATE}, "questions": {
-        "paid": {"type": "noul", "instructions": "Was the invoice paid?"},
-        "mood": {"type": "choice", "instructions": "How does the customer feel?",
-                 "criteria": {"happy": None, "angry": None}},
-    }}
+    body = {
+        "model": "local",
+        "state": {"ticket": STATE},
+        "questions": {
+            "paid": {"type": "noul", "instructions": "Was the invoice paid?"},
+            "mood": {
+                "type": "choice",
+                "instructions": "How does the customer feel?",
+                "criteria": {"happy": None, "angry": None},
+            },
+        },
+    }
     response = http.post("/v1/systemone", json=body)
     assert response.status_code == 200, response.text
     assert response.headers["x-request-id"].startswith("sysone-")
@@ -53,9 +68,17 @@ def test_systemone_answers_obvious_questions(http):
 def test_prompt_scoring_needs_a_re_export_but_explicit_ids_work(http):
     response = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 0, "echo": True, "logprobs": 1})
     assert response.status_code == 400 and "--prompt-logprobs" in response.json()["error"]["message"]
-    response = http.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "Reply with exactly OK."}], "max_tokens": 1, "temperature": 0, "top_k": 1,
-        "logprobs": True, "logprob_token_ids": [3925, 11]})  # "OK", ","
+    response = http.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "Reply with exactly OK."}],
+            "max_tokens": 1,
+            "temperature": 0,
+            "top_k": 1,
+            "logprobs": True,
+            "logprob_token_ids": [3925, 11],
+        },
+    )  # "OK", ","
     assert response.status_code == 200, response.text
     entry = response.json()["choices"][0]["logprobs"]["content"][0]
     assert [t["token"] for t in entry["top_logprobs"]][:2] == ["OK", ","]

@@ -137,16 +137,36 @@ def test_speculation_is_exact_and_fires_on_an_edit(default_core, default_server,
     module = "class Inventory:\n    def __init__(self):\n        self.record_store = {}\n" + "".join(
         f"\n    def add_{i}(self, sku: str, count: int) -> int:\n"
         f"        self.record_store[sku] = self.record_store.get(sku, 0) + count * {i + 1}\n"
-        f"        return self.record_store[sku]\n" for i in range(5))
-    prompt = ("# inventory.py\n```python\n" + module + "```\n\n"
-              "# inventory.py after renaming `record_store` to `stock_levels`\n```python\n")
+        f"        return self.record_store[sku]\n"
+        for i in range(5)
+    )
+    prompt = (
+        "# inventory.py\n```python\n" + module + "```\n\n"
+        "# inventory.py after renaming `record_store` to `stock_levels`\n```python\n"
+    )
     # Greedy is top_k 1: temperature 0 is clamped to the core's minimum (0.01), which still samples.
     body = {"prompt": prompt, "max_tokens": 160, "temperature": 0, "top_k": 1, "stop": ["```"], "logprobs": 1}
-    tool = {"type": "function", "function": {"name": "write_file", "description": "Write a file",
-            "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
-                           "required": ["path", "content"]}}}
-    chat = {"messages": [{"role": "user", "content": "Save this module as inventory.py:\n" + module}],
-            "tools": [tool], "max_tokens": 200, "temperature": 0, "top_k": 1, "logprobs": True, "top_logprobs": 2}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "write_file",
+            "description": "Write a file",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+                "required": ["path", "content"],
+            },
+        },
+    }
+    chat = {
+        "messages": [{"role": "user", "content": "Save this module as inventory.py:\n" + module}],
+        "tools": [tool],
+        "max_tokens": 200,
+        "temperature": 0,
+        "top_k": 1,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
     before = http.get("/metrics", params={"format": "json"}).json()
     fast = http.post("/v1/completions", json=body).json()["choices"][0]
     after = http.get("/metrics", params={"format": "json"}).json()

@@ -55,12 +55,15 @@ def test_messages_stop_sequence_and_inline_system(clients):
     stopped = a.messages.create(model="local", messages=OK, max_tokens=16, stop_sequences=["OK"], extra_body=GREEDY)
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == "OK"
     assert "".join(b.text for b in stopped.content) == ""
-    history = [{"role": "user", "content": "Hello"},
-               {"role": "system", "content": [{"type": "text", "text": "Reply with exactly OK."}]}]
+    history = [
+        {"role": "user", "content": "Hello"},
+        {"role": "system", "content": [{"type": "text", "text": "Reply with exactly OK."}]},
+    ]
     inline = a.messages.create(model="local", messages=history, max_tokens=16, extra_body=GREEDY)
     assert inline.content[0].text == "OK"
-    limited = a.messages.create(model="local", messages=[{"role": "user", "content": "Count from 1 to 50."}],
-                                max_tokens=3, extra_body=GREEDY)
+    limited = a.messages.create(
+        model="local", messages=[{"role": "user", "content": "Count from 1 to 50."}], max_tokens=3, extra_body=GREEDY
+    )
     assert limited.stop_reason == "max_tokens" and limited.usage.output_tokens == 3
 
 
@@ -68,26 +71,45 @@ def test_token_sequence_stops_end_on_the_real_model(clients):
     """api.md token stops: a run of ids the model is about to write ends generation; the run is
     neither text nor logprob entries, and Messages reports end_turn (a token stop)."""
     o, a, http = clients
-    SEEDED = {**GREEDY, "seed": 5}  # noqa: N806
+    SEEDED = {**GREEDY, "seed": 5}
     count = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]
-    free = http.post("/v1/chat/completions", json={"messages": count, "max_tokens": 12, "return_token_ids": True,
-                                                   **SEEDED}).json()["choices"][0]
+    free = http.post(
+        "/v1/chat/completions", json={"messages": count, "max_tokens": 12, "return_token_ids": True, **SEEDED}
+    ).json()["choices"][0]
     ids = free["token_ids"]
     # The first two-token run past the start that the model has not written before.
-    at = next(i for i in range(2, len(ids) - 1) if all(ids[j:j + 2] != ids[i:i + 2] for j in range(i)))
-    run = ids[at:at + 2]
-    stopped = http.post("/v1/chat/completions", json={
-        "messages": count, "max_tokens": 12, "return_token_ids": True, "logprobs": True, "stream": False,
-        "stop_token_sequences": [run], **SEEDED}).json()["choices"][0]
+    at = next(i for i in range(2, len(ids) - 1) if all(ids[j : j + 2] != ids[i : i + 2] for j in range(i)))
+    run = ids[at : at + 2]
+    stopped = http.post(
+        "/v1/chat/completions",
+        json={
+            "messages": count,
+            "max_tokens": 12,
+            "return_token_ids": True,
+            "logprobs": True,
+            "stream": False,
+            "stop_token_sequences": [run],
+            **SEEDED,
+        },
+    ).json()["choices"][0]
     assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == run
-    assert stopped["token_ids"] == ids[:at + 2] and len(stopped["logprobs"]["content"]) == at
+    assert stopped["token_ids"] == ids[: at + 2] and len(stopped["logprobs"]["content"]) == at
     assert free["message"]["content"].startswith(stopped["message"]["content"])
-    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in o.chat.completions.create(
-        model="local", messages=count, max_tokens=12, stream=True, extra_body={"stop_token_sequences": [run], **SEEDED})
-        if chunk.choices)
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in o.chat.completions.create(
+            model="local",
+            messages=count,
+            max_tokens=12,
+            stream=True,
+            extra_body={"stop_token_sequences": [run], **SEEDED},
+        )
+        if chunk.choices
+    )
     assert streamed == stopped["message"]["content"]
-    message = a.messages.create(model="local", messages=count, max_tokens=12,
-                                extra_body={"stop_token_sequences": [run], **SEEDED})
+    message = a.messages.create(
+        model="local", messages=count, max_tokens=12, extra_body={"stop_token_sequences": [run], **SEEDED}
+    )
     assert message.stop_reason == "end_turn" and message.usage.output_tokens == at + 2
 
 
@@ -156,8 +178,11 @@ def test_the_default_core_serves_the_native_context(clients, default_server, def
     over = http.post("/v1/completions", json={"prompt": [100] * (context + 1), "max_tokens": 1})
     assert over.status_code == 400 and f"{context}-token context" in over.json()["error"]["message"]
     text = "hello " * (context + 100)
-    over = http.post("/v1/messages", headers=ANTHROPIC, json={
-        "model": "local", "max_tokens": 8, "messages": [{"role": "user", "content": text}]})
+    over = http.post(
+        "/v1/messages",
+        headers=ANTHROPIC,
+        json={"model": "local", "max_tokens": 8, "messages": [{"role": "user", "content": text}]},
+    )
     assert over.status_code == 400, over.text
     error = over.json()
     assert error["type"] == "error" and f"{context}-token context" in error["error"]["message"]

@@ -14,7 +14,7 @@ class Cluster(Server):
     command = ("cluster", "serve")
     stop_timeout = 90.0  # the drain, then Ray's shutdown
 
-    def __init__(self, core, *args: str, replicas: int = 2, **kwargs):  # noqa: ANN001 - Server's
+    def __init__(self, core, *args: str, replicas: int = 2, **kwargs):
         self.expected = replicas
         super().__init__(core, "--replicas", str(replicas), *args, **kwargs)
 

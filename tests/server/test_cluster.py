@@ -30,7 +30,8 @@ pytest.importorskip("ray.serve", reason="the `cluster` extra (ray[serve]) is not
 KEY = "cluster-serving-key"
 # A long shared preamble (about 1,000 tokens) so prefix blocks and reuse are clearly visible.
 SYSTEM = "You are a careful assistant for the Flare project. " + " ".join(
-    f"Rule {n}: keep answer number {n} short and exact." for n in range(90))
+    f"Rule {n}: keep answer number {n} short and exact." for n in range(90)
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +41,17 @@ def cluster(default_core, tmp_path_factory) -> Iterator[Cluster]:
     # The replicas share one host-store directory; "always" restores a found chain without
     # weighing it against the prefill (deterministic for the test).
     (folder / "helios.toml").write_text('[server]\ndrain_timeout_s = 60\nhost_store_restore = "always"\n')
-    running = Cluster(default_core, "--threads", "1", "--api-key-file", str(folder / "key"),
-                      "--config", str(folder / "helios.toml"), "--host-store", str(folder / "store"))
+    running = Cluster(
+        default_core,
+        "--threads",
+        "1",
+        "--api-key-file",
+        str(folder / "key"),
+        "--config",
+        str(folder / "helios.toml"),
+        "--host-store",
+        str(folder / "store"),
+    )
     running.store = folder / "store"
     yield running
     running.stop()
@@ -53,8 +63,13 @@ def oai(cluster: Cluster) -> openai.OpenAI:
 
 def chat(cluster: Cluster, question: str, **extra) -> openai.types.chat.ChatCompletion:
     return oai(cluster).chat.completions.create(
-        model="local", messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
-        max_tokens=8, temperature=0, extra_body={"top_k": 1}, **extra)  # greedy: temperature 0 is clamped
+        model="local",
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"top_k": 1},
+        **extra,
+    )  # greedy: temperature 0 is clamped
 
 
 def routed(cluster: Cluster) -> dict[str, int]:
@@ -63,16 +78,26 @@ def routed(cluster: Cluster) -> dict[str, int]:
 
 def test_sdks_stream_and_errors_keep_their_shapes(cluster):
     client = oai(cluster)
-    reply = client.chat.completions.create(model="local", messages=[{"role": "user", "content": "Say OK."}],
-                                           max_tokens=4, temperature=0)
+    reply = client.chat.completions.create(
+        model="local", messages=[{"role": "user", "content": "Say OK."}], max_tokens=4, temperature=0
+    )
     assert reply.choices[0].message.content and reply.usage.prompt_tokens > 0
-    chunks = list(client.chat.completions.create(model="local", messages=[{"role": "user", "content": "Count: 1, 2,"}],
-                                                 max_tokens=6, temperature=0, stream=True))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) and \
-        any(c.choices and c.choices[0].finish_reason for c in chunks)
+    chunks = list(
+        client.chat.completions.create(
+            model="local",
+            messages=[{"role": "user", "content": "Count: 1, 2,"}],
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) and any(
+        c.choices and c.choices[0].finish_reason for c in chunks
+    )
     messages = anthropic.Anthropic(base_url=cluster.url, api_key=KEY, max_retries=0)
-    with messages.messages.stream(model="local", max_tokens=6,
-                                  messages=[{"role": "user", "content": "Say hi."}]) as stream:
+    with messages.messages.stream(
+        model="local", max_tokens=6, messages=[{"role": "user", "content": "Say hi."}]
+    ) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text == "".join(b.text for b in final.content if b.type == "text") and final.stop_reason
@@ -81,10 +106,12 @@ def test_sdks_stream_and_errors_keep_their_shapes(cluster):
         openai.OpenAI(base_url=cluster.url + "/v1", api_key="wrong", max_retries=0).models.list()
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=cluster.url, api_key="wrong", max_retries=0).messages.create(
-            model="local", max_tokens=4, messages=[{"role": "user", "content": "x"}])
+            model="local", max_tokens=4, messages=[{"role": "user", "content": "x"}]
+        )
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
-        client.chat.completions.create(model="local", messages=[{"role": "user", "content": "x"}], logprobs=True,
-                                       top_logprobs=500)
+        client.chat.completions.create(
+            model="local", messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=500
+        )
     too_long = client.completions.create  # a prompt past the context is refused before dispatch (400)
     with pytest.raises(openai.BadRequestError, match="context"):
         too_long(model="local", prompt="word " * 40000, max_tokens=4)
@@ -111,8 +138,12 @@ def test_requests_sharing_a_prefix_land_on_one_replica(cluster):
 def test_a_session_hint_keeps_a_conversation_together(cluster):
     before = routed(cluster)
     for n in range(3):  # short prompts (no whole block): only the session hint can place them
-        oai(cluster).chat.completions.create(model="local", messages=[{"role": "user", "content": f"Hi {n}"}],
-                                             max_tokens=2, extra_body={"prompt_cache_key": "conversation-7"})
+        oai(cluster).chat.completions.create(
+            model="local",
+            messages=[{"role": "user", "content": f"Hi {n}"}],
+            max_tokens=2,
+            extra_body={"prompt_cache_key": "conversation-7"},
+        )
     after = routed(cluster)
     assert sorted(after[r] - before.get(r, 0) for r in after) == [0, 3]
 
@@ -167,10 +198,17 @@ def test_a_prefix_outlives_its_replica_through_the_shared_disk_tier(cluster):
 
 
 def stream_lines(cluster: Cluster, prompt: str, max_tokens: int) -> Iterator[str]:
-    body = {"model": "local", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=120,
-                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+    body = {
+        "model": "local",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream(
+        "POST", cluster.url + "/v1/completions", json=body, timeout=120, headers={"Authorization": f"Bearer {KEY}"}
+    ) as response:
         assert response.status_code == 200
         yield from (line for line in response.iter_lines() if line)
 
@@ -203,8 +241,13 @@ def test_a_killed_replica_fails_its_request_cleanly_and_the_endpoint_keeps_servi
 def test_scaling_down_drains_in_flight_requests(cluster):
     lines = stream_lines(cluster, "def fibonacci(n):", 48)
     first = next(lines)
-    scale = subprocess.run([sys.executable, "-m", "helios.cli", "cluster", "scale", "1"], cwd=REPO,
-                           capture_output=True, text=True, timeout=120)
+    scale = subprocess.run(
+        [sys.executable, "-m", "helios.cli", "cluster", "scale", "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert scale.returncode == 0, scale.stdout + scale.stderr
     rest = list(lines)  # finishes normally, whichever replica Ray stops
     assert first.startswith("data: ") and rest[-1] == "data: [DONE]"

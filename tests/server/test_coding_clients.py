@@ -65,8 +65,16 @@ Invocation = tuple[list[str], dict[str, str]]
 def claude(bare: bool) -> Callable[..., Invocation]:
     def build(config: Path, url: str, model: str, prompt: list[str], task: bool) -> Invocation:
         extra = ["--allowedTools", "Bash", "--output-format", "stream-json", "--verbose"] if task else []
-        return ["claude", *(["--bare"] if bare else []), "--settings", str(config / "settings.json"), *extra,
-                "-p", " ".join(prompt)], {}
+        return [
+            "claude",
+            *(["--bare"] if bare else []),
+            "--settings",
+            str(config / "settings.json"),
+            *extra,
+            "-p",
+            " ".join(prompt),
+        ], {}
+
     return build
 
 
@@ -80,13 +88,16 @@ def codex(oss: bool) -> Callable[..., Invocation]:
         if task:
             argv += ["--dangerously-bypass-approvals-and-sandbox", "--json"]
         return [*argv, " ".join(prompt)], env
+
     return build
 
 
 def opencode(config: Path, url: str, model: str, prompt: list[str], task: bool) -> Invocation:
     # One argv word per prompt word: a quoted multi-word argument reaches the model with its quotes.
     return ["opencode", "run", *(["--format", "json"] if task else []), *prompt], {
-        "OPENCODE_CONFIG": str(config / "opencode.json"), **opencode_env()}
+        "OPENCODE_CONFIG": str(config / "opencode.json"),
+        **opencode_env(),
+    }
 
 
 # variant -> (the client-config name, the command that runs it)
@@ -122,8 +133,17 @@ def served_name(url: str, key: str | None) -> str:
     return httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
 
 
-def run_variant(variant: str, url: str, key: str | None, bin_folder: Path, work: Path, prompt: list[str],
-                task: bool, extra_args: tuple[str, ...] = (), extra_env: dict[str, str] | None = None) -> Run:
+def run_variant(
+    variant: str,
+    url: str,
+    key: str | None,
+    bin_folder: Path,
+    work: Path,
+    prompt: list[str],
+    task: bool,
+    extra_args: tuple[str, ...] = (),
+    extra_env: dict[str, str] | None = None,
+) -> Run:
     """`helios client-config`, then the client with that configuration (plus `extra_args` after
     its own, `extra_env` over its environment), in `work`."""
     client, build = VARIANTS[variant]
@@ -134,8 +154,9 @@ def run_variant(variant: str, url: str, key: str | None, bin_folder: Path, work:
     secret = {KEY_ENV: key} if key else {}
     config = client_config(client, url, work.parent / f"{variant}-config", key_env, env=secret)
     argv, env = build(config, url, served_name(url, key), prompt, task)
-    return run([*argv, *extra_args], work, work.parent / f"{variant}-home", bin_folder,
-               {**env, **(extra_env or {}), **secret})
+    return run(
+        [*argv, *extra_args], work, work.parent / f"{variant}-home", bin_folder, {**env, **(extra_env or {}), **secret}
+    )
 
 
 # -- the real model ------------------------------------------------------------------------
@@ -177,15 +198,23 @@ class ScriptedAgent:
     def steps(self, prompt: str) -> list[tuple[str, dict]]:
         calc = str(self.repo / "calc.py")
         if '"name": "exec_command"' in prompt:  # Codex
-            return [("exec_command", {"cmd": "cat calc.py"}), ("apply_patch", {"input": PATCH}),
-                    ("exec_command", {"cmd": TEST_COMMAND})]
+            return [
+                ("exec_command", {"cmd": "cat calc.py"}),
+                ("apply_patch", {"input": PATCH}),
+                ("exec_command", {"cmd": TEST_COMMAND}),
+            ]
         if '"name": "Read"' in prompt:  # Claude Code
-            return [("Read", {"file_path": calc}),
-                    ("Edit", {"file_path": calc, "old_string": BUG, "new_string": FIX}),
-                    ("Bash", {"command": TEST_COMMAND, "description": "Run the tests"})]
+            return [
+                ("Read", {"file_path": calc}),
+                ("Edit", {"file_path": calc, "old_string": BUG, "new_string": FIX}),
+                ("Bash", {"command": TEST_COMMAND, "description": "Run the tests"}),
+            ]
         if '"name": "read"' in prompt:  # OpenCode
-            return [("read", {"filePath": calc}), ("edit", {"filePath": calc, "oldString": BUG, "newString": FIX}),
-                    ("bash", {"command": TEST_COMMAND})]
+            return [
+                ("read", {"filePath": calc}),
+                ("edit", {"filePath": calc, "oldString": BUG, "newString": FIX}),
+                ("bash", {"command": TEST_COMMAND}),
+            ]
         return []
 
     def answer(self, prompt: str) -> list[str]:
@@ -227,7 +256,7 @@ def test_each_client_inspects_edits_and_tests_a_repository(variant, scripted, bi
             if variant == "claude-normal":  # (bare mode states its short environment up front)
                 # the ~12k-token preamble (system prompt + tools) names no project, in Claude
                 # Code's spelling of a project folder either: every project shares its prefix
-                preamble = prompt[:prompt.index("<|im_start|>user")]
+                preamble = prompt[: prompt.index("<|im_start|>user")]
                 assert str(repo) not in preamble and re.sub(r"[^A-Za-z0-9]", "-", str(repo)) not in preamble
 
 
@@ -248,7 +277,8 @@ def test_each_client_authenticates_with_the_key_by_reference(variant, scripted_k
         pytest.skip("the scripted engine runs inside the project's suite, not against an external service")
     scripted_keyed.say("OK")
     work = git_repo(tmp_path / "work", {"README.md": "A scratch repository.\n"})
-    result = run_variant(variant, scripted_keyed.url, "client-test-key", bin_folder, work, PROMPT_OK.split(),
-                         task=False)
+    result = run_variant(
+        variant, scripted_keyed.url, "client-test-key", bin_folder, work, PROMPT_OK.split(), task=False
+    )
     assert result.returncode == 0, result.transcript[-4000:]
     assert "OK" in result.stdout, result.transcript[-4000:]

@@ -78,19 +78,27 @@ class Service:
 def service(request, tmp_path_factory) -> Iterator[Service]:
     if EXTERNAL_URL:
         if os.environ.get("FLARE_RUN_CUDA_TESTS") != "1":
-            pytest.skip("FLARE_SCHEDULER_TEST_URL is set: the scheduler regressions run only with "
-                        "FLARE_RUN_CUDA_TESTS=1")
+            pytest.skip(
+                "FLARE_SCHEDULER_TEST_URL is set: the scheduler regressions run only with FLARE_RUN_CUDA_TESTS=1"
+            )
         found = Service(EXTERNAL_URL, EXTERNAL_KEY, "external")
         if found.card["flare"]["max_concurrency"] != SLOTS:
-            pytest.skip(f"the service at {EXTERNAL_URL} has {found.card['flare']['max_concurrency']} request slots, "
-                        f"not {SLOTS}")
+            pytest.skip(
+                f"the service at {EXTERNAL_URL} has {found.card['flare']['max_concurrency']} request slots, not {SLOTS}"
+            )
         yield found
         found.http.close()
         return
     config: Path = tmp_path_factory.mktemp("scheduler") / "helios.toml"
     config.write_text("[server]\n" + MODES[request.param])
-    server = Server(request.getfixturevalue("tiny_core"), "--max-concurrency", str(SLOTS), "--config", str(config),
-                    *ENGINE_ARGS.get(request.param, ()))
+    server = Server(
+        request.getfixturevalue("tiny_core"),
+        "--max-concurrency",
+        str(SLOTS),
+        "--config",
+        str(config),
+        *ENGINE_ARGS.get(request.param, ()),
+    )
     running = Service(server.url, None, request.param)
     try:
         yield running
@@ -189,8 +197,7 @@ class HeldStream:
 
     def __init__(self, service: Service, prompt: str, max_tokens: int):
         body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, **GREEDY}
-        self.response = service.http.send(service.http.build_request("POST", "/v1/completions", json=body),
-                                          stream=True)
+        self.response = service.http.send(service.http.build_request("POST", "/v1/completions", json=body), stream=True)
         assert self.response.status_code == 200
         self.lines = self.response.iter_lines()
         for line in self.lines:

@@ -21,10 +21,15 @@ from helios.manifest import Manifest
 from tests.unit.live import sse
 
 GREEDY = {"temperature": 0, "top_k": 1, "seed": 3}
-CHAT = {"model": "local", "messages": [{"role": "user", "content": "Write a haiku about paged attention."}],
-        "max_tokens": 12, "logprobs": True, "top_logprobs": 3, **GREEDY}  # fmt: skip
-COMPLETION = {"model": "local", "prompt": "def fibonacci(n):", "max_tokens": 10, "logprobs": 2, "echo": True,
-              **GREEDY}  # fmt: skip
+CHAT = {
+    "model": "local",
+    "messages": [{"role": "user", "content": "Write a haiku about paged attention."}],
+    "max_tokens": 12,
+    "logprobs": True,
+    "top_logprobs": 3,
+    **GREEDY,
+}
+COMPLETION = {"model": "local", "prompt": "def fibonacci(n):", "max_tokens": 10, "logprobs": 2, "echo": True, **GREEDY}
 
 
 def post(server, path: str, body: dict) -> httpx.Response:
@@ -48,19 +53,28 @@ def test_startup_line_names_the_engine(tiny_torch_server):
 
 
 def test_chat_and_completions_equal_the_onnx_engine(tiny_server, tiny_torch_server):
-    want, got = post(tiny_server, "/v1/chat/completions", CHAT).json(), post(tiny_torch_server, "/v1/chat/completions", CHAT).json()
+    want, got = (
+        post(tiny_server, "/v1/chat/completions", CHAT).json(),
+        post(tiny_torch_server, "/v1/chat/completions", CHAT).json(),
+    )
     assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
     assert_same(chat_tokens(got), chat_tokens(want))
     top = [[a["logprob"] for a in e["top_logprobs"]] for e in got["choices"][0]["logprobs"]["content"]]
     top_want = [[a["logprob"] for a in e["top_logprobs"]] for e in want["choices"][0]["logprobs"]["content"]]
     np.testing.assert_allclose(top, top_want, atol=1e-3)
     # Completions with echo: prompt scores (the score graph over the torch program's hidden states).
-    want, got = post(tiny_server, "/v1/completions", COMPLETION).json(), post(tiny_torch_server, "/v1/completions", COMPLETION).json()
+    want, got = (
+        post(tiny_server, "/v1/completions", COMPLETION).json(),
+        post(tiny_torch_server, "/v1/completions", COMPLETION).json(),
+    )
     assert got["choices"][0]["text"] == want["choices"][0]["text"]
     lp, lp_want = got["choices"][0]["logprobs"], want["choices"][0]["logprobs"]
     assert lp["tokens"] == lp_want["tokens"]
-    np.testing.assert_allclose([x if x is not None else 0.0 for x in lp["token_logprobs"]],
-                               [x if x is not None else 0.0 for x in lp_want["token_logprobs"]], atol=1e-3)  # fmt: skip
+    np.testing.assert_allclose(
+        [x if x is not None else 0.0 for x in lp["token_logprobs"]],
+        [x if x is not None else 0.0 for x in lp_want["token_logprobs"]],
+        atol=1e-3,
+    )
 
 
 def test_streams_equal_the_onnx_engine(tiny_server, tiny_torch_server):
@@ -68,17 +82,26 @@ def test_streams_equal_the_onnx_engine(tiny_server, tiny_torch_server):
     texts = []
     for server in (tiny_server, tiny_torch_server):
         frames = sse(post(server, "/v1/chat/completions", body).text)
-        texts.append("".join(f["choices"][0]["delta"].get("content") or "" for _, f in frames if f != "[DONE]" and f["choices"]))
+        texts.append(
+            "".join(f["choices"][0]["delta"].get("content") or "" for _, f in frames if f != "[DONE]" and f["choices"])
+        )
     assert texts[0] == texts[1] and texts[0]
-    messages = {"model": "local", "max_tokens": 8, "messages": [{"role": "user", "content": "Name a prime."}],
-                **GREEDY, "stream": True}  # fmt: skip
+    messages = {
+        "model": "local",
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "Name a prime."}],
+        **GREEDY,
+        "stream": True,
+    }
     streamed = []
     for server in (tiny_server, tiny_torch_server):
-        response = httpx.post(server.url + "/v1/messages", json=messages, timeout=120,
-                              headers={"anthropic-version": "2023-06-01"})  # fmt: skip
+        response = httpx.post(
+            server.url + "/v1/messages", json=messages, timeout=120, headers={"anthropic-version": "2023-06-01"}
+        )
         assert response.status_code == 200
-        streamed.append("".join(f["delta"].get("text", "") for name, f in sse(response.text)
-                                if name == "content_block_delta"))  # fmt: skip
+        streamed.append(
+            "".join(f["delta"].get("text", "") for name, f in sse(response.text) if name == "content_block_delta")
+        )
     assert streamed[0] == streamed[1]
 
 
@@ -101,13 +124,23 @@ def test_host_store_tiers_on_the_torch_runner(tiny_core, tmp_path: Path):
     ids = np.random.default_rng(5).integers(100, 5000, 100).tolist()
 
     def engine() -> Engine:
-        return Engine(tiny_core, manifest, kv_pages=128, threads=1, prefix_cache=PrefixCacheConfig(),
-                      host_store=HostStoreConfig(dram_bytes=1 << 30, directory=tmp_path, restore="always"),
-                      choice=RunnerChoice("torch", "cpu"))  # fmt: skip
+        return Engine(
+            tiny_core,
+            manifest,
+            kv_pages=128,
+            threads=1,
+            prefix_cache=PrefixCacheConfig(),
+            host_store=HostStoreConfig(dram_bytes=1 << 30, directory=tmp_path, restore="always"),
+            choice=RunnerChoice("torch", "cpu"),
+        )
 
     def run(engine: Engine, name: str) -> tuple[list[int], int]:
-        request = GenerationRequest(name, list(ids), SamplingParams(max_tokens=8, ignore_eos=True, top_k=1),
-                                    checkpoints=[CheckpointCandidate(len(ids), CheckpointRole.ENDPOINT)])  # fmt: skip
+        request = GenerationRequest(
+            name,
+            list(ids),
+            SamplingParams(max_tokens=8, ignore_eos=True, top_k=1),
+            checkpoints=[CheckpointCandidate(len(ids), CheckpointRole.ENDPOINT)],
+        )
         events = engine.generate(request)
         assert events[-1].finished and events[-1].error is None, events[-1].error
         return [t for e in events for t in e.token_ids], events[-1].cached_tokens
@@ -132,8 +165,9 @@ def test_device_and_engine_choice(tiny_core):
         choose_runner(manifest, "cuda", "onnx")
     with pytest.raises(ValueError, match="no CUDA device"):
         choose_runner(manifest, "cuda", "auto")  # no GPU on this machine
-    without = Manifest.from_dict({**manifest_dict(manifest), "engines": [
-        e for e in manifest_dict(manifest)["engines"] if e["target"] == "cpu"]})  # fmt: skip
+    without = Manifest.from_dict(
+        {**manifest_dict(manifest), "engines": [e for e in manifest_dict(manifest)["engines"] if e["target"] == "cpu"]}
+    )
     with pytest.raises(ValueError, match="--target cpu,cuda"):
         choose_runner(without, "auto", "torch")
     assert choose_runner(without, "auto", "auto") == RunnerChoice("onnx", "cpu")

@@ -14,15 +14,29 @@ from ignition.recipes import COMPILED_FAMILIES, PLANNED_FAMILIES, load_recipe
 from tests.conftest import REPO
 from tests.unit.family_checkpoints import write_family_checkpoint
 
-SEED_RECIPES = ["qwen38", "qwen38_dense", "glm53", "deepseek4", "deepseek41", "mimo_v2", "kimi3", "step5",
-                "nemotron_h", "kimi31", "minimax_m3", "muse_spark", "gemma4"]  # fmt: skip
+SEED_RECIPES = [
+    "qwen38",
+    "qwen38_dense",
+    "glm53",
+    "deepseek4",
+    "deepseek41",
+    "mimo_v2",
+    "kimi3",
+    "step5",
+    "nemotron_h",
+    "kimi31",
+    "minimax_m3",
+    "muse_spark",
+    "gemma4",
+]
 COMPILED = [name for name in SEED_RECIPES if load_recipe(name).family in COMPILED_FAMILIES]
 # Family cores that also carry an fp32 torch step program (--target cpu,cuda): every compiled one
 # with FLARE_ALL_TORCH_FAMILIES=1 (~30 s of torch.export each); by default three that cover the
 # program's distinct paths: recurrent state (Qwen 3.5), compressed attention with routed experts
 # (DeepSeek V4), MLA (DeepSeek V3 / Kimi).
-TORCH_PROGRAM_RECIPES = COMPILED if os.environ.get("FLARE_ALL_TORCH_FAMILIES") == "1" else ["qwen38_dense", "deepseek4",
-                                                                                           "kimi3"]
+TORCH_PROGRAM_RECIPES = (
+    COMPILED if os.environ.get("FLARE_ALL_TORCH_FAMILIES") == "1" else ["qwen38_dense", "deepseek4", "kimi3"]
+)
 PLANNED = [name for name in SEED_RECIPES if load_recipe(name).family in PLANNED_FAMILIES]
 
 
@@ -57,8 +71,21 @@ def family_env(tmp_path_factory, request):
             # TORCH_PROGRAM_RECIPES also get the fp32 torch step program (validated against the reference
             # at export; test_torch_families holds it to the ONNX graph).
             targets = ["--target", "cpu,cuda", "--torch-dtype", "float32"] if recipe in TORCH_PROGRAM_RECIPES else []
-            command = [sys.executable, "-m", "ignition.cli", "export", "--recipe", recipe, "--checkpoint",
-                       str(checkpoints[family][0]), "--precision", "fp32", *targets, "--out", str(out)]  # fmt: skip
+            command = [
+                sys.executable,
+                "-m",
+                "ignition.cli",
+                "export",
+                "--recipe",
+                recipe,
+                "--checkpoint",
+                str(checkpoints[family][0]),
+                "--precision",
+                "fp32",
+                *targets,
+                "--out",
+                str(out),
+            ]
             result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
             done[recipe] = (out, result.stdout + result.stderr if result.returncode else "")
         return done
@@ -74,8 +101,9 @@ def family_env(tmp_path_factory, request):
 def _finished(futures: dict[str, Future], checkpoints: dict, recipe: str) -> tuple[Path, object]:
     family = load_recipe(recipe).family
     if family not in futures:
-        raise LookupError(f"recipe {recipe!r} was not selected for export: name it by a `recipe` parameter "
-                          "or @pytest.mark.families")
+        raise LookupError(
+            f"recipe {recipe!r} was not selected for export: name it by a `recipe` parameter or @pytest.mark.families"
+        )
     core, failure = futures[family].result()[recipe]
     assert not failure, failure
     return core, checkpoints[family][1]

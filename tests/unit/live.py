@@ -34,7 +34,8 @@ def metrics(http: httpx.Client) -> dict[str, float]:
     response.raise_for_status()
     return {
         key: float(value)
-        for line in response.text.splitlines() if line and not line.startswith("#")
+        for line in response.text.splitlines()
+        if line and not line.startswith("#")
         for key, value in [line.rsplit(" ", 1)]
     }
 
@@ -50,8 +51,11 @@ def wait_idle(http: httpx.Client, timeout: float = 15) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(http)
-        idle = (m["flare_active_requests"] == 0 and m["flare_http_inflight_requests"] == 0
-                and m["flare_http_admission_slots_used"] == 0)
+        idle = (
+            m["flare_active_requests"] == 0
+            and m["flare_http_inflight_requests"] == 0
+            and m["flare_http_admission_slots_used"] == 0
+        )
         if idle or time.monotonic() > deadline:
             return m
         time.sleep(0.02)

@@ -20,10 +20,10 @@ from typing import Any
 
 from aiohttp import web
 
+from helios.app import create_app
 from helios.engine.api import FinishReason, GenerationEvent, GenerationRequest, TokenLogprob
 from helios.engine.detokenizer import IncrementalDetokenizer
 from helios.engine.stops import StopChecker
-from helios.app import create_app
 from helios.frontend.tokenizer import Tokenizer
 from helios.manifest import Manifest
 from helios.server.config import ServerConfig
@@ -52,23 +52,42 @@ class ScriptedEngine:
         self.requests.append(request)
         s = request.sampling
         max_new = min(s.max_tokens, self.context_length - len(request.prompt_token_ids))
-        checker = StopChecker(s, self.eos_token_ids, max_new,
-                              IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids))
+        checker = StopChecker(
+            s, self.eos_token_ids, max_new, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+        )
         for n, token in enumerate(self.ids(request), start=1):
             outcome = checker.on_token(token, n)
             entries = None
             if s.logprobs is not None:
                 own = TokenLogprob(token, -0.5, [(token, -0.5)]) if outcome.has_logprob_entry else None
                 entries = checker.entries(outcome, own)
-            event = GenerationEvent(request.request_id, [token], outcome.text, entries,
-                                    prompt_tokens=len(request.prompt_token_ids), completion_tokens=n)
+            event = GenerationEvent(
+                request.request_id,
+                [token],
+                outcome.text,
+                entries,
+                prompt_tokens=len(request.prompt_token_ids),
+                completion_tokens=n,
+            )
             if outcome.finished:
-                event.finished, event.finish_reason, event.stop_reason = True, outcome.finish_reason, outcome.stop_reason
+                event.finished, event.finish_reason, event.stop_reason = (
+                    True,
+                    outcome.finish_reason,
+                    outcome.stop_reason,
+                )
                 sink(event)
                 return
             sink(event)
-        sink(GenerationEvent(request.request_id, [], checker.finish_text(), [] if s.logprobs is not None else None,
-                             finished=True, finish_reason=FinishReason.STOP))
+        sink(
+            GenerationEvent(
+                request.request_id,
+                [],
+                checker.finish_text(),
+                [] if s.logprobs is not None else None,
+                finished=True,
+                finish_reason=FinishReason.STOP,
+            )
+        )
 
     def abort(self, request_id: str) -> bool:
         return False
@@ -81,9 +100,20 @@ class ScriptedEngine:
 
     def stats(self) -> Any:
         return SimpleNamespace(
-            active=0, pending=0, free_pages=1, total_pages=1, page_tokens=16, prefill_tokens_total=0,
-            generated_tokens_total=0, completed_total=0, cancelled_total=0, failed_total=0, steps_total=0,
-            admitted_total=len(self.requests), preempted_total=0, step_seconds_total=0.0,
+            active=0,
+            pending=0,
+            free_pages=1,
+            total_pages=1,
+            page_tokens=16,
+            prefill_tokens_total=0,
+            generated_tokens_total=0,
+            completed_total=0,
+            cancelled_total=0,
+            failed_total=0,
+            steps_total=0,
+            admitted_total=len(self.requests),
+            preempted_total=0,
+            step_seconds_total=0.0,
             schedule_seconds_total=0.0,
         )
 

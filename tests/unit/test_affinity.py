@@ -8,8 +8,9 @@ from helios.engine.api import GenerationRequest, ImageInput, SamplingParams
 
 
 def request(ids: list[int], session: str | None = None, images: list[ImageInput] | None = None) -> GenerationRequest:
-    return GenerationRequest(request_id="r", prompt_token_ids=ids, sampling=SamplingParams(),
-                             images=images or [], session_hint=session)
+    return GenerationRequest(
+        request_id="r", prompt_token_ids=ids, sampling=SamplingParams(), images=images or [], session_hint=session
+    )
 
 
 def image(offset: int, digest: bytes) -> ImageInput:

@@ -17,20 +17,23 @@ from helios.server.config import ServerConfig
 from helios.server.errors import ApiError, dumps, openai_error_response
 
 
-def rejected(data: bytes, limits: JsonLimits = JsonLimits()) -> str:
+def rejected(data: bytes, limits: JsonLimits | None = None) -> str:
     with pytest.raises(ApiError) as info:
-        bodies.parse_json(data, limits)
+        bodies.parse_json(data, limits or JsonLimits())
     assert info.value.status == 400 and info.value.type == "invalid_request_error"
     return info.value.message
 
 
-@pytest.mark.parametrize("data", [
-    b'{"content": "\\ud800"}',                    # escaped high surrogate alone
-    b'{"content": "x\\udc00y"}',                  # escaped low surrogate alone
-    b'{"content": "\\ud83d\\u0041"}',             # high surrogate followed by a non-surrogate
-    b'{"a": [{"b": ["ok", "\\uDBFF"]}]}',         # upper-case hex, nested
-    b'{"\\ud800zz": 1}',                          # in a key (System One echoes unknown names)
-])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"content": "\\ud800"}',  # escaped high surrogate alone
+        b'{"content": "x\\udc00y"}',  # escaped low surrogate alone
+        b'{"content": "\\ud83d\\u0041"}',  # high surrogate followed by a non-surrogate
+        b'{"a": [{"b": ["ok", "\\uDBFF"]}]}',  # upper-case hex, nested
+        b'{"\\ud800zz": 1}',  # in a key (System One echoes unknown names)
+    ],
+)
 def test_escaped_lone_surrogates_are_400s(data):
     message = rejected(data)
     assert "lone UTF-16 surrogate" in message and "$" in message
@@ -42,13 +45,14 @@ def test_raw_surrogate_bytes_and_invalid_utf8_are_400s():
 
 
 def test_valid_unicode_passes_including_escaped_pairs_and_a_bom():
-    assert bodies.parse_json(b'{"e": "\\ud83d\\ude00", "k": "\xe2\x9c\x93"}') == {"e": "\U0001F600", "k": "\u2713"}
+    assert bodies.parse_json(b'{"e": "\\ud83d\\ude00", "k": "\xe2\x9c\x93"}') == {"e": "\U0001f600", "k": "\u2713"}
     assert bodies.parse_json(b'{"path": "C:\\\\ud800"}') == {"path": "C:\\ud800"}  # an escaped backslash, not \u
     assert bodies.parse_json("\ufeff{}".encode()) == {}
 
 
-@pytest.mark.parametrize("literal", [b"1e999", b"-1e400", b"1" + b"0" * 400 + b".0", b"1" + b"0" * 400,
-                                     b"-" + b"9" * 309])
+@pytest.mark.parametrize(
+    "literal", [b"1e999", b"-1e400", b"1" + b"0" * 400 + b".0", b"1" + b"0" * 400, b"-" + b"9" * 309]
+)
 def test_non_finite_numbers_are_400s(literal):
     assert "numbers must be finite" in rejected(b'{"temperature": ' + literal + b"}")
 
@@ -81,9 +85,25 @@ def test_bounds_never_refuse_a_full_context_token_prompt():
     prompt = list(range(100, 100 + context))
     batch = {"prompt": [prompt] * 4, "max_tokens": 1}  # four full-context prompts in one body
     assert bodies.parse_json(json.dumps(batch).encode(), limits)["prompt"][3][-1] == 100 + context - 1
-    tools = [{"type": "function", "function": {"name": f"t{i}", "parameters": {
-        "type": "object", "properties": {f"p{j}": {"type": "array", "items": {"type": "object", "properties": {
-            "x": {"type": "string", "enum": ["a", "b"]}}}} for j in range(20)}}}} for i in range(300)]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"t{i}",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        f"p{j}": {
+                            "type": "array",
+                            "items": {"type": "object", "properties": {"x": {"type": "string", "enum": ["a", "b"]}}},
+                        }
+                        for j in range(20)
+                    },
+                },
+            },
+        }
+        for i in range(300)
+    ]
     assert len(bodies.parse_json(json.dumps({"tools": tools}).encode(), limits)["tools"]) == 300
 
 
@@ -120,7 +140,7 @@ def test_gzip_members_are_bounded_and_each_costs_one_slice():
         bodies.decode(many, ["gzip"], 1 << 20)
     assert info.value.status == 400 and f"more than {bodies.MAX_GZIP_MEMBERS}" in info.value.message
     # Within the bound, members (including empty ones) concatenate as gzip defines.
-    body = b"".join(gzip.compress(piece) for piece in (b'{"a"', b"", b': [1, 2', b"]}"))
+    body = b"".join(gzip.compress(piece) for piece in (b'{"a"', b"", b": [1, 2", b"]}"))
     assert bodies.decode_json(body, ["gzip"], 1 << 20) == {"a": [1, 2]}
     # A large member after many small ones: the unused input zlib copies is one slice per member.
     calls = []

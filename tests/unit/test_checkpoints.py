@@ -143,10 +143,14 @@ def test_smollm2_matches_transformers_loader_including_unpermute(smol, smol_path
     assert "lm_head.weight" not in smol.tensors and smol.source_quantization == "Q4_1"
 
     config = LlamaConfig(
-        vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
-        num_hidden_layers=arch.num_layers, num_attention_heads=arch.num_heads,
-        num_key_value_heads=arch.num_kv_heads, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=arch.vocab_size,
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size,
+        num_hidden_layers=arch.num_layers,
+        num_attention_heads=arch.num_heads,
+        num_key_value_heads=arch.num_kv_heads,
+        tie_word_embeddings=True,
+    )
     with torch.device("meta"):  # only its parameter names are used, for the GGUF -> HF name map
         names_only = LlamaForCausalLM(config)
     reference = load_gguf_checkpoint(str(smol_path), return_tensors=True, model_to_load=names_only)["tensors"]

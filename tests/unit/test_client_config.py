@@ -15,8 +15,14 @@ KEY_ENV = "FLARE_TEST_SERVING_KEY"
 
 
 def client_config(url: str, client: str, out, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "helios.cli", "client-config", client, "--url", url, "--out", str(out),
-                           *extra], capture_output=True, text=True, cwd=REPO, timeout=60, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "helios.cli", "client-config", client, "--url", url, "--out", str(out), *extra],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        env=env,
+    )
 
 
 def test_every_client_from_the_card(tiny_server, tmp_path):
@@ -50,8 +56,9 @@ def test_every_client_from_the_card(tiny_server, tmp_path):
 def test_a_keyed_server_is_configured_by_reference(tiny_keyed_server, tmp_path):
     denied = client_config(tiny_keyed_server.url, "codex", tmp_path / "denied")
     assert denied.returncode == 2 and "401" in denied.stderr and "--api-key-env" in denied.stderr
-    unset = client_config(tiny_keyed_server.url, "codex", tmp_path / "unset", "--api-key-env", KEY_ENV,
-                          env={"PATH": "/usr/bin:/bin"})
+    unset = client_config(
+        tiny_keyed_server.url, "codex", tmp_path / "unset", "--api-key-env", KEY_ENV, env={"PATH": "/usr/bin:/bin"}
+    )
     assert unset.returncode == 2 and KEY_ENV in unset.stderr
     env = {"PATH": "/usr/bin:/bin", KEY_ENV: TINY_API_KEY}
     for client in ("codex", "claude-code", "opencode"):

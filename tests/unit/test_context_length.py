@@ -27,13 +27,23 @@ def test_native_context_unless_narrowed():
 def test_context_length_option_sizes_the_core_and_its_pool(tiny_checkpoint_dir, tmp_path):
     recipe = load_recipe("qwen25_coder")
     out = tmp_path / "narrow"
-    export_core(ExportOptions(recipe=recipe, checkpoint=str(tiny_checkpoint_dir), out=out, precision="fp32",
-                              context_length=4000))
+    export_core(
+        ExportOptions(
+            recipe=recipe, checkpoint=str(tiny_checkpoint_dir), out=out, precision="fp32", context_length=4000
+        )
+    )
     limits = Manifest.load(out, verify_files=False).limits
     assert limits.context_length == 4000
     assert limits.kv_pages == 2 * 250  # two full-context sequences of 16-token pages
     assert limits.default_max_tokens == min(recipe.limits.default_max_tokens, 4000)
     with pytest.raises(ExportError, match="--context-length 40000 must lie in 1..32768"):
-        export_core(ExportOptions(recipe=recipe, checkpoint=str(tiny_checkpoint_dir), out=tmp_path / "wide",
-                                  precision="fp32", context_length=40000))
+        export_core(
+            ExportOptions(
+                recipe=recipe,
+                checkpoint=str(tiny_checkpoint_dir),
+                out=tmp_path / "wide",
+                precision="fp32",
+                context_length=40000,
+            )
+        )
     assert not (tmp_path / "wide").exists()

@@ -137,11 +137,32 @@ def test_exports_are_byte_identical_with_and_without_the_cache(
     fresh = tmp_path / "fresh"
     env = {**os.environ, "PYTHONHASHSEED": "12345", **WIDE}
     run = subprocess.run(
-        [sys.executable, "-m", "ignition.cli", "export", "--recipe", RECIPE, "--checkpoint", str(tiny_checkpoint_dir),
-         "--out", str(fresh), "--precision", "fp32", "--no-cache", "--prompt-logprobs", "--target", "cpu,cuda",
-         "--torch-dtype", "float32"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ignition.cli",
+            "export",
+            "--recipe",
+            RECIPE,
+            "--checkpoint",
+            str(tiny_checkpoint_dir),
+            "--out",
+            str(fresh),
+            "--precision",
+            "fp32",
+            "--no-cache",
+            "--prompt-logprobs",
+            "--target",
+            "cpu,cuda",
+            "--torch-dtype",
+            "float32",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     assert "export cache off" in run.stderr
     assert [e.key for e in export_cache.ExportCache().entries()] == [entries[0].key]
@@ -161,8 +182,16 @@ def test_exports_are_byte_identical_with_and_without_the_cache(
 
     # tiny_core (conftest), the cache-filling export, the --no-cache process and the cache hit.
     expected = digests(tiny_core)
-    assert set(expected) == {MANIFEST_NAME, "step.onnx", "step.onnx.data", "score.onnx", "score.onnx.data",
-                             "step.cuda.pt2", "tokenizer.json", "chat_template.jinja"}
+    assert set(expected) == {
+        MANIFEST_NAME,
+        "step.onnx",
+        "step.onnx.data",
+        "score.onnx",
+        "score.onnx.data",
+        "step.cuda.pt2",
+        "tokenizer.json",
+        "chat_template.jinja",
+    }
     assert "cached float32 torch step program" in stage_details(hit_events, "export")
     for core in (cached_core, fresh, tmp_path / "hit"):
         assert digests(core) == expected, core
@@ -181,8 +210,15 @@ def test_manifest_records_toolchain_and_digest(tiny_core):
     assert {"flare", "flare-exporter", "torch", "onnx", "onnxscript", "onnxruntime", "numpy"} <= set(chain)
     assert chain["flare-exporter"] == export_cache.exporter_version()
     assert manifest.format_version == FORMAT_VERSION
-    assert set(manifest.files) == {"step.onnx", "step.onnx.data", "score.onnx", "score.onnx.data", "step.cuda.pt2",
-                                   "tokenizer.json", "chat_template.jinja"}
+    assert set(manifest.files) == {
+        "step.onnx",
+        "step.onnx.data",
+        "score.onnx",
+        "score.onnx.data",
+        "step.cuda.pt2",
+        "tokenizer.json",
+        "chat_template.jinja",
+    }
     for rel, digest in manifest.files.items():
         assert file_sha256(tiny_core / rel) == digest
     # The digest is the sha256 of the listing in sha256sum format: `sha256sum -c` checks a core.
@@ -216,9 +252,20 @@ def test_other_precision_from_cache_skips_read_convert_export(
     meta = json.loads((entry[0].path / export_cache.ENTRY_NAME).read_text())
     assert set(meta["seconds"]) == {"read", "convert", "export"} and sum(meta["seconds"].values()) > 0
     result = CliRunner().invoke(
-        app, ["export", "--recipe", RECIPE, "--checkpoint", str(tiny_checkpoint_dir), "--out", str(tmp_path / "cli"),
-              "--precision", "int8"], env={**WIDE, "FLARE_CACHE": str(flare_cache)},
-    )  # fmt: skip
+        app,
+        [
+            "export",
+            "--recipe",
+            RECIPE,
+            "--checkpoint",
+            str(tiny_checkpoint_dir),
+            "--out",
+            str(tmp_path / "cli"),
+            "--precision",
+            "int8",
+        ],
+        env={**WIDE, "FLARE_CACHE": str(flare_cache)},
+    )
     assert result.exit_code == 0, result.output
     assert "export cache hit" in result.output and "skipped: cached" in result.output
     assert digests(tmp_path / "cli") == digests(tmp_path / "int8")
@@ -305,8 +352,17 @@ def test_leftovers_of_dead_exports_are_removed(tiny_checkpoint_dir, cached_expor
 def test_out_over_an_existing_core_needs_force(tiny_checkpoint_dir, cached_export, flare_cache, tmp_path):
     core = copy_core(cached_export[0], tmp_path / "core")
     before = digests(core)
-    args = ["export", "--recipe", RECIPE, "--checkpoint", str(tiny_checkpoint_dir), "--out", str(core),
-            "--precision", "int8"]  # fmt: skip
+    args = [
+        "export",
+        "--recipe",
+        RECIPE,
+        "--checkpoint",
+        str(tiny_checkpoint_dir),
+        "--out",
+        str(core),
+        "--precision",
+        "int8",
+    ]
     env = {**WIDE, "FLARE_CACHE": str(flare_cache)}
     result = CliRunner().invoke(app, args, env=env)
     assert result.exit_code == 2
@@ -345,8 +401,12 @@ def test_helios_serve_refuses_a_tampered_core_before_binding(tiny_core, tmp_path
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "helios.cli", "serve", str(core), "--port", str(port)],
-        cwd=REPO, env={**os.environ, **WIDE}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cwd=REPO,
+        env={**os.environ, **WIDE},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     listened = False
     while process.poll() is None:  # probe the port for as long as helios runs
         with socket.socket() as probe:
@@ -438,7 +498,12 @@ def test_inspect_json_and_rich(tiny_core):
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     manifest = Manifest.load(tiny_core)
-    assert data["digest"] == manifest.digest and data["listing_ok"] is True and data["content_ok"] is True and data["files_present"] is True
+    assert (
+        data["digest"] == manifest.digest
+        and data["listing_ok"] is True
+        and data["content_ok"] is True
+        and data["files_present"] is True
+    )
     assert data["model_id"] == manifest.model_id == "qwen2.5-coder"
     assert data["identity"]["recipe"] == RECIPE and data["precision"] == "fp32"
     step = data["engines"][0]
@@ -451,8 +516,20 @@ def test_inspect_json_and_rich(tiny_core):
 
     result = CliRunner().invoke(app, ["inspect", str(tiny_core)], env=WIDE)
     assert result.exit_code == 0, result.output
-    for needle in ("qwen2.5-coder", "recipe", "fp32", "engine step", "limits", "temperature", "[0.01, 0.7]",
-                   "qwen25_coder_json", "top 20 alternatives", "parity", "tolerance 0.001", manifest.digest):  # fmt: skip
+    for needle in (
+        "qwen2.5-coder",
+        "recipe",
+        "fp32",
+        "engine step",
+        "limits",
+        "temperature",
+        "[0.01, 0.7]",
+        "qwen25_coder_json",
+        "top 20 alternatives",
+        "parity",
+        "tolerance 0.001",
+        manifest.digest,
+    ):
         assert needle in result.output, needle
 
     result = CliRunner().invoke(app, ["inspect", str(tiny_core.parent)], env=WIDE)
@@ -501,8 +578,8 @@ def test_verify_without_the_checkpoint(tiny_core, tmp_path):
 
 
 def test_inspect_names_the_int4_matmul_operator():
-    from ignition.inspect_core import _quantization_text
     from ignition.export.quantize import manifest_quantization
+    from ignition.inspect_core import _quantization_text
 
     current = dataclasses.asdict(manifest_quantization("int4"))
     assert _quantization_text(current).endswith("accuracy level 4, MatMulInt4)")

@@ -20,8 +20,14 @@ def render(view: View, width: int = 120) -> str:
 
 
 def test_snapshot_reads_absent_fields_as_zero():
-    snap = Snapshot.from_json({"generated_tokens": 7, "unknown_field": 3, "learned_drafter": True,
-                               "first_response": {"median_seconds": 0.25, "samples": 4}})
+    snap = Snapshot.from_json(
+        {
+            "generated_tokens": 7,
+            "unknown_field": 3,
+            "learned_drafter": True,
+            "first_response": {"median_seconds": 0.25, "samples": 4},
+        }
+    )
     assert snap.generated_tokens == 7 and snap.prefill_tokens == 0 and snap.verify_steps == 0
     assert snap.learned_drafter is True
     assert snap.first_response_median == 0.25 and snap.first_response_samples == 4
@@ -43,9 +49,23 @@ def test_rates_weights_depth_and_render():
     view.update(Snapshot(**base), at=10.0)
     text = render(view)
     assert "helios top" in text and "http://example:8000" in text and "DEPTH -" in text
-    view.update(Snapshot(**{**base, "free_pages": 60}, generated_tokens=500, prefill_tokens=2000, completed=4,
-                         verify_steps=20, reused_tokens=60, host_reused_tokens=40, host_hits=1,
-                         verification_drafts=30, verification_rounds=10, active=2, pending=1), at=12.0)
+    view.update(
+        Snapshot(
+            **{**base, "free_pages": 60},
+            generated_tokens=500,
+            prefill_tokens=2000,
+            completed=4,
+            verify_steps=20,
+            reused_tokens=60,
+            host_reused_tokens=40,
+            host_hits=1,
+            verification_drafts=30,
+            verification_rounds=10,
+            active=2,
+            pending=1,
+        ),
+        at=12.0,
+    )
     assert list(view.history["tokens"]) == [250.0]
     assert list(view.history["requests"]) == [2.0]
     assert list(view.history["reuse"]) == [50.0]
@@ -66,11 +86,22 @@ def test_rates_weights_depth_and_render():
 
 
 def test_cluster_replicas_are_read_and_shown():
-    data = {"total_pages": 8, "replicas": [
-        {"replica": "abc123", "label": "node:41", "healthy": True, "inflight": 2, "active": 1, "routed": 9,
-         "reused_tokens": 640},
-        {"replica": "def456", "label": "node:42", "healthy": False, "routed": "x"},
-        "not a row"]}
+    data = {
+        "total_pages": 8,
+        "replicas": [
+            {
+                "replica": "abc123",
+                "label": "node:41",
+                "healthy": True,
+                "inflight": 2,
+                "active": 1,
+                "routed": 9,
+                "reused_tokens": 640,
+            },
+            {"replica": "def456", "label": "node:42", "healthy": False, "routed": "x"},
+            "not a row",
+        ],
+    }
     snapshot = Snapshot.from_json(data)
     assert [r.replica for r in snapshot.replicas] == ["abc123", "def456"]
     assert snapshot.replicas[0].reused_tokens == 640 and snapshot.replicas[1].routed == 0
@@ -95,8 +126,9 @@ def test_live_server_snapshot_and_run(tiny_server):
     out = io.StringIO()
     console = Console(file=out, width=120, color_system=None, force_terminal=False)
     stop = threading.Event()
-    thread = threading.Thread(target=dashboard.run, args=(tiny_server.url,),
-                              kwargs={"interval": 0.1, "console": console, "stop": stop})
+    thread = threading.Thread(
+        target=dashboard.run, args=(tiny_server.url,), kwargs={"interval": 0.1, "console": console, "stop": stop}
+    )
     thread.start()
     threading.Timer(0.5, stop.set).start()
     thread.join(10)

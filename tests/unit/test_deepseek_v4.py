@@ -22,26 +22,50 @@ import torch
 from safetensors import safe_open
 
 pytest.importorskip("transformers")
-from transformers import DeepseekV4Config, DeepseekV4ForCausalLM  # noqa: E402
-from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding  # noqa: E402
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
 
-from helios.engine.runner import StepRow, pack_rows, scatter_new_kv  # noqa: E402
-from helios.manifest import KVLayout  # noqa: E402
-from ignition.models.deepseek_v4 import build_deepseek_v4, inv_freq_of, plan_of  # noqa: E402
-from tests.unit.family_checkpoints import randomise_deepseek_v4  # noqa: E402
+from helios.engine.runner import StepRow, pack_rows, scatter_new_kv
+from helios.manifest import KVLayout
+from ignition.models.deepseek_v4 import build_deepseek_v4, inv_freq_of, plan_of
+from tests.unit.family_checkpoints import randomise_deepseek_v4
 
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 VOCAB = 300
 CONFIG = dict(
-    vocab_size=VOCAB, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=1, head_dim=16, q_lora_rank=24, partial_rotary_factor=0.5, num_experts_per_tok=2,
-    n_routed_experts=4, layer_types=["sliding_attention", HCA, CSA], mlp_layer_types=["hash_moe", "moe", "moe"],
-    compress_rates={CSA: 2, HCA: 4}, hc_mult=2, hc_sinkhorn_iters=4, sliding_window=6, o_groups=2, o_lora_rank=8,
+    vocab_size=VOCAB,
+    hidden_size=32,
+    moe_intermediate_size=16,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=16,
+    q_lora_rank=24,
+    partial_rotary_factor=0.5,
+    num_experts_per_tok=2,
+    n_routed_experts=4,
+    layer_types=["sliding_attention", HCA, CSA],
+    mlp_layer_types=["hash_moe", "moe", "moe"],
+    compress_rates={CSA: 2, HCA: 4},
+    hc_mult=2,
+    hc_sinkhorn_iters=4,
+    sliding_window=6,
+    o_groups=2,
+    o_lora_rank=8,
     # 16 indexer heads: an all-zero ReLU score (a tie whose top-k order is arbitrary) stays improbable
-    index_n_heads=16, index_head_dim=8, index_topk=3, swiglu_limit=1.5, max_position_embeddings=4096,
-    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
-                     "beta_fast": 32, "beta_slow": 1},
-)  # fmt: skip
+    index_n_heads=16,
+    index_head_dim=8,
+    index_topk=3,
+    swiglu_limit=1.5,
+    max_position_embeddings=4096,
+    rope_parameters={
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+)
 PAGE = 8
 RELATIVE = 1e-4
 DECODE_STEPS = 16
@@ -96,7 +120,7 @@ def _relative(engine: np.ndarray, reference: np.ndarray) -> float:
     return float(np.abs(engine.astype(np.float64) - reference).max() / np.abs(reference).max())
 
 
-def _paged_errors(step, pool: np.ndarray, num_pages: int, sequences) -> tuple[float, float]:  # noqa: ANN001
+def _paged_errors(step, pool: np.ndarray, num_pages: int, sequences) -> tuple[float, float]:
     """(max prefill error, max decode error) relative to transformers, driving `step(rows) -> logits`
     over `pool` (filled with garbage here): row 0 prefills in two chunks, row 1 in one, then both
     decode 16 tokens, batched, on a shuffled block table."""
@@ -119,9 +143,13 @@ def _paged_errors(step, pool: np.ndarray, num_pages: int, sequences) -> tuple[fl
     return max(errors), max(decode)
 
 
-def _layout(model) -> KVLayout:  # noqa: ANN001
-    return KVLayout(page_tokens=PAGE, num_layers=model.arch.num_layers, kv_heads=model.arch.num_kv_heads,
-                    head_dim=model.arch.head_dim)  # fmt: skip
+def _layout(model) -> KVLayout:
+    return KVLayout(
+        page_tokens=PAGE,
+        num_layers=model.arch.num_layers,
+        kv_heads=model.arch.num_kv_heads,
+        head_dim=model.arch.head_dim,
+    )
 
 
 def test_plan_reads_configs_as_transformers_does(checkpoint):
@@ -132,24 +160,50 @@ def test_plan_reads_configs_as_transformers_does(checkpoint):
     # Pool geometry: the CSA layer's 5 x 16 + 4 x 8 channels per token fill 2 x 4 heads of 16.
     assert plan.cache_dims() == (4, 16)
     # The legacy keys of hub config.json files give the same plan and rotary.
-    legacy = {k: v for k, v in config.items() if k not in ("layer_types", "mlp_layer_types", "compress_rates",
-                                                            "partial_rotary_factor", "rope_parameters")}  # fmt: skip
-    legacy.update(compress_ratios=[0, 128, 4], compress_rate_csa=2, compress_rate_hca=4, num_hash_layers=1,
-                  qk_rope_head_dim=8, rope_scaling={"type": "yarn", **{k: CONFIG["rope_parameters"][k] for k in
-                  ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")}})  # fmt: skip
+    legacy = {
+        k: v
+        for k, v in config.items()
+        if k not in ("layer_types", "mlp_layer_types", "compress_rates", "partial_rotary_factor", "rope_parameters")
+    }
+    legacy.update(
+        compress_ratios=[0, 128, 4],
+        compress_rate_csa=2,
+        compress_rate_hca=4,
+        num_hash_layers=1,
+        qk_rope_head_dim=8,
+        rope_scaling={
+            "type": "yarn",
+            **{
+                k: CONFIG["rope_parameters"][k]
+                for k in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
+            },
+        },
+    )
     old = plan_of({"text_config": legacy})
     assert dataclasses.replace(old, compress_rope={}) == dataclasses.replace(plan, compress_rope={})
     for kind in ("main", "compress"):
         assert torch.equal(inv_freq_of(old, kind)[0], inv_freq_of(plan, kind)[0])
     # transformers' defaults (layer schedule, hash layers, rotary) and a YaRN attention factor it
     # derives when a nested config leaves it out.
-    nested = {"main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-              "compress": {"rope_type": "yarn", "rope_theta": 160000.0, "partial_rotary_factor": 0.5, "factor": 4.0,
-                           "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 0.5}}  # fmt: skip
+    nested = {
+        "main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        "compress": {
+            "rope_type": "yarn",
+            "rope_theta": 160000.0,
+            "partial_rotary_factor": 0.5,
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.5,
+        },
+    }
     plain = {"main": nested["main"], "compress": {k: v for k, v in nested["compress"].items() if "mscale" not in k}}
     bare = {k: v for k, v in CONFIG.items() if k not in ("layer_types", "mlp_layer_types", "rope_parameters")}
-    for extra in ({"num_hidden_layers": 5, "partial_rotary_factor": None}, {"rope_parameters": nested},
-                  {"rope_parameters": plain}):
+    for extra in (
+        {"num_hidden_layers": 5, "partial_rotary_factor": None},
+        {"rope_parameters": nested},
+        {"rope_parameters": plain},
+    ):
         theirs = DeepseekV4Config(**{**bare, **extra})
         ours = plan_of({**bare, **extra})
         assert ours.layer_types == theirs.layer_types and ours.mlp_types == theirs.mlp_layer_types
@@ -158,8 +212,11 @@ def test_plan_reads_configs_as_transformers_does(checkpoint):
             inv, scale = inv_freq_of(ours, kind)
             assert torch.allclose(inv, getattr(rotary, f"{kind}_inv_freq")), kind
             assert scale == pytest.approx(getattr(rotary, f"{kind}_attention_scaling")), kind
-    for bad, message in (({"scoring_func": "sigmoid"}, "scoring"), ({"num_key_value_heads": 2}, "MQA"),
-                         ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope type")):  # fmt: skip
+    for bad, message in (
+        ({"scoring_func": "sigmoid"}, "scoring"),
+        ({"num_key_value_heads": 2}, "MQA"),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope type"),
+    ):
         with pytest.raises(ValueError, match=message):
             inv_freq_of(plan_of({**bare, **bad}), "compress")
 
@@ -200,12 +257,18 @@ def test_paged_torch_steps_match_transformers(model, sequences):
     def step(rows: list[StepRow]) -> np.ndarray:
         inputs = {k: torch.from_numpy(v) for k, v in pack_rows(rows, PAGE).items()}
         with torch.no_grad():
-            out = model(inputs["input_ids"], inputs["positions"], inputs["history_lens"], inputs["query_lens"],
-                        inputs["block_tables"], torch.from_numpy(pool), inputs["logprob_token_ids"])  # fmt: skip
+            out = model(
+                inputs["input_ids"],
+                inputs["positions"],
+                inputs["history_lens"],
+                inputs["query_lens"],
+                inputs["block_tables"],
+                torch.from_numpy(pool),
+                inputs["logprob_token_ids"],
+            )
         scatter_new_kv(pages, rows, out[5].numpy())
         return out[0].numpy()
 
     prefill, decode = _paged_errors(step, pool, num_pages, sequences)
     assert prefill <= RELATIVE, f"prefill logits differ by {prefill:.3g} relative"
     assert decode <= RELATIVE, f"decode logits differ by {decode:.3g} relative"
-

@@ -32,24 +32,39 @@ LEARNED = {"history_drafts": False, "adaptive": False, "max_width": 4, "max_batc
 
 
 def export_with(checkpoint: Path, drafter: Path, out: Path) -> Path:
-    export_core(ExportOptions(recipe=load_recipe("qwen25_coder"), checkpoint=str(checkpoint), out=out,
-                              precision="fp32", drafter=str(drafter)))
+    export_core(
+        ExportOptions(
+            recipe=load_recipe("qwen25_coder"),
+            checkpoint=str(checkpoint),
+            out=out,
+            precision="fp32",
+            drafter=str(drafter),
+        )
+    )
     return out
 
 
 @pytest.fixture(scope="module")
 def cores(tmp_path_factory, tiny_checkpoint_dir) -> dict[str, Path]:
-    """"self": the target drafting for itself (every greedy draft is right); "other": a drafter
+    """ "self": the target drafting for itself (every greedy draft is right); "other": a drafter
     with other random weights (most drafts are wrong)."""
     folder = tmp_path_factory.mktemp("drafter")
     other = write_tiny_checkpoint(folder / "other-checkpoint", "qwen2", seed=7)
-    return {"self": export_with(tiny_checkpoint_dir, tiny_checkpoint_dir, folder / "self"),
-            "other": export_with(tiny_checkpoint_dir, other, folder / "other")}
+    return {
+        "self": export_with(tiny_checkpoint_dir, tiny_checkpoint_dir, folder / "self"),
+        "other": export_with(tiny_checkpoint_dir, other, folder / "other"),
+    }
 
 
 def engine(core: Path, mode: str = "auto", cache: bool = False, **config) -> Engine:
-    return Engine(core, Manifest.load(core, verify_files=False), kv_pages=96, threads=1,
-                  prefix_cache=PrefixCacheConfig(enabled=cache), speculation=SpeculationConfig(mode=mode, **config))
+    return Engine(
+        core,
+        Manifest.load(core, verify_files=False),
+        kv_pages=96,
+        threads=1,
+        prefix_cache=PrefixCacheConfig(enabled=cache),
+        speculation=SpeculationConfig(mode=mode, **config),
+    )
 
 
 def generate(e: Engine, ids: list[int], name: str, hints: tuple[int, ...] = (), **sampling) -> tuple[list[int], list]:
@@ -70,8 +85,14 @@ def test_export_compiles_the_drafter_into_the_core(cores, tiny_checkpoint_dir):
     assert drafter.kv.page_tokens == manifest.kv.page_tokens and drafter.decode_weight_bytes > 0
     assert drafter.parity is not None and drafter.parity.top1_agreement > 0.9
     assert drafter.checkpoint_sha256 != manifest.identity.checkpoint_sha256  # another checkpoint
-    shown = json.loads(subprocess.run([sys.executable, "-m", "ignition.cli", "inspect", "--json", str(core)],
-                                      capture_output=True, text=True, check=True).stdout)
+    shown = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "ignition.cli", "inspect", "--json", str(core)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
     assert shown["drafter"]["engine"] == "drafter"
 
 
@@ -81,9 +102,16 @@ def test_export_refuses_a_drafter_it_cannot_serve(tmp_path, tiny_checkpoint_dir)
     (think / "tokenizer.json").write_text(add_think_tokens((think / "tokenizer.json").read_text()))
     stages = []
     with pytest.raises(ExportError, match="another tokenizer"):
-        export_core(ExportOptions(recipe=load_recipe("qwen25_coder"), checkpoint=str(tiny_checkpoint_dir),
-                                  out=tmp_path / "core", precision="fp32", drafter=str(think)),
-                    lambda stage, detail: stages.append(stage))
+        export_core(
+            ExportOptions(
+                recipe=load_recipe("qwen25_coder"),
+                checkpoint=str(tiny_checkpoint_dir),
+                out=tmp_path / "core",
+                precision="fp32",
+                drafter=str(think),
+            ),
+            lambda stage, detail: stages.append(stage),
+        )
     assert stages == [] and not (tmp_path / "core").exists()  # from the folders' tokenizer.json, before any work
     # Another family than the recipe compiles: refused before any work.
     llama = write_tiny_checkpoint(tmp_path / "llama", "llama")
@@ -116,11 +144,14 @@ def test_sampled_output_matches_and_cancel_mid_round_leaks_nothing(cores):
     off, on = engine(cores["other"], mode="off"), engine(cores["other"], **LEARNED)
     sampling = {"top_k": 5, "temperature": 0.05}
     for seed in range(3):
-        assert generate(on, PROMPT, f"on{seed}", seed=seed, **sampling)[0] == \
-            generate(off, PROMPT, f"off{seed}", seed=seed, **sampling)[0]
+        assert (
+            generate(on, PROMPT, f"on{seed}", seed=seed, **sampling)[0]
+            == generate(off, PROMPT, f"off{seed}", seed=seed, **sampling)[0]
+        )
     events = []
-    on.submit(GenerationRequest("cancel", PROMPT, SamplingParams(max_tokens=30, top_k=1, ignore_eos=True)),
-              events.append)
+    on.submit(
+        GenerationRequest("cancel", PROMPT, SamplingParams(max_tokens=30, top_k=1, ignore_eos=True)), events.append
+    )
     for _ in range(4):
         on.step()
     on.abort("cancel")
@@ -140,7 +171,7 @@ def test_a_restored_prefix_brings_its_drafter_kv(cores):
     fed: list[int] = []
     step = e.scheduler.speculator.learned.runner.step
 
-    def spy(rows):  # noqa: ANN001, ANN202
+    def spy(rows):
         fed.extend(row.history_len for row in rows if len(row.token_ids) > 1)
         return step(rows)
 
@@ -158,8 +189,9 @@ def test_a_restored_prefix_brings_its_drafter_kv(cores):
 
 def test_served_core_reports_its_drafter(cores, tmp_path):
     config = tmp_path / "helios.toml"
-    config.write_text("[server]\nspeculation_history_drafts = false\nspeculation_adaptive = false\n"
-                      "speculation_max_width = 3\n")
+    config.write_text(
+        "[server]\nspeculation_history_drafts = false\nspeculation_adaptive = false\nspeculation_max_width = 3\n"
+    )
     server = Server(cores["self"], "--config", str(config))
     try:
         card = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]

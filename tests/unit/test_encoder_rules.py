@@ -39,13 +39,16 @@ def _error(response: httpx.Response) -> str:
 def test_encoder_rejections_are_400_on_every_protocol(v41):
     prefill = USER + [{"role": "assistant", "content": "Sure:"}]
     chat = "/v1/chat/completions"
-    assert "drop_thinking" in _error(v41.post(chat, json={"messages": USER,
-                                                          "chat_template_kwargs": {"drop_thinking": True}}))
-    assert "continuation" in _error(v41.post(chat, json={"messages": prefill, "continue_final_message": True,
-                                                         "add_generation_prompt": False}))
+    assert "drop_thinking" in _error(
+        v41.post(chat, json={"messages": USER, "chat_template_kwargs": {"drop_thinking": True}})
+    )
+    assert "continuation" in _error(
+        v41.post(chat, json={"messages": prefill, "continue_final_message": True, "add_generation_prompt": False})
+    )
     assert "continuation" in _error(v41.post(chat, json={"messages": prefill}))
-    assert "add_generation_prompt=false" in _error(v41.post(chat, json={"messages": USER,
-                                                                        "add_generation_prompt": False}))
+    assert "add_generation_prompt=false" in _error(
+        v41.post(chat, json={"messages": USER, "add_generation_prompt": False})
+    )
     assert "continuation" in _error(v41.post("/v1/messages", json={"messages": prefill, "max_tokens": 4}))
     assert "continuation" in _error(v41.post("/v1/messages/count_tokens", json={"messages": prefill}))
     assert "continuation" in _error(v41.post("/v1/responses", json={"input": prefill}))
@@ -62,7 +65,12 @@ def test_reasoning_effort_kwarg_is_validated_like_the_field(v41, v4):
         assert "reasoning_effort" in _error(v41.post(chat, json=body)), bad
     # V4 takes named effort only: a numeric score is refused, as api.md says.
     assert "numeric scores are not accepted" in _error(
-        v4.post(chat, json={"messages": USER, "chat_template_kwargs": {"reasoning_effort": 80}}))
+        v4.post(chat, json={"messages": USER, "chat_template_kwargs": {"reasoning_effort": 80}})
+    )
     assert "numeric scores are not accepted" in _error(v4.post(chat, json={"messages": USER, "reasoning_effort": 80}))
-    assert v4.post(chat, json={"messages": USER, "max_tokens": 2,
-                               "chat_template_kwargs": {"reasoning_effort": None}}).status_code == 200
+    assert (
+        v4.post(
+            chat, json={"messages": USER, "max_tokens": 2, "chat_template_kwargs": {"reasoning_effort": None}}
+        ).status_code
+        == 200
+    )

@@ -102,20 +102,36 @@ def make_manifest(
     return Manifest(
         identity=Identity(recipe="test", checkpoint_id="fake", checkpoint_sha256="0" * 64),
         architecture=Architecture(
-            family="qwen2", num_layers=1, hidden_size=8, intermediate_size=16, num_heads=1,
-            num_kv_heads=1, head_dim=8, vocab_size=VOCAB, rope_theta=1e6, rms_norm_eps=1e-6,
-            max_position_embeddings=context_length, tie_word_embeddings=True, attention_bias=True,
+            family="qwen2",
+            num_layers=1,
+            hidden_size=8,
+            intermediate_size=16,
+            num_heads=1,
+            num_kv_heads=1,
+            head_dim=8,
+            vocab_size=VOCAB,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=context_length,
+            tie_word_embeddings=True,
+            attention_bias=True,
         ),
         precision="fp32",
         limits=Limits(
-            context_length=context_length, max_concurrency=max_concurrency,
-            prefill_chunk_size=prefill_chunk_size, max_batch_tokens=max_batch_tokens,
-            default_max_tokens=16, kv_pages=kv_pages,
+            context_length=context_length,
+            max_concurrency=max_concurrency,
+            prefill_chunk_size=prefill_chunk_size,
+            max_batch_tokens=max_batch_tokens,
+            default_max_tokens=16,
+            kv_pages=kv_pages,
         ),
         kv=KVLayout(page_tokens=page_tokens, num_layers=1, kv_heads=1, head_dim=8),
         engines=[],
         tokenizer=TokenizerSpec(
-            file="tokenizer.json", bos_token_id=None, eos_token_ids=[EOS, IM_END], pad_token_id=None,
+            file="tokenizer.json",
+            bos_token_id=None,
+            eos_token_ids=[EOS, IM_END],
+            pad_token_id=None,
             add_bos=False,
         ),
         template=TemplateSpec(file=None),
@@ -193,7 +209,10 @@ class FakeRunner:
                 if row.logprob_ids:
                     explicit[b, : len(row.logprob_ids)] = lp[b, row.logprob_ids]
         return StepOutput(
-            logits=logits, logsumexp=lse, top_logprobs=np.take_along_axis(lp, order, axis=1), top_ids=order,
+            logits=logits,
+            logsumexp=lse,
+            top_logprobs=np.take_along_axis(lp, order, axis=1),
+            top_ids=order,
             token_logprobs=explicit,
         )
 
@@ -522,9 +541,14 @@ def test_stop_token_ids_eos_and_ignore_eos(core_dir):
 
 def test_stop_token_sequences_hold_then_release_or_drop(core_dir):
     prompt = byte_ids("go")
-    engine, _ = make_engine(core_dir, scripts={tuple(prompt): byte_ids("abcabd") + [EOS],
-                                               tuple(byte_ids("aa")): byte_ids("aaab") + [EOS],
-                                               tuple(byte_ids("eos")): byte_ids("ab") + [EOS]})
+    engine, _ = make_engine(
+        core_dir,
+        scripts={
+            tuple(prompt): byte_ids("abcabd") + [EOS],
+            tuple(byte_ids("aa")): byte_ids("aaab") + [EOS],
+            tuple(byte_ids("eos")): byte_ids("ab") + [EOS],
+        },
+    )
     stop = byte_ids("abd")
     events = engine.generate(req("seq", prompt, max_tokens=50, stop_token_sequences=[stop], logprobs=0))
     ids, text, last = collect(events)
@@ -538,8 +562,9 @@ def test_stop_token_sequences_hold_then_release_or_drop(core_dir):
     ids, text, last = collect(events)
     assert text == "abcab" and last.finish_reason is FinishReason.LENGTH and sum(len(e.logprobs) for e in events) == 5
     # Overlapping prefixes: only what can no longer start the stop is released.
-    ids, text, last = collect(engine.generate(req("overlap", byte_ids("aa"), max_tokens=50,
-                                                  stop_token_sequences=[byte_ids("aab")])))
+    ids, text, last = collect(
+        engine.generate(req("overlap", byte_ids("aa"), max_tokens=50, stop_token_sequences=[byte_ids("aab")]))
+    )
     assert text == "a" and last.stop_reason == byte_ids("aab")
     # EOS while holding: the held tokens are released, the EOS ends it as usual.
     events = engine.generate(req("eos", byte_ids("eos"), max_tokens=50, stop_token_sequences=[stop], logprobs=0))
@@ -602,11 +627,20 @@ def _run_all(engine: Engine, requests: list[GenerationRequest]) -> dict[str, lis
 
 
 def test_preempted_sequences_complete_with_the_same_output(core_dir):
-    reqs = lambda: [  # noqa: E731
-        req(f"r{i}", byte_ids(f"prompt {i}!"), max_tokens=24, seed=100 + i, ignore_eos=True,
-            temperature=0.8, top_p=0.95)
-        for i in range(4)
-    ]
+    def reqs() -> list:  # fresh requests for each engine
+        return [
+            req(
+                f"r{i}",
+                byte_ids(f"prompt {i}!"),
+                max_tokens=24,
+                seed=100 + i,
+                ignore_eos=True,
+                temperature=0.8,
+                top_p=0.95,
+            )
+            for i in range(4)
+        ]
+
     roomy, _ = make_engine(core_dir, kv_pages=256)
     expected = _run_all(roomy, reqs())
     # Alone, each needs ceil((9 + 24) / 4) = 9 pages; four at once cannot fit in 12.
@@ -669,8 +703,10 @@ def test_thread_loop_concurrent_submit_abort_and_errors(core_dir):
         # Abort: a final ABORT event, pages back, counted as cancelled.
         events: list[GenerationEvent] = []
         done = threading.Event()
-        engine.submit(req("long", [3, 4], max_tokens=10_000, ignore_eos=True),
-                      lambda e: (events.append(e), e.finished and done.set()))
+        engine.submit(
+            req("long", [3, 4], max_tokens=10_000, ignore_eos=True),
+            lambda e: (events.append(e), e.finished and done.set()),
+        )
         while not events:
             time.sleep(0.001)
         assert engine.abort("long")

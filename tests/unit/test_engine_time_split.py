@@ -12,8 +12,11 @@ def snapshot(url: str) -> dict:
 
 def test_step_time_splits_into_graph_and_host_work(tiny_server):
     before = snapshot(tiny_server.url)
-    response = httpx.post(tiny_server.url + "/v1/completions",
-                          json={"prompt": "Hello there", "max_tokens": 6, "ignore_eos": True}, timeout=120)
+    response = httpx.post(
+        tiny_server.url + "/v1/completions",
+        json={"prompt": "Hello there", "max_tokens": 6, "ignore_eos": True},
+        timeout=120,
+    )
     assert response.status_code == 200
     after = snapshot(tiny_server.url)
     steps = after["engine_steps"] - before["engine_steps"]
@@ -34,8 +37,11 @@ def test_constrained_requests_count_grammar_mask_time(tiny_server):
     before = snapshot(tiny_server.url)
     response = httpx.post(
         tiny_server.url + "/v1/chat/completions",
-        json={"messages": [{"role": "user", "content": "Give me JSON."}], "max_tokens": 8,
-              "response_format": {"type": "json_object"}},
+        json={
+            "messages": [{"role": "user", "content": "Give me JSON."}],
+            "max_tokens": 8,
+            "response_format": {"type": "json_object"},
+        },
         timeout=120,
     )
     assert response.status_code == 200

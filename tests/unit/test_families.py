@@ -91,9 +91,16 @@ def test_engine_matches_transformers_on_prefill_and_paged_decode(family_env, rec
 
     # Prefill: row 0 in two chunks (the second reads the first through the pool), row 1 in one.
     split = 20
-    out = runner.step([StepRow(sequences[0][0][:split], 0, tables[0], state_slot=slots[0]),
-                       StepRow(prompts[1], 0, tables[1], state_slot=slots[1])])  # fmt: skip
-    errors = [_relative(out.logits[0], sequences[0][1][split - 1]), _relative(out.logits[1], sequences[1][1][len(prompts[1]) - 1])]
+    out = runner.step(
+        [
+            StepRow(sequences[0][0][:split], 0, tables[0], state_slot=slots[0]),
+            StepRow(prompts[1], 0, tables[1], state_slot=slots[1]),
+        ]
+    )
+    errors = [
+        _relative(out.logits[0], sequences[0][1][split - 1]),
+        _relative(out.logits[1], sequences[1][1][len(prompts[1]) - 1]),
+    ]
     out = runner.step([StepRow(sequences[0][0][split : len(prompts[0])], split, tables[0], state_slot=slots[0])])
     errors.append(_relative(out.logits[0], sequences[0][1][len(prompts[0]) - 1]))
     prefill_error = max(errors)
@@ -105,7 +112,7 @@ def test_engine_matches_transformers_on_prefill_and_paged_decode(family_env, rec
             position = len(prompt) + step
             rows.append(StepRow([seq[position]], position, table, state_slot=slot))
         out = runner.step(rows)
-        for b, ((seq, logits), prompt) in enumerate(zip(sequences, prompts)):
+        for b, ((_seq, logits), prompt) in enumerate(zip(sequences, prompts)):
             decode_errors.append(_relative(out.logits[b], logits[len(prompt) + step]))
     assert prefill_error <= RELATIVE, f"prefill logits differ by {prefill_error:.3g} relative"
     assert len(decode_errors) == 2 * DECODE_STEPS
@@ -116,17 +123,30 @@ CHAT = {
     "messages": [
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": "What is the weather in Paris?"},
-        {"role": "assistant", "content": "", "reasoning_content": "Use the tool.",
-         "tool_calls": [{"id": "call_1", "type": "function",
-                         "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "Use the tool.",
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
         {"role": "user", "content": "Thanks. And tomorrow?"},
     ],
-    "tools": [{"type": "function", "function": {"name": "weather", "description": "Weather by city",
-               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}],
+    "tools": [
+        {
+            "type": "function",
+            "function": {
+                "name": "weather",
+                "description": "Weather by city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            },
+        }
+    ],
     "max_tokens": 6,
     "seed": 1,
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("recipe", COMPILED)
@@ -137,7 +157,9 @@ def test_helios_serves_a_chat_round_trip(family_env, recipe):
     assert (manifest.parsers.tool, manifest.parsers.reasoning) == (loaded.tool_parser, loaded.reasoning_parser)
     server = Server(core)
     try:
-        response = httpx.post(server.url + "/v1/chat/completions", json={"model": manifest.model_id, **CHAT}, timeout=120)
+        response = httpx.post(
+            server.url + "/v1/chat/completions", json={"model": manifest.model_id, **CHAT}, timeout=120
+        )
         assert response.status_code == 200, response.text
         body = response.json()
         choice = body["choices"][0]
@@ -154,9 +176,13 @@ def test_helios_serves_a_chat_round_trip(family_env, recipe):
         # api.md: under an output constraint the family's tool-call envelope stays open. The
         # served request is accepted, and the grammar it enforces (compiled over this core's own
         # tokenizer) admits the answer and a call block its parser reads (tests/unit/test_parsers.py).
-        constrained = {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}}}
-        response = httpx.post(server.url + "/v1/chat/completions", json={"model": manifest.model_id, **constrained},
-                              timeout=120)
+        constrained = {
+            **CHAT,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}},
+        }
+        response = httpx.post(
+            server.url + "/v1/chat/completions", json={"model": manifest.model_id, **constrained}, timeout=120
+        )
         assert response.status_code == 200, response.text
         compiler = compiler_for(Tokenizer.from_core(core, manifest), manifest)
         grammar = compiler.output_grammar(OutputFormat("json_schema", ANSWER), manifest.parsers.tool, SCHEMAS, "x")
@@ -185,8 +211,14 @@ def test_deepseek_reasoning_effort_scores(family_env, recipe):
     assert manifest.template.numeric_effort == (list(numeric) if numeric else None)
     server = ScriptedServer(core)
     try:
-        def chat(**extra):  # noqa: ANN003, ANN202
-            body = {"model": manifest.model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+
+        def chat(**extra):
+            body = {
+                "model": manifest.model_id,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+                **extra,
+            }
             return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
 
         assert chat(reasoning_effort="max").status_code == 200
@@ -208,15 +240,26 @@ def test_deepseek_reasoning_effort_scores(family_env, recipe):
             assert response.status_code == 400, response.text
             error = response.json()["error"]
             assert set(error) >= {"type", "message", "param", "code"} and "reasoning_effort" in error["message"]
-        effort = httpx.post(server.url + "/v1/messages", headers={"anthropic-version": "2023-06-01"}, timeout=60,
-                            json={"model": manifest.model_id, "max_tokens": 2, "output_config": {"effort": 80},
-                                  "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+        effort = httpx.post(
+            server.url + "/v1/messages",
+            headers={"anthropic-version": "2023-06-01"},
+            timeout=60,
+            json={
+                "model": manifest.model_id,
+                "max_tokens": 2,
+                "output_config": {"effort": 80},
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+        )
         assert effort.status_code == 400 and effort.json()["type"] == "error", effort.text
         # The native encoder's refusals travel in the manifest; helios answers them before rendering.
         assert manifest.template.rejects == ["drop_thinking", "continuation", "add_generation_prompt_false"]
         user = [{"role": "user", "content": "hi"}]
-        for extra in ({"chat_template_kwargs": {"drop_thinking": False}}, {"add_generation_prompt": False},
-                      {"messages": [*user, {"role": "assistant", "content": "par"}]}):
+        for extra in (
+            {"chat_template_kwargs": {"drop_thinking": False}},
+            {"add_generation_prompt": False},
+            {"messages": [*user, {"role": "assistant", "content": "par"}]},
+        ):
             response = chat(**extra)
             assert response.status_code == 400 and "this model core's encoder" in response.json()["error"]["message"]
         assert not server.engine.prompt.endswith("par")  # none of them was rendered or submitted
@@ -241,11 +284,20 @@ def test_exporter_refuses_families_it_cannot_compile(tmp_path, recipe, monkeypat
 
 def test_recipe_sampling_follows_the_api_table():
     table = {  # api.md "Reasoning, sampling, and usage": temperature, top_p, top_k (-1 = disabled)
-        "qwen38": (1, 0.95, 20), "qwen38_dense": (1, 0.95, 20), "glm53": (1, 0.95, -1), "deepseek4": (1, 0.95, -1),
-        "deepseek41": (1, 1, -1), "mimo_v2": (1, 0.95, -1), "kimi3": (1, 1, -1), "step5": (1, 0.95, -1),
-        "nemotron_h": (1, 0.95, -1), "kimi31": (1, 0.95, -1), "minimax_m3": (1, 0.95, -1), "muse_spark": (1, 1, -1),
+        "qwen38": (1, 0.95, 20),
+        "qwen38_dense": (1, 0.95, 20),
+        "glm53": (1, 0.95, -1),
+        "deepseek4": (1, 0.95, -1),
+        "deepseek41": (1, 1, -1),
+        "mimo_v2": (1, 0.95, -1),
+        "kimi3": (1, 1, -1),
+        "step5": (1, 0.95, -1),
+        "nemotron_h": (1, 0.95, -1),
+        "kimi31": (1, 0.95, -1),
+        "minimax_m3": (1, 0.95, -1),
+        "muse_spark": (1, 1, -1),
         "gemma4": (1, 0.95, 64),
-    }  # fmt: skip
+    }
     intervals = {
         "qwen38": {"temperature": (0.7, 1), "top_p": (0.8, 0.95), "presence_penalty": (0, 2)},
         "qwen38_dense": {"temperature": (0.7, 1), "top_p": (0.8, 0.95), "presence_penalty": (0, 2)},
@@ -293,8 +345,9 @@ def _render(template: str, **kwargs) -> str:
 def test_deepseek_templates_follow_the_native_encoder_rules():
     user = [{"role": "user", "content": "hi"}]
     for template in ("templates/deepseek_v4.jinja", "templates/deepseek_v41.jinja"):
-        assert _render(template, messages=user, add_generation_prompt=True).endswith("<reasoning_effort>" + (
-            "75" if "41" in template else "high") + "</reasoning_effort><think>")
+        assert _render(template, messages=user, add_generation_prompt=True).endswith(
+            "<reasoning_effort>" + ("75" if "41" in template else "high") + "</reasoning_effort><think>"
+        )
         assert _render(template, messages=user, add_generation_prompt=True, enable_thinking=False).endswith("</think>")
         for kwargs in ({"drop_thinking": True}, {"add_generation_prompt": False}):
             with pytest.raises(ValueError):
@@ -320,7 +373,9 @@ def test_kimi3_template_always_thinks():
     on = template.render(messages=user, add_generation_prompt=True)
     assert on.endswith("<|im_middle|>max<|im_end|><|im_assistant|>assistant<|im_middle|><think>")
     assert template.render(messages=user, add_generation_prompt=True, enable_thinking=False, thinking=False) == on
-    assert "<|im_middle|>low<|im_end|>" in template.render(messages=user, add_generation_prompt=True, reasoning_effort="low")
+    assert "<|im_middle|>low<|im_end|>" in template.render(
+        messages=user, add_generation_prompt=True, reasoning_effort="low"
+    )
     history = [*user, {"role": "assistant", "content": "ok", "reasoning_content": "because"}]
     assert "<think>because</think>ok" in template.render(messages=history)
 
@@ -335,8 +390,10 @@ def test_mtp_tensors_are_kept_aside(tmp_path):
 
     folder, _ = write_family_checkpoint(tmp_path / "ckpt", "deepseek_v3")
     layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
-    extra = {f"model.layers.{layers}.eh_proj.weight": torch.zeros(64, 128),
-             f"model.layers.{layers}.enorm.weight": torch.ones(64)}  # fmt: skip
+    extra = {
+        f"model.layers.{layers}.eh_proj.weight": torch.zeros(64, 128),
+        f"model.layers.{layers}.enorm.weight": torch.ones(64),
+    }
     save_file(extra, folder / "model-mtp.safetensors", metadata={"format": "pt"})  # a shard of its own
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     index["weight_map"].update({name: "model-mtp.safetensors" for name in extra})
@@ -373,14 +430,20 @@ def test_nemotron_h_plan_and_both_checkpoint_layouts():
     assert _relative(model.reference(ids).numpy(), expected) <= RELATIVE
 
 
-def _family_tokenizer(family: str):  # noqa: ANN202
+def _family_tokenizer(family: str):
     from helios.frontend.tokenizer import Tokenizer
     from helios.manifest import TokenizerSpec
     from tests.unit.family_checkpoints import MARKUP, SPECIALS, byte_tokenizer
 
     specials = SPECIALS[family]
-    spec = TokenizerSpec(file="tokenizer.json", bos_token_id=256, eos_token_ids=[], pad_token_id=None, add_bos=False,
-                         special_tokens={t: 256 + i for i, t in enumerate(specials) if t not in MARKUP})  # fmt: skip
+    spec = TokenizerSpec(
+        file="tokenizer.json",
+        bos_token_id=256,
+        eos_token_ids=[],
+        pad_token_id=None,
+        add_bos=False,
+        special_tokens={t: 256 + i for i, t in enumerate(specials) if t not in MARKUP},
+    )
     return Tokenizer(byte_tokenizer(specials), spec, 256 + len(specials))
 
 
@@ -388,17 +451,26 @@ def test_kimi_k2_tool_sections_stream_token_by_token():
     from tests.unit.test_parsers import merged, run, spec
 
     tok = _family_tokenizer("deepseek_v3")
-    section = ("Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.lookup:0<|tool_call_argument_begin|>"
-               '{"query": "alpha"}<|tool_call_end|><|tool_call_begin|>functions.lookup:1<|tool_call_argument_begin|>'
-               '{"limit": 3}<|tool_call_end|><|tool_calls_section_end|>')  # fmt: skip
+    section = (
+        "Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.lookup:0<|tool_call_argument_begin|>"
+        '{"query": "alpha"}<|tool_call_end|><|tool_call_begin|>functions.lookup:1<|tool_call_argument_begin|>'
+        '{"limit": 3}<|tool_call_end|><|tool_calls_section_end|>'
+    )
     assert merged(run(section, spec("kimi_k2"), tokenizer=tok)) == [
-        ("text", "Checking."), ("call", "lookup", {"query": "alpha"}), ("call", "lookup", {"limit": 3})]
+        ("text", "Checking."),
+        ("call", "lookup", {"query": "alpha"}),
+        ("call", "lookup", {"limit": 3}),
+    ]
     assert merged(run("No tools here.", spec("kimi_k2"), tokenizer=tok)) == [("text", "No tools here.")]
     from helios.frontend.parsers import ToolParseError
 
     with pytest.raises(ToolParseError):
-        run("<|tool_calls_section_begin|><|tool_call_begin|>functions.lookup:0<|tool_call_argument_begin|>{oops}"
-            "<|tool_call_end|><|tool_calls_section_end|>", spec("kimi_k2"), tokenizer=tok)
+        run(
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.lookup:0<|tool_call_argument_begin|>{oops}"
+            "<|tool_call_end|><|tool_calls_section_end|>",
+            spec("kimi_k2"),
+            tokenizer=tok,
+        )
 
 
 def test_mimo_function_tags_keep_values_verbatim():
@@ -418,10 +490,16 @@ def test_prompt_scoring_is_refused_where_logits_are_post_processed(tmp_path, mon
     from ignition.export.pipeline import ExportError, ExportOptions, export_core
 
     checkpoint, _ = write_family_checkpoint(tmp_path / "ckpt", "gemma4")
-    options = ExportOptions(recipe=load_recipe("gemma4"), checkpoint=str(checkpoint), out=tmp_path / "core",
-                            precision="fp32", prompt_logprobs=True, cache=False)
+    options = ExportOptions(
+        recipe=load_recipe("gemma4"),
+        checkpoint=str(checkpoint),
+        out=tmp_path / "core",
+        precision="fp32",
+        prompt_logprobs=True,
+        cache=False,
+    )
 
-    def no_reading(spec):  # noqa: ANN001, ANN202
+    def no_reading(spec):
         raise AssertionError("the checkpoint's tensors were read before --prompt-logprobs was refused")
 
     monkeypatch.setattr(ignition.export.stages, "load_checkpoint", no_reading)

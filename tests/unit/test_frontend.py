@@ -61,8 +61,14 @@ SAMPLING = Sampling(
         "presence_penalty": Range(-2.0, 2.0),
     },
 )
-LIMITS = Limits(context_length=100, max_concurrency=4, prefill_chunk_size=64, max_batch_tokens=128,
-                default_max_tokens=30, kv_pages=16)
+LIMITS = Limits(
+    context_length=100,
+    max_concurrency=4,
+    prefill_chunk_size=64,
+    max_batch_tokens=128,
+    default_max_tokens=30,
+    kv_pages=16,
+)
 VOCAB = 1000
 
 CHATML = (
@@ -87,18 +93,31 @@ def _tokenizer(bos: int | None = 256, add_bos: bool = False) -> Tokenizer:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
     eot, start, end = (tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"))
-    spec = TokenizerSpec(file="tokenizer.json", bos_token_id=eot if bos is not None else None,
-                         eos_token_ids=[end, eot], pad_token_id=None, add_bos=add_bos,
-                         special_tokens={"<|endoftext|>": eot, "<|im_start|>": start, "<|im_end|>": end})
+    spec = TokenizerSpec(
+        file="tokenizer.json",
+        bos_token_id=eot if bos is not None else None,
+        eos_token_ids=[end, eot],
+        pad_token_id=None,
+        add_bos=add_bos,
+        special_tokens={"<|endoftext|>": eot, "<|im_start|>": start, "<|im_end|>": end},
+    )
     return Tokenizer(tok.to_str(), spec, vocab_size=tok.get_vocab_size() + 8)
 
 
 # -- sampling --------------------------------------------------------------------------------------
 
+
 def test_omitted_fields_take_prepared_defaults():
     out = resolve_distribution({}, SAMPLING)
-    assert out == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0, "repetition_penalty": 1.05,
-                   "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    assert out == {
+        "temperature": 0.7,
+        "top_p": 0.8,
+        "top_k": 20,
+        "min_p": 0.0,
+        "repetition_penalty": 1.05,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+    }
     assert resolve_distribution({"temperature": None}, SAMPLING)["temperature"] == 0.7
 
 
@@ -123,10 +142,20 @@ def test_parameter_without_range_is_fixed_at_default():
     assert out["min_p"] == 0.0 and out["repetition_penalty"] == 1.05 and out["frequency_penalty"] == 0.0
 
 
-@pytest.mark.parametrize("field,value", [
-    ("top_k", 2.0), ("top_k", "5"), ("top_k", True), ("temperature", True), ("temperature", "1"),
-    ("top_p", [0.5]), ("temperature", math.nan), ("temperature", math.inf), ("min_p", {}),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("top_k", 2.0),
+        ("top_k", "5"),
+        ("top_k", True),
+        ("temperature", True),
+        ("temperature", "1"),
+        ("top_p", [0.5]),
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("min_p", {}),
+    ],
+)
 def test_malformed_types_are_rejected(field, value):
     with pytest.raises(RequestError) as info:
         resolve_distribution({field: value}, SAMPLING)
@@ -168,9 +197,14 @@ def test_stop_token_sequences():
     assert parse_token_stops(None, [[1, 2], [3]], VOCAB) == ([], [[1, 2], [3]])
     assert parse_token_stops(list(range(8)), [[9]] * 8, VOCAB)[1] == [[9]] * 8  # sixteen stops in all
     assert parse_token_stops(None, [list(range(64))], VOCAB)[1] == [list(range(64))]
-    for ids, runs, message in ((None, [[]], "1 to 64"), (None, [list(range(65))], "1 to 64"),
-                               (list(range(8)), [[9]] * 9, "at most 16"), (None, [[1000]], "outside"),
-                               (None, [1, 2], "array of token ids"), (None, "x", "token-id arrays")):
+    for ids, runs, message in (
+        (None, [[]], "1 to 64"),
+        (None, [list(range(65))], "1 to 64"),
+        (list(range(8)), [[9]] * 9, "at most 16"),
+        (None, [[1000]], "outside"),
+        (None, [1, 2], "array of token ids"),
+        (None, "x", "token-id arrays"),
+    ):
         with pytest.raises(RequestError, match=message):
             parse_token_stops(ids, runs, VOCAB)
 
@@ -178,8 +212,9 @@ def test_stop_token_sequences():
 def test_string_and_token_stops_cannot_combine():
     with pytest.raises(RequestError, match="cannot combine"):
         resolve_sampling(SamplingFields(values={}, stop=["x"], stop_token_ids=[3]), SAMPLING, VOCAB)
-    params = resolve_sampling(SamplingFields(values={"temperature": 0}, seed=5, stop="x", ignore_eos=True),
-                              SAMPLING, VOCAB)
+    params = resolve_sampling(
+        SamplingFields(values={"temperature": 0}, seed=5, stop="x", ignore_eos=True), SAMPLING, VOCAB
+    )
     assert params.temperature == 0.01 and params.seed == 5 and params.stop == ["x"] and params.ignore_eos
     with pytest.raises(RequestError):
         resolve_sampling(SamplingFields(values={}, ignore_eos="yes"), SAMPLING, VOCAB)
@@ -214,6 +249,7 @@ def test_top_logprobs_capacity():
 
 # -- tokenizer -------------------------------------------------------------------------------------
 
+
 def test_tokenizer_special_tokens_bos_and_bytes():
     tok = _tokenizer()
     end = tok.spec.special_tokens["<|im_end|>"]
@@ -241,6 +277,7 @@ def test_tokenizer_bos_policy_and_empty_prompt():
 
 # -- template --------------------------------------------------------------------------------------
 
+
 def _chat(*pairs: tuple[str, str]) -> list[dict]:
     return [{"role": r, "content": c} for r, c in pairs]
 
@@ -264,16 +301,21 @@ def test_continue_final_message_cuts_after_content():
     with pytest.raises(TemplateError):
         t.render(msgs, add_generation_prompt=True, continue_final_message=True)
     trimming = ChatTemplate("{% for m in messages %}[{{ m['content'] | trim }}]{% endfor %}")
-    assert trimming.render(_chat(("assistant", "Answer: ")), add_generation_prompt=False,
-                           continue_final_message=True) == "[Answer:"
+    assert (
+        trimming.render(_chat(("assistant", "Answer: ")), add_generation_prompt=False, continue_final_message=True)
+        == "[Answer:"
+    )
     dropping = ChatTemplate("{% for m in messages %}{{ m['role'] }}{% endfor %}")
     with pytest.raises(TemplateError, match="continued"):
         dropping.render(_chat(("assistant", "x")), add_generation_prompt=False, continue_final_message=True)
 
 
 def test_template_helpers_follow_hugging_face():
-    t = ChatTemplate("{{ bos_token }}{{ messages[0]['content'] | tojson }}|{{ {'b': 1, 'a': 'é'} | tojson(indent=1, "
-                     "sort_keys=true) }}|{{ strftime_now('%Y') | length }}", bos_token="<s>")
+    t = ChatTemplate(
+        "{{ bos_token }}{{ messages[0]['content'] | tojson }}|{{ {'b': 1, 'a': 'é'} | tojson(indent=1, "
+        "sort_keys=true) }}|{{ strftime_now('%Y') | length }}",
+        bos_token="<s>",
+    )
     out = t.render(_chat(("user", "é<tag>")), add_generation_prompt=False)
     assert out == '<s>"é<tag>"|{\n "a": "é",\n "b": 1\n}|4'
     raising = ChatTemplate("{{ raise_exception('System role not supported') }}")
@@ -295,9 +337,13 @@ def test_template_sandbox_and_syntax_errors_are_request_errors():
 
 # -- conversation ----------------------------------------------------------------------------------
 
+
 def test_developer_instructions_merge_into_one_leading_system_message():
-    msgs = [Message("user", [TextPart("hi")]), Message("system", [TextPart("S")]),
-            Message("developer", [TextPart("D1"), TextPart("D2")])]
+    msgs = [
+        Message("user", [TextPart("hi")]),
+        Message("system", [TextPart("S")]),
+        Message("developer", [TextPart("D1"), TextPart("D2")]),
+    ]
     merged = merge_instructions(msgs)
     assert [m.role for m in merged] == ["system", "user"]
     assert merged[0].text() == "<system>\nS\n</system>\n\n<developer>\nD1\nD2\n</developer>"
@@ -312,11 +358,13 @@ def test_render_prompt_lowers_tool_history_and_tokenizes_without_bos():
         "{% for c in m.tool_calls or [] %}[{{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}"
         "{% if m.tool_call_id %}<{{ m.tool_call_id }}>{% endif %};{% endfor %}"
     )
-    conv = Conversation([
-        Message("user", [TextPart("go")]),
-        Message("assistant", [ToolCallPart("c1", "lookup", '{"q": "é"}')]),
-        Message("tool", [ToolResultPart("c1", [TextPart("42")])]),
-    ])
+    conv = Conversation(
+        [
+            Message("user", [TextPart("go")]),
+            Message("assistant", [ToolCallPart("c1", "lookup", '{"q": "é"}')]),
+            Message("tool", [ToolResultPart("c1", [TextPart("42")])]),
+        ]
+    )
     text = render_text(conv, ChatTemplate(source), add_generation_prompt=False)
     assert text == 'user:go;assistant:[lookup {"q": "é"}];tool:42<c1>;'
     ids = render_prompt(conv, ChatTemplate(source), tok, add_generation_prompt=False)
@@ -330,16 +378,19 @@ def test_render_prompt_lowers_tool_history_and_tokenizes_without_bos():
 PAYLOAD = json.dumps({"prompt": "héllo " * 100, "max_tokens": 3}).encode()
 
 
-@pytest.mark.parametrize("header,encode", [
-    (None, lambda b: b),
-    ("identity", lambda b: b),
-    ("gzip", gzip.compress),
-    ("x-gzip", gzip.compress),
-    ("deflate", zlib.compress),
-    ("br", brotli.compress),
-    ("zstd", lambda b: zstandard.ZstdCompressor().compress(b)),
-    ("gzip, br", lambda b: brotli.compress(gzip.compress(b))),
-])
+@pytest.mark.parametrize(
+    "header,encode",
+    [
+        (None, lambda b: b),
+        ("identity", lambda b: b),
+        ("gzip", gzip.compress),
+        ("x-gzip", gzip.compress),
+        ("deflate", zlib.compress),
+        ("br", brotli.compress),
+        ("zstd", lambda b: zstandard.ZstdCompressor().compress(b)),
+        ("gzip, br", lambda b: brotli.compress(gzip.compress(b))),
+    ],
+)
 def test_every_content_encoding_decodes(header, encode):
     encodings = bodies.content_encodings(header)
     assert bodies.decode_json(encode(PAYLOAD), encodings, 1 << 20) == json.loads(PAYLOAD)
@@ -348,8 +399,13 @@ def test_every_content_encoding_decodes(header, encode):
 def test_gzip_multimember_and_corrupt_bodies():
     twice = gzip.compress(b'{"a": ') + gzip.compress(b"1}")
     assert bodies.decode_json(twice, ["gzip"], 1 << 20) == {"a": 1}
-    for encoding, data in [("gzip", b"not gzip"), ("br", b"\x00\x01junk"), ("zstd", b"junk"),
-                           ("gzip", gzip.compress(PAYLOAD)[:-12]), ("deflate", zlib.compress(PAYLOAD)[:-4])]:
+    for encoding, data in [
+        ("gzip", b"not gzip"),
+        ("br", b"\x00\x01junk"),
+        ("zstd", b"junk"),
+        ("gzip", gzip.compress(PAYLOAD)[:-12]),
+        ("deflate", zlib.compress(PAYLOAD)[:-4]),
+    ]:
         with pytest.raises(ApiError) as info:
             bodies.decode(data, [encoding], 1 << 20)
         assert info.value.status == 400
@@ -361,12 +417,15 @@ def test_unknown_encoding_is_415():
     assert info.value.status == 415
 
 
-@pytest.mark.parametrize("encoding,compress", [
-    ("gzip", gzip.compress),
-    ("deflate", zlib.compress),
-    ("br", brotli.compress),
-    ("zstd", lambda b: zstandard.ZstdCompressor().compress(b)),
-])
+@pytest.mark.parametrize(
+    "encoding,compress",
+    [
+        ("gzip", gzip.compress),
+        ("deflate", zlib.compress),
+        ("br", brotli.compress),
+        ("zstd", lambda b: zstandard.ZstdCompressor().compress(b)),
+    ],
+)
 def test_compression_bomb_stops_at_the_limit(encoding, compress):
     limit = 1 << 20
     bomb = compress(b"\0" * (64 << 20))  # 64 MiB of zeros in a few dozen KiB
@@ -418,22 +477,30 @@ def test_encoded_body_limit_while_reading():
 
 # -- metrics negotiation ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fmt,accept,expected", [
-    (None, None, False),
-    (None, "*/*", False),
-    (None, "application/json", True),
-    (None, "text/plain", False),
-    (None, "application/json, text/plain", True),  # equal quality: the earlier range wins
-    (None, "text/plain, application/json", False),
-    (None, "application/json;q=0.5, text/plain", False),
-    (None, "text/plain;q=0.2, application/json;q=0.9", True),
-    (None, "text/*;q=0.3, application/*;q=0.4", True),
-    (None, "application/openmetrics-text;version=1.0.0;q=0.5,application/openmetrics-text;version=0.0.1;q=0.4,"
-           "text/plain;version=0.0.4;q=0.3,*/*;q=0.2", False),  # a Prometheus scraper
-    ("json", None, True),
-    ("json", "text/plain", True),
-    ("prometheus", "application/json", False),
-])
+
+@pytest.mark.parametrize(
+    "fmt,accept,expected",
+    [
+        (None, None, False),
+        (None, "*/*", False),
+        (None, "application/json", True),
+        (None, "text/plain", False),
+        (None, "application/json, text/plain", True),  # equal quality: the earlier range wins
+        (None, "text/plain, application/json", False),
+        (None, "application/json;q=0.5, text/plain", False),
+        (None, "text/plain;q=0.2, application/json;q=0.9", True),
+        (None, "text/*;q=0.3, application/*;q=0.4", True),
+        (
+            None,
+            "application/openmetrics-text;version=1.0.0;q=0.5,application/openmetrics-text;version=0.0.1;q=0.4,"
+            "text/plain;version=0.0.4;q=0.3,*/*;q=0.2",
+            False,
+        ),  # a Prometheus scraper
+        ("json", None, True),
+        ("json", "text/plain", True),
+        ("prometheus", "application/json", False),
+    ],
+)
 def test_metrics_format_negotiation(fmt, accept, expected):
     assert wants_json(fmt, accept) is expected
 
@@ -456,6 +523,7 @@ def test_first_response_window():
 
 
 # -- admission, errors, config ---------------------------------------------------------------------
+
 
 def test_admission_slots():
     admission = Admission(4)
@@ -489,8 +557,13 @@ def test_config_file_and_key_file(tmp_path):
     key = tmp_path / "key"
     key.write_text("secret\n")
     assert read_api_key_file(key) == "secret"
-    for bad in ('[server]\nport = "x"\n', '[server]\nbogus = 1\n', '[other]\n', '[server]\nthinking_token_budget = 0\n',
-                "not toml ["):
+    for bad in (
+        '[server]\nport = "x"\n',
+        "[server]\nbogus = 1\n",
+        "[other]\n",
+        "[server]\nthinking_token_budget = 0\n",
+        "not toml [",
+    ):
         path.write_text(bad)
         with pytest.raises(ConfigError):
             ServerConfig.load(path)

@@ -18,51 +18,153 @@ from hypothesis import strategies as st
 from tests.conftest import TINY_API_KEY
 from tests.unit.live import ANTHROPIC, USER, sse, wait_idle
 
-TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather",
-                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                        "required": ["city"]}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 BASES: list[tuple[str, dict[str, Any]]] = [
     ("/v1/chat/completions", {"messages": USER, "max_tokens": 3}),
-    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "Be brief."}, *USER], "max_tokens": 3,
-                              "tools": [TOOL], "tool_choice": "auto", "logprobs": True, "top_logprobs": 2,
-                              "stream": True, "stream_options": {"include_usage": True}}),
-    ("/v1/chat/completions", {"messages": USER, "max_tokens": 3, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}, "seed": 1}),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "system", "content": "Be brief."}, *USER],
+            "max_tokens": 3,
+            "tools": [TOOL],
+            "tool_choice": "auto",
+            "logprobs": True,
+            "top_logprobs": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": USER,
+            "max_tokens": 3,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+            "seed": 1,
+        },
+    ),
     ("/v1/completions", {"prompt": "Hello", "max_tokens": 3, "logprobs": 1, "echo": False, "stop": ["\n"]}),
     ("/v1/completions", {"prompt": [[1, 2, 3], "Hi"], "max_tokens": 2, "n": 2, "stream": True}),
-    ("/v1/messages", {"messages": USER, "max_tokens": 3, "system": [{"type": "text", "text": "Be brief."}],
-                      "tools": [{"name": "get_weather", "input_schema": TOOL["function"]["parameters"]}]}),
-    ("/v1/messages", {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], "max_tokens": 3,
-                      "stream": True, "stop_sequences": ["x"], "temperature": 0.5}),
-    ("/v1/messages/count_tokens", {"messages": USER, "system": "Be brief.", "tools": [
-        {"name": "t", "input_schema": {"type": "object"}}]}),
-    ("/v1/responses", {"input": "Hi", "max_output_tokens": 3, "instructions": "Be brief.", "tools": [
-        {"type": "function", "name": "get_weather", "parameters": TOOL["function"]["parameters"]}],
-        "metadata": {"k": "v"}}),
-    ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
-                       "max_output_tokens": 3, "stream": True, "text": {"format": {"type": "text"}}}),
-    ("/v1/systemone", {"model": "local", "state": {"message": "Charged twice"}, "questions": {
-        "refund": {"type": "noul", "instructions": "Is a refund requested?"},
-        "team": {"type": "choice", "criteria": {"billing": None, "support": "Other help"}},
-        "urgency": {"type": "score", "instructions": {"ask": "How urgent?"}, "criteria": ["Routine", "Urgent"]}}}),
-    ("/v1/decisions", {"model": "local", "input": "Charged twice", "questions": [
-        {"type": "predicate", "name": "refund", "instructions": "Refund requested?"},
-        {"type": "choice", "instructions": "Which team?", "choices": [{"value": "billing"}, {"value": 2}]}]}),
+    (
+        "/v1/messages",
+        {
+            "messages": USER,
+            "max_tokens": 3,
+            "system": [{"type": "text", "text": "Be brief."}],
+            "tools": [{"name": "get_weather", "input_schema": TOOL["function"]["parameters"]}],
+        },
+    ),
+    (
+        "/v1/messages",
+        {
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+            "max_tokens": 3,
+            "stream": True,
+            "stop_sequences": ["x"],
+            "temperature": 0.5,
+        },
+    ),
+    (
+        "/v1/messages/count_tokens",
+        {"messages": USER, "system": "Be brief.", "tools": [{"name": "t", "input_schema": {"type": "object"}}]},
+    ),
+    (
+        "/v1/responses",
+        {
+            "input": "Hi",
+            "max_output_tokens": 3,
+            "instructions": "Be brief.",
+            "tools": [{"type": "function", "name": "get_weather", "parameters": TOOL["function"]["parameters"]}],
+            "metadata": {"k": "v"},
+        },
+    ),
+    (
+        "/v1/responses",
+        {
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
+            "max_output_tokens": 3,
+            "stream": True,
+            "text": {"format": {"type": "text"}},
+        },
+    ),
+    (
+        "/v1/systemone",
+        {
+            "model": "local",
+            "state": {"message": "Charged twice"},
+            "questions": {
+                "refund": {"type": "noul", "instructions": "Is a refund requested?"},
+                "team": {"type": "choice", "criteria": {"billing": None, "support": "Other help"}},
+                "urgency": {"type": "score", "instructions": {"ask": "How urgent?"}, "criteria": ["Routine", "Urgent"]},
+            },
+        },
+    ),
+    (
+        "/v1/decisions",
+        {
+            "model": "local",
+            "input": "Charged twice",
+            "questions": [
+                {"type": "predicate", "name": "refund", "instructions": "Refund requested?"},
+                {"type": "choice", "instructions": "Which team?", "choices": [{"value": "billing"}, {"value": 2}]},
+            ],
+        },
+    ),
     ("/api/show", {"model": "qwen2.5-coder"}),
 ]
-SHAPES = {"/v1/messages": "messages", "/v1/messages/count_tokens": "messages", "/api/show": "ollama",
-          "/v1/systemone": "systemone"}
+SHAPES = {
+    "/v1/messages": "messages",
+    "/v1/messages/count_tokens": "messages",
+    "/api/show": "ollama",
+    "/v1/systemone": "systemone",
+}
 # Generation lengths a mutation may set are clamped so the run stays short (a budget past the
 # context is clamped to it by design, so a huge one would only make a slow test).
-LENGTH_KEYS = {"max_tokens", "max_output_tokens", "max_completion_tokens", "n", "best_of", "top_logprobs",
-               "logprobs", "min_tokens"}
+LENGTH_KEYS = {
+    "max_tokens",
+    "max_output_tokens",
+    "max_completion_tokens",
+    "n",
+    "best_of",
+    "top_logprobs",
+    "logprobs",
+    "min_tokens",
+}
 
 TEXT = st.text(st.characters(codec=None, exclude_categories=()), max_size=12)  # surrogates included
-LEAVES = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
-                   TEXT, st.sampled_from(["", "user", "assistant", "tool", "auto", "required", "none", "text",
-                                          "json_object", "function", "image", "\ud800"]))
-VALUES = st.recursive(LEAVES, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                       st.dictionaries(TEXT, inner, max_size=3)), max_leaves=8)
+LEAVES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False),
+    TEXT,
+    st.sampled_from(
+        [
+            "",
+            "user",
+            "assistant",
+            "tool",
+            "auto",
+            "required",
+            "none",
+            "text",
+            "json_object",
+            "function",
+            "image",
+            "\ud800",
+        ]
+    ),
+)
+VALUES = st.recursive(
+    LEAVES, lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(TEXT, inner, max_size=3)), max_leaves=8
+)
 
 
 def nodes(value: Any, path: tuple = ()) -> list[tuple]:
@@ -105,8 +207,7 @@ def mutate(body: Any, data: st.DataObject) -> Any:
 
 def clamp(value: Any) -> Any:
     if isinstance(value, dict):
-        return {k: (min(v, 4) if k in LENGTH_KEYS and isinstance(v, int) else clamp(v))
-                for k, v in value.items()}
+        return {k: (min(v, 4) if k in LENGTH_KEYS and isinstance(v, int) else clamp(v)) for k, v in value.items()}
     if isinstance(value, list):
         return [clamp(v) for v in value]
     return value
@@ -161,9 +262,13 @@ def http(tiny_keyed_server):
 
 
 # CI runs a fixed seed; FLARE_FUZZ_EXAMPLES=N FLARE_FUZZ_RANDOM=1 explores further.
-@settings(max_examples=int(os.environ.get("FLARE_FUZZ_EXAMPLES", "300")),
-          derandomize=not os.environ.get("FLARE_FUZZ_RANDOM"), deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=int(os.environ.get("FLARE_FUZZ_EXAMPLES", "300")),
+    derandomize=not os.environ.get("FLARE_FUZZ_RANDOM"),
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+)
 @given(data=st.data())
 def test_mutated_requests_never_crash_the_server(http, data):
     path, base = data.draw(st.sampled_from(BASES))

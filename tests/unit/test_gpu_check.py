@@ -19,8 +19,20 @@ def test_cpu_smoke_records_every_phase(tmp_path):
     pytest.importorskip("triton")
     pytest.importorskip("transformers")
     out = tmp_path / "gpu_check.json"
-    run = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--cpu-smoke", "--out", str(out),
-                          "--fixture", str(tmp_path / "absent")], capture_output=True, text=True, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "gpu_check.py"),
+            "--cpu-smoke",
+            "--out",
+            str(out),
+            "--fixture",
+            str(tmp_path / "absent"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["finished"]

@@ -30,7 +30,7 @@ class Pool:
         pages = -(-len(self.ids) // PT)
         out = np.zeros((2, 2, pages - first_page, PT, 1, 8), np.float32)
         for p in range(first_page, pages):
-            chunk = self.ids[p * PT:(p + 1) * PT]
+            chunk = self.ids[p * PT : (p + 1) * PT]
             out[:, :, p - first_page, : len(chunk)] = np.asarray(chunk, np.float32)[:, None, None]
         return out
 
@@ -55,7 +55,7 @@ def restored(host: HostStore, prompt: list[int]) -> list[int] | None:
     pages = np.zeros((-(-chain.length // PT), PT), np.float32)
     for record in records:
         first = record.link.first_page
-        pages[first:first + record.kv.shape[2]] = record.kv[0, 0, :, :, 0, 0]
+        pages[first : first + record.kv.shape[2]] = record.kv[0, 0, :, :, 0, 0]
     assert np.concatenate([r.ids for r in records]).tolist() == prompt[: chain.length]
     return pages.reshape(-1)[: chain.length].astype(int).tolist()
 
@@ -135,7 +135,7 @@ def test_concurrent_writers_of_one_record_never_expose_a_partial_file(tmp_path):
                     read_link(path, "core-identity-" + "0" * 50)
                 except FileNotFoundError:
                     pass
-                except Exception as exc:  # noqa: BLE001 - any failure is the finding
+                except Exception as exc:
                     failures.append(f"{path.name}: {exc}")
 
     reader = threading.Thread(target=read_all)
@@ -212,12 +212,23 @@ def test_foreign_or_unknown_records_are_refused(tmp_path, field):
 
 def test_config_file_keys(tmp_path):
     path = tmp_path / "helios.toml"
-    path.write_text(f'[server]\nhost_store_dir = "{tmp_path}"\nhost_store_dram_gb = 0.5\nhost_store_disk_gb = 2\n'
-                    'host_store_restore = "always"\n')
+    path.write_text(
+        f'[server]\nhost_store_dir = "{tmp_path}"\nhost_store_dram_gb = 0.5\nhost_store_disk_gb = 2\n'
+        'host_store_restore = "always"\n'
+    )
     config = ServerConfig.load(path).host_store_config()
-    assert (config.directory, config.dram_bytes, config.disk_bytes, config.restore) == (tmp_path, 1 << 29, 2 << 30, "always")
-    for bad in ('host_store_restore = "sometimes"', "host_store_dram_gb = -1", 'host_store_disk_gb = "x"',
-                "host_store_dir = 3"):
+    assert (config.directory, config.dram_bytes, config.disk_bytes, config.restore) == (
+        tmp_path,
+        1 << 29,
+        2 << 30,
+        "always",
+    )
+    for bad in (
+        'host_store_restore = "sometimes"',
+        "host_store_dram_gb = -1",
+        'host_store_disk_gb = "x"',
+        "host_store_dir = 3",
+    ):
         path.write_text(f"[server]\n{bad}\n")
         with pytest.raises(ConfigError):
             ServerConfig.load(path)

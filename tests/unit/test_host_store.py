@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from helios.engine import host_store as host_store_module
 from helios.engine.api import CheckpointCandidate, CheckpointRole, GenerationRequest, SamplingParams
 from helios.engine.engine import Engine
-from helios.engine import host_store as host_store_module
 from helios.engine.host_store import HostStoreConfig
 from helios.engine.prefix_cache import PrefixCacheConfig
 from helios.manifest import Manifest
@@ -25,13 +25,23 @@ LENGTH = 100
 
 def make_engine(core: Path, folder: Path | None, dram_bytes: int = 1 << 30, manifest: Manifest | None = None) -> Engine:
     manifest = manifest or Manifest.load(core, verify_files=False)
-    return Engine(core, manifest, kv_pages=128, threads=1, prefix_cache=PrefixCacheConfig(),
-                  host_store=HostStoreConfig(dram_bytes=dram_bytes, directory=folder, restore="always"))
+    return Engine(
+        core,
+        manifest,
+        kv_pages=128,
+        threads=1,
+        prefix_cache=PrefixCacheConfig(),
+        host_store=HostStoreConfig(dram_bytes=dram_bytes, directory=folder, restore="always"),
+    )
 
 
 def run(engine: Engine, ids: list[int], name: str) -> tuple[list[int], int]:
-    request = GenerationRequest(name, list(ids), SamplingParams(max_tokens=8, ignore_eos=True, top_k=1),
-                                checkpoints=[CheckpointCandidate(len(ids), CheckpointRole.ENDPOINT)])
+    request = GenerationRequest(
+        name,
+        list(ids),
+        SamplingParams(max_tokens=8, ignore_eos=True, top_k=1),
+        checkpoints=[CheckpointCandidate(len(ids), CheckpointRole.ENDPOINT)],
+    )
     events = engine.generate(request)
     assert events[-1].finished and events[-1].error is None, events[-1].error
     return [t for e in events for t in e.token_ids], events[-1].cached_tokens
@@ -111,6 +121,7 @@ def test_unwritable_directory_degrades_to_memory(tiny_core, tmp_path):
 def test_a_full_disk_degrades_to_memory_without_failing_a_request(tiny_core, tmp_path, monkeypatch):
     """Every record write fails with ENOSPC: requests succeed, records stay in DRAM (restored from
     there after the pool forgets), and the failures are counted, never raised."""
+
     def full(*_args, **_kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -134,8 +145,13 @@ def test_a_turn_extends_the_chain_and_output_matches_an_engine_without_a_host_st
     turn1 = prompt()
     turn2 = turn1 + rng.integers(100, 5000, 37).tolist()
     turn3 = turn2 + rng.integers(100, 5000, 20).tolist()
-    plain = Engine(tiny_core, Manifest.load(tiny_core, verify_files=False), kv_pages=128, threads=1,
-                   prefix_cache=PrefixCacheConfig(enabled=False))
+    plain = Engine(
+        tiny_core,
+        Manifest.load(tiny_core, verify_files=False),
+        kv_pages=128,
+        threads=1,
+        prefix_cache=PrefixCacheConfig(enabled=False),
+    )
     expected = run(plain, turn3, "plain")[0]
     plain.shutdown()
     writer = make_engine(tiny_core, tmp_path)
@@ -156,8 +172,14 @@ def test_a_prompt_evicted_from_a_full_pool_comes_back_from_dram(tiny_core):
     """Eviction order: other prompts push the first one's checkpoint out of the pool (LRU); its
     restore then evicts their checkpoints in turn to make room for the chain beside the request."""
     manifest = Manifest.load(tiny_core, verify_files=False)
-    engine = Engine(tiny_core, manifest, kv_pages=40, threads=1, prefix_cache=PrefixCacheConfig(storage_fraction=0.9),
-                    host_store=HostStoreConfig(dram_bytes=1 << 30, restore="always"))
+    engine = Engine(
+        tiny_core,
+        manifest,
+        kv_pages=40,
+        threads=1,
+        prefix_cache=PrefixCacheConfig(storage_fraction=0.9),
+        host_store=HostStoreConfig(dram_bytes=1 << 30, restore="always"),
+    )
     rng = np.random.default_rng(21)
     main = rng.integers(100, 5000, 200).tolist()  # 13 pages
     expected, _ = run(engine, main, "main")
@@ -188,8 +210,12 @@ def _prompt_tokens(protocol: str, body: dict) -> int:
 
 
 def _output(protocol: str, body: dict) -> object:
-    return {"chat": lambda: body["choices"][0]["message"], "completions": lambda: body["choices"][0]["text"],
-            "messages": lambda: body["content"], "responses": lambda: body["output"][-1]["content"]}[protocol]()
+    return {
+        "chat": lambda: body["choices"][0]["message"],
+        "completions": lambda: body["choices"][0]["text"],
+        "messages": lambda: body["content"],
+        "responses": lambda: body["output"][-1]["content"],
+    }[protocol]()
 
 
 def test_a_restarted_server_reuses_the_disk_tier_on_every_protocol(tiny_core, tmp_path):
@@ -199,8 +225,10 @@ def test_a_restarted_server_reuses_the_disk_tier_on_every_protocol(tiny_core, tm
     system = "You are a careful assistant. " * 40
     anthropic = {"anthropic-version": "2023-06-01"}
     requests = {
-        "chat": ("/v1/chat/completions", {"messages": [{"role": "system", "content": system},
-                                                     {"role": "user", "content": "Say hi."}]}),
+        "chat": (
+            "/v1/chat/completions",
+            {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "Say hi."}]},
+        ),
         "completions": ("/v1/completions", {"prompt": system + "Once upon a time"}),
         "messages": ("/v1/messages", {"system": system, "messages": [{"role": "user", "content": "Say hello."}]}),
         "responses": ("/v1/responses", {"instructions": system, "input": "Say hey."}),

@@ -104,7 +104,8 @@ def test_the_recipe_resolves_packaged_then_cached(hub_cache):
     recipe = load_recipe("qwen38")
     assert recipe.hub_ids == [QWEN38_ID]
     assert resolve_recipe_checkpoint(recipe.name, recipe.default_checkpoint, recipe.hub_ids) == str(
-        snapshot_dir(hub_cache, QWEN38_ID, "a" * 40))
+        snapshot_dir(hub_cache, QWEN38_ID, "a" * 40)
+    )
     coder = load_recipe("qwen25_coder")  # a packaged default wins over any cache
     assert resolve_recipe_checkpoint(coder.name, coder.default_checkpoint, coder.hub_ids) == "qwen2.5-coder-0.5b"
 
@@ -138,7 +139,7 @@ def test_export_by_recipe_name_is_offline_and_writes_cores_recipe(hub_cache, exp
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FLARE_CACHE", str(export_cache))
 
-    def no_network(self, address):  # noqa: ANN001, ANN202
+    def no_network(self, address):
         if self.family in (socket.AF_INET, socket.AF_INET6):
             raise AssertionError(f"export opened a network connection to {address}")
         return real_connect(self, address)
@@ -157,20 +158,32 @@ def test_the_design_card_commands_work_as_typed(hub_cache, export_cache, tmp_pat
     """`ignition export --recipe qwen38 --prompt-logprobs`, then `helios serve cores/qwen38`, in a
     folder of the user's: the real CLI processes, the default precision, a chat round trip."""
     env = {**os.environ, "HF_HUB_CACHE": str(hub_cache), "FLARE_CACHE": str(export_cache)}
-    exported = subprocess.run([sys.executable, "-m", "ignition.cli", "export", "--recipe", "qwen38", "--prompt-logprobs"],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    exported = subprocess.run(
+        [sys.executable, "-m", "ignition.cli", "export", "--recipe", "qwen38", "--prompt-logprobs"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert exported.returncode == 0, exported.stdout + exported.stderr
     assert "helios serve cores/qwen38" in exported.stdout + exported.stderr
     server = Server(Path("cores/qwen38"), cwd=tmp_path)
     try:
         card = httpx.get(server.url + "/v1/models").json()["data"][0]
         assert card["id"] == "Qwen3.8-Flash-Next"
-        reply = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
-            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        reply = httpx.post(
+            server.url + "/v1/chat/completions",
+            timeout=120,
+            json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+        )
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] >= 1
-        scored = httpx.post(server.url + "/v1/completions", timeout=120, json={
-            "prompt": "Hello there", "max_tokens": 0, "echo": True, "logprobs": 1})
+        scored = httpx.post(
+            server.url + "/v1/completions",
+            timeout=120,
+            json={"prompt": "Hello there", "max_tokens": 0, "echo": True, "logprobs": 1},
+        )
         assert scored.status_code == 200, scored.text
     finally:
         server.stop()

@@ -42,7 +42,7 @@ def server(vision_core: Path) -> Iterator[Server]:
     running.stop()
 
 
-def png(width: int, height: int, seed: int = 0, fmt: str = "PNG", **save) -> bytes:  # noqa: ANN003
+def png(width: int, height: int, seed: int = 0, fmt: str = "PNG", **save) -> bytes:
     rng = np.random.default_rng(seed)
     pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
     out = io.BytesIO()
@@ -81,34 +81,60 @@ def test_chat_usage_counts_image_tokens_as_messages_count_tokens_does(server: Se
     """A 96x64 image is a 4x6 patch grid: 6 image tokens (2x2 patches each)."""
     image = png(96, 64)
     with_param = {"type": "image_url", "image_url": {"url": f"data:image/png;name=shot.png;base64,{b64(image)}"}}
-    chat = post(server, "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": [with_param, {"type": "text", "text": "Describe it."}]}],
-        "max_tokens": 4, **NO_THINKING})  # fmt: skip
+    chat = post(
+        server,
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": [with_param, {"type": "text", "text": "Describe it."}]}],
+            "max_tokens": 4,
+            **NO_THINKING,
+        },
+    )
     assert chat.status_code == 200, chat.text
     usage = chat.json()["usage"]
     assert usage["prompt_tokens_details"]["multimodal_tokens"] == {"image": 6}
-    counted = post(server, "/v1/messages/count_tokens", {
-        "model": "local", "messages": [{"role": "user", "content": [message_image(image),
-                                                                     {"type": "text", "text": "Describe it."}]}],
-        **NO_THINKING})  # fmt: skip
+    counted = post(
+        server,
+        "/v1/messages/count_tokens",
+        {
+            "model": "local",
+            "messages": [{"role": "user", "content": [message_image(image), {"type": "text", "text": "Describe it."}]}],
+            **NO_THINKING,
+        },
+    )
     assert counted.status_code == 200, counted.text
     assert counted.json()["input_tokens"] == usage["prompt_tokens"]
-    text_only = post(server, "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "Describe it."}], "max_tokens": 1, **NO_THINKING}).json()["usage"]
+    text_only = post(
+        server,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Describe it."}], "max_tokens": 1, **NO_THINKING},
+    ).json()["usage"]
     assert "multimodal_tokens" not in text_only["prompt_tokens_details"]
     # The image adds its 6 tokens and the placeholder's vision start and end.
     assert usage["prompt_tokens"] == text_only["prompt_tokens"] + 6 + 2
 
 
 def test_messages_images_also_inside_tool_results(server: Server):
-    body = {"model": "local", "max_tokens": 4, **NO_THINKING,
-            "tools": [{"name": "shot", "description": "Take a screenshot.", "input_schema": {"type": "object"}}],
-            "messages": [
-                {"role": "user", "content": [message_image(png(64, 64, 1)), {"type": "text", "text": "Look."}]},
-                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
-                    {"type": "text", "text": "here"}, message_image(png(128, 64, 2))]}]},
-            ]}  # fmt: skip
+    body = {
+        "model": "local",
+        "max_tokens": 4,
+        **NO_THINKING,
+        "tools": [{"name": "shot", "description": "Take a screenshot.", "input_schema": {"type": "object"}}],
+        "messages": [
+            {"role": "user", "content": [message_image(png(64, 64, 1)), {"type": "text", "text": "Look."}]},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "t1",
+                        "content": [{"type": "text", "text": "here"}, message_image(png(128, 64, 2))],
+                    }
+                ],
+            },
+        ],
+    }
     response = post(server, "/v1/messages", body)
     assert response.status_code == 200, response.text
     counted = post(server, "/v1/messages/count_tokens", {k: v for k, v in body.items() if k != "max_tokens"})
@@ -119,29 +145,53 @@ def test_messages_images_also_inside_tool_results(server: Server):
 
 
 def test_responses_input_image(server: Server):
-    response = post(server, "/v1/responses", {
-        "input": [{"role": "user", "content": [
-            {"type": "input_image", "image_url": f"data:image/jpeg;base64,{b64(png(64, 96, 3, 'JPEG'))}"},
-            {"type": "input_text", "text": "What is it?"}]}],
-        "max_output_tokens": 4, "reasoning": {"effort": "low"}})  # fmt: skip
+    response = post(
+        server,
+        "/v1/responses",
+        {
+            "input": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_image", "image_url": f"data:image/jpeg;base64,{b64(png(64, 96, 3, 'JPEG'))}"},
+                        {"type": "input_text", "text": "What is it?"},
+                    ],
+                }
+            ],
+            "max_output_tokens": 4,
+            "reasoning": {"effort": "low"},
+        },
+    )
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["input_tokens"] > 6
 
 
-@pytest.mark.parametrize("part,needle", [
-    ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "remote image URLs are not supported"),
-    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "not valid base64"),
-    ({"type": "image_url", "image_url": {"url": "data:image/png,rawbytes"}}, "must be base64-encoded"),
-    (chat_image(png(8, 8, fmt="GIF"), "image/gif"), "unsupported image media type 'image/gif'"),
-    (chat_image(png(8, 8, fmt="GIF")), "image 1 is GIF"),
-    (chat_image(b"not an image at all"), "could not be decoded"),
-    (chat_image(png(32, 32, fmt="PNG", save_all=True, append_images=[Image.new("RGB", (32, 32))])), "animated"),
-    (chat_image(png(32, 32, fmt="WEBP", save_all=True, append_images=[Image.new("RGB", (32, 32))]), "image/webp"),
-     "animated"),
-    (chat_image(png(4000, 10, fmt="PNG")), "aspect ratio"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "part,needle",
+    [
+        (
+            {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+            "remote image URLs are not supported",
+        ),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "not valid base64"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png,rawbytes"}}, "must be base64-encoded"),
+        (chat_image(png(8, 8, fmt="GIF"), "image/gif"), "unsupported image media type 'image/gif'"),
+        (chat_image(png(8, 8, fmt="GIF")), "image 1 is GIF"),
+        (chat_image(b"not an image at all"), "could not be decoded"),
+        (chat_image(png(32, 32, fmt="PNG", save_all=True, append_images=[Image.new("RGB", (32, 32))])), "animated"),
+        (
+            chat_image(
+                png(32, 32, fmt="WEBP", save_all=True, append_images=[Image.new("RGB", (32, 32))]), "image/webp"
+            ),
+            "animated",
+        ),
+        (chat_image(png(4000, 10, fmt="PNG")), "aspect ratio"),
+    ],
+)
 def test_bad_images_are_400s_in_the_protocols_shape(server: Server, part: dict, needle: str):
-    response = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": [part]}], "max_tokens": 1})
+    response = post(
+        server, "/v1/chat/completions", {"messages": [{"role": "user", "content": [part]}], "max_tokens": 1}
+    )
     assert response.status_code == 400, response.text
     assert needle in response.json()["error"]["message"]
 
@@ -149,8 +199,11 @@ def test_bad_images_are_400s_in_the_protocols_shape(server: Server, part: dict, 
 def test_oversized_extent_is_refused_before_decoding(server: Server):
     big = io.BytesIO()
     Image.new("RGB", (6000, 6000)).save(big, "PNG")  # 36 MP of one colour: a small file
-    response = post(server, "/v1/messages", {"model": "local", "max_tokens": 1, "messages": [
-        {"role": "user", "content": [message_image(big.getvalue())]}]})  # fmt: skip
+    response = post(
+        server,
+        "/v1/messages",
+        {"model": "local", "max_tokens": 1, "messages": [{"role": "user", "content": [message_image(big.getvalue())]}]},
+    )
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error"
@@ -162,8 +215,11 @@ def test_image_budget_names_the_whole_request_and_the_first_image_over_it(server
     flat = io.BytesIO()
     Image.new("RGB", (448, 448), (200, 30, 90)).save(flat, "PNG")  # one colour: small enough for the body limit
     tile = flat.getvalue()
-    response = post(server, "/v1/chat/completions", {"max_tokens": 1, "messages": [
-        {"role": "user", "content": [chat_image(tile)] * 42}]})  # fmt: skip
+    response = post(
+        server,
+        "/v1/chat/completions",
+        {"max_tokens": 1, "messages": [{"role": "user", "content": [chat_image(tile)] * 42}]},
+    )
     assert response.status_code == 400
     message = response.json()["error"]["message"]
     assert "need 8232 image tokens (32928 patches), more than max_image_tokens_per_prompt 8191" in message
@@ -174,9 +230,10 @@ def test_prefix_reuse_over_an_image_follows_its_content(server: Server):
     """The same image again reuses the prefix past it with identical seeded output; another image
     of the same size stops reuse at the image; appending an image keeps the earlier turn's reuse."""
 
-    def ask(messages: list) -> dict:  # noqa: ANN202
-        response = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 6, "seed": 7,
-                                                          **NO_THINKING})  # fmt: skip
+    def ask(messages: list) -> dict:
+        response = post(
+            server, "/v1/chat/completions", {"messages": messages, "max_tokens": 6, "seed": 7, **NO_THINKING}
+        )
         assert response.status_code == 200, response.text
         return response.json()
 
@@ -194,16 +251,21 @@ def test_prefix_reuse_over_an_image_follows_its_content(server: Server):
     assert warm["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
     other = [{"role": "user", "content": [chat_image(png(96, 64, 11)), {"type": "text", "text": long_text}]}]
     assert ask(other)["usage"]["prompt_tokens_details"]["cached_tokens"] < 8
-    follow = first + [{"role": "assistant", "content": cold["choices"][0]["message"]["content"] or "ok"},
-                      {"role": "user", "content": [chat_image(png(64, 64, 12)), {"type": "text", "text": "And this?"}]}]
+    follow = first + [
+        {"role": "assistant", "content": cold["choices"][0]["message"]["content"] or "ok"},
+        {"role": "user", "content": [chat_image(png(64, 64, 12)), {"type": "text", "text": "And this?"}]},
+    ]
     turn = ask(follow)["usage"]
     assert turn["prompt_tokens_details"]["cached_tokens"] >= cold["usage"]["prompt_tokens"] - 16
     assert turn["prompt_tokens_details"]["multimodal_tokens"] == {"image": 6 + 4}
 
 
 def test_text_only_cores_still_refuse_images(tiny_server: Server):
-    response = post(tiny_server, "/v1/chat/completions", {"max_tokens": 1, "messages": [
-        {"role": "user", "content": [chat_image(png(32, 32))]}]})  # fmt: skip
+    response = post(
+        tiny_server,
+        "/v1/chat/completions",
+        {"max_tokens": 1, "messages": [{"role": "user", "content": [chat_image(png(32, 32))]}]},
+    )
     assert response.status_code == 400
     assert "does not accept image input" in response.json()["error"]["message"]
 
@@ -227,8 +289,15 @@ def test_metrics_count_decoded_images_and_reused_features(server: Server):
     image = chat_image(png(80, 48, 20))
     before = metrics()
     for lead in ("First question.", "A different question."):
-        response = post(server, "/v1/chat/completions", {"max_tokens": 1, **NO_THINKING, "messages": [
-            {"role": "user", "content": [{"type": "text", "text": lead}, image]}]})  # fmt: skip
+        response = post(
+            server,
+            "/v1/chat/completions",
+            {
+                "max_tokens": 1,
+                **NO_THINKING,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": lead}, image]}],
+            },
+        )
         assert response.status_code == 200, response.text
     after = metrics()
     assert after["input_decoded_images_total"] - before["input_decoded_images_total"] == 2
@@ -243,15 +312,21 @@ def test_metrics_count_decoded_images_and_reused_features(server: Server):
     assert f"images {after['input_decoded_images_total']} (" in console.export_text()
 
 
-SYSTEM_ONE = {"model": "local", "state": {"screen": "SHOT", "note": "see SHOT"},
-              "questions": {"error": {"type": "noul", "instructions": "Does SHOT show an error?"},
-                            "level": {"type": "score", "criteria": ["calm", "like SHOT"]}}}  # fmt: skip
+SYSTEM_ONE = {
+    "model": "local",
+    "state": {"screen": "SHOT", "note": "see SHOT"},
+    "questions": {
+        "error": {"type": "noul", "instructions": "Does SHOT show an error?"},
+        "level": {"type": "score", "criteria": ["calm", "like SHOT"]},
+    },
+}
 DANGER = {"TypeSafe-Danger-Zone-Images": "true"}
 
 
-def system_one(server: Server, body: dict, headers: dict | None = None, **kwargs) -> httpx.Response:  # noqa: ANN003
-    return httpx.post(server.url + "/v1/systemone", json=body if not kwargs else None, headers=headers or {},
-                      timeout=120, **kwargs)  # fmt: skip
+def system_one(server: Server, body: dict, headers: dict | None = None, **kwargs) -> httpx.Response:
+    return httpx.post(
+        server.url + "/v1/systemone", json=body if not kwargs else None, headers=headers or {}, timeout=120, **kwargs
+    )
 
 
 def test_system_one_image_assets_as_base64(server: Server):
@@ -268,10 +343,13 @@ def test_system_one_image_assets_as_base64(server: Server):
     assert result["usage"]["input_tokens"] > plain.json()["usage"]["input_tokens"] + 2 * 3 * 4
     refused = [
         (body, {}, "TypeSafe-Danger-Zone-Images"),
-        ({**SYSTEM_ONE, "assets": {"SHOT": {"data_base64": b64(shot)}, "UNUSED": {"data_base64": b64(shot)}}},
-         DANGER, "not referenced"),
+        (
+            {**SYSTEM_ONE, "assets": {"SHOT": {"data_base64": b64(shot)}, "UNUSED": {"data_base64": b64(shot)}}},
+            DANGER,
+            "not referenced",
+        ),
         ({**SYSTEM_ONE, "assets": {"SHOT": {"data_base64": b64(png(8, 8, fmt="GIF"))}}}, DANGER, "not a PNG or JPEG"),
-    ]  # fmt: skip
+    ]
     for bad, headers, needle in refused:
         response = system_one(server, bad, headers)
         assert response.status_code == 400, response.text
@@ -290,23 +368,40 @@ def test_system_one_image_assets_as_multipart(server: Server):
     stray = files + [("OTHER", ("o.png", shot, "image/png"))]
     assert system_one(server, {}, DANGER, files=stray).status_code == 400
     built = httpx.Request("POST", server.url + "/v1/systemone", files=files)
-    compressed = httpx.post(server.url + "/v1/systemone", content=built.read(),
-                            headers={**DANGER, "Content-Type": built.headers["Content-Type"], "Content-Encoding": "gzip"})
+    compressed = httpx.post(
+        server.url + "/v1/systemone",
+        content=built.read(),
+        headers={**DANGER, "Content-Type": built.headers["Content-Type"], "Content-Encoding": "gzip"},
+    )
     assert compressed.status_code == 415
 
 
 def test_responses_tool_output_images_count(server: Server):
     """A function_call_output carrying an input_image (Codex's view_image) reaches the prompt."""
-    def body(output: list) -> dict:  # noqa: ANN202
-        return {"max_output_tokens": 4, "reasoning": {"effort": "low"}, "input": [
-            {"role": "user", "content": "Show me."},
-            {"type": "function_call", "call_id": "c1", "name": "view_image", "arguments": "{}"},
-            {"type": "function_call_output", "call_id": "c1", "output": output}],
-            "tools": [{"type": "function", "name": "view_image", "parameters": {"type": "object"}}]}  # fmt: skip
+
+    def body(output: list) -> dict:
+        return {
+            "max_output_tokens": 4,
+            "reasoning": {"effort": "low"},
+            "input": [
+                {"role": "user", "content": "Show me."},
+                {"type": "function_call", "call_id": "c1", "name": "view_image", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": output},
+            ],
+            "tools": [{"type": "function", "name": "view_image", "parameters": {"type": "object"}}],
+        }
 
     text = post(server, "/v1/responses", body([{"type": "input_text", "text": "done"}]))
-    image = post(server, "/v1/responses", body([{"type": "input_text", "text": "done"},
-                                                {"type": "input_image", "image_url": f"data:image/png;base64,{b64(png(64, 64, 40))}"}]))
+    image = post(
+        server,
+        "/v1/responses",
+        body(
+            [
+                {"type": "input_text", "text": "done"},
+                {"type": "input_image", "image_url": f"data:image/png;base64,{b64(png(64, 64, 40))}"},
+            ]
+        ),
+    )
     assert text.status_code == image.status_code == 200, image.text
     assert image.json()["usage"]["input_tokens"] == text.json()["usage"]["input_tokens"] + 4 + 2
 
@@ -320,10 +415,25 @@ def test_encoded_size_limit(vision_core: Path):
 
 def test_prompt_logprobs_are_null_at_image_positions(server: Server):
     """api.md: the first entry and image positions are null; every text position has its entry."""
-    response = post(server, "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": [{"type": "text", "text": "Look:"}, chat_image(png(96, 64, 50)),
-                                                  {"type": "text", "text": "What is it?"}]}],
-        "max_tokens": 1, "prompt_logprobs": 2, **NO_THINKING})  # fmt: skip
+    response = post(
+        server,
+        "/v1/chat/completions",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "Look:"},
+                        chat_image(png(96, 64, 50)),
+                        {"type": "text", "text": "What is it?"},
+                    ],
+                }
+            ],
+            "max_tokens": 1,
+            "prompt_logprobs": 2,
+            **NO_THINKING,
+        },
+    )
     assert response.status_code == 200, response.text
     body = response.json()
     entries = body["prompt_logprobs"]

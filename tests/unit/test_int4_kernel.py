@@ -33,8 +33,13 @@ def _nbits_model(k: int, n: int, block: int, bias: bool, seed: int = 0) -> onnx.
     if bias:
         inits.append(numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), "b"))
         nodes.append(helper.make_node("Add", ["mm", "b"], ["y"], name="proj.bias"))
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["M", k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])], inits)  # fmt: skip
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["M", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
+        inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     settings = QuantSettings(bits=4, block_size=block, accuracy_level=4, lm_head_bits=None, embedding_bits=None)
     quantize_weights(model, settings)
@@ -148,7 +153,7 @@ def test_open_session_falls_back_to_matmul_nbits(tmp_path, monkeypatch):
     assert kernels.available() == (None, "disabled by FLARE_KERNELS")
 
 
-def _swiglu_model(k: int, n: int, block: int, rows: list[str] = ["B", "L"]) -> onnx.ModelProto:  # noqa: B006
+def _swiglu_model(k: int, n: int, block: int, rows: tuple[str, ...] = ("B", "L")) -> onnx.ModelProto:
     """The MLP's gate_up as ignition exports it: MatMul [*rows, K] -> Split over the last axis ->
     x * Sigmoid(x) * up (rows ["N"]: the flat rows of the experts' shared MLP)."""
     from ignition.export.quantize import QuantSettings, quantize_weights
@@ -162,12 +167,18 @@ def _swiglu_model(k: int, n: int, block: int, rows: list[str] = ["B", "L"]) -> o
         helper.make_node("Mul", ["gate", "sig"], ["silu"]),
         helper.make_node("Mul", ["silu", "up"], ["y"]),
     ]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [*rows, k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*rows, n // 2])],
-                              [numpy_helper.from_array(weight, "w")],
-                              value_info=[helper.make_tensor_value_info("gate_up", TensorProto.FLOAT, [*rows, n])])  # fmt: skip
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [*rows, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*rows, n // 2])],
+        [numpy_helper.from_array(weight, "w")],
+        value_info=[helper.make_tensor_value_info("gate_up", TensorProto.FLOAT, [*rows, n])],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-    quantize_weights(model, QuantSettings(bits=4, block_size=block, accuracy_level=4, lm_head_bits=None, embedding_bits=None))
+    quantize_weights(
+        model, QuantSettings(bits=4, block_size=block, accuracy_level=4, lm_head_bits=None, embedding_bits=None)
+    )
     return model
 
 

@@ -93,8 +93,15 @@ def test_shared_model_code_names_no_family():
     families = set(FAMILIES) | set(MODEL_TYPES)
     assert all(name.startswith(BRANDS) for name in families), "a family brand is missing from BRANDS"
     models = ROOT / "ignition" / "models"
-    shared = [p for name in SHARED_MODEL_CODE for p in sorted((models / name).rglob("*.py") if name == "blocks"
-                                                             else [models / name])]
-    named = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for p in shared
-             for n, line in enumerate(p.read_text().splitlines(), 1) if any(b in line.lower() for b in BRANDS)]
+    shared = [
+        p
+        for name in SHARED_MODEL_CODE
+        for p in sorted((models / name).rglob("*.py") if name == "blocks" else [models / name])
+    ]
+    named = [
+        f"{p.relative_to(ROOT)}:{n}: {line.strip()}"
+        for p in shared
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if any(b in line.lower() for b in BRANDS)
+    ]
     assert not named, "shared model code naming a family:\n" + "\n".join(named)

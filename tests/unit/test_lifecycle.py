@@ -11,9 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+
+from helios.app import create_app
 from helios.engine.engine import QUEUE_DEADLINE_MESSAGE, Engine
 from helios.manifest import Manifest
-from helios.app import create_app
 from helios.server.config import ServerConfig
 from helios.server.lifecycle import DRAIN_MESSAGE
 from tests.conftest import Server
@@ -57,8 +58,9 @@ def test_overload_gets_retryable_503s_in_each_shape(tiny_core, tmp_path):
                 assert held.status_code == 200
                 held_lines = first_data(held)
                 queued: dict[str, httpx.Response] = {}
-                waiter = threading.Thread(target=lambda: queued.update(
-                    r=http.post("/v1/messages", json={"messages": USER, "max_tokens": 2})))
+                waiter = threading.Thread(
+                    target=lambda: queued.update(r=http.post("/v1/messages", json={"messages": USER, "max_tokens": 2}))
+                )
                 waiter.start()
                 wait_for(lambda: metrics(http)["flare_pending_requests"] == 1)
                 full = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2})
@@ -68,7 +70,10 @@ def test_overload_gets_retryable_503s_in_each_shape(tiny_core, tmp_path):
                 waiter.join(30)
                 late = queued["r"]  # waited past the queue deadline: 503 in the Messages shape
                 assert late.status_code == 503 and late.headers["retry-after"].isdigit()
-                assert late.json() == {"type": "error", "error": {"type": "api_error", "message": QUEUE_DEADLINE_MESSAGE}}
+                assert late.json() == {
+                    "type": "error",
+                    "error": {"type": "api_error", "message": QUEUE_DEADLINE_MESSAGE},
+                }
                 streamed = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "stream": True})
                 assert streamed.status_code == 200  # enqueued, then a terminal error event, no [DONE]
                 frames = sse(streamed.text)
@@ -84,8 +89,13 @@ def test_overload_gets_retryable_503s_in_each_shape(tiny_core, tmp_path):
 def test_sigterm_drains_in_flight_streams_then_exits(tiny_core, tmp_path):
     server = config_server(tiny_core, tmp_path, drain_timeout_s=60)
     with httpx.Client(base_url=server.url, timeout=60) as http:
-        body = {"prompt": "Count:", "max_tokens": 1200, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "prompt": "Count:",
+            "max_tokens": 1200,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         with http.stream("POST", "/v1/completions", json=body) as stream:
             lines = first_data(stream)
             server.process.send_signal(signal.SIGTERM)
@@ -106,10 +116,16 @@ def test_drain_deadline_ends_remaining_requests_with_their_protocol_errors(tiny_
     server = config_server(tiny_core, tmp_path, drain_timeout_s=1)
     with httpx.Client(base_url=server.url, headers=ANTHROPIC, timeout=60) as http:
         buffered: dict[str, httpx.Response] = {}
-        waiter = threading.Thread(target=lambda: buffered.update(r=http.post(
-            "/v1/messages", json={"messages": USER, "max_tokens": 100000, "ignore_eos": True})))
-        with http.stream("POST", "/v1/chat/completions",
-                         json={"messages": USER, "max_tokens": 100000, "ignore_eos": True, "stream": True}) as stream:
+        waiter = threading.Thread(
+            target=lambda: buffered.update(
+                r=http.post("/v1/messages", json={"messages": USER, "max_tokens": 100000, "ignore_eos": True})
+            )
+        )
+        with http.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={"messages": USER, "max_tokens": 100000, "ignore_eos": True, "stream": True},
+        ) as stream:
             lines = first_data(stream)
             waiter.start()
             # Both in the engine: counted in flight earlier, the Messages request might still be

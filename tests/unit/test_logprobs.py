@@ -52,7 +52,9 @@ def tokenizer(tiny_core):
 
 
 def scored(engine: Engine, ids: list[int], k: int = 5, request_id: str = "score", max_tokens: int = 0):
-    events = engine.generate(GenerationRequest(request_id, ids, SamplingParams(max_tokens=max_tokens), prompt_logprobs=k))
+    events = engine.generate(
+        GenerationRequest(request_id, ids, SamplingParams(max_tokens=max_tokens), prompt_logprobs=k)
+    )
     return [e for ev in events for e in (ev.prompt_logprobs or [])], events
 
 
@@ -60,7 +62,11 @@ def test_manifest_declares_logprob_capacities(tiny_core):
     caps = Manifest.load(tiny_core).logprobs
     assert (caps.max_top_logprobs, caps.explicit_token_ids, caps.prompt_logprobs) == (20, True, True)
     assert caps.max_explicit_token_ids == 128
-    assert [(e.name, e.target) for e in Manifest.load(tiny_core).engines] == [("step", "cpu"), ("score", "cpu"), ("step", "cuda")]
+    assert [(e.name, e.target) for e in Manifest.load(tiny_core).engines] == [
+        ("step", "cpu"),
+        ("score", "cpu"),
+        ("step", "cuda"),
+    ]
 
 
 def test_prompt_scores_match_float64_evaluation(engine, tokenizer, reference):
@@ -88,9 +94,13 @@ def test_generation_logprob_equals_prompt_score_of_the_same_position(engine, tok
     entries, _ = scored(engine, ids, request_id="whole")
     for cut in (5, len(ids) - 1):
         target = ids[cut]
-        events = engine.generate(GenerationRequest(
-            f"gen-{cut}", ids[:cut], SamplingParams(max_tokens=1, logprobs=20, logprob_token_ids=[target]),
-        ))
+        events = engine.generate(
+            GenerationRequest(
+                f"gen-{cut}",
+                ids[:cut],
+                SamplingParams(max_tokens=1, logprobs=20, logprob_token_ids=[target]),
+            )
+        )
         entry = events[0].logprobs[0]
         assert entry.explicit and entry.top[0][0] == target
         assert entry.top[0][1] == pytest.approx(entries[cut].logprob, abs=1e-5)
@@ -116,8 +126,9 @@ def test_chunked_scoring_equals_one_pass_and_emits_per_chunk(tiny_core, engine, 
 def test_explicit_ids_are_full_vocabulary_logprobs(engine, tokenizer, reference):
     ids = tokenizer.encode("Explicit ids are read", add_bos=False)
     chosen = [7, 3, 151935, 0]
-    events = engine.generate(GenerationRequest("explicit", ids, SamplingParams(max_tokens=1, logprobs=0,
-                                                                               logprob_token_ids=chosen)))
+    events = engine.generate(
+        GenerationRequest("explicit", ids, SamplingParams(max_tokens=1, logprobs=0, logprob_token_ids=chosen))
+    )
     entry = events[0].logprobs[0]
     row = reference(ids)[-1]
     assert [t for t, _ in entry.top][:4] == chosen
@@ -128,7 +139,9 @@ def test_explicit_ids_are_full_vocabulary_logprobs(engine, tokenizer, reference)
 def test_engine_refuses_what_the_core_cannot_do(tiny_think_core):
     engine = Engine(tiny_think_core, Manifest.load(tiny_think_core))  # exported without --prompt-logprobs
     with pytest.raises(ValueError, match="re-export it with --prompt-logprobs"):
-        engine.submit(GenerationRequest("p", [1, 2, 3], SamplingParams(max_tokens=0), prompt_logprobs=1), lambda e: None)
+        engine.submit(
+            GenerationRequest("p", [1, 2, 3], SamplingParams(max_tokens=0), prompt_logprobs=1), lambda e: None
+        )
     with pytest.raises(ValueError, match="logprobs on"):
         engine.submit(GenerationRequest("x", [1, 2], SamplingParams(logprob_token_ids=[3])), lambda e: None)
 
@@ -151,8 +164,9 @@ def test_non_finite_logprobs_are_minus_9999_in_every_encoding(tokenizer):
     assert {key: value["logprob"] for key, value in scored.items()} == {"22": -9999.0, "11": -0.5, "33": -9999.0}
     generated = [TokenLogprob(22, nan, [(11, -0.5), (33, ninf)])]
     arrays = completion_logprobs(tokenizer, generated, [0], 2, as_ids=True)
-    assert arrays["token_logprobs"] == [-9999.0] and arrays["top_logprobs"] == [{"token_id:11": -0.5,
-                                                                                 "token_id:33": -9999.0}]
+    assert arrays["token_logprobs"] == [-9999.0] and arrays["top_logprobs"] == [
+        {"token_id:11": -0.5, "token_id:33": -9999.0}
+    ]
     [entry] = chat_logprob_entries(tokenizer, generated, 2, as_ids=False)
     assert entry["logprob"] == -9999.0 and [t["logprob"] for t in entry["top_logprobs"]] == [-0.5, -9999.0]
     assert json.loads(json.dumps(entry))["logprob"] == -9999.0  # valid JSON, no NaN/Infinity literals
@@ -178,8 +192,15 @@ def test_completions_echo_scores_the_prompt(http, tokenizer):
 
 
 def test_completions_prompt_logprobs_with_generation(http, tokenizer):
-    body = {"prompt": [[11, 22, 33], [44, 55]], "max_tokens": 2, "ignore_eos": True, "prompt_logprobs": 3,
-            "logprobs": 1, "echo": True, "return_tokens_as_token_ids": True}
+    body = {
+        "prompt": [[11, 22, 33], [44, 55]],
+        "max_tokens": 2,
+        "ignore_eos": True,
+        "prompt_logprobs": 3,
+        "logprobs": 1,
+        "echo": True,
+        "return_tokens_as_token_ids": True,
+    }
     out = http.post("/v1/completions", json=body).json()
     first = out["choices"][0]
     assert len(first["prompt_logprobs"]) == 3
@@ -194,8 +215,14 @@ def test_completions_prompt_logprobs_with_generation(http, tokenizer):
 
 
 def test_completions_streaming_echo_frames_come_before_generated_entries(http):
-    body = {"prompt": "Streaming echo", "max_tokens": 2, "ignore_eos": True, "echo": True, "logprobs": 1,
-            "stream": True}
+    body = {
+        "prompt": "Streaming echo",
+        "max_tokens": 2,
+        "ignore_eos": True,
+        "echo": True,
+        "logprobs": 1,
+        "stream": True,
+    }
     frames = [d for _, d in sse(http.post("/v1/completions", json=body).text) if d != "[DONE]"]
     parts = [c["logprobs"] for f in frames for c in f["choices"] if c["logprobs"]]
     assert parts[0]["token_logprobs"][0] is None  # the prompt frame leads
@@ -211,21 +238,24 @@ def test_chat_prompt_logprobs_are_top_level(http):
         assert str(out["prompt_token_ids"][position]) in entry
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/v1/chat/completions", {"messages": USER, "prompt_logprobs": 1, "stream": True}),
-    ("/v1/chat/completions", {"messages": USER, "prompt_logprobs": 21}),
-    ("/v1/chat/completions", {"messages": USER, "prompt_logprobs": 1, "max_tokens": 0}),
-    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 0, "stream": True}),
-    ("/v1/responses", {"input": "x", "prompt_logprobs": 1}),
-    ("/v1/messages", {"messages": USER, "max_tokens": 1, "prompt_logprobs": 1}),
-    ("/v1/messages", {"messages": USER, "max_tokens": 1, "logprob_token_ids": [1]}),
-    ("/v1/chat/completions", {"messages": USER, "logprob_token_ids": [1, 2]}),  # logprobs not enabled
-    ("/v1/chat/completions", {"messages": USER, "logprobs": True, "logprob_token_ids": list(range(129))}),
-    ("/v1/chat/completions", {"messages": USER, "logprobs": True, "logprob_token_ids": [151936]}),
-    ("/v1/chat/completions", {"messages": USER, "logprobs": True, "logprob_token_ids": [-1]}),
-    ("/v1/completions", {"prompt": "x", "logprobs": 1, "logprob_token_ids": ["1"]}),
-    ("/v1/responses", {"input": "x", "logprob_token_ids": [1]}),  # no logprobs include
-])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/chat/completions", {"messages": USER, "prompt_logprobs": 1, "stream": True}),
+        ("/v1/chat/completions", {"messages": USER, "prompt_logprobs": 21}),
+        ("/v1/chat/completions", {"messages": USER, "prompt_logprobs": 1, "max_tokens": 0}),
+        ("/v1/completions", {"prompt": "x", "prompt_logprobs": 0, "stream": True}),
+        ("/v1/responses", {"input": "x", "prompt_logprobs": 1}),
+        ("/v1/messages", {"messages": USER, "max_tokens": 1, "prompt_logprobs": 1}),
+        ("/v1/messages", {"messages": USER, "max_tokens": 1, "logprob_token_ids": [1]}),
+        ("/v1/chat/completions", {"messages": USER, "logprob_token_ids": [1, 2]}),  # logprobs not enabled
+        ("/v1/chat/completions", {"messages": USER, "logprobs": True, "logprob_token_ids": list(range(129))}),
+        ("/v1/chat/completions", {"messages": USER, "logprobs": True, "logprob_token_ids": [151936]}),
+        ("/v1/chat/completions", {"messages": USER, "logprobs": True, "logprob_token_ids": [-1]}),
+        ("/v1/completions", {"prompt": "x", "logprobs": 1, "logprob_token_ids": ["1"]}),
+        ("/v1/responses", {"input": "x", "logprob_token_ids": [1]}),  # no logprobs include
+    ],
+)
 def test_logprob_request_errors(http, path, body):
     response = http.post(path, json=body, headers=ANTHROPIC)
     assert response.status_code == 400, response.text
@@ -235,8 +265,13 @@ def test_logprob_request_errors(http, path, body):
 @pytest.mark.parametrize("stream", [False, True])
 def test_explicit_ids_replace_alternatives_in_caller_order(http, protocol, stream):
     ids = [9, 4, 9, 151935, 4, 0]
-    body = {"logprob_token_ids": ids, "return_tokens_as_token_ids": True, "stream": stream, "ignore_eos": True,
-            "seed": 3}
+    body = {
+        "logprob_token_ids": ids,
+        "return_tokens_as_token_ids": True,
+        "stream": stream,
+        "ignore_eos": True,
+        "seed": 3,
+    }
     if protocol == "chat":
         path = "/v1/chat/completions"
         body.update(messages=USER, max_tokens=1, logprobs=True, top_logprobs=2)
@@ -255,14 +290,18 @@ def test_explicit_ids_replace_alternatives_in_caller_order(http, protocol, strea
             if stream and frame.get("type") == "response.output_text.delta":
                 entries += frame["logprobs"]
             elif not stream:
-                entries += [e for item in frame["output"] for part in item.get("content", []) for e in part.get("logprobs", [])]
+                entries += [
+                    e for item in frame["output"] for part in item.get("content", []) for e in part.get("logprobs", [])
+                ]
         for choice in frame.get("choices", []):
             values = choice.get("logprobs") or {}
             if protocol == "chat":
                 entries += values.get("content", [])
             else:
-                entries += [{"token": t, "top_logprobs": top} for t, top in zip(values.get("tokens", []),
-                                                                                values.get("top_logprobs", []))]
+                entries += [
+                    {"token": t, "top_logprobs": top}
+                    for t, top in zip(values.get("tokens", []), values.get("top_logprobs", []))
+                ]
     if protocol != "responses":
         assert len(entries) == 1
     expected = ["token_id:9", "token_id:4", "token_id:151935", "token_id:0"]
@@ -275,11 +314,15 @@ def test_explicit_ids_replace_alternatives_in_caller_order(http, protocol, strea
 # -- System One and Decisions ----------------------------------------------------------------------
 
 
-SYSTEMONE = {"model": "local", "state": {"message": "Charged twice"}, "questions": {
-    "refund": {"type": "noul", "instructions": "Is a refund requested?"},
-    "team": {"type": "choice", "criteria": {"billing": None, "support": "Other help"}},
-    "urgency": {"type": "score", "instructions": {"ask": "How urgent?"}, "criteria": ["Routine", "Soon", "Urgent"]},
-}}
+SYSTEMONE = {
+    "model": "local",
+    "state": {"message": "Charged twice"},
+    "questions": {
+        "refund": {"type": "noul", "instructions": "Is a refund requested?"},
+        "team": {"type": "choice", "criteria": {"billing": None, "support": "Other help"}},
+        "urgency": {"type": "score", "instructions": {"ask": "How urgent?"}, "criteria": ["Routine", "Soon", "Urgent"]},
+    },
+}
 
 
 def test_systemone_answers_and_usage(http):
@@ -288,7 +331,9 @@ def test_systemone_answers_and_usage(http):
     assert set(answers) == {"refund", "team", "urgency"}
     assert 0 <= answers["refund"]["noul"] <= 1
     team = answers["team"]
-    assert set(team["probabilities"]) == {"billing", "support"} and sum(team["probabilities"].values()) == pytest.approx(1)
+    assert set(team["probabilities"]) == {"billing", "support"} and sum(
+        team["probabilities"].values()
+    ) == pytest.approx(1)
     assert team["choice"] == max(team["probabilities"], key=team["probabilities"].get)
     ranked = sorted(team["probabilities"].values(), reverse=True)
     assert team["confidence"] == pytest.approx(ranked[0] - ranked[1])
@@ -301,38 +346,69 @@ def test_systemone_answers_and_usage(http):
 
 
 def test_systemone_schema_errors_are_422_details(http):
-    body = {"model": "local", "state": 5, "questions": {
-        "a": {"type": "box"}, "b": {"type": "choice", "criteria": {}}, "c": {"type": "score", "criteria": ["x", None]},
-        "d": {"type": "noul", "color": "red"}}}
+    body = {
+        "model": "local",
+        "state": 5,
+        "questions": {
+            "a": {"type": "box"},
+            "b": {"type": "choice", "criteria": {}},
+            "c": {"type": "score", "criteria": ["x", None]},
+            "d": {"type": "noul", "color": "red"},
+        },
+    }
     response = http.post("/v1/systemone", json=body)
     assert response.status_code == 422
     locs = {tuple(d["loc"]) for d in response.json()["detail"]}
-    assert locs == {("body", "state"), ("body", "questions", "a", "type"), ("body", "questions", "b", "criteria"),
-                    ("body", "questions", "c", "criteria"), ("body", "questions", "d", "color")}
+    assert locs == {
+        ("body", "state"),
+        ("body", "questions", "a", "type"),
+        ("body", "questions", "b", "criteria"),
+        ("body", "questions", "c", "criteria"),
+        ("body", "questions", "d", "color"),
+    }
     assert http.post("/v1/systemone", json={"model": "m", "state": "s", "questions": {}}).status_code == 422
     assert http.post("/v1/systemone", content=b"{oops", headers={"Content-Type": "application/json"}).status_code == 400
     assert http.post("/v1/systemone", json={**SYSTEMONE, "assets": {"img": {"data_base64": "AA=="}}}).status_code == 400
     # Image assets: a text-only core refuses them even with the opt-in header; compressed multipart is a 415.
-    assert http.post("/v1/systemone", json={**SYSTEMONE, "assets": {"img": {"data_base64": "AA=="}}},
-                     headers={"TypeSafe-Danger-Zone-Images": "true"}).status_code == 400
+    assert (
+        http.post(
+            "/v1/systemone",
+            json={**SYSTEMONE, "assets": {"img": {"data_base64": "AA=="}}},
+            headers={"TypeSafe-Danger-Zone-Images": "true"},
+        ).status_code
+        == 400
+    )
     parts = {"files": ("request", json.dumps(SYSTEMONE), "application/json")}
     multipart = httpx.Request("POST", "http://x", files=parts)
     headers = {"Content-Type": multipart.headers["Content-Type"]}
     assert http.post("/v1/systemone", content=multipart.read(), headers=headers).status_code == 400
-    compressed = http.post("/v1/systemone", content=gzip.compress(multipart.read()),
-                           headers={**headers, "Content-Encoding": "gzip"})
+    compressed = http.post(
+        "/v1/systemone", content=gzip.compress(multipart.read()), headers={**headers, "Content-Encoding": "gzip"}
+    )
     assert compressed.status_code == 415 and compressed.json()["error"]["code"] == "unsupported_content_encoding"
 
 
 def test_decisions_answers_reuse_the_state_prefix(http):
-    body = {"model": "local", "input": [{"role": "user", "content": [{"type": "input_text", "text": "Charged"},
-                                                                      {"type": "text", "text": "twice"}]}],
-            "safety_identifier": "user-1", "questions": [
-        {"type": "predicate", "name": "refund", "instructions": "Refund requested?"},
-        {"type": "choice", "instructions": "Which team?", "choices": [{"value": "billing", "description": "Payments"},
-                                                                      {"value": False}]},
-        {"type": "score", "instructions": "Urgency?", "levels": [{"label": "Routine"},
-                                                                 {"label": "Urgent", "description": "Act today"}]}]}
+    body = {
+        "model": "local",
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "Charged"}, {"type": "text", "text": "twice"}]}
+        ],
+        "safety_identifier": "user-1",
+        "questions": [
+            {"type": "predicate", "name": "refund", "instructions": "Refund requested?"},
+            {
+                "type": "choice",
+                "instructions": "Which team?",
+                "choices": [{"value": "billing", "description": "Payments"}, {"value": False}],
+            },
+            {
+                "type": "score",
+                "instructions": "Urgency?",
+                "levels": [{"label": "Routine"}, {"label": "Urgent", "description": "Act today"}],
+            },
+        ],
+    }
     out = http.post("/v1/decisions", json=body).json()
     refund, team, urgency = out["answers"]
     assert (refund["name"], team["name"]) == ("refund", None)
@@ -347,20 +423,42 @@ def test_decisions_answers_reuse_the_state_prefix(http):
     assert usage["input_tokens_details"]["cached_tokens"] > 0  # later questions restored the state
 
 
-@pytest.mark.parametrize("body", [
-    {"model": "m", "input": "x", "questions": [{"type": "predicate", "instructions": "q"}], "extra": 1},
-    {"model": "m", "input": "x", "questions": []},
-    {"model": "m", "input": "x", "questions": [{"type": "predicate", "name": None, "instructions": "q"}]},
-    {"model": "m", "input": "x", "questions": [{"type": "choice", "instructions": "q", "choices": [{"value": "a"}]}]},
-    {"model": "m", "input": "x", "questions": [{"type": "choice", "instructions": "q",
-                                                "choices": [{"value": "a"}, {"value": "a"}]}]},
-    {"model": "m", "input": "x", "questions": [{"type": "score", "instructions": "q", "levels": [{"label": "a"}]}]},
-    {"model": "m", "input": [{"role": "system", "content": "x"}], "questions": [{"type": "predicate", "instructions": "q"}]},
-    {"model": "m", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
-     "questions": [{"type": "predicate", "instructions": "q"}]},
-    {"model": "m", "input": "x", "questions": [{"type": "predicate"}]},
-    {"model": "m", "input": "x", "safety_identifier": "x" * 129, "questions": [{"type": "predicate", "instructions": "q"}]},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "m", "input": "x", "questions": [{"type": "predicate", "instructions": "q"}], "extra": 1},
+        {"model": "m", "input": "x", "questions": []},
+        {"model": "m", "input": "x", "questions": [{"type": "predicate", "name": None, "instructions": "q"}]},
+        {
+            "model": "m",
+            "input": "x",
+            "questions": [{"type": "choice", "instructions": "q", "choices": [{"value": "a"}]}],
+        },
+        {
+            "model": "m",
+            "input": "x",
+            "questions": [{"type": "choice", "instructions": "q", "choices": [{"value": "a"}, {"value": "a"}]}],
+        },
+        {"model": "m", "input": "x", "questions": [{"type": "score", "instructions": "q", "levels": [{"label": "a"}]}]},
+        {
+            "model": "m",
+            "input": [{"role": "system", "content": "x"}],
+            "questions": [{"type": "predicate", "instructions": "q"}],
+        },
+        {
+            "model": "m",
+            "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
+            "questions": [{"type": "predicate", "instructions": "q"}],
+        },
+        {"model": "m", "input": "x", "questions": [{"type": "predicate"}]},
+        {
+            "model": "m",
+            "input": "x",
+            "safety_identifier": "x" * 129,
+            "questions": [{"type": "predicate", "instructions": "q"}],
+        },
+    ],
+)
 def test_decisions_validation_errors(http, body):
     response = http.post("/v1/decisions", json=body)
     assert response.status_code == 400, response.text

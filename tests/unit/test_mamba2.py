@@ -28,9 +28,17 @@ CONFIGS = {
 def tiny_config(name: str) -> NemotronHConfig:
     groups, heads, extra = CONFIGS[name]
     return NemotronHConfig(
-        vocab_size=32, hidden_size=64, layers_block_type=["linear_attention"], mamba_num_heads=heads,
-        mamba_head_dim=16, ssm_state_size=16, n_groups=groups, conv_kernel=4, chunk_size=8, **extra,
-    )  # fmt: skip
+        vocab_size=32,
+        hidden_size=64,
+        layers_block_type=["linear_attention"],
+        mamba_num_heads=heads,
+        mamba_head_dim=16,
+        ssm_state_size=16,
+        n_groups=groups,
+        conv_kernel=4,
+        chunk_size=8,
+        **extra,
+    )
 
 
 def build(name: str, seed: int = 0, clamp_head: bool = False) -> tuple[NemotronHMamba2Mixer, Mamba2Mixer]:
@@ -129,7 +137,7 @@ def test_padded_batch_matches_rows() -> None:
 
 
 @torch.no_grad()
-def test_onnx_export_matches_torch(tmp_path) -> None:  # noqa: ANN001
+def test_onnx_export_matches_torch(tmp_path) -> None:
     _, ours = build("g2_bias", seed=3)
     batch, length = torch.export.Dim("B", min=1), torch.export.Dim("L", min=1)
     sample = (torch.randn(2, 5, 64), torch.randn(2, ours.state_size), ones(2, 5))
@@ -137,10 +145,16 @@ def test_onnx_export_matches_torch(tmp_path) -> None:  # noqa: ANN001
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
-            ours, sample, input_names=["x", "state", "valid"], output_names=["y", "new_state"],
+            ours,
+            sample,
+            input_names=["x", "state", "valid"],
+            output_names=["y", "new_state"],
             dynamic_shapes=({0: batch, 1: length}, {0: batch}, {0: batch, 1: length}),
-            opset_version=18, dynamo=True, optimize=True, verbose=False,
-        )  # fmt: skip
+            opset_version=18,
+            dynamo=True,
+            optimize=True,
+            verbose=False,
+        )
     program.save(str(path))
     proto = onnx.load(str(path))
     assert not proto.functions
@@ -161,8 +175,15 @@ def test_onnx_export_matches_torch(tmp_path) -> None:  # noqa: ANN001
 
 def test_config_helpers() -> None:
     assert layer_kinds(tiny_config("g1").to_dict()) == ["mamba"]
-    config = {"hidden_size": 64, "hybrid_override_pattern": "M-*E", "mamba_n_groups": 2, "mamba_d_conv": 3,
-              "mamba_dt_min": 0.01, "mamba_conv_bias": False, "use_bias": True}  # fmt: skip
+    config = {
+        "hidden_size": 64,
+        "hybrid_override_pattern": "M-*E",
+        "mamba_n_groups": 2,
+        "mamba_d_conv": 3,
+        "mamba_dt_min": 0.01,
+        "mamba_conv_bias": False,
+        "use_bias": True,
+    }
     assert layer_kinds(config) == ["mamba", "mlp", "attention", "moe"]
     spec = mamba2_spec(config)
     got = (spec.n_groups, spec.conv_kernel, spec.time_step_min, spec.conv_bias, spec.proj_bias)

@@ -49,9 +49,11 @@ def _count(http: httpx.Client, **body) -> int:
 
 # -- buffered and streamed -------------------------------------------------------------------------
 
+
 def test_buffered_message_shape_and_usage(sdk: Anthropic, http: httpx.Client, frontend):
-    message = sdk.messages.create(model="whatever", messages=USER, max_tokens=4,
-                                  extra_body={"ignore_eos": True, "seed": 3})
+    message = sdk.messages.create(
+        model="whatever", messages=USER, max_tokens=4, extra_body={"ignore_eos": True, "seed": 3}
+    )
     assert message.id.startswith("msg_") and message.type == "message" and message.role == "assistant"
     assert message.model == frontend.model_id
     assert message.stop_reason == "max_tokens" and message.stop_sequence is None
@@ -101,8 +103,9 @@ def test_sdk_stream_end_turn_on_a_token_stop(sdk: Anthropic, http: httpx.Client)
     assert "".join(b.text for b in final.content) == text
     assert 1 <= final.usage.output_tokens <= 2
     buffered = sdk.messages.create(model="x", messages=USER, max_tokens=16, extra_body=extra)
-    assert [b.model_dump(exclude_none=True) for b in buffered.content] == \
-        [b.model_dump(exclude_none=True) for b in final.content]
+    assert [b.model_dump(exclude_none=True) for b in buffered.content] == [
+        b.model_dump(exclude_none=True) for b in final.content
+    ]
     assert buffered.usage.input_tokens == final.usage.input_tokens
 
 
@@ -110,27 +113,34 @@ def test_stop_sequence_reports_the_matched_string(sdk: Anthropic):
     extra = {"seed": 5, "ignore_eos": True}
     free = sdk.messages.create(model="x", messages=USER, max_tokens=12, extra_body=extra)
     text = free.content[0].text
-    stop = text[len(text) // 2:len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     assert stop.strip(), text
-    result = sdk.messages.create(model="x", messages=USER, max_tokens=12, stop_sequences=["\x00never", stop],
-                                 extra_body=extra)
+    result = sdk.messages.create(
+        model="x", messages=USER, max_tokens=12, stop_sequences=["\x00never", stop], extra_body=extra
+    )
     assert result.stop_reason == "stop_sequence" and result.stop_sequence == stop
-    assert "".join(b.text for b in result.content) == text[:text.find(stop)]
+    assert "".join(b.text for b in result.content) == text[: text.find(stop)]
 
 
 # -- conversation decoding -------------------------------------------------------------------------
+
 
 def test_system_blocks_inline_system_and_empty_controls(http: httpx.Client, frontend):
     base = _count(http, messages=USER)  # the template's default system prompt
     system = "Be brief. " * 30
     assert _count(http, messages=USER, system=system) > base
-    assert _count(http, messages=USER, system=[{"type": "text", "text": system,
-                                                 "cache_control": {"type": "ephemeral"}}]) \
-        == _count(http, messages=USER, system=system)
+    assert _count(
+        http, messages=USER, system=[{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}]
+    ) == _count(http, messages=USER, system=system)
     assert _count(http, messages=USER, system="") == base and _count(http, messages=USER, system=[]) == base
-    inline = [{"role": "user", "content": "Hello"},
-              {"role": "system", "content": [{"type": "text", "text": "Reply with exactly OK."}],
-               "output_config": {"effort": "xhigh"}}]
+    inline = [
+        {"role": "user", "content": "Hello"},
+        {
+            "role": "system",
+            "content": [{"type": "text", "text": "Reply with exactly OK."}],
+            "output_config": {"effort": "xhigh"},
+        },
+    ]
     controls = {"role": "system", "content": [], "output_config": {"effort": "high"}}
     assert _count(http, messages=inline) == _count(http, messages=inline + [controls])
     decoded = messages.decode(frontend, {"messages": inline})
@@ -139,17 +149,33 @@ def test_system_blocks_inline_system_and_empty_controls(http: httpx.Client, fron
 
 
 def test_tool_history_and_thinking_replay(http: httpx.Client, frontend):
-    tools = [{"name": "lookup", "description": "Look up a value.",
-              "input_schema": {"type": "object", "properties": {"q": {"type": "string"}}}}]
+    tools = [
+        {
+            "name": "lookup",
+            "description": "Look up a value.",
+            "input_schema": {"type": "object", "properties": {"q": {"type": "string"}}},
+        }
+    ]
     history = [
         {"role": "user", "content": "Find alpha."},
-        {"role": "assistant", "content": [
-            {"type": "thinking", "thinking": "I should call lookup.",
-             "signature": messages.thinking_signature("I should call lookup.")},
-            {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {"q": "alpha"}}]},
-        {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "The result is 42."},
-            {"type": "text", "text": "Thanks."}]},
+        {
+            "role": "assistant",
+            "content": [
+                {
+                    "type": "thinking",
+                    "thinking": "I should call lookup.",
+                    "signature": messages.thinking_signature("I should call lookup."),
+                },
+                {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {"q": "alpha"}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "The result is 42."},
+                {"type": "text", "text": "Thanks."},
+            ],
+        },
     ]
     decoded = messages.decode(frontend, {"messages": history, "tools": tools})
     assert [m.role for m in decoded.conversation.messages] == ["user", "assistant", "tool", "user"]
@@ -159,8 +185,10 @@ def test_tool_history_and_thinking_replay(http: httpx.Client, frontend):
     assert _count(http, messages=history, tools=tools) > _count(http, messages=history)
     foreign = [dict(history[1], content=[{"type": "thinking", "thinking": "x", "signature": "sig-from-elsewhere"}])]
     assert _count(http, messages=history[:1] + foreign + history[2:]) > 0
-    for block in ({"type": "thinking", "thinking": "tampered", "signature": messages.thinking_signature("x")},
-                  {"type": "redacted_thinking", "data": "opaque"}):
+    for block in (
+        {"type": "thinking", "thinking": "tampered", "signature": messages.thinking_signature("x")},
+        {"type": "redacted_thinking", "data": "opaque"},
+    ):
         bad = history[:1] + [{"role": "assistant", "content": [block]}] + history[2:]
         response = http.post("/v1/messages/count_tokens", json={"messages": bad})
         assert response.status_code == 400 and response.json()["type"] == "error"
@@ -187,7 +215,7 @@ def test_cache_control_blocks_become_checkpoint_hints(frontend):
     prompt = messages._prompt(frontend, decoded)
     positions = [c.position for c in messages._lower(frontend, decoded).checkpoints if c.role == CheckpointRole.HINT]
     assert len(positions) == 1
-    assert frontend.tokenizer.decode(prompt[:positions[0]]).endswith(block["text"].rstrip())
+    assert frontend.tokenizer.decode(prompt[: positions[0]]).endswith(block["text"].rstrip())
     many = {"messages": [{"role": "user", "content": [dict(block, text=f"part {i}") for i in range(6)]}]}
     assert len(messages.decode(frontend, many).cache_hints) == messages.MAX_CACHE_HINTS
     unhinted = messages.decode(frontend, {"messages": USER, "system": [block]})  # system: ignored
@@ -197,8 +225,10 @@ def test_cache_control_blocks_become_checkpoint_hints(frontend):
 
 # -- rejections ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("version,status", [(None, 400), ("2023-06-01", 200), ("2026-10-21", 200),
-                                            ("2022-01-01", 400), ("latest", 400)])
+
+@pytest.mark.parametrize(
+    "version,status", [(None, 400), ("2023-06-01", 200), ("2026-10-21", 200), ("2022-01-01", 400), ("latest", 400)]
+)
 def test_anthropic_version_header(tiny_server, version, status):
     headers = {} if version is None else {"anthropic-version": version}
     for path in ("/v1/messages/count_tokens", "/v1/messages"):
@@ -210,46 +240,55 @@ def test_anthropic_version_header(tiny_server, version, status):
 
 @pytest.mark.parametrize("field", messages.LOGPROB_FIELDS)
 def test_logprob_fields_are_rejected(http: httpx.Client, field):
-    value = True if field in ("logprobs", "return_tokens_as_token_ids") else ([1] if field == "logprob_token_ids" else 0)
+    value = (
+        True if field in ("logprobs", "return_tokens_as_token_ids") else ([1] if field == "logprob_token_ids" else 0)
+    )
     before = metrics(http)["flare_requests_admitted_total"]
     response = http.post("/v1/messages", json={"messages": USER, "max_tokens": 1, field: value})
     assert response.status_code == 400
     body = response.json()
-    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error" and field in body["error"]["message"]
+    assert (
+        body["type"] == "error"
+        and body["error"]["type"] == "invalid_request_error"
+        and field in body["error"]["message"]
+    )
     assert metrics(http)["flare_requests_admitted_total"] == before
 
 
-@pytest.mark.parametrize("body", [
-    {"messages": []},
-    {"messages": "hi"},
-    {"messages": [{"role": "tool", "content": "x"}]},
-    {"messages": [{"role": "user", "content": 5}]},
-    {"messages": [{"role": "user", "content": [{"type": "video"}]}]},
-    {"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
-    {"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": ""}}]}]},
-    {"messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]},
-    {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": ""}]}]},
-    {"messages": USER, "system": 3},
-    {"messages": USER, "temperature": "hot"},
-    {"messages": USER, "top_k": 1.5},
-    {"messages": USER, "max_tokens": 0},
-    {"messages": USER, "max_tokens": "8"},
-    {"messages": USER, "stop_sequences": ["a", "b", "c", "d", "e"]},
-    {"messages": USER, "stop_sequences": [""]},
-    {"messages": USER, "stop_sequences": "x", "stop_token_ids": [1]},
-    {"messages": USER, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
-    {"messages": USER, "tools": [{"name": "f", "input_schema": {}, "strict": True}]},
-    {"messages": USER, "tools": [{"name": "f"}]},
-    {"messages": USER, "tool_choice": {"type": "tool", "name": "missing"}},
-    {"messages": USER, "tool_choice": "auto"},
-    {"messages": USER, "mcp_servers": [{"url": "http://x"}]},
-    {"messages": USER, "thinking": {"type": "sometimes"}},
-    {"messages": USER, "thinking_token_budget": 100},
-    {"messages": USER, "output_config": {"format": {"type": "json_schema"}}},
-    {"messages": USER, "output_config": {"format": {"type": "json_schema", "schema": {}}}, "stop_sequences": ["x"]},
-    {"messages": USER, "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
-    {"messages": [{"role": "user", "content": "alpha beta gamma delta " * 8500}]},  # over the 32,768-token context
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": []},
+        {"messages": "hi"},
+        {"messages": [{"role": "tool", "content": "x"}]},
+        {"messages": [{"role": "user", "content": 5}]},
+        {"messages": [{"role": "user", "content": [{"type": "video"}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": ""}}]}]},
+        {"messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": ""}]}]},
+        {"messages": USER, "system": 3},
+        {"messages": USER, "temperature": "hot"},
+        {"messages": USER, "top_k": 1.5},
+        {"messages": USER, "max_tokens": 0},
+        {"messages": USER, "max_tokens": "8"},
+        {"messages": USER, "stop_sequences": ["a", "b", "c", "d", "e"]},
+        {"messages": USER, "stop_sequences": [""]},
+        {"messages": USER, "stop_sequences": "x", "stop_token_ids": [1]},
+        {"messages": USER, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+        {"messages": USER, "tools": [{"name": "f", "input_schema": {}, "strict": True}]},
+        {"messages": USER, "tools": [{"name": "f"}]},
+        {"messages": USER, "tool_choice": {"type": "tool", "name": "missing"}},
+        {"messages": USER, "tool_choice": "auto"},
+        {"messages": USER, "mcp_servers": [{"url": "http://x"}]},
+        {"messages": USER, "thinking": {"type": "sometimes"}},
+        {"messages": USER, "thinking_token_budget": 100},
+        {"messages": USER, "output_config": {"format": {"type": "json_schema"}}},
+        {"messages": USER, "output_config": {"format": {"type": "json_schema", "schema": {}}}, "stop_sequences": ["x"]},
+        {"messages": USER, "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
+        {"messages": [{"role": "user", "content": "alpha beta gamma delta " * 8500}]},  # over the 32,768-token context
+    ],
+)
 def test_bad_requests_are_400_in_messages_shape(http: httpx.Client, body):
     response = http.post("/v1/messages", json={"max_tokens": 2, **body})
     assert response.status_code == 400, (body, response.text)
@@ -259,17 +298,22 @@ def test_bad_requests_are_400_in_messages_shape(http: httpx.Client, body):
 
 
 def test_required_choice_without_tools_and_sdk_errors(sdk: Anthropic, http: httpx.Client):
-    response = http.post("/v1/messages", json={"messages": USER, "max_tokens": 1, "tools": [],
-                                               "tool_choice": {"type": "any"}})
+    response = http.post(
+        "/v1/messages", json={"messages": USER, "max_tokens": 1, "tools": [], "tool_choice": {"type": "any"}}
+    )
     assert response.status_code == 400 and "needs at least one tool" in response.json()["error"]["message"]
     with pytest.raises(BadRequestError):
         sdk.messages.create(model="x", messages=[], max_tokens=4)
     for raw in (b"{", b"[1]", b'{"messages": NaN}'):
         bad = http.post("/v1/messages", content=raw)
         assert bad.status_code == 400 and bad.json()["type"] == "error"
-    accepted = {"messages": USER, "max_tokens": 1, "thinking": {"type": "enabled", "budget_tokens": 2048},
-                "metadata": {"user_id": "u"},
-                "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}}
+    accepted = {
+        "messages": USER,
+        "max_tokens": 1,
+        "thinking": {"type": "enabled", "budget_tokens": 2048},
+        "metadata": {"user_id": "u"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    }
     assert http.post("/v1/messages", json=accepted).status_code == 200
 
 

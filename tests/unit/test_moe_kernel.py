@@ -26,11 +26,14 @@ EXPERTS, INTER, WIDTH = 32, 48, 40  # widths that are not multiples of 16: the k
 LIMIT, ALPHA = 0.7, 1.702  # a limit small enough that random activations hit it
 
 
-def _model(kind: str, glu: bool, seed: int, inter: int = INTER, width: int = WIDTH, top_k: int | None = None,
-           unit: str = "glu") -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+def _model(
+    kind: str, glu: bool, seed: int, inter: int = INTER, width: int = WIDTH, top_k: int | None = None, unit: str = "glu"
+) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     rng = np.random.default_rng(seed)
-    weights = {"up": rng.standard_normal((EXPERTS, inter, width)) / np.sqrt(width),
-               "down": rng.standard_normal((EXPERTS, width, inter)) / np.sqrt(inter)}
+    weights = {
+        "up": rng.standard_normal((EXPERTS, inter, width)) / np.sqrt(width),
+        "down": rng.standard_normal((EXPERTS, width, inter)) / np.sqrt(inter),
+    }
     if glu:
         weights["gate"] = rng.standard_normal((EXPERTS, inter, width)) / np.sqrt(width)
     weights = {k: v.astype(np.float32) for k, v in weights.items()}
@@ -40,10 +43,18 @@ def _model(kind: str, glu: bool, seed: int, inter: int = INTER, width: int = WID
         extra |= {"unit": unit, "limit": LIMIT, "alpha": ALPHA}
     node = helper.make_node("MoE", names, ["out"], domain="ai.flare", name="moe", activation=kind, **extra)
     f, i = TensorProto.FLOAT, TensorProto.INT64
-    inputs = [helper.make_tensor_value_info("h", f, ["N", width]), helper.make_tensor_value_info("idx", i, ["N", "k"]),
-              helper.make_tensor_value_info("weights", f, ["N", "k"])]  # fmt: skip
-    graph = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info("out", f, None)],
-                              [numpy_helper.from_array(v, k) for k, v in weights.items()])
+    inputs = [
+        helper.make_tensor_value_info("h", f, ["N", width]),
+        helper.make_tensor_value_info("idx", i, ["N", "k"]),
+        helper.make_tensor_value_info("weights", f, ["N", "k"]),
+    ]
+    graph = helper.make_graph(
+        [node],
+        "g",
+        inputs,
+        [helper.make_tensor_value_info("out", f, None)],
+        [numpy_helper.from_array(v, k) for k, v in weights.items()],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ai.flare", 1)])
     return model, weights
 
@@ -53,25 +64,35 @@ def _routing(rows: int, k: int, seed: int, width: int = WIDTH) -> dict[str, np.n
     idx = np.array([rng.choice(EXPERTS, k, replace=False) for _ in range(rows)], np.int64).reshape(rows, k)
     if rows > 1:
         idx[1, -1] = idx[1, 0]  # one row names an expert twice: it counts twice
-    return {"h": rng.standard_normal((rows, width)).astype(np.float32), "idx": idx,
-            "weights": rng.random((rows, k)).astype(np.float32)}
+    return {
+        "h": rng.standard_normal((rows, width)).astype(np.float32),
+        "idx": idx,
+        "weights": rng.random((rows, k)).astype(np.float32),
+    }
 
 
 def _want(feeds: dict[str, np.ndarray], weights: dict[str, np.ndarray], kind: str, unit: str = "glu") -> np.ndarray:
     t = {k: torch.from_numpy(v) for k, v in {**feeds, **weights}.items()}
-    return experts_ref(t["h"], t["idx"], t["weights"], t["up"], t["down"], t.get("gate"), kind, unit, LIMIT,
-                       ALPHA).numpy()
+    return experts_ref(
+        t["h"], t["idx"], t["weights"], t["up"], t["down"], t.get("gate"), kind, unit, LIMIT, ALPHA
+    ).numpy()
 
 
-def _session(model: onnx.ModelProto, tmp_path) -> tuple[ort.InferenceSession, str]:  # noqa: ANN001
+def _session(model: onnx.ModelProto, tmp_path) -> tuple[ort.InferenceSession, str]:
     path = tmp_path / "moe.onnx"
     onnx.save(model, str(path))
     return open_session(path, ort.SessionOptions(), ["CPUExecutionProvider"])
 
 
 # activation, gated (with a gate table), unit: every expert unit the families use.
-CASES = [("silu", True, "glu"), ("gelu_tanh", True, "glu"), ("relu2", False, "glu"), ("silu", True, "clamp_after"),
-         ("silu", True, "clamp_before"), ("silu", True, "alpha")]
+CASES = [
+    ("silu", True, "glu"),
+    ("gelu_tanh", True, "glu"),
+    ("relu2", False, "glu"),
+    ("silu", True, "clamp_after"),
+    ("silu", True, "clamp_before"),
+    ("silu", True, "alpha"),
+]
 
 
 @pytest.mark.parametrize("kind,glu,unit", CASES)
@@ -157,7 +178,7 @@ def test_int4_experts_match_their_dequantized_numbers(kind, glu, unit, rows, k, 
     scale = np.abs(want).max()
     assert np.abs(got - want).max() <= 0.03 * scale  # int8 activations per block of the int4 numbers
     fp32 = _want(feeds, weights, kind, unit)
-    rms = float(np.sqrt(np.mean(fp32 ** 2)))
+    rms = float(np.sqrt(np.mean(fp32**2)))
     # Gaussian weights at 4 bits: ~9% RMS error each, compounded through two projections and the
     # GLU; at 8 bits the int8 activations dominate what is left.
     assert float(np.sqrt(np.mean((got - fp32) ** 2))) <= (0.25 if bits == 4 else 0.05) * rms

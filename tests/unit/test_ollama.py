@@ -70,10 +70,17 @@ def test_show_reports_contract_metadata(http: httpx.Client, manifest: Manifest):
             assert http.post("/api/show", json=body).json() == info
 
 
-@pytest.mark.parametrize("body,status", [
-    ({}, 400), ({"model": ""}, 400), ({"model": 7}, 400), ({"model": None}, 400),
-    ({"model": "qwen2.5-coder", "verbose": "yes"}, 400), ({"model": "__missing__"}, 404),
-])
+@pytest.mark.parametrize(
+    "body,status",
+    [
+        ({}, 400),
+        ({"model": ""}, 400),
+        ({"model": 7}, 400),
+        ({"model": None}, 400),
+        ({"model": "qwen2.5-coder", "verbose": "yes"}, 400),
+        ({"model": "__missing__"}, 404),
+    ],
+)
 def test_show_errors_use_the_ollama_shape(http: httpx.Client, body, status):
     response = http.post("/api/show", json=body)
     assert response.status_code == status

@@ -21,27 +21,55 @@ from ignition.models.ops import pool_attention_ref
 INPUTS = ["qkv", "positions", "cos_cache", "sin_cache", "kv_pool", "block_tables", "history_lens", "query_lens"]
 
 
-def _graph(heads: int, kv_heads: int, dim: int, layer: int, num_layers: int, cos: np.ndarray, sin: np.ndarray,
-           precision: str | None = None) -> onnx.ModelProto:
+def _graph(
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    layer: int,
+    num_layers: int,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    precision: str | None = None,
+) -> onnx.ModelProto:
     extra = {} if precision is None else {"precision": precision}
-    node = helper.make_node("PagedAttention", INPUTS, ["out", "k", "v"], domain="ai.flare", name="attn",
-                            num_heads=heads, kv_heads=kv_heads, layer=layer, num_layers=num_layers,
-                            scale=1.0 / math.sqrt(dim), **extra)  # fmt: skip
+    node = helper.make_node(
+        "PagedAttention",
+        INPUTS,
+        ["out", "k", "v"],
+        domain="ai.flare",
+        name="attn",
+        num_heads=heads,
+        kv_heads=kv_heads,
+        layer=layer,
+        num_layers=num_layers,
+        scale=1.0 / math.sqrt(dim),
+        **extra,
+    )
     f, i = TensorProto.FLOAT, TensorProto.INT64
-    inputs = [helper.make_tensor_value_info("qkv", f, ["B", "L", (heads + 2 * kv_heads) * dim]),
-              helper.make_tensor_value_info("positions", i, ["B", "L"]),
-              helper.make_tensor_value_info("kv_pool", f, ["R", "T", kv_heads, dim]),
-              helper.make_tensor_value_info("block_tables", i, ["B", "M"]),
-              helper.make_tensor_value_info("history_lens", i, ["B"]),
-              helper.make_tensor_value_info("query_lens", i, ["B"])]  # fmt: skip
+    inputs = [
+        helper.make_tensor_value_info("qkv", f, ["B", "L", (heads + 2 * kv_heads) * dim]),
+        helper.make_tensor_value_info("positions", i, ["B", "L"]),
+        helper.make_tensor_value_info("kv_pool", f, ["R", "T", kv_heads, dim]),
+        helper.make_tensor_value_info("block_tables", i, ["B", "M"]),
+        helper.make_tensor_value_info("history_lens", i, ["B"]),
+        helper.make_tensor_value_info("query_lens", i, ["B"]),
+    ]
     outputs = [helper.make_tensor_value_info(n, f, None) for n in ("out", "k", "v")]
     inits = [numpy_helper.from_array(cos, "cos_cache"), numpy_helper.from_array(sin, "sin_cache")]
     graph = helper.make_graph([node], "g", inputs, outputs, inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.flare", 1)])
 
 
-def _case(heads: int, kv_heads: int, dim: int, page: int, rows: list[tuple[int, int]], length: int, seed: int,
-          precision: str | None = None):
+def _case(
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    page: int,
+    rows: list[tuple[int, int]],
+    length: int,
+    seed: int,
+    precision: str | None = None,
+):
     """Random inputs: rows = (history, valid new tokens) per batch row, pages shuffled in the pool."""
     rng = np.random.default_rng(seed)
     num_layers, layer = 3, 1
@@ -65,9 +93,15 @@ def _case(heads: int, kv_heads: int, dim: int, page: int, rows: list[tuple[int, 
         "query_lens": np.array([q for _, q in rows], np.int64),
     }
     want = pool_attention_ref(
-        *(torch.from_numpy(feeds[n]) for n in INPUTS[:2]), torch.from_numpy(cos), torch.from_numpy(sin),
-        *(torch.from_numpy(feeds[n]) for n in INPUTS[4:]), layer, num_layers, heads, kv_heads,
-    )  # fmt: skip
+        *(torch.from_numpy(feeds[n]) for n in INPUTS[:2]),
+        torch.from_numpy(cos),
+        torch.from_numpy(sin),
+        *(torch.from_numpy(feeds[n]) for n in INPUTS[4:]),
+        layer,
+        num_layers,
+        heads,
+        kv_heads,
+    )
     return _graph(heads, kv_heads, dim, layer, num_layers, cos, sin, precision), feeds, [w.numpy() for w in want], rows
 
 
@@ -105,7 +139,7 @@ def test_kernel_matches_the_torch_meaning(case, tmp_path):
         np.testing.assert_array_equal(got[2][b], want[2][b])  # v passes through
 
 
-def _session(model: onnx.ModelProto, path) -> ort.InferenceSession:  # noqa: ANN001
+def _session(model: onnx.ModelProto, path) -> ort.InferenceSession:
     onnx.save(model, str(path))
     session, used = open_session(path, ort.SessionOptions(), ["CPUExecutionProvider"])
     assert used == "flare"
@@ -130,8 +164,14 @@ def test_a_query_gets_the_same_bits_from_a_prefill_and_from_a_decode(tmp_path, p
         page_row, slot = table[(history + i) // page], (history + i) % page
         pool[(2 * layer) * pages + page_row, slot] = k[0, i].reshape(kv_heads, dim)
         pool[(2 * layer + 1) * pages + page_row, slot] = v[0, i].reshape(kv_heads, dim)
-    decode = dict(feeds, kv_pool=pool, qkv=feeds["qkv"][:, length - 1 :], positions=feeds["positions"][:, length - 1 :],
-                  history_lens=np.array([history + length - 1], np.int64), query_lens=np.array([1], np.int64))
+    decode = dict(
+        feeds,
+        kv_pool=pool,
+        qkv=feeds["qkv"][:, length - 1 :],
+        positions=feeds["positions"][:, length - 1 :],
+        history_lens=np.array([history + length - 1], np.int64),
+        query_lens=np.array([1], np.int64),
+    )
     alone = session.run(None, decode)[0]
     np.testing.assert_array_equal(alone[0, 0], out[0, length - 1])
 

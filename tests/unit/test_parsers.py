@@ -8,7 +8,7 @@ covers the single-token reasoning rules."""
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cache
 
 import llguidance
 import pytest
@@ -17,8 +17,8 @@ from helios.engine.constraints import parser_limits
 from helios.engine.detokenizer import IncrementalDetokenizer
 from helios.frontend.grammar import Compiler, OutputFormat
 from helios.frontend.parsers import (
-    JSON_CALL_SYNTAXES,
     ANSWER,
+    JSON_CALL_SYNTAXES,
     REASONING,
     START,
     TOOL_SYNTAXES,
@@ -41,17 +41,24 @@ from tests.unit.tiny_checkpoints import qwen_tokenizer_bundle
 THINK, END_THINK = 151667, 151668  # Qwen3's ids for <think> and </think>
 
 
-@lru_cache(maxsize=None)
+@cache
 def qwen_tokenizer(thinking: bool = False) -> Tokenizer:
     bundle = qwen_tokenizer_bundle()
     text = add_think_tokens(bundle["tokenizer_json"]) if thinking else bundle["tokenizer_json"]
-    spec = TokenizerSpec(file="tokenizer.json", bos_token_id=None, eos_token_ids=bundle["eos_token_ids"],
-                         pad_token_id=bundle["pad_token_id"], add_bos=False, special_tokens=bundle["special_tokens"])
+    spec = TokenizerSpec(
+        file="tokenizer.json",
+        bos_token_id=None,
+        eos_token_ids=bundle["eos_token_ids"],
+        pad_token_id=bundle["pad_token_id"],
+        add_bos=False,
+        special_tokens=bundle["special_tokens"],
+    )
     return Tokenizer(text, spec, 151936)
 
 
-def run(pieces, spec: OutputSpec, *, tokenizer: Tokenizer | None = None, truncated: bool = False,
-        entries: bool = False) -> list:
+def run(
+    pieces, spec: OutputSpec, *, tokenizer: Tokenizer | None = None, truncated: bool = False, entries: bool = False
+) -> list:
     """Generate `pieces` (text, or a list mixing text and token ids) one token per event."""
     tok = tokenizer or qwen_tokenizer()
     ids: list[int] = []
@@ -93,12 +100,16 @@ LOOKUP = ("call", "lookup", {"query": "alpha"})
 
 # -- JSON syntaxes ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text", [
-    CALL,
-    "```json\n" + json.dumps(json.loads(CALL), indent=2) + "\n```",
-    "\n" + CALL + "\n",
-    "<tool_call>\n" + CALL + "\n</tool_call>",
-])
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        CALL,
+        "```json\n" + json.dumps(json.loads(CALL), indent=2) + "\n```",
+        "\n" + CALL + "\n",
+        "<tool_call>\n" + CALL + "\n</tool_call>",
+    ],
+)
 def test_qwen25_coder_answers_made_of_one_call(text):
     assert merged(run(text, spec("qwen25_coder_json"))) == [LOOKUP]
 
@@ -108,7 +119,9 @@ def test_qwen25_coder_several_calls_and_arrays():
     expected = [LOOKUP, ("call", "lookup", {"query": "beta"})]
     assert merged(run("\n".join(two), spec("qwen25_coder_json"))) == expected
     assert merged(run("[" + ", ".join(two) + "]", spec("qwen25_coder_json"))) == expected
-    assert merged(run("```json\n" + two[0] + "\n```\n```json\n" + two[1] + "\n```", spec("qwen25_coder_json"))) == expected
+    assert (
+        merged(run("```json\n" + two[0] + "\n```\n```json\n" + two[1] + "\n```", spec("qwen25_coder_json"))) == expected
+    )
 
 
 def test_qwen25_coder_template_doubled_braces():
@@ -118,12 +131,18 @@ def test_qwen25_coder_template_doubled_braces():
     assert merged(run(doubled, spec("qwen25_coder_json"))) == [LOOKUP]
     assert merged(run("<tool_call>\n" + doubled + "\n</tool_call>", spec("qwen25_coder_json"))) == [LOOKUP]
     assert merged(run("<tool_call>\n" + doubled + "\n</tool_call>", spec("hermes"))) == [LOOKUP]
-    assert merged(run("```json\n{{\n  \"name\": \"lookup\",\n  \"arguments\": {\"query\": \"alpha\"}\n}}\n```",
-                      spec("qwen25_coder_json"))) == [LOOKUP]
+    assert merged(
+        run('```json\n{{\n  "name": "lookup",\n  "arguments": {"query": "alpha"}\n}}\n```', spec("qwen25_coder_json"))
+    ) == [LOOKUP]
     # Doubled braces around anything but a whole call object stay text, as does an unbalanced
     # doubled call (also recorded from the 1.5B, after a tool result).
-    for text in ('{{"value": 7391}}', '{{"name": "lookup"}} and more', "{{x}}",
-                 '{{"name": "record", "arguments": {"input": "ID-42"}}', '{{"response": "Recorded successfully."}}'):
+    for text in (
+        '{{"value": 7391}}',
+        '{{"name": "lookup"}} and more',
+        "{{x}}",
+        '{{"name": "record", "arguments": {"input": "ID-42"}}',
+        '{{"response": "Recorded successfully."}}',
+    ):
         assert merged(run(text, spec("qwen25_coder_json"))) == [("text", text)]
 
 
@@ -138,8 +157,12 @@ def test_qwen25_coder_function_wrapped_calls():
     assert merged(run(named, spec("qwen25_coder_json"))) == [LOOKUP]
     assert merged(run("<tool_call>\n" + named + "\n</tool_call>", spec("hermes"))) == [LOOKUP]
     # Other objects with a "function" or "type" key stay answers.
-    for text in ('{"function": "lookup"}', '{"type": "function", "function": {"name": "lookup"}, "extra": 1}',
-                 '{"type": "object", "properties": {}}', '{"function": {"name": "f", "arguments": {}}, "type": "tool"}'):
+    for text in (
+        '{"function": "lookup"}',
+        '{"type": "function", "function": {"name": "lookup"}, "extra": 1}',
+        '{"type": "object", "properties": {}}',
+        '{"function": {"name": "f", "arguments": {}}, "type": "tool"}',
+    ):
         assert merged(run(text, spec("qwen25_coder_json"))) == [("text", text)]
 
 
@@ -169,51 +192,73 @@ def test_hermes_tags():
     assert merged(run(text, spec("hermes"))) == [("text", "Let me check.\n"), LOOKUP, LOOKUP]
     assert merged(run("<tool_call>\n" + CALL, spec("hermes"))) == [LOOKUP]  # the model ended after the object
     assert merged(run("Write <tool_call> tags around calls.", spec("hermes"))) == [
-        ("text", "Write <tool_call> tags around calls.")]
-    for bad in ("<tool_call>\n{\"name\": \"lookup\", \"arguments\": }\n</tool_call>",
-                "<tool_call>\n{\"arguments\": {}}\n</tool_call>",
-                "<tool_call>\n{\"name\": \"\", \"arguments\": {}}\n</tool_call>",
-                "<tool_call>\n{\"name\": \"lookup\", \"arguments\": [1]}\n</tool_call>",
-                "<tool_call>\n{\"name\": \"lookup\""):
+        ("text", "Write <tool_call> tags around calls.")
+    ]
+    for bad in (
+        '<tool_call>\n{"name": "lookup", "arguments": }\n</tool_call>',
+        '<tool_call>\n{"arguments": {}}\n</tool_call>',
+        '<tool_call>\n{"name": "", "arguments": {}}\n</tool_call>',
+        '<tool_call>\n{"name": "lookup", "arguments": [1]}\n</tool_call>',
+        '<tool_call>\n{"name": "lookup"',
+    ):
         with pytest.raises(ToolParseError):
             run(bad, spec("hermes"))
-    assert run("<tool_call>\n{\"name\": \"lookup\"", spec("hermes"), truncated=True) == []
+    assert run('<tool_call>\n{"name": "lookup"', spec("hermes"), truncated=True) == []
 
 
 def test_arguments_are_bounded():
-    big = '<tool_call>\n{"name": "write", "arguments": {"text": "' + "x" * (MAX_ARGUMENT_BYTES + 10) + '"}}\n</tool_call>'
+    big = (
+        '<tool_call>\n{"name": "write", "arguments": {"text": "' + "x" * (MAX_ARGUMENT_BYTES + 10) + '"}}\n</tool_call>'
+    )
     stream = build_stream(spec("hermes"))
     with pytest.raises(ToolParseError, match="8 MiB"):
         for i in range(0, len(big), 1 << 20):
-            stream.feed([], big[i:i + (1 << 20)])
+            stream.feed([], big[i : i + (1 << 20)])
         stream.finish(False)
 
 
 # -- tag syntaxes ----------------------------------------------------------------------------------
 
 QWEN_XML = "<tool_call>\n<function=lookup>\n<parameter=query>\nalpha\n</parameter>\n<parameter=limit>\n3\n</parameter>\n</function>\n</tool_call>"
-SCHEMAS = {"lookup": {"type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"},
-                                                      "exact": {"type": "boolean"}, "tags": {"type": "array"}}}}
+SCHEMAS = {
+    "lookup": {
+        "type": "object",
+        "properties": {
+            "query": {"type": "string"},
+            "limit": {"type": "integer"},
+            "exact": {"type": "boolean"},
+            "tags": {"type": "array"},
+        },
+    }
+}
 
 
 def test_qwen_function_tags():
     xml = spec("qwen3_xml", schemas=SCHEMAS)
-    assert merged(run("Checking.\n" + QWEN_XML, xml)) == [("text", "Checking.\n"),
-                                                        ("call", "lookup", {"query": "alpha", "limit": 3})]
+    assert merged(run("Checking.\n" + QWEN_XML, xml)) == [
+        ("text", "Checking.\n"),
+        ("call", "lookup", {"query": "alpha", "limit": 3}),
+    ]
     # Outer tags omitted; a missing </parameter> closed by the next boundary; conversion by schema.
     bare = "<function=lookup>\n<parameter=query>\n  indented\n\n<parameter=exact>\ntrue\n<parameter=tags>\n[1, 2]\n</function>"
     assert merged(run(bare, xml)) == [("call", "lookup", {"query": "  indented\n", "exact": True, "tags": [1, 2]})]
     # Undeclared tools keep text values; invalid values stay text (non-strict schemas).
     assert merged(run("<function=other>\n<parameter=n>\n3\n</parameter>\n</function>", xml)) == [
-        ("call", "other", {"n": "3"})]
+        ("call", "other", {"n": "3"})
+    ]
     assert merged(run("<function=lookup>\n<parameter=limit>\nmany\n</parameter>\n</function>", xml)) == [
-        ("call", "lookup", {"limit": "many"})]
+        ("call", "lookup", {"limit": "many"})
+    ]
 
 
 def test_qwen_function_tag_header_rule():
     xml = spec("qwen3_xml", schemas=SCHEMAS)
-    for prose in ("Use the <tool_call> tag to call.", "Write <function=name> then parameters.",
-                  "<tool_call> is how calls start.", "<function=lookup> is the header."):
+    for prose in (
+        "Use the <tool_call> tag to call.",
+        "Write <function=name> then parameters.",
+        "<tool_call> is how calls start.",
+        "<function=lookup> is the header.",
+    ):
         assert merged(run(prose, xml)) == [("text", prose)]
     with pytest.raises(ToolParseError):
         run("<tool_call>\n<function=lookup>\n<parameter=query>\nal", xml)  # undecided at the end
@@ -223,18 +268,28 @@ def test_qwen_function_tag_header_rule():
 def test_glm_minimax_gemma_deepseek():
     glm = "<tool_call>lookup\n<arg_key>query</arg_key>\n<arg_value>alpha</arg_value>\n<arg_key>limit</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
     assert merged(run(glm, spec("glm45", schemas=SCHEMAS))) == [("call", "lookup", {"query": "alpha", "limit": 3})]
-    assert merged(run("<tool_call> is a tag.\nMore prose.", spec("glm45"))) == [("text", "<tool_call> is a tag.\nMore prose.")]
-    mini = ('Sure.<minimax:tool_call>\n<invoke name="lookup">\n<parameter name="query">alpha</parameter>\n</invoke>\n'
-            '<invoke name="lookup">\n<parameter name="limit">3</parameter>\n</invoke>\n</minimax:tool_call>')
+    assert merged(run("<tool_call> is a tag.\nMore prose.", spec("glm45"))) == [
+        ("text", "<tool_call> is a tag.\nMore prose.")
+    ]
+    mini = (
+        'Sure.<minimax:tool_call>\n<invoke name="lookup">\n<parameter name="query">alpha</parameter>\n</invoke>\n'
+        '<invoke name="lookup">\n<parameter name="limit">3</parameter>\n</invoke>\n</minimax:tool_call>'
+    )
     assert merged(run(mini, spec("minimax", schemas=SCHEMAS))) == [
-        ("text", "Sure."), LOOKUP, ("call", "lookup", {"limit": 3})]
+        ("text", "Sure."),
+        LOOKUP,
+        ("call", "lookup", {"limit": 3}),
+    ]
     gemma = '<|tool_call>call:lookup{query:<|"|>alpha<|"|>,limit:3,opts:{deep:true,tags:[<|"|>a<|"|>]}}<tool_call|>'
     assert merged(run(gemma, spec("gemma4"))) == [
-        ("call", "lookup", {"query": "alpha", "limit": 3, "opts": {"deep": True, "tags": ["a"]}})]
-    dsml = ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="lookup">\n'
-            '<｜DSML｜parameter name="query" string="true">alpha</｜DSML｜parameter>\n'
-            '<｜DSML｜parameter name="limit" string="false">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
-            '</｜DSML｜function_calls>\nignored trailing text')
+        ("call", "lookup", {"query": "alpha", "limit": 3, "opts": {"deep": True, "tags": ["a"]}})
+    ]
+    dsml = (
+        '<｜DSML｜function_calls>\n<｜DSML｜invoke name="lookup">\n'
+        '<｜DSML｜parameter name="query" string="true">alpha</｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="limit" string="false">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+        "</｜DSML｜function_calls>\nignored trailing text"
+    )
     assert merged(run(dsml, spec("deepseek_dsml"))) == [("call", "lookup", {"query": "alpha", "limit": 3})]
     xtml = dsml.replace("DSML", "XTML")
     assert merged(run(xtml, spec("deepseek_xtml"))) == [("call", "lookup", {"query": "alpha", "limit": 3})]
@@ -256,6 +311,7 @@ def test_schema_guided_conversion():
 
 # -- reasoning -------------------------------------------------------------------------------------
 
+
 def thinking(tool: str | None = "hermes", start: str = START) -> OutputSpec:
     tok = qwen_tokenizer(True)
     return OutputSpec(tool_syntax=tool, reasoning=resolve_reasoning("qwen3", tok), start=start)
@@ -272,8 +328,9 @@ def test_single_token_delimiters():
     # The same text written in ordinary pieces is not a delimiter: it stays where it is.
     pieces = ["<th", "ink>", "not reasoning", "</th", "ink>"]
     assert merged(run(pieces, thinking(), tokenizer=tok)) == [("text", "<think>not reasoning</think>")]
-    started = run(["Still thinking", "</th", "ink>", " more", END_THINK, "Done"], thinking(start=REASONING),
-                  tokenizer=tok)
+    started = run(
+        ["Still thinking", "</th", "ink>", " more", END_THINK, "Done"], thinking(start=REASONING), tokenizer=tok
+    )
     assert merged(started) == [("reasoning", "Still thinking</think> more"), ("text", "Done")]
     # An answer may contain the delimiter token: once the answer began it is text.
     assert merged(run(["OK ", THINK, "x"], thinking(), tokenizer=tok)) == [("text", "OK <think>x")]
@@ -286,7 +343,9 @@ def test_tool_call_ends_qwen_reasoning():
     # A quoted tag that never becomes a call stays reasoning.
     quoted = ["Calls look like <tool_call> tags.", END_THINK, "Fine"]
     assert merged(run(quoted, thinking(start=REASONING), tokenizer=tok)) == [
-        ("reasoning", "Calls look like <tool_call> tags."), ("text", "Fine")]
+        ("reasoning", "Calls look like <tool_call> tags."),
+        ("text", "Fine"),
+    ]
 
 
 def test_text_delimiters_and_start_state():
@@ -334,14 +393,20 @@ CALL_BLOCKS = {
     "qwen3_coder": QWEN_XML.replace("<parameter=limit>\n3\n</parameter>\n", ""),
     "mimo": "<tool_call>\n<function=lookup>\n<parameter=query>alpha</parameter>\n</function>\n</tool_call>",
     "glm45": "<tool_call>lookup\n<arg_key>query</arg_key>\n<arg_value>alpha</arg_value>\n</tool_call>",
-    "minimax": ('<minimax:tool_call>\n<invoke name="lookup">\n<parameter name="query">alpha</parameter>\n'
-                "</invoke>\n</minimax:tool_call>"),
+    "minimax": (
+        '<minimax:tool_call>\n<invoke name="lookup">\n<parameter name="query">alpha</parameter>\n'
+        "</invoke>\n</minimax:tool_call>"
+    ),
     "gemma4": '<|tool_call>call:lookup{query:<|"|>alpha<|"|>}<tool_call|>',
-    "deepseek_dsml": ('<｜DSML｜tool_calls>\n<｜DSML｜invoke name="lookup">\n'  # V4's official block
-                      '<｜DSML｜parameter name="query" string="true">alpha</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
-                      "</｜DSML｜tool_calls>"),
-    "kimi_k2": ("<|tool_calls_section_begin|><|tool_call_begin|>functions.lookup:0<|tool_call_argument_begin|>"
-                '{"query": "alpha"}<|tool_call_end|><|tool_calls_section_end|>'),
+    "deepseek_dsml": (
+        '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="lookup">\n'  # V4's official block
+        '<｜DSML｜parameter name="query" string="true">alpha</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+        "</｜DSML｜tool_calls>"
+    ),
+    "kimi_k2": (
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.lookup:0<|tool_call_argument_begin|>"
+        '{"query": "alpha"}<|tool_call_end|><|tool_calls_section_end|>'
+    ),
 }
 CALL_BLOCKS["deepseek_xtml"] = CALL_BLOCKS["deepseek_dsml"].replace("DSML", "XTML")
 

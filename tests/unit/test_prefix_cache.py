@@ -38,11 +38,11 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 _ids = iter(range(1 << 30))
 
 
-def run(engine: Engine, ids: list[int], checkpoints=(), max_tokens: int = 6, logprobs: int | None = None,
-        **sampling):
+def run(engine: Engine, ids: list[int], checkpoints=(), max_tokens: int = 6, logprobs: int | None = None, **sampling):
     sampling.setdefault("temperature", 1.0)
     request = GenerationRequest(
-        f"r{next(_ids)}", list(ids),
+        f"r{next(_ids)}",
+        list(ids),
         SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs, **sampling),
         checkpoints=[CheckpointCandidate(p, role) for p, role in checkpoints],
     )
@@ -59,6 +59,7 @@ def roles(engine: Engine) -> dict[int, str]:
 
 
 # -- restored output equals uncached output --------------------------------------------------------
+
 
 @pytest.mark.parametrize("sampling", [{"top_k": 1}, {"seed": 1234, "temperature": 1.0}], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("length", [100, 96])  # the endpoint inside a page, and page aligned
@@ -104,6 +105,7 @@ def test_chunked_prefill_and_concurrent_restores_match(tiny_core):
             outs[rid].extend(event.token_ids)
             if event.finished:
                 cached[rid] = event.cached_tokens
+
         requests.append((GenerationRequest(rid, t, SamplingParams(max_tokens=5, top_k=1, ignore_eos=True)), sink))
     for request, sink in requests:
         warm.submit(request, sink)
@@ -114,6 +116,7 @@ def test_chunked_prefill_and_concurrent_restores_match(tiny_core):
 
 
 # -- selection -------------------------------------------------------------------------------------
+
 
 def test_checkpoint_selection_per_role(tiny_core):
     engine = make_engine(tiny_core)
@@ -143,7 +146,10 @@ def test_unhinted_suffix_change_reuses_only_the_anchor(tiny_core):
     preamble, history = prompt(24, seed=7), prompt(300, seed=8)
     first = preamble + history + prompt(10, seed=9)
     second = preamble + history + prompt(12, seed=10)
-    marks = lambda ids, hinted: [(24, A), (len(ids), E)] + ([(24 + 300, H)] if hinted else [])  # noqa: E731
+
+    def marks(ids: list[int], hinted: bool) -> list:
+        return [(24, A), (len(ids), E)] + ([(24 + 300, H)] if hinted else [])
+
     run(engine, preamble + prompt(8, seed=11), marks(preamble, False), max_tokens=1)  # warm the anchor
     _, c1, _ = run(engine, first, marks(first, False), max_tokens=1)
     _, c2, _ = run(engine, second, marks(second, False), max_tokens=1)
@@ -231,12 +237,21 @@ def test_preempted_sequence_resumes_identically(tiny_core):
     outs: dict[str, list[int]] = {f"p{i}": [] for i in range(3)}
     done: set[str] = set()
     for i, p in enumerate(prompts):
+
         def sink(event, rid=f"p{i}"):
             outs[rid].extend(event.token_ids)
             if event.finished:
                 done.add(rid)
-        warm.submit(GenerationRequest(f"p{i}", p, SamplingParams(max_tokens=40, top_k=1, ignore_eos=True),
-                                      checkpoints=[CheckpointCandidate(70, E)]), sink)
+
+        warm.submit(
+            GenerationRequest(
+                f"p{i}",
+                p,
+                SamplingParams(max_tokens=40, top_k=1, ignore_eos=True),
+                checkpoints=[CheckpointCandidate(70, E)],
+            ),
+            sink,
+        )
     while len(done) < 3:
         warm.step()
     assert [outs[f"p{i}"] for i in range(3)] == expected
@@ -244,6 +259,7 @@ def test_preempted_sequence_resumes_identically(tiny_core):
 
 
 # -- frontend candidates ---------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def frontend(tiny_core):
@@ -253,12 +269,20 @@ def frontend(tiny_core):
     from helios.frontend.tokenizer import Tokenizer
 
     manifest = Manifest.load(tiny_core, verify_files=False)
-    tokenizer = Tokenizer.from_core(tiny_core, manifest)
-    template = ChatTemplate.from_core(tiny_core, manifest, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
+    core_tokenizer = Tokenizer.from_core(tiny_core, manifest)
+    template = ChatTemplate.from_core(
+        tiny_core, manifest, bos_token=core_tokenizer.bos_token, eos_token=core_tokenizer.eos_token
+    )
     from helios.server.config import ServerConfig
 
-    return SimpleNamespace(manifest=manifest, tokenizer=tokenizer, template=template, model_id=manifest.model_id,
-                           admission=SimpleNamespace(slots=16), config=ServerConfig())
+    return SimpleNamespace(
+        manifest=manifest,
+        tokenizer=core_tokenizer,
+        template=template,
+        model_id=manifest.model_id,
+        admission=SimpleNamespace(slots=16),
+        config=ServerConfig(),
+    )
 
 
 def _candidates(frontend, protocol: str, body: dict) -> tuple[list[int], list[tuple[str, str]]]:
@@ -272,10 +296,14 @@ def _candidates(frontend, protocol: str, body: dict) -> tuple[list[int], list[tu
 
 
 def test_frontend_offers_anchor_message_ends_hints_and_endpoint(frontend):
-    turns = [{"role": "user", "content": "First question."}, {"role": "assistant", "content": "First answer."},
-             {"role": "user", "content": "Second question."}]
-    ids, marks = _candidates(frontend, "chat", {"messages": [{"role": "system", "content": "Be terse."}, *turns],
-                                                 "max_tokens": 1})
+    turns = [
+        {"role": "user", "content": "First question."},
+        {"role": "assistant", "content": "First answer."},
+        {"role": "user", "content": "Second question."},
+    ]
+    ids, marks = _candidates(
+        frontend, "chat", {"messages": [{"role": "system", "content": "Be terse."}, *turns], "max_tokens": 1}
+    )
     assert [role for role, _ in marks] == ["anchor", "message", "message", "message", "endpoint"]
     prefixes = [text for _, text in marks]
     assert prefixes[0].endswith("Be terse.<|im_end|>\n<|im_start|>user\n")  # preamble + the first opener
@@ -291,9 +319,15 @@ def test_frontend_offers_anchor_message_ends_hints_and_endpoint(frontend):
     # Responses and Messages render the same conversation to the same boundaries.
     _, via_responses = _candidates(frontend, "responses", {"input": turns, "instructions": "Be terse."})
     hinted = {"type": "text", "text": "A long history block.", "cache_control": {"type": "ephemeral"}}
-    _, via_messages = _candidates(frontend, "messages", {
-        "system": "Be terse.", "max_tokens": 1,
-        "messages": [*turns[:2], {"role": "user", "content": [hinted, {"type": "text", "text": "Go."}]}]})
+    _, via_messages = _candidates(
+        frontend,
+        "messages",
+        {
+            "system": "Be terse.",
+            "max_tokens": 1,
+            "messages": [*turns[:2], {"role": "user", "content": [hinted, {"type": "text", "text": "Go."}]}],
+        },
+    )
     assert [r for r, _ in via_responses] == ["anchor", "message", "message", "message", "endpoint"]
     assert [r for r, _ in via_messages] == ["anchor", "message", "message", "hint", "message", "endpoint"]
     assert via_messages[3][1].endswith("A long history block")  # "." joins the separator token
@@ -304,22 +338,39 @@ def test_frontend_offers_anchor_message_ends_hints_and_endpoint(frontend):
 
 def test_frontend_drops_boundaries_the_full_prompt_does_not_share(frontend):
     # An assistant prefill continues the final message: its end is not a boundary of the prompt.
-    ids, marks = _candidates(frontend, "chat", {
-        "messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi"}],
-        "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 1})
+    ids, marks = _candidates(
+        frontend,
+        "chat",
+        {
+            "messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi"}],
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+            "max_tokens": 1,
+        },
+    )
     assert [role for role, _ in marks] == ["anchor", "message", "endpoint"]
     assert marks[1][1].endswith("Say hi.<|im_end|>\n") and marks[2][1].endswith("Hi")
     # With a developer message every instruction merges into the leading system message, so a
     # later system message changes the preamble: neither the anchor nor the first message end is
     # a boundary of this prompt (they would end inside its system message).
-    ids, marks = _candidates(frontend, "chat", {"max_tokens": 1, "messages": [
-        {"role": "developer", "content": "Rule A."}, {"role": "user", "content": "Question."},
-        {"role": "system", "content": "Rule B."}]})
+    ids, marks = _candidates(
+        frontend,
+        "chat",
+        {
+            "max_tokens": 1,
+            "messages": [
+                {"role": "developer", "content": "Rule A."},
+                {"role": "user", "content": "Question."},
+                {"role": "system", "content": "Rule B."},
+            ],
+        },
+    )
     assert [role for role, _ in marks] == ["message", "endpoint"]
     assert "Rule B." in marks[0][1] and marks[0][1].endswith("Question.<|im_end|>\n")
 
 
 # -- protocols against the live tiny server --------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def http(tiny_server):
@@ -387,8 +438,7 @@ def test_messages_block_hint_reuses_history(http, hinted):
     blocks = [history, {"type": "text", "text": "First action: inspect the file."}]
 
     def send(content) -> dict:
-        response = http.post("/v1/messages", json={"messages": [{"role": "user", "content": content}],
-                                                   "max_tokens": 1})
+        response = http.post("/v1/messages", json={"messages": [{"role": "user", "content": content}], "max_tokens": 1})
         assert response.status_code == 200, response.text
         return response.json()["usage"]
 
@@ -422,10 +472,12 @@ def test_checkpoint_metrics(http):
 
 # -- randomized invariants on the engine-core test double ------------------------------------------
 
+
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_random_workload_matches_uncached_and_keeps_pages_consistent(core_dir, seed):
+def test_random_workload_matches_uncached_and_keeps_pages_consistent(core_dir, seed):  # noqa: F811 (the fixture imported above)
     """Shared prefixes, random marks, a tight pool: outputs equal the uncached engine's, every
     checkpoint's pages still spell its ids, and every page comes back when the cache is cleared."""
+
     class CopyingRunner(FakeRunner):
         copies_pages = True
 
@@ -436,8 +488,14 @@ def test_random_workload_matches_uncached_and_keeps_pages_consistent(core_dir, s
         manifest = make_manifest(kv_pages=32, page_tokens=4, max_concurrency=4, prefill_chunk_size=16)
         runner = CopyingRunner(32, 4)
         # Odd seeds: no work allowance (only captures that need no copy).
-        return Engine(core_dir, manifest, runner=runner, prefix_cache=PrefixCacheConfig(
-            enabled=enabled, storage_fraction=0.75, work_allowance_ns=0 if seed % 2 else 10**8))
+        return Engine(
+            core_dir,
+            manifest,
+            runner=runner,
+            prefix_cache=PrefixCacheConfig(
+                enabled=enabled, storage_fraction=0.75, work_allowance_ns=0 if seed % 2 else 10**8
+            ),
+        )
 
     rng = np.random.default_rng(seed)
     families = [rng.integers(0, 250, int(rng.integers(8, 40))).tolist() for _ in range(4)]
@@ -448,12 +506,20 @@ def test_random_workload_matches_uncached_and_keeps_pages_consistent(core_dir, s
             base = families[int(rng.integers(len(families)))]
             ids = base + rng.integers(0, 250, int(rng.integers(1, 30))).tolist()
             roles_ = list(CheckpointRole)
-            marks = [CheckpointCandidate(int(p), roles_[int(rng.integers(4))])
-                     for p in rng.integers(1, len(ids) + 1, int(rng.integers(0, 4)))]
+            marks = [
+                CheckpointCandidate(int(p), roles_[int(rng.integers(4))])
+                for p in rng.integers(1, len(ids) + 1, int(rng.integers(0, 4)))
+            ]
             marks.append(CheckpointCandidate(len(base), CheckpointRole.ANCHOR))
             marks.append(CheckpointCandidate(len(ids), CheckpointRole.ENDPOINT))
-            wave.append(GenerationRequest(f"w{w}-{i}", ids, SamplingParams(
-                max_tokens=int(rng.integers(1, 40)), seed=w * 10 + i, ignore_eos=True), checkpoints=marks))
+            wave.append(
+                GenerationRequest(
+                    f"w{w}-{i}",
+                    ids,
+                    SamplingParams(max_tokens=int(rng.integers(1, 40)), seed=w * 10 + i, ignore_eos=True),
+                    checkpoints=marks,
+                )
+            )
         waves.append(wave)
 
     def play(e: Engine) -> tuple[dict[str, list[int]], int]:
@@ -468,6 +534,7 @@ def test_random_workload_matches_uncached_and_keeps_pages_consistent(core_dir, s
                     outs[rid].extend(event.token_ids)
                     if event.finished:
                         finished.add(rid)
+
                 e.submit(request, sink)
             while not all(r.request_id in finished for r in wave):
                 e.step()

@@ -37,7 +37,7 @@ def tiny(tmp_path_factory):
     return folder, build_model(*read_safetensors_dir(folder).model_inputs()), reference
 
 
-def _step(model, chunks, histories, slots, pool, kv_pool=None):  # noqa: ANN001, ANN202
+def _step(model, chunks, histories, slots, pool, kv_pool=None):
     """One step graph call in torch: rows `chunks` (token lists) after `histories`."""
     batch, length = len(chunks), max(len(c) for c in chunks)
     ids = torch.zeros(batch, length, dtype=torch.int64)
@@ -48,9 +48,17 @@ def _step(model, chunks, histories, slots, pool, kv_pool=None):  # noqa: ANN001,
     if kv_pool is None:  # no attention history needed: every row starts at 0 or is checked alone
         kv_pool = torch.zeros(2 * len(model.kv_layers), 16, model.arch.num_kv_heads, model.arch.head_dim)
     with torch.no_grad():
-        out = model(ids, positions, torch.tensor(histories), torch.tensor([len(c) for c in chunks]),
-                    torch.zeros(batch, 1, dtype=torch.int64), kv_pool, torch.zeros(batch, 1, dtype=torch.int64),
-                    state_pool=pool, state_slots=torch.tensor(slots))  # fmt: skip
+        out = model(
+            ids,
+            positions,
+            torch.tensor(histories),
+            torch.tensor([len(c) for c in chunks]),
+            torch.zeros(batch, 1, dtype=torch.int64),
+            kv_pool,
+            torch.zeros(batch, 1, dtype=torch.int64),
+            state_pool=pool,
+            state_slots=torch.tensor(slots),
+        )
     return out[0], out[-1]  # logits [B, V], new_state [B, W]
 
 
@@ -77,7 +85,7 @@ def test_padded_rows_and_fresh_rows_in_torch(tiny):
     torch.testing.assert_close(logits[1], alone_logits[0], rtol=1e-5, atol=1e-5)
 
 
-def _prefill_in_chunks(model, tokens, splits):  # noqa: ANN001, ANN202
+def _prefill_in_chunks(model, tokens, splits):
     """Prefill `tokens` in chunks ending at `splits` through the paged pool and one state slot;
     returns the logits after each chunk and the final state."""
     page = 16
@@ -91,8 +99,17 @@ def _prefill_in_chunks(model, tokens, splits):  # noqa: ANN001, ANN202
         ids = torch.tensor([chunk])
         positions = torch.arange(start, end).unsqueeze(0)
         with torch.no_grad():
-            res = model(ids, positions, torch.tensor([start]), torch.tensor([len(chunk)]), table, kv,
-                        torch.zeros(1, 1, dtype=torch.int64), state_pool=pool, state_slots=torch.tensor([1]))  # fmt: skip
+            res = model(
+                ids,
+                positions,
+                torch.tensor([start]),
+                torch.tensor([len(chunk)]),
+                table,
+                kv,
+                torch.zeros(1, 1, dtype=torch.int64),
+                state_pool=pool,
+                state_slots=torch.tensor([1]),
+            )
         new_kv = res[5]  # [kv layers, 2, 1, L, heads, dim] -> pool rows (layer*2+kind)*P + page
         for j in range(len(model.kv_layers)):
             for kind in (0, 1):
@@ -144,7 +161,7 @@ def test_runner_state_slots_through_the_onnx_graph(graph):
     runner.state_pool[...] = rng.standard_normal(runner.state_pool.shape, dtype=np.float32)
     tables, slots = [[5, 1], [3, 6]], [4, 0]
 
-    def check(out, rows_pos):  # noqa: ANN001, ANN202
+    def check(out, rows_pos):
         for b, (seq_index, pos) in enumerate(rows_pos):
             ref = want[seq_index][pos]
             assert np.abs(out.logits[b] - ref).max() / np.abs(ref).max() < 1e-4
@@ -152,10 +169,14 @@ def test_runner_state_slots_through_the_onnx_graph(graph):
     # Prefill: row 0 in chunks of 1, 18 and 1, row 1 in one chunk of 19 then a decode. Beside each
     # other these pad 17 tokens > PAD_WASTE_TOKENS, so the runner splits both steps into two graph
     # calls, each reading and writing its own rows' slots.
-    out = runner.step([StepRow(seqs[0][:1], 0, tables[0], state_slot=4), StepRow(seqs[1][:19], 0, tables[1], state_slot=0)])
+    out = runner.step(
+        [StepRow(seqs[0][:1], 0, tables[0], state_slot=4), StepRow(seqs[1][:19], 0, tables[1], state_slot=0)]
+    )
     assert len(step_groups([StepRow(seqs[0][:1], 0, []), StepRow(seqs[1][:19], 0, [])])) == 2
     check(out, [(0, 0), (1, 18)])
-    out = runner.step([StepRow(seqs[0][1:19], 1, tables[0], state_slot=4), StepRow(seqs[1][19:20], 19, tables[1], state_slot=0)])
+    out = runner.step(
+        [StepRow(seqs[0][1:19], 1, tables[0], state_slot=4), StepRow(seqs[1][19:20], 19, tables[1], state_slot=0)]
+    )
     check(out, [(0, 18), (1, 19)])
     out = runner.step([StepRow(seqs[0][19:20], 19, tables[0], state_slot=4)])
     check(out, [(0, 19)])
@@ -184,14 +205,20 @@ def test_scheduler_slots_and_prefix_cache_skips():
 
     bm = BlockManager(64, 16)
     cache = PrefixCache(bm, copy_page=lambda a, b: None, page_bytes=1, recurrent_state=True)
-    sched = Scheduler(bm, max_concurrency=8, max_batch_tokens=256, prefill_chunk_size=64, prefix_cache=cache,
-                      state_slots=2)  # fmt: skip
+    sched = Scheduler(
+        bm, max_concurrency=8, max_batch_tokens=256, prefill_chunk_size=64, prefix_cache=cache, state_slots=2
+    )
 
     def seq(i: int) -> Sequence:
-        request = GenerationRequest(request_id=f"r{i}", prompt_token_ids=list(range(1, 30)),
-                                    sampling=SamplingParams(max_tokens=4),
-                                    checkpoints=[CheckpointCandidate(16, CheckpointRole.ANCHOR),
-                                                 CheckpointCandidate(29, CheckpointRole.ENDPOINT)])  # fmt: skip
+        request = GenerationRequest(
+            request_id=f"r{i}",
+            prompt_token_ids=list(range(1, 30)),
+            sampling=SamplingParams(max_tokens=4),
+            checkpoints=[
+                CheckpointCandidate(16, CheckpointRole.ANCHOR),
+                CheckpointCandidate(29, CheckpointRole.ENDPOINT),
+            ],
+        )
         return Sequence(request, i, StopChecker(request.sampling, [], 4, None))
 
     seqs = [seq(i) for i in range(3)]
@@ -214,16 +241,27 @@ def test_manifest_state_layout_is_checked():
     from helios.manifest import FORMAT_VERSION, _build
 
     assert FORMAT_VERSION == "1.11"
-    good = {"width": 30, "dtype": "float32", "layers": [
-        {"layer": 0, "kind": "gated_deltanet", "offset": 0, "size": 10},
-        {"layer": 2, "kind": "gated_deltanet", "offset": 10, "size": 20}]}  # fmt: skip
+    good = {
+        "width": 30,
+        "dtype": "float32",
+        "layers": [
+            {"layer": 0, "kind": "gated_deltanet", "offset": 0, "size": 10},
+            {"layer": 2, "kind": "gated_deltanet", "offset": 10, "size": 20},
+        ],
+    }
     layout = _build(StateLayout, good, "core.state")
     layout.check(3)
     assert layout == StateLayout(30, [StateLayer(0, "gated_deltanet", 0, 10), StateLayer(2, "gated_deltanet", 10, 20)])
     bad = [
         {**good, "width": 31},  # slices do not cover the width
         {**good, "dtype": "float16"},
-        {**good, "layers": [{"layer": 0, "kind": "x", "offset": 0, "size": 10}, {"layer": 0, "kind": "x", "offset": 10, "size": 20}]},
+        {
+            **good,
+            "layers": [
+                {"layer": 0, "kind": "x", "offset": 0, "size": 10},
+                {"layer": 0, "kind": "x", "offset": 10, "size": 20},
+            ],
+        },
         {**good, "layers": [{"layer": 0, "kind": "x", "offset": 5, "size": 25}]},  # a gap
         {**good, "layers": [{"layer": 3, "kind": "x", "offset": 0, "size": 30}]},  # not a layer
     ]
@@ -246,7 +284,7 @@ def core(family_env):
     return core
 
 
-def _engine(core, **config):  # noqa: ANN001, ANN003, ANN202
+def _engine(core, **config):
     from helios.engine.engine import Engine
     from helios.engine.prefix_cache import PrefixCacheConfig
 
@@ -254,12 +292,16 @@ def _engine(core, **config):  # noqa: ANN001, ANN003, ANN202
     return Engine(core, manifest, kv_pages=64, threads=1, prefix_cache=PrefixCacheConfig(**config))
 
 
-def _run(engine, ids, checkpoints=(), max_tokens=6):  # noqa: ANN001, ANN202
+def _run(engine, ids, checkpoints=(), max_tokens=6):
     from helios.engine.api import CheckpointCandidate, GenerationRequest, SamplingParams
 
     _run.n = getattr(_run, "n", 0) + 1
-    request = GenerationRequest(f"r{_run.n}", list(ids), SamplingParams(max_tokens=max_tokens, top_k=1, ignore_eos=True),
-                                checkpoints=[CheckpointCandidate(p, role) for p, role in checkpoints])  # fmt: skip
+    request = GenerationRequest(
+        f"r{_run.n}",
+        list(ids),
+        SamplingParams(max_tokens=max_tokens, top_k=1, ignore_eos=True),
+        checkpoints=[CheckpointCandidate(p, role) for p, role in checkpoints],
+    )
     events = engine.generate(request)
     assert events[-1].finished and events[-1].error is None, events[-1].error
     return [t for e in events for t in e.token_ids], events[-1].cached_tokens
@@ -307,9 +349,14 @@ def test_host_records_carry_the_state_snapshot(core, tmp_path):
     want = _run(_engine(core, enabled=False), second)[0]
 
     def engine() -> Engine:
-        return Engine(core, Manifest.load(core, verify_files=False), kv_pages=64, threads=1,
-                      prefix_cache=PrefixCacheConfig(),
-                      host_store=HostStoreConfig(dram_bytes=0, directory=tmp_path, restore="always"))
+        return Engine(
+            core,
+            Manifest.load(core, verify_files=False),
+            kv_pages=64,
+            threads=1,
+            prefix_cache=PrefixCacheConfig(),
+            host_store=HostStoreConfig(dram_bytes=0, directory=tmp_path, restore="always"),
+        )
 
     writer = engine()
     assert writer.prefix_cache.host is not None
@@ -348,12 +395,18 @@ def test_concurrent_sequences_with_preemption_match_sequential_runs(core):
     from helios.engine.engine import Engine
     from helios.engine.prefix_cache import PrefixCacheConfig
 
-    engine = Engine(core, Manifest.load(core, verify_files=False), kv_pages=9, threads=1,
-                    prefix_cache=PrefixCacheConfig(enabled=False))  # fmt: skip
+    engine = Engine(
+        core,
+        Manifest.load(core, verify_files=False),
+        kv_pages=9,
+        threads=1,
+        prefix_cache=PrefixCacheConfig(enabled=False),
+    )
     outs: dict[str, list[int]] = {f"p{i}": [] for i in range(3)}
     done: set[str] = set()
     for i, p in enumerate(prompts):
-        def sink(event, rid=f"p{i}"):  # noqa: ANN001, ANN202
+
+        def sink(event, rid=f"p{i}"):
             outs[rid].extend(event.token_ids)
             if event.finished:
                 done.add(rid)

@@ -22,22 +22,37 @@ BODY_LIMIT = 16 << 20  # large enough that fixed allocator overhead does not dom
 TIMEOUT_S = 2  # header and body read deadlines of this server
 HEADERS = {"Authorization": f"Bearer {KEY}", **ANTHROPIC}
 
-SYSTEMONE = {"model": "local", "state": {"message": "Charged twice"}, "questions": {
-    "refund": {"type": "noul", "instructions": "Is a refund requested?"},
-    "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["Routine", "Urgent"]}}}
-DECISIONS = {"model": "local", "input": "Charged twice", "safety_identifier": "user-1",
-             "questions": [{"type": "predicate", "name": "refund", "instructions": "Refund requested?"}]}
-TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}}}}
+SYSTEMONE = {
+    "model": "local",
+    "state": {"message": "Charged twice"},
+    "questions": {
+        "refund": {"type": "noul", "instructions": "Is a refund requested?"},
+        "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["Routine", "Urgent"]},
+    },
+}
+DECISIONS = {
+    "model": "local",
+    "input": "Charged twice",
+    "safety_identifier": "user-1",
+    "questions": [{"type": "predicate", "name": "refund", "instructions": "Refund requested?"}],
+}
+TOOL = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+}
 # Every POST route: a valid body and the shape its errors take.
 ROUTES = {
-    "/v1/chat/completions": ({"messages": USER, "max_tokens": 2, "stop": ["x"], "tools": [TOOL],
-                              "temperature": 0.5}, "openai"),
+    "/v1/chat/completions": (
+        {"messages": USER, "max_tokens": 2, "stop": ["x"], "tools": [TOOL], "temperature": 0.5},
+        "openai",
+    ),
     "/v1/completions": ({"prompt": ["Hello", "Hi"], "max_tokens": 2, "stop": "x"}, "openai"),
     "/v1/messages": ({"messages": USER, "max_tokens": 2, "system": "Be brief.", "stop_sequences": ["x"]}, "messages"),
     "/v1/messages/count_tokens": ({"messages": USER, "system": "Be brief."}, "messages"),
-    "/v1/responses": ({"input": "Hi", "max_output_tokens": 2, "metadata": {"k": "v"}, "user": "u1",
-                       "text": {"verbosity": "low"}}, "openai"),
+    "/v1/responses": (
+        {"input": "Hi", "max_output_tokens": 2, "metadata": {"k": "v"}, "user": "u1", "text": {"verbosity": "low"}},
+        "openai",
+    ),
     "/v1/systemone": (SYSTEMONE, "systemone"),
     "/v1/decisions": (DECISIONS, "openai"),
     "/api/show": ({"model": "qwen2.5-coder"}, "ollama"),
@@ -49,7 +64,8 @@ def server(tiny_core, tmp_path_factory):
     folder = tmp_path_factory.mktemp("reliability")
     (folder / "key").write_text(KEY)
     (folder / "helios.toml").write_text(
-        f"[server]\nmax_body_bytes = {BODY_LIMIT}\nheader_timeout_s = {TIMEOUT_S}\nbody_timeout_s = {TIMEOUT_S}\n")
+        f"[server]\nmax_body_bytes = {BODY_LIMIT}\nheader_timeout_s = {TIMEOUT_S}\nbody_timeout_s = {TIMEOUT_S}\n"
+    )
     server = Server(tiny_core, "--api-key-file", str(folder / "key"), "--config", str(folder / "helios.toml"))
     yield server
     server.stop()
@@ -144,12 +160,15 @@ def test_non_finite_numbers_anywhere_are_400s(http, path):
         assert response.status_code == 400 and "finite" in check_shape(response, "openai")
 
 
-@pytest.mark.parametrize("field,value", [
-    ("guided_regex", "a{1000000}"),
-    ("guided_regex", "(a{1000}){1000}"),
-    ("guided_choice", [f"choice {i}" for i in range(5000)]),
-    ("guided_grammar", "start: a\na: a"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("guided_regex", "a{1000000}"),
+        ("guided_regex", "(a{1000}){1000}"),
+        ("guided_choice", [f"choice {i}" for i in range(5000)]),
+        ("guided_grammar", "start: a\na: a"),
+    ],
+)
 def test_grammars_that_cannot_generate_are_400s_at_admission(http, field, value):
     path, base = "/v1/chat/completions", {"messages": USER}
     for stream in (False, True):
@@ -177,16 +196,21 @@ def raw_request(server: Server, head: bytes, body: bytes = b"", timeout: float =
         return b"".join(chunks)
 
 
-@pytest.mark.parametrize("method,path,header", [
-    ("GET", "/v1/models", b"Authorization: Bearer \xff\xfe" + KEY.encode()),
-    ("POST", "/v1/messages/count_tokens", b"Authorization: Bearer \xff\xfe" + KEY.encode()),
-    ("POST", "/v1/messages/count_tokens", b"x-api-key: \xff" + KEY.encode()),
-    ("POST", "/v1/chat/completions", b"Authorization: Bearer " + KEY.encode() + b"\xc3"),
-])
+@pytest.mark.parametrize(
+    "method,path,header",
+    [
+        ("GET", "/v1/models", b"Authorization: Bearer \xff\xfe" + KEY.encode()),
+        ("POST", "/v1/messages/count_tokens", b"Authorization: Bearer \xff\xfe" + KEY.encode()),
+        ("POST", "/v1/messages/count_tokens", b"x-api-key: \xff" + KEY.encode()),
+        ("POST", "/v1/chat/completions", b"Authorization: Bearer " + KEY.encode() + b"\xc3"),
+    ],
+)
 def test_undecodable_auth_bytes_are_401s(server, method, path, header):
     body = json.dumps({"messages": USER}).encode()
-    head = (f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body) if method == 'POST' else 0}\r\nConnection: close\r\n").encode()
+    head = (
+        f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body) if method == 'POST' else 0}\r\nConnection: close\r\n"
+    ).encode()
     reply = raw_request(server, head + header + b"\r\n\r\n", body if method == "POST" else b"")
     status = reply.split(b"\r\n", 1)[0]
     assert status.startswith(b"HTTP/1.1 401"), reply[:300]
@@ -203,8 +227,11 @@ def rss_kib(pid: int, field: str) -> int:
 
 def test_compressed_bodies_cost_linear_work_and_bounded_memory(server, http):
     member = gzip.compress(b"")
-    many = http.post("/v1/chat/completions", content=member * 150_000,  # 3 MB of empty members
-                     headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+    many = http.post(
+        "/v1/chat/completions",
+        content=member * 150_000,  # 3 MB of empty members
+        headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+    )
     assert many.status_code == 400 and "members" in check_shape(many, "openai")
     empties = gzip.compress(b"[" + b"[]," * ((BODY_LIMIT - 2) // 3 - 1) + b"[]]")
     pid = server.process.pid
@@ -214,8 +241,11 @@ def test_compressed_bodies_cost_linear_work_and_bounded_memory(server, http):
         pytest.skip("cannot reset the server's peak RSS here")
     idle = rss_kib(pid, "VmRSS")
     for _ in range(4):
-        bomb = http.post("/v1/chat/completions", content=empties,
-                         headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+        bomb = http.post(
+            "/v1/chat/completions",
+            content=empties,
+            headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+        )
         assert bomb.status_code == 400 and "elements" in check_shape(bomb, "openai")
     # A body-limit prompt string (one word): parsed, then refused before whole tokenization.
     text = gzip.compress(b'{"prompt": "' + b"a" * (BODY_LIMIT - 64) + b'", "max_tokens": 1}')
@@ -237,8 +267,10 @@ def test_stalled_headers_and_bodies_are_cut(server, http):
     # Headers that never finish: the connection is closed after the header deadline.
     assert raw_request(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n") == b""
     # A body that stops short of its Content-Length: 408 in the route's shape, then close.
-    head = (f"POST /v1/messages HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-            "anthropic-version: 2023-06-01\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n").encode()
+    head = (
+        f"POST /v1/messages HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        "anthropic-version: 2023-06-01\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    ).encode()
     reply = raw_request(server, head, b'{"messages": ')
     assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
     body = json.loads(reply.split(b"\r\n\r\n", 1)[1])
@@ -269,8 +301,9 @@ def test_many_stalled_connections_do_not_block_service(server, http):
 
 def test_errors_stream_in_shape_and_nothing_is_held(http):
     # A streamed request with invalid text is refused before the stream starts.
-    response = post_raw(http, "/v1/chat/completions",
-                        '{"messages": [{"role": "user", "content": "\\udc00"}], "stream": true}')
+    response = post_raw(
+        http, "/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udc00"}], "stream": true}'
+    )
     assert response.status_code == 400 and response.headers["content-type"].startswith("application/json")
     ok = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "stream": True})
     assert ok.status_code == 200 and sse(ok.text)[-1][1] == "[DONE]"
@@ -283,9 +316,11 @@ def test_text_past_the_context_is_refused_before_it_is_tokenized_whole(http, tin
     from tokenizers import Tokenizer as HFTokenizer
 
     words = "hello world, " * 40_000  # ~120k tokens: counted in pieces, refused part way
-    for path, body in (("/v1/completions", {"prompt": words, "max_tokens": 1}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": words}], "max_tokens": 1}),
-                       ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": words}]})):
+    for path, body in (
+        ("/v1/completions", {"prompt": words, "max_tokens": 1}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": words}], "max_tokens": 1}),
+        ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": words}]}),
+    ):
         response = http.post(path, json=body)
         assert response.status_code == 400, response.text
         assert "more tokens than this model's 32768-token context" in check_shape(response, ROUTES[path][1])

@@ -24,8 +24,9 @@ def sdk(tiny_server):
 
 
 def test_buffered_incomplete_at_the_output_limit(sdk: OpenAI, http: httpx.Client):
-    response = sdk.responses.create(model="any", input=USER, max_output_tokens=4,
-                                    extra_body={"ignore_eos": True, "seed": 2})
+    response = sdk.responses.create(
+        model="any", input=USER, max_output_tokens=4, extra_body={"ignore_eos": True, "seed": 2}
+    )
     assert response.id.startswith("resp_") and response.object == "response"
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
     assert response.error is None and response.store is False and response.truncation == "disabled"
@@ -49,10 +50,18 @@ def test_stream_lifecycle_ids_and_sequence_numbers(http: httpx.Client):
     frames = sse(response.text)
     assert all(name == data["type"] for name, data in frames)
     kinds = [name for name, _ in frames]
-    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"]
-    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
-                          "response.output_item.done", "response.incomplete"]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
     assert [d["sequence_number"] for _, d in frames] == list(range(len(frames)))
     created = frames[0][1]["response"]
     assert created["status"] == "in_progress" and created["output"] == [] and created["usage"] is None
@@ -86,51 +95,83 @@ def test_input_items_instructions_and_tool_history(http: httpx.Client):
     plain = tokens(input="Reply with exactly OK.")
     assert tokens(input=USER) == plain
     assert tokens(input=USER, instructions="Be brief. " * 30) > plain  # replaces the default system prompt
-    assert tokens(input=[{"type": "message", "role": "user",
-                          "content": [{"type": "input_text", "text": "Reply with exactly OK."}]}]) == plain
-    tools = [{"type": "function", "name": "lookup", "description": "Look up a value.", "strict": False,
-              "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}]
+    assert (
+        tokens(
+            input=[
+                {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "Reply with exactly OK."}],
+                }
+            ]
+        )
+        == plain
+    )
+    tools = [
+        {
+            "type": "function",
+            "name": "lookup",
+            "description": "Look up a value.",
+            "strict": False,
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+        }
+    ]
     history = USER + [
         {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Call it."}]},
         {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "lookup", "arguments": '{"q": "a"}'},
         {"type": "function_call_output", "call_id": "call_1", "output": "The result is 42."},
-        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
-         "content": [{"type": "output_text", "text": "It is 42.", "annotations": []}]},
+        {
+            "type": "message",
+            "role": "assistant",
+            "id": "msg_1",
+            "status": "completed",
+            "content": [{"type": "output_text", "text": "It is 42.", "annotations": []}],
+        },
         {"role": "developer", "content": "Answer in one word."},
         {"role": "user", "content": "And again?"},
     ]
     assert tokens(input=history, tools=tools) > tokens(input=history) > plain
 
 
-@pytest.mark.parametrize("extra", [
-    {"store": True},
-    {"previous_response_id": "resp_1"},
-    {"conversation": "conv_1"},
-    {"background": True},
-    {"truncation": "auto"},
-    {"prompt": {"id": "pmpt_1"}},
-    {"prompt_logprobs": 1},
-    {"tool_choice": {"type": "function", "name": "lookup"}},
-    {"tools": [{"type": "function", "name": "lookup", "parameters": {}, "strict": True}]},
-    {"tools": [{"type": "web_search"}]},
-    {"tools": [{"type": "custom", "name": "record", "format": {"type": "grammar", "syntax": "lark",
-                                                                "definition": "start: missing_rule"}}]},
-    {"text": {"format": {"type": "json_schema", "name": "a", "schema": 5}}},
-    {"tools": [{"type": "function", "name": "a"}, {"type": "function", "name": "a"}]},
-    {"reasoning": {"effort": 80}},
-    {"top_logprobs": 1},
-    {"top_logprobs": 21, "include": ["message.output_text.logprobs"]},
-    {"include": "message.output_text.logprobs"},
-    {"max_output_tokens": 0},
-    {"temperature": "warm"},
-    {"input": []},
-    {"input": 5},
-    {"input": [{"type": "item_reference", "id": "msg_1"}]},
-    {"input": [{"type": "reasoning", "summary": [], "encrypted_content": "opaque"}]},
-    {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:"}]}]},
-    {"input": [{"role": "robot", "content": "x"}]},
-    {"instructions": ["not", "a", "string"]},
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"store": True},
+        {"previous_response_id": "resp_1"},
+        {"conversation": "conv_1"},
+        {"background": True},
+        {"truncation": "auto"},
+        {"prompt": {"id": "pmpt_1"}},
+        {"prompt_logprobs": 1},
+        {"tool_choice": {"type": "function", "name": "lookup"}},
+        {"tools": [{"type": "function", "name": "lookup", "parameters": {}, "strict": True}]},
+        {"tools": [{"type": "web_search"}]},
+        {
+            "tools": [
+                {
+                    "type": "custom",
+                    "name": "record",
+                    "format": {"type": "grammar", "syntax": "lark", "definition": "start: missing_rule"},
+                }
+            ]
+        },
+        {"text": {"format": {"type": "json_schema", "name": "a", "schema": 5}}},
+        {"tools": [{"type": "function", "name": "a"}, {"type": "function", "name": "a"}]},
+        {"reasoning": {"effort": 80}},
+        {"top_logprobs": 1},
+        {"top_logprobs": 21, "include": ["message.output_text.logprobs"]},
+        {"include": "message.output_text.logprobs"},
+        {"max_output_tokens": 0},
+        {"temperature": "warm"},
+        {"input": []},
+        {"input": 5},
+        {"input": [{"type": "item_reference", "id": "msg_1"}]},
+        {"input": [{"type": "reasoning", "summary": [], "encrypted_content": "opaque"}]},
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:"}]}]},
+        {"input": [{"role": "robot", "content": "x"}]},
+        {"instructions": ["not", "a", "string"]},
+    ],
+)
 def test_rejections_are_400_in_openai_shape(http: httpx.Client, extra):
     before = metrics(http)["flare_requests_admitted_total"]
     response = http.post("/v1/responses", json={"input": "x", **extra})
@@ -143,9 +184,19 @@ def test_rejections_are_400_in_openai_shape(http: httpx.Client, extra):
 def test_required_choice_without_tools_and_accepted_settings(http: httpx.Client):
     response = http.post("/v1/responses", json={"input": USER, "tools": [], "tool_choice": "required"})
     assert response.status_code == 400 and "needs at least one tool" in response.json()["error"]["message"]
-    accepted = {"input": USER, "max_output_tokens": 1, "store": False, "background": False, "truncation": "disabled",
-                "include": ["reasoning.encrypted_content"], "metadata": {"k": "v"}, "parallel_tool_calls": False,
-                "reasoning": {"effort": "low"}, "text": {"format": {"type": "text"}}, "tool_choice": "none"}
+    accepted = {
+        "input": USER,
+        "max_output_tokens": 1,
+        "store": False,
+        "background": False,
+        "truncation": "disabled",
+        "include": ["reasoning.encrypted_content"],
+        "metadata": {"k": "v"},
+        "parallel_tool_calls": False,
+        "reasoning": {"effort": "low"},
+        "text": {"format": {"type": "text"}},
+        "tool_choice": "none",
+    }
     ok = http.post("/v1/responses", json=accepted)
     assert ok.status_code == 200, ok.text
     body = ok.json()
@@ -155,8 +206,16 @@ def test_required_choice_without_tools_and_accepted_settings(http: httpx.Client)
 
 @pytest.mark.parametrize("streaming", [False, True])
 def test_output_text_logprobs(http: httpx.Client, streaming):
-    body = {"input": USER, "max_output_tokens": 4, "ignore_eos": True, "seed": 4, "stream": streaming,
-            "include": ["message.output_text.logprobs"], "top_logprobs": 2, "return_tokens_as_token_ids": True}
+    body = {
+        "input": USER,
+        "max_output_tokens": 4,
+        "ignore_eos": True,
+        "seed": 4,
+        "stream": streaming,
+        "include": ["message.output_text.logprobs"],
+        "top_logprobs": 2,
+        "return_tokens_as_token_ids": True,
+    }
     response = http.post("/v1/responses", json=body)
     assert response.status_code == 200, response.text
     if streaming:

@@ -33,8 +33,14 @@ def test_seeded_sampling_is_independent_of_batch_neighbours():
     def run(position: int, batch: int, neighbour_seed: int) -> list[int]:
         row = Row(seed=1234, prompt=[1, 2, 3], output=[4], **params)
         others = [
-            Row(seed=neighbour_seed + i, top_k=[-1, 3, 2000][i % 3], top_p=[1.0, 0.5, 0.99][i % 3],
-                temperature=[1.0, 0.3, 2.0][i % 3], presence_penalty=0.5, output=[1, 2])
+            Row(
+                seed=neighbour_seed + i,
+                top_k=[-1, 3, 2000][i % 3],
+                top_p=[1.0, 0.5, 0.99][i % 3],
+                temperature=[1.0, 0.3, 2.0][i % 3],
+                presence_penalty=0.5,
+                output=[1, 2],
+            )
             for i in range(batch - 1)
         ]
         rows = others[:position] + [row] + others[position:]

@@ -34,8 +34,7 @@ def logsumexp(logits: np.ndarray) -> np.ndarray:
         return (top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))).astype(np.float32)
 
 
-def draws(logits: np.ndarray, make_rows, use_top_ids: bool, steps: int = 30,
-          certify: bool = False) -> list[list[int]]:
+def draws(logits: np.ndarray, make_rows, use_top_ids: bool, steps: int = 30, certify: bool = False) -> list[list[int]]:
     rows = make_rows()
     ids = top_ids(logits) if use_top_ids else None
     lse = logsumexp(logits) if certify else None
@@ -44,8 +43,15 @@ def draws(logits: np.ndarray, make_rows, use_top_ids: bool, steps: int = 30,
 
 def batch_rows(top):
     return [
-        Row(1, prompt=top[0][:3], output=[int(top[0][3])] * 2, top_k=20, temperature=0.7, top_p=0.8,
-            repetition_penalty=1.05),
+        Row(
+            1,
+            prompt=top[0][:3],
+            output=[int(top[0][3])] * 2,
+            top_k=20,
+            temperature=0.7,
+            top_p=0.8,
+            repetition_penalty=1.05,
+        ),
         Row(2, output=[int(top[1][0])], top_k=5, temperature=1.0, presence_penalty=0.4, frequency_penalty=0.3),
         Row(3, top_k=1, temperature=0.5),
         Row(4, top_k=10, temperature=1.3, min_p=0.05, top_p=0.95),

@@ -34,11 +34,21 @@ ADMISSION_SLOTS = 6
 MAX_BODY_BYTES = 1 << 20
 USER = [{"role": "user", "content": "Reply with exactly OK."}]
 REQUIRED_METRICS = (
-    "flare_generated_tokens_total", "flare_prefill_tokens_total", "flare_active_requests",
-    "flare_pending_requests", "flare_free_kv_pages", "flare_total_kv_pages", "flare_kv_page_tokens",
-    "flare_cached_kv_pages", "flare_requests_completed_total", "flare_requests_failed_total",
-    "flare_requests_cancelled_total", "flare_requests_admitted_total", "flare_http_inflight_requests",
-    "flare_decode_weight_bytes", "flare_uptime_seconds",
+    "flare_generated_tokens_total",
+    "flare_prefill_tokens_total",
+    "flare_active_requests",
+    "flare_pending_requests",
+    "flare_free_kv_pages",
+    "flare_total_kv_pages",
+    "flare_kv_page_tokens",
+    "flare_cached_kv_pages",
+    "flare_requests_completed_total",
+    "flare_requests_failed_total",
+    "flare_requests_cancelled_total",
+    "flare_requests_admitted_total",
+    "flare_http_inflight_requests",
+    "flare_decode_weight_bytes",
+    "flare_uptime_seconds",
 )
 
 
@@ -90,9 +100,22 @@ def served(core: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
     url = f"http://127.0.0.1:{port}"
     log = open(folder / "server.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "helios.cli", "serve", str(core), "--port", str(port),
-         "--api-key-file", str(folder / "key"), "--config", str(folder / "helios.toml")],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        [
+            sys.executable,
+            "-m",
+            "helios.cli",
+            "serve",
+            str(core),
+            "--port",
+            str(port),
+            "--api-key-file",
+            str(folder / "key"),
+            "--config",
+            str(folder / "helios.toml"),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
         deadline = time.monotonic() + 300
@@ -122,11 +145,11 @@ def served(core: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
 
 
 def _sse(text: str) -> list[dict]:
-    return [json.loads(line[6:]) for line in text.splitlines()
-            if line.startswith("data: ") and line != "data: [DONE]"]
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
 
 
 # -- open routes, auth, discovery ------------------------------------------------------------------
+
 
 def test_health_and_metrics_are_open(served: Served):
     assert served.anon.get("/health").json() == {"status": "ok"}
@@ -141,8 +164,9 @@ def test_health_and_metrics_are_open(served: Served):
     assert snapshot["total_pages"] == values["flare_total_kv_pages"]
     assert set(snapshot["first_response"]) == {"median_seconds", "samples", "window_seconds", "capacity", "truncated"}
     assert served.anon.get("/metrics", headers={"Accept": "application/json"}).json().keys() == snapshot.keys()
-    assert served.anon.get("/metrics", params={"format": "prometheus"},
-                           headers={"Accept": "application/json"}).text.startswith("#")
+    assert served.anon.get(
+        "/metrics", params={"format": "prometheus"}, headers={"Accept": "application/json"}
+    ).text.startswith("#")
     assert served.anon.get("/metrics", params={"format": "yaml"}).status_code == 400
 
 
@@ -193,6 +217,7 @@ def test_model_cards(served: Served):
 
 # -- chat ------------------------------------------------------------------------------------------
 
+
 def test_chat_buffered_and_streaming(served: Served):
     client = served.openai()
     chat = client.chat.completions.create(model="anything", messages=USER, max_tokens=8, seed=11)
@@ -205,9 +230,16 @@ def test_chat_buffered_and_streaming(served: Served):
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     assert usage.prompt_tokens_details.cached_tokens is not None
 
-    raw = served.http.post("/v1/chat/completions", json={
-        "messages": USER, "max_tokens": 8, "seed": 11, "stream": True, "stream_options": {"include_usage": True},
-    })
+    raw = served.http.post(
+        "/v1/chat/completions",
+        json={
+            "messages": USER,
+            "max_tokens": 8,
+            "seed": 11,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert raw.status_code == 200 and raw.headers["content-type"].startswith("text/event-stream")
     assert raw.headers.get("x-request-id")
     assert raw.text.rstrip().endswith("data: [DONE]")
@@ -232,27 +264,43 @@ def test_chat_n_choices_and_seed_advance(served: Served):
 
 
 def test_chat_continuation_and_template_kwargs(served: Served):
-    body = {"messages": USER + [{"role": "assistant", "content": "Sure:"}], "max_tokens": 1,
-            "continue_final_message": True, "add_generation_prompt": False,
-            "chat_template_kwargs": {"enable_thinking": False}}
+    body = {
+        "messages": USER + [{"role": "assistant", "content": "Sure:"}],
+        "max_tokens": 1,
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
     assert served.http.post("/v1/chat/completions", json=body).status_code == 200
     both = served.http.post("/v1/chat/completions", json={**body, "add_generation_prompt": True})
     assert both.status_code == 400
 
 
 def test_chat_continuous_usage(served: Served):
-    raw = served.http.post("/v1/chat/completions", json={
-        "messages": USER, "max_tokens": 4, "ignore_eos": True, "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-    })
+    raw = served.http.post(
+        "/v1/chat/completions",
+        json={
+            "messages": USER,
+            "max_tokens": 4,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+    )
     chunks = _sse(raw.text)
     counts = [c["usage"]["completion_tokens"] for c in chunks]
     assert counts == sorted(counts) and counts[-1] == 4
 
 
 def test_logprobs_or_clear_rejection(served: Served):
-    body = {"messages": USER, "max_tokens": 3, "ignore_eos": True, "logprobs": True, "top_logprobs": 2,
-            "return_tokens_as_token_ids": True}
+    body = {
+        "messages": USER,
+        "max_tokens": 3,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "return_tokens_as_token_ids": True,
+    }
     response = served.http.post("/v1/chat/completions", json=body)
     if served.manifest.logprobs.max_top_logprobs == 0:
         assert response.status_code == 400 and "not available in this model core" in response.text
@@ -262,8 +310,9 @@ def test_logprobs_or_clear_rejection(served: Served):
     for entry in entries:
         assert entry["token"].startswith("token_id:") and entry["logprob"] <= 0
         assert len(entry["top_logprobs"]) == 2 and all(0 <= b < 256 for b in entry["bytes"])
-    completion = served.http.post("/v1/completions", json={"prompt": "Once", "max_tokens": 3, "ignore_eos": True,
-                                                           "logprobs": 2}).json()["choices"][0]["logprobs"]
+    completion = served.http.post(
+        "/v1/completions", json={"prompt": "Once", "max_tokens": 3, "ignore_eos": True, "logprobs": 2}
+    ).json()["choices"][0]["logprobs"]
     assert len(completion["tokens"]) == len(completion["text_offset"]) == len(completion["top_logprobs"]) == 3
     assert completion["text_offset"][0] == 0 and completion["text_offset"] == sorted(completion["text_offset"])
 
@@ -288,25 +337,32 @@ def test_stop_token_sequences_on_every_protocol(served: Served):
     run = [int(t.removeprefix("token_id:")) for t in tokens[1:3]]
     stopped = served.http.post("/v1/completions", json={**raw, "stop_token_sequences": [run]}).json()["choices"][0]
     assert stopped["finish_reason"] == "stop" and stopped["logprobs"]["tokens"] == tokens[:1]
-    message = served.http.post("/v1/messages", headers={"anthropic-version": "2023-06-01"},
-                               json={**base, "messages": USER, "stop_token_sequences": [stop]}).json()
+    message = served.http.post(
+        "/v1/messages",
+        headers={"anthropic-version": "2023-06-01"},
+        json={**base, "messages": USER, "stop_token_sequences": [stop]},
+    ).json()
     assert message["stop_reason"] == "end_turn" and message["stop_sequence"] is None
     assert message["usage"]["output_tokens"] == 4
-    for bad, message_part in (({"stop_token_sequences": [[]]}, "1 to 64"),
-                              ({"stop_token_sequences": [[1]] * 17}, "at most 16"),
-                              ({"stop_token_sequences": [[1]], "stop": "x"}, "cannot combine")):
+    for bad, message_part in (
+        ({"stop_token_sequences": [[]]}, "1 to 64"),
+        ({"stop_token_sequences": [[1]] * 17}, "at most 16"),
+        ({"stop_token_sequences": [[1]], "stop": "x"}, "cannot combine"),
+    ):
         response = served.http.post("/v1/chat/completions", json={"messages": USER, **bad})
         assert response.status_code == 400 and message_part in response.json()["error"]["message"]
 
 
 # -- completions -----------------------------------------------------------------------------------
 
+
 def test_completion_batch_indices_and_usage(served: Served):
     client = served.openai()
     prompts = ["The capital of France is", "One plus one equals"]
     counted = client.completions.create(model="x", prompt=prompts, max_tokens=0)
-    result = client.completions.create(model="x", prompt=prompts, n=2, max_tokens=3, temperature=1,
-                                       extra_body={"ignore_eos": True})
+    result = client.completions.create(
+        model="x", prompt=prompts, n=2, max_tokens=3, temperature=1, extra_body={"ignore_eos": True}
+    )
     assert [c.index for c in result.choices] == [0, 1, 2, 3]
     assert result.object == "text_completion" and all(c.finish_reason == "length" for c in result.choices)
     assert result.usage.prompt_tokens == counted.usage.prompt_tokens  # each prompt counted once
@@ -322,8 +378,9 @@ def test_echo_and_zero_token_requests(served: Served):
     assert all(c.finish_reason == "length" for c in zero.choices)
     assert zero.usage.completion_tokens == 0 and zero.usage.prompt_tokens_details.cached_tokens == 0
     assert served.metrics()["flare_requests_admitted_total"] == before  # nothing was submitted
-    echoed = client.completions.create(model="x", prompt="Hello", echo=True, max_tokens=2,
-                                       extra_body={"ignore_eos": True})
+    echoed = client.completions.create(
+        model="x", prompt="Hello", echo=True, max_tokens=2, extra_body={"ignore_eos": True}
+    )
     assert echoed.choices[0].text.startswith("Hello")
 
 
@@ -343,15 +400,24 @@ def test_token_id_prompts(served: Served):
 
 def test_completion_streaming_batch(served: Served):
     client = served.openai()
-    chunks = list(client.completions.create(
-        model="x", prompt=["Hello", "World"], n=2, max_tokens=2, stream=True, temperature=1,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-    ))
+    chunks = list(
+        client.completions.create(
+            model="x",
+            prompt=["Hello", "World"],
+            n=2,
+            max_tokens=2,
+            stream=True,
+            temperature=1,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert {c.index for chunk in chunks for c in chunk.choices} == {0, 1, 2, 3}
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
 
 
 # -- errors, limits, encodings ---------------------------------------------------------------------
+
 
 def test_error_shapes_and_statuses(served: Served):
     http = served.http
@@ -388,20 +454,31 @@ def test_error_shapes_and_statuses(served: Served):
 
 @pytest.mark.parametrize("temperature", [0.0, -0.0])
 def test_zero_temperature_is_clamped_not_rejected(served: Served, temperature: float):
-    for path, body in [("/v1/chat/completions", {"messages": USER, "max_tokens": 2}),
-                       ("/v1/completions", {"prompt": "Hello", "max_tokens": 0})]:
+    for path, body in [
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": 2}),
+        ("/v1/completions", {"prompt": "Hello", "max_tokens": 0}),
+    ]:
         response = served.http.post(path, json={**body, "temperature": temperature})
         assert response.status_code == 200, response.text
 
 
-@pytest.mark.parametrize("encoding,compress", [
-    ("gzip", gzip.compress), ("deflate", zlib.compress), ("br", brotli.compress),
-    ("zstd", lambda b: zstandard.ZstdCompressor().compress(b)), ("identity", lambda b: b),
-])
+@pytest.mark.parametrize(
+    "encoding,compress",
+    [
+        ("gzip", gzip.compress),
+        ("deflate", zlib.compress),
+        ("br", brotli.compress),
+        ("zstd", lambda b: zstandard.ZstdCompressor().compress(b)),
+        ("identity", lambda b: b),
+    ],
+)
 def test_compressed_request_bodies(served: Served, encoding, compress):
     body = json.dumps({"prompt": "Hello", "max_tokens": 1}).encode()
-    response = served.http.post("/v1/completions", content=compress(body),
-                                headers={"Content-Encoding": encoding, "Content-Type": "application/json"})
+    response = served.http.post(
+        "/v1/completions",
+        content=compress(body),
+        headers={"Content-Encoding": encoding, "Content-Type": "application/json"},
+    )
     assert response.status_code == 200, response.text
 
 
@@ -417,6 +494,7 @@ def test_body_limits_and_unknown_encoding(served: Served):
 
 
 # -- admission and cancellation --------------------------------------------------------------------
+
 
 def test_admission_exhaustion_is_429(served: Served):
     served.wait_idle()
@@ -434,8 +512,14 @@ def test_admission_exhaustion_is_429(served: Served):
 
 def test_stream_disconnect_cancels_children_and_frees_slots(served: Served):
     before = served.wait_idle()
-    body = {"prompt": ["Count the positive integers:"], "n": 4, "max_tokens": 100000, "ignore_eos": True,
-            "stream": True, "temperature": 1}
+    body = {
+        "prompt": ["Count the positive integers:"],
+        "n": 4,
+        "max_tokens": 100000,
+        "ignore_eos": True,
+        "stream": True,
+        "temperature": 1,
+    }
     with served.http.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
         assert response.headers.get("x-request-id")
@@ -446,8 +530,12 @@ def test_stream_disconnect_cancels_children_and_frees_slots(served: Served):
     after = served.wait_idle()
     assert after["flare_active_requests"] == 0 and after["flare_http_inflight_requests"] == 0
     assert after["flare_http_admission_slots_used"] == 0
-    ended = (after["flare_requests_cancelled_total"] - before["flare_requests_cancelled_total"]
-             + after["flare_requests_completed_total"] - before["flare_requests_completed_total"])
+    ended = (
+        after["flare_requests_cancelled_total"]
+        - before["flare_requests_cancelled_total"]
+        + after["flare_requests_completed_total"]
+        - before["flare_requests_completed_total"]
+    )
     assert ended == 4
     if served.manifest.limits.context_length >= 1024:
         assert after["flare_requests_cancelled_total"] > before["flare_requests_cancelled_total"]
@@ -460,11 +548,17 @@ def test_buffered_disconnect_cancels(served: Served):
     body = json.dumps({"messages": USER, "n": 2, "max_tokens": 100000, "ignore_eos": True}).encode()
     host, port = served.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as raw:  # hangs up once both choices generate
-        raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                    b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        raw.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
         wait_for(lambda: served.metrics()["flare_active_requests"] == 2)
     after = served.wait_idle()
     assert after["flare_http_admission_slots_used"] == 0 and after["flare_active_requests"] == 0
-    ended = (after["flare_requests_cancelled_total"] - before["flare_requests_cancelled_total"]
-             + after["flare_requests_completed_total"] - before["flare_requests_completed_total"])
+    ended = (
+        after["flare_requests_cancelled_total"]
+        - before["flare_requests_cancelled_total"]
+        + after["flare_requests_completed_total"]
+        - before["flare_requests_completed_total"]
+    )
     assert ended == 2

@@ -34,8 +34,9 @@ def test_routed_expert_tables_are_counted_at_top_k_of_e(family_env, recipe, tmp_
     sizes = {init.name: _initializer_bytes(init) for init in model.graph.initializer}
     tables = {name for node in routed for name in node.input[3:] if name}
     assert all(sizes[t] % EXPERTS == 0 for t in tables)
-    reads = {t: sum(a.i for node in routed if t in node.input for a in node.attribute if a.name == "top_k")
-             for t in tables}  # fmt: skip
+    reads = {
+        t: sum(a.i for node in routed if t in node.input for a in node.attribute if a.name == "top_k") for t in tables
+    }
     assert set(reads.values()) == {TOP_K}  # every table: 4 experts a row (one node, or one per routing column)
     for node in routed:  # the same graph counted as if every expert were read
         node.attribute.remove(next(a for a in node.attribute if a.name == "top_k"))
@@ -51,8 +52,11 @@ def test_quantized_cores_route_packed_experts(precision, bits, tmp_path, monkeyp
     flare's kernel and with the dense rewrite helios uses where that kernel cannot run."""
     checkpoint = write_quantizable_checkpoint(tmp_path / "ckpt", "qwen3_5_moe")
     core = tmp_path / "core"
-    manifest = export_core(ExportOptions(recipe=load_recipe("qwen38"), checkpoint=str(checkpoint), out=core,
-                                         precision=precision, cache=False))
+    manifest = export_core(
+        ExportOptions(
+            recipe=load_recipe("qwen38"), checkpoint=str(checkpoint), out=core, precision=precision, cache=False
+        )
+    )
     model = onnx.load(str(core / "step.onnx"), load_external_data=False)
     packed = [n for n in model.graph.node if n.op_type == "MoEInt4"]
     assert packed and not [n for n in model.graph.node if n.op_type in ("MoE", "Einsum")]
@@ -90,13 +94,16 @@ def test_configured_norms_and_attention_fuse_into_one_node_each(family_env, reci
     optimized = tmp_path / "optimized.onnx"
     session_options = Runner._session_options
 
-    def saving_options(self):  # noqa: ANN001, ANN202
+    def saving_options(self):
         options = session_options(self)
         options.optimized_model_filepath = str(optimized)
         return options
 
     monkeypatch.setattr(Runner, "_session_options", saving_options)
     Runner(core, manifest, num_pages=8)
-    fused = [n for n in onnx.load(str(optimized), load_external_data=False).graph.node
-             if n.op_type == "SimplifiedLayerNormalization"]
+    fused = [
+        n
+        for n in onnx.load(str(optimized), load_external_data=False).graph.node
+        if n.op_type == "SimplifiedLayerNormalization"
+    ]
     assert len(fused) == len(fusable)

@@ -26,8 +26,14 @@ REPEATED = list(range(300, 340))
 
 
 def engine(core: Path, mode: str = "auto", **config) -> Engine:
-    return Engine(core, Manifest.load(core, verify_files=False), kv_pages=96, threads=1,
-                  prefix_cache=PrefixCacheConfig(enabled=False), speculation=SpeculationConfig(mode=mode, **config))
+    return Engine(
+        core,
+        Manifest.load(core, verify_files=False),
+        kv_pages=96,
+        threads=1,
+        prefix_cache=PrefixCacheConfig(enabled=False),
+        speculation=SpeculationConfig(mode=mode, **config),
+    )
 
 
 def generate(e: Engine, ids: list[int], name: str, **sampling) -> tuple[list[int], list]:
@@ -150,7 +156,7 @@ class FixedDraft(Speculator):
         super().__init__(SpeculationConfig())
         self.after = after
 
-    def drafts(self, seq, decoding_rows: int, room: int) -> list[int]:  # noqa: ANN001
+    def drafts(self, seq, decoding_rows: int, room: int) -> list[int]:
         room = min(room, seq.stop_checker.max_new_tokens - seq.num_generated - 1)
         draft = self.after.get(seq.token_ids[-1])
         return [draft] if room > 0 and draft is not None else []
@@ -237,7 +243,8 @@ def test_constrained_requests_and_off_mode_never_draft(tiny_core):
     e = engine(tiny_core, max_batch_rows=8)
     manifest = Manifest.load(tiny_core, verify_files=False)
     grammar = compiler_for(Tokenizer.from_core(tiny_core, manifest), manifest).output_grammar(
-        OutputFormat("json_object", None), None, {}, "x")
+        OutputFormat("json_object", None), None, {}, "x"
+    )
     prompt = REPEATED + REPEATED[:30]
     request = GenerationRequest("json", prompt, SamplingParams(max_tokens=8, top_k=1), grammar=grammar)
     events = e.generate(request)
@@ -251,8 +258,12 @@ def test_constrained_requests_and_off_mode_never_draft(tiny_core):
 def test_serve_flag_and_metrics(tiny_core):
     server = Server(tiny_core, "--speculation", "auto")
     try:
-        body = {"prompt": " ".join(["alpha beta gamma delta"] * 30), "max_tokens": 24, "temperature": 0,
-                "ignore_eos": True}
+        body = {
+            "prompt": " ".join(["alpha beta gamma delta"] * 30),
+            "max_tokens": 24,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         assert httpx.post(server.url + "/v1/completions", json=body, timeout=120).status_code == 200
         snapshot = httpx.get(server.url + "/metrics", params={"format": "json"}, timeout=30).json()
         assert snapshot["verification_rounds"] > 0 and snapshot["verification_rounds"] <= 24
@@ -261,6 +272,10 @@ def test_serve_flag_and_metrics(tiny_core):
     finally:
         server.stop()
     # The CLI refuses an unknown mode before binding a port.
-    result = subprocess.run([sys.executable, "-m", "helios.cli", "serve", str(tiny_core), "--speculation", "always"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "helios.cli", "serve", str(tiny_core), "--speculation", "always"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and "speculation mode" in result.stderr + result.stdout

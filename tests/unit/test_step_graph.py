@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 import pytest
 import torch
+from onnx import numpy_helper
 
 from helios.engine.runner import Runner, StepRow, pack_rows, scatter_new_kv
 from helios.manifest import Architecture, KVLayout

@@ -31,10 +31,14 @@ def test_torch_program_equals_the_onnx_graph(family_env, recipe):
     seqs = [rng.integers(3, vocab, 40).tolist(), rng.integers(3, vocab, 23).tolist()]
     order = [int(p) for p in rng.permutation(PAGES)]
     tables = [order[:4], order[4:7]]  # shuffled, disjoint
-    steps = [[StepRow(seqs[0][:17], 0, tables[0], state_slot=1), StepRow(seqs[1][:20], 0, tables[1], state_slot=3)],
-             [StepRow(seqs[0][17:40], 17, tables[0], state_slot=1), StepRow(seqs[1][20:23], 20, tables[1], state_slot=3)]]
+    steps = [
+        [StepRow(seqs[0][:17], 0, tables[0], state_slot=1), StepRow(seqs[1][:20], 0, tables[1], state_slot=3)],
+        [StepRow(seqs[0][17:40], 17, tables[0], state_slot=1), StepRow(seqs[1][20:23], 20, tables[1], state_slot=3)],
+    ]
     for i in range(3):
-        steps.append([StepRow([5 + i], 40 + i, tables[0], state_slot=1), StepRow([9 + i], 23 + i, tables[1], state_slot=3)])
+        steps.append(
+            [StepRow([5 + i], 40 + i, tables[0], state_slot=1), StepRow([9 + i], 23 + i, tables[1], state_slot=3)]
+        )
     for rows in steps:
         want, got = onnx_runner.step(rows), torch_runner.step(rows)
         scale = max(float(np.abs(want.logits).max()), 1.0)

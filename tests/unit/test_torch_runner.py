@@ -59,17 +59,21 @@ def test_program_equals_the_onnx_graph(tiny_core):
     steps = [
         [StepRow(a[:20], 0, tables["a"]), StepRow(b[:23], 0, tables["b"], score_targets=b[1:23] + [-1])],
         [StepRow(a[20:40], 20, tables["a"]), StepRow(c, 0, tables["c"])],  # history read back from the pool
-        [StepRow([7], 40, tables["a"], logprob_ids=[7, 11, 400]), StepRow([8], 23, tables["b"]),
-         StepRow([9, 10, 11], 9, tables["c"], output_positions=[0, 1, 2])],
-    ]  # fmt: skip
+        [
+            StepRow([7], 40, tables["a"], logprob_ids=[7, 11, 400]),
+            StepRow([8], 23, tables["b"]),
+            StepRow([9, 10, 11], 9, tables["c"], output_positions=[0, 1, 2]),
+        ],
+    ]
     for rows in steps:
         want, got = onnx_runner.step(rows), torch_runner.step(rows)
         assert_same_outputs(got, want)
         if want.token_logprobs is not None:
             np.testing.assert_allclose(got.token_logprobs[:, :3], want.token_logprobs[:, :3], atol=1e-4)
         if want.prompt_scores is not None:
-            np.testing.assert_allclose(got.prompt_scores[1].target_logprobs, want.prompt_scores[1].target_logprobs,
-                                       atol=1e-4)  # fmt: skip
+            np.testing.assert_allclose(
+                got.prompt_scores[1].target_logprobs, want.prompt_scores[1].target_logprobs, atol=1e-4
+            )
     used = sorted({p for t in tables.values() for p in t})
     np.testing.assert_allclose(torch_runner.read_pages(used), onnx_runner.read_pages(used), atol=1e-5)
 

@@ -58,6 +58,7 @@ def error_of(response: httpx.Response, shape: str) -> dict:
 
 # -- authentication --------------------------------------------------------------------------------
 
+
 def test_health_and_metrics_are_open(anon: httpx.Client):
     assert anon.get("/health").json() == {"status": "ok"}
     assert anon.get("/metrics").status_code == 200
@@ -99,23 +100,31 @@ def test_discovery_routes_need_the_key(anon: httpx.Client):
 
 # -- bodies and shapes -----------------------------------------------------------------------------
 
-ENCODINGS = [("gzip", gzip.compress), ("deflate", zlib.compress), ("br", brotli.compress),
-             ("zstd", lambda b: zstandard.ZstdCompressor().compress(b)), ("identity", lambda b: b)]
+ENCODINGS = [
+    ("gzip", gzip.compress),
+    ("deflate", zlib.compress),
+    ("br", brotli.compress),
+    ("zstd", lambda b: zstandard.ZstdCompressor().compress(b)),
+    ("identity", lambda b: b),
+]
 
 
 @pytest.mark.parametrize("encoding,compress", ENCODINGS)
 @pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens", "/v1/responses"])
 def test_encoded_request_bodies(http: httpx.Client, path, encoding, compress):
     raw = json.dumps(ROUTES[path][0]).encode()
-    response = http.post(path, content=compress(raw), headers={"Content-Encoding": encoding,
-                                                               "Content-Type": "application/json"})
+    response = http.post(
+        path, content=compress(raw), headers={"Content-Encoding": encoding, "Content-Type": "application/json"}
+    )
     assert response.status_code == 200, response.text
 
 
 @pytest.mark.parametrize("path", sorted(ROUTES))
 def test_body_limits_encodings_and_malformed_json_per_shape(http: httpx.Client, path):
     shape = ROUTES[path][1]
-    bomb = http.post(path, content=gzip.compress(b" " * (8 * TINY_MAX_BODY_BYTES)), headers={"Content-Encoding": "gzip"})
+    bomb = http.post(
+        path, content=gzip.compress(b" " * (8 * TINY_MAX_BODY_BYTES)), headers={"Content-Encoding": "gzip"}
+    )
     assert bomb.status_code == 413 and error_of(bomb, shape)["type"] == "request_too_large"
     zbomb = zstandard.ZstdCompressor().compress(b" " * (4 * TINY_MAX_BODY_BYTES))
     assert http.post(path, content=zbomb, headers={"Content-Encoding": "zstd"}).status_code == 413
@@ -129,7 +138,7 @@ def test_body_limits_encodings_and_malformed_json_per_shape(http: httpx.Client, 
     assert unknown.status_code == 415 and error_of(unknown, shape)["type"] == "invalid_request_error"
     corrupt = http.post(path, content=b"not gzip", headers={"Content-Encoding": "gzip"})
     assert corrupt.status_code == 400 and error_of(corrupt, shape)["type"] == "invalid_request_error"
-    for raw in (b"{", b"[]", b'"text"', b'{"a": Infinity}', "{\"é\": 1}".encode("latin-1")):
+    for raw in (b"{", b"[]", b'"text"', b'{"a": Infinity}', '{"é": 1}'.encode("latin-1")):
         bad = http.post(path, content=raw)
         assert bad.status_code == 400 and error_of(bad, shape)["type"] == "invalid_request_error"
     socket = http.get(path, headers={"Upgrade": "websocket", "Connection": "Upgrade"})
@@ -143,6 +152,7 @@ def test_unknown_anthropic_path_is_404_in_messages_shape(http: httpx.Client):
 
 
 # -- admission -------------------------------------------------------------------------------------
+
 
 def test_rate_limit_is_429_in_each_shape(http: httpx.Client):
     wait_idle(http)
@@ -160,24 +170,38 @@ def test_rate_limit_is_429_in_each_shape(http: httpx.Client):
     assert after["flare_http_admission_slots_used"] == 0
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/v1/messages", {"messages": USER, "max_tokens": 100000, "ignore_eos": True, "stream": True}),
-    ("/v1/responses", {"input": USER, "max_output_tokens": 100000, "ignore_eos": True, "stream": True}),
-])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/messages", {"messages": USER, "max_tokens": 100000, "ignore_eos": True, "stream": True}),
+        ("/v1/responses", {"input": USER, "max_output_tokens": 100000, "ignore_eos": True, "stream": True}),
+    ],
+)
 def test_stream_disconnect_cancels_and_frees_the_slot(http: httpx.Client, path, body):
     before = wait_idle(http)
     with http.stream("POST", path, json=body) as response:
         assert response.status_code == 200 and response.headers.get("x-request-id")
         for line in response.iter_lines():  # leave after the first generated text
-            if line.startswith("data: ") and ('"content_block_delta"' in line or '"response.output_text.delta"' in line):
+            if line.startswith("data: ") and (
+                '"content_block_delta"' in line or '"response.output_text.delta"' in line
+            ):
                 break
     after = wait_idle(http)
     assert after["flare_active_requests"] == 0 and after["flare_http_inflight_requests"] == 0
     assert after["flare_http_admission_slots_used"] == 0
     assert after["flare_requests_cancelled_total"] == before["flare_requests_cancelled_total"] + 1
-    assert http.post(path, json={**body, "stream": False, "ignore_eos": False,
-                                 **({"max_tokens": 1} if "messages" in body else {"max_output_tokens": 1})}
-                     ).status_code == 200
+    assert (
+        http.post(
+            path,
+            json={
+                **body,
+                "stream": False,
+                "ignore_eos": False,
+                **({"max_tokens": 1} if "messages" in body else {"max_output_tokens": 1}),
+            },
+        ).status_code
+        == 200
+    )
 
 
 def test_the_chat_role_chunk_waits_for_the_first_token(http: httpx.Client):
@@ -257,6 +281,7 @@ def test_keepalive_comments_while_the_model_is_quiet(monkeypatch):
 
 # -- chat and completions usage details ------------------------------------------------------------
 
+
 def test_cached_tokens_always_reported(http: httpx.Client):
     chat = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2}).json()
     # Present always; the live server may already hold a checkpoint of this prompt (prefix reuse).
@@ -269,8 +294,21 @@ def test_cached_tokens_always_reported(http: httpx.Client):
     zero = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 0}).json()
     assert zero["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     for path, body in [("/v1/chat/completions", {"messages": USER}), ("/v1/completions", {"prompt": "Hi"})]:
-        frames = [d for _, d in sse(http.post(path, json={**body, "max_tokens": 3, "ignore_eos": True, "stream": True,
-                                                          "stream_options": {"include_usage": True}}).text)]
+        frames = [
+            d
+            for _, d in sse(
+                http.post(
+                    path,
+                    json={
+                        **body,
+                        "max_tokens": 3,
+                        "ignore_eos": True,
+                        "stream": True,
+                        "stream_options": {"include_usage": True},
+                    },
+                ).text
+            )
+        ]
         assert frames[-1] == "[DONE]" and frames[-2]["choices"] == []
         usage = frames[-2]["usage"]
         assert 0 <= usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"]
@@ -278,20 +316,50 @@ def test_cached_tokens_always_reported(http: httpx.Client):
 
 
 def test_completions_continuous_usage(http: httpx.Client):
-    frames = [d for _, d in sse(http.post("/v1/completions", json={
-        "prompt": "Hi", "max_tokens": 4, "ignore_eos": True, "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}).text) if d != "[DONE]"]
+    frames = [
+        d
+        for _, d in sse(
+            http.post(
+                "/v1/completions",
+                json={
+                    "prompt": "Hi",
+                    "max_tokens": 4,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                },
+            ).text
+        )
+        if d != "[DONE]"
+    ]
     counts = [f["usage"]["completion_tokens"] for f in frames]
     assert counts == sorted(counts) and counts[-1] == 4
-    ignored = [d for _, d in sse(http.post("/v1/completions", json={
-        "prompt": "Hi", "max_tokens": 2, "stream": True, "stream_options": {"continuous_usage_stats": True}}).text)
-        if d != "[DONE]"]
+    ignored = [
+        d
+        for _, d in sse(
+            http.post(
+                "/v1/completions",
+                json={
+                    "prompt": "Hi",
+                    "max_tokens": 2,
+                    "stream": True,
+                    "stream_options": {"continuous_usage_stats": True},
+                },
+            ).text
+        )
+        if d != "[DONE]"
+    ]
     assert all("usage" not in f or f["usage"] is None for f in ignored)  # needs include_usage
 
 
 def test_chat_token_observations(http: httpx.Client):
-    body = {"messages": USER, "max_tokens": 4, "ignore_eos": True, "return_token_ids": True,
-            "return_token_timestamps": True}
+    body = {
+        "messages": USER,
+        "max_tokens": 4,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "return_token_timestamps": True,
+    }
     result = http.post("/v1/chat/completions", json=body).json()
     assert result["reused_prompt_tokens"] == result["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert len(result["choices"][0]["token_ids"]) == result["usage"]["completion_tokens"] == 4
@@ -299,44 +367,108 @@ def test_chat_token_observations(http: httpx.Client):
     assert len(stamps) == 4 and stamps == sorted(stamps)
     assert result["prompt_token_ids"] and len(result["prompt_token_ids"]) == result["usage"]["prompt_tokens"]
     for include_usage in (False, True):
-        frames = [d for _, d in sse(http.post("/v1/chat/completions", json={
-            **body, "stream": True, "stream_options": {"include_usage": include_usage}}).text) if d != "[DONE]"]
+        frames = [
+            d
+            for _, d in sse(
+                http.post(
+                    "/v1/chat/completions",
+                    json={**body, "stream": True, "stream_options": {"include_usage": include_usage}},
+                ).text
+            )
+            if d != "[DONE]"
+        ]
         terminal = next(f for f in frames if f["choices"] and f["choices"][0]["finish_reason"])
         usage = frames[-1]["usage"]  # on the terminal chunk when no separate usage chunk is asked for
         assert usage["prompt_tokens_details"]["cached_tokens"] == terminal["reused_prompt_tokens"]
-        assert sum(len(f["choices"][0].get("token_ids", [])) for f in frames if f["choices"]) == \
-            usage["completion_tokens"] == 4
+        assert (
+            sum(len(f["choices"][0].get("token_ids", [])) for f in frames if f["choices"])
+            == usage["completion_tokens"]
+            == 4
+        )
 
 
 # -- observability ---------------------------------------------------------------------------------
 
 API_MD_METRICS = (
-    "flare_prefill_tokens_total", "flare_generated_tokens_total", "flare_decode_weight_bytes",
-    "flare_verification_draft_tokens_total", "flare_verification_request_rounds_total",
-    "flare_accepted_draft_tokens_total", "flare_draft_request_rounds_total", "flare_active_requests",
-    "flare_pending_requests", "flare_requests_completed_total", "flare_reasoning_budget_cuts_total",
-    "flare_requests_failed_total", "flare_replay_gpu_nanoseconds_total", "flare_replay_readiness_wait_nanoseconds_total",
-    "flare_replay_readiness_samples_total", "flare_cache_reused_tokens_total", "flare_cached_kv_pages",
-    "flare_free_kv_pages", "flare_total_kv_pages", "flare_kv_page_tokens", "flare_host_cache_hits_total",
-    "flare_host_cache_reused_tokens_total", "flare_host_cache_memory_records", "flare_host_cache_disk_records",
-    "flare_host_cache_bytes_out_total", "flare_host_cache_bytes_in_total", "flare_history_drafts_enabled",
-    "flare_checkpoint_extra_work_nanoseconds_total", "flare_checkpoint_anchor_reservations",
-    "flare_host_cache_copyout_headroom_deferrals_total", "flare_host_cache_parked_records",
-    "flare_host_cache_store_skipped_total", "flare_host_cache_slots_in_use", "flare_host_cache_slots_total",
-    "flare_host_cache_intake_slots", "flare_requests_admitted_total", "flare_requests_cancelled_total",
-    "flare_http_inflight_requests", "flare_uptime_seconds", "flare_input_decoded_images_total",
-    'flare_checkpoint_captures_total{role="anchor"}', 'flare_checkpoint_skips_total{reason="work_budget"}',
-    'flare_host_cache_held_total{tier="nvme"}', 'flare_host_cache_dropped_total{reason="io_error",tier="dram"}',
-    'flare_speculative_rounds_total{width="0"}', 'flare_graph_launches_total{kind="step"}',
-    'flare_host_cache_missing_tokens_bucket{le="+Inf"}', "flare_host_cache_estimated_transfer_ns_count",
+    "flare_prefill_tokens_total",
+    "flare_generated_tokens_total",
+    "flare_decode_weight_bytes",
+    "flare_verification_draft_tokens_total",
+    "flare_verification_request_rounds_total",
+    "flare_accepted_draft_tokens_total",
+    "flare_draft_request_rounds_total",
+    "flare_active_requests",
+    "flare_pending_requests",
+    "flare_requests_completed_total",
+    "flare_reasoning_budget_cuts_total",
+    "flare_requests_failed_total",
+    "flare_replay_gpu_nanoseconds_total",
+    "flare_replay_readiness_wait_nanoseconds_total",
+    "flare_replay_readiness_samples_total",
+    "flare_cache_reused_tokens_total",
+    "flare_cached_kv_pages",
+    "flare_free_kv_pages",
+    "flare_total_kv_pages",
+    "flare_kv_page_tokens",
+    "flare_host_cache_hits_total",
+    "flare_host_cache_reused_tokens_total",
+    "flare_host_cache_memory_records",
+    "flare_host_cache_disk_records",
+    "flare_host_cache_bytes_out_total",
+    "flare_host_cache_bytes_in_total",
+    "flare_history_drafts_enabled",
+    "flare_checkpoint_extra_work_nanoseconds_total",
+    "flare_checkpoint_anchor_reservations",
+    "flare_host_cache_copyout_headroom_deferrals_total",
+    "flare_host_cache_parked_records",
+    "flare_host_cache_store_skipped_total",
+    "flare_host_cache_slots_in_use",
+    "flare_host_cache_slots_total",
+    "flare_host_cache_intake_slots",
+    "flare_requests_admitted_total",
+    "flare_requests_cancelled_total",
+    "flare_http_inflight_requests",
+    "flare_uptime_seconds",
+    "flare_input_decoded_images_total",
+    'flare_checkpoint_captures_total{role="anchor"}',
+    'flare_checkpoint_skips_total{reason="work_budget"}',
+    'flare_host_cache_held_total{tier="nvme"}',
+    'flare_host_cache_dropped_total{reason="io_error",tier="dram"}',
+    'flare_speculative_rounds_total{width="0"}',
+    'flare_graph_launches_total{kind="step"}',
+    'flare_host_cache_missing_tokens_bucket{le="+Inf"}',
+    "flare_host_cache_estimated_transfer_ns_count",
     "flare_host_cache_estimated_prefill_ns_sum",
 )
 JSON_FIELDS = (
-    "prefill_tokens", "generated_tokens", "decode_weight_bytes", "draft_steps", "verify_steps",
-    "verification_drafts", "verification_rounds", "accepted_drafts", "draft_rounds", "active", "pending",
-    "completed", "reasoning_budget_cuts", "failed", "replay_gpu_ns", "replay_readiness_wait_ns",
-    "replay_readiness_samples", "reused_tokens", "cached_pages", "free_pages", "total_pages", "page_tokens",
-    "host_hits", "host_reused_tokens", "host_memory_records", "host_disk_records", "host_bytes_out", "host_bytes_in",
+    "prefill_tokens",
+    "generated_tokens",
+    "decode_weight_bytes",
+    "draft_steps",
+    "verify_steps",
+    "verification_drafts",
+    "verification_rounds",
+    "accepted_drafts",
+    "draft_rounds",
+    "active",
+    "pending",
+    "completed",
+    "reasoning_budget_cuts",
+    "failed",
+    "replay_gpu_ns",
+    "replay_readiness_wait_ns",
+    "replay_readiness_samples",
+    "reused_tokens",
+    "cached_pages",
+    "free_pages",
+    "total_pages",
+    "page_tokens",
+    "host_hits",
+    "host_reused_tokens",
+    "host_memory_records",
+    "host_disk_records",
+    "host_bytes_out",
+    "host_bytes_in",
 )
 
 

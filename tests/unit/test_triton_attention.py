@@ -10,15 +10,15 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
+import pytest
 
 triton = pytest.importorskip("triton")
 
-import numpy  # noqa: E402
-import torch  # noqa: E402
+import numpy
+import torch
 
-from helios.kernels import triton_attention as ta  # noqa: E402
-from helios.kernels.torch_ops import pool_attention_ref  # noqa: E402
+from helios.kernels import triton_attention as ta
+from helios.kernels.torch_ops import pool_attention_ref
 
 
 def version(module) -> tuple[int, int]:
@@ -26,16 +26,27 @@ def version(module) -> tuple[int, int]:
 
 
 if version(triton) < (3, 8) and version(numpy) >= (2, 4):
-    pytest.skip("triton < 3.8's interpreter fails on runtime loop bounds with numpy >= 2.4 (triton#9171)",
-                allow_module_level=True)
+    pytest.skip(
+        "triton < 3.8's interpreter fails on runtime loop bounds with numpy >= 2.4 (triton#9171)",
+        allow_module_level=True,
+    )
 
 T = 16  # page tokens, as in every recipe
 NUM_LAYERS, LAYER = 2, 1  # layer 1: the K/V halves sit at a non-zero pool offset
 CONFIGS = {"g2d16": (4, 2, 16), "g7d64": (14, 2, 64), "g6d128": (12, 2, 128)}  # (H, KVH, D): G = 2, 7, 6
 
 
-def make_args(heads: int, kv_heads: int, dim: int, hist: list[int], qlens: list[int], length: int,
-              dtype: torch.dtype, seed: int = 0, wide_table: bool = False) -> tuple:  # fmt: skip
+def make_args(
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    hist: list[int],
+    qlens: list[int],
+    length: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    wide_table: bool = False,
+) -> tuple:
     """The op's positional arguments: a pool with spare random pages, shuffled page tables (pages of
     a row neither contiguous nor ordered), positions continuing each row's history."""
     gen = torch.Generator().manual_seed(seed)
@@ -52,8 +63,21 @@ def make_args(heads: int, kv_heads: int, dim: int, hist: list[int], qlens: list[
     positions = torch.tensor(hist).unsqueeze(1) + torch.arange(length)
     inv_freq = 1.0 / 10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     angles = torch.arange(max(hist) + length + 4, dtype=torch.float32).unsqueeze(1) * inv_freq
-    return (qkv, positions, angles.cos().to(dtype), angles.sin().to(dtype), pool, tables, torch.tensor(hist),
-            torch.tensor(qlens), LAYER, NUM_LAYERS, heads, kv_heads, dim**-0.5)  # fmt: skip
+    return (
+        qkv,
+        positions,
+        angles.cos().to(dtype),
+        angles.sin().to(dtype),
+        pool,
+        tables,
+        torch.tensor(hist),
+        torch.tensor(qlens),
+        LAYER,
+        NUM_LAYERS,
+        heads,
+        kv_heads,
+        dim**-0.5,
+    )
 
 
 def check(args: tuple, **knobs) -> torch.Tensor:
@@ -81,11 +105,15 @@ DECODE = {  # scenario -> (histories, query lens, knobs, expect split)
     "split_edges": ([0, 15, 16, 17], [1, 1, 1, 1], {"segment_keys": 16}, True),  # 1 / 1 / 1 full / 2 segments
 }
 DECODE_CASES = [("g2d16", torch.float32, s) for s in DECODE] + [
-    ("g7d64", torch.float32, "short"), ("g7d64", torch.float32, "split"),
-    ("g7d64", torch.float16, "b1"), ("g7d64", torch.float16, "split_b1"),
-    ("g6d128", torch.float32, "b1"), ("g6d128", torch.float32, "split_b1"),
-    ("g6d128", torch.float16, "short"), ("g6d128", torch.float16, "split"),
-]  # fmt: skip
+    ("g7d64", torch.float32, "short"),
+    ("g7d64", torch.float32, "split"),
+    ("g7d64", torch.float16, "b1"),
+    ("g7d64", torch.float16, "split_b1"),
+    ("g6d128", torch.float32, "b1"),
+    ("g6d128", torch.float32, "split_b1"),
+    ("g6d128", torch.float16, "short"),
+    ("g6d128", torch.float16, "split"),
+]
 
 
 def case_id(value) -> str:
@@ -108,9 +136,11 @@ PREFILL = {  # scenario -> (histories, query lens, L, knobs); L = 20 spans sever
     "long_history": ([300], [20], 20, {"segment_keys": 64}),  # the fused path folds 5 segments
 }
 PREFILL_CASES = [("g2d16", torch.float32, s) for s in PREFILL] + [
-    ("g7d64", torch.float32, "fresh"), ("g7d64", torch.float16, "history_padded"),
-    ("g6d128", torch.float16, "fresh"), ("g6d128", torch.float32, "history_padded"),
-]  # fmt: skip
+    ("g7d64", torch.float32, "fresh"),
+    ("g7d64", torch.float16, "history_padded"),
+    ("g6d128", torch.float16, "fresh"),
+    ("g6d128", torch.float32, "history_padded"),
+]
 
 
 @pytest.mark.parametrize("config,dtype,scenario", PREFILL_CASES, ids=case_id)

@@ -42,14 +42,14 @@ class Tiny:
         self.vision = self.manifest.vision
         self.reference = None
 
-    def model(self):  # noqa: ANN201
+    def model(self):
         if self.reference is None:
             from transformers import AutoModelForImageTextToText
 
             self.reference = AutoModelForImageTextToText.from_pretrained(self.folder).eval()
         return self.reference
 
-    def processor(self):  # noqa: ANN201
+    def processor(self):
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         profile = json.loads((self.folder / "preprocessor_config.json").read_text())
@@ -61,8 +61,14 @@ class Tiny:
         out = self.processor()(images=[picture], return_tensors="pt")
         _, rows, cols = out["image_grid_thw"][0].tolist()
         ps = self.vision.patch_size
-        image = ImageInput(offset=offset, tokens=rows * cols // self.vision.merge_size**2, grid=(rows, cols),
-                           size=(rows * ps, cols * ps), pixels=np.asarray(picture), digest=b"%d" % offset)  # fmt: skip
+        image = ImageInput(
+            offset=offset,
+            tokens=rows * cols // self.vision.merge_size**2,
+            grid=(rows, cols),
+            size=(rows * ps, cols * ps),
+            pixels=np.asarray(picture),
+            digest=b"%d" % offset,
+        )
         return image, out["pixel_values"], out["image_grid_thw"]
 
 
@@ -90,13 +96,25 @@ def prompt(tiny: Tiny, pictures: list[Image.Image]) -> tuple[list[int], list[Ima
 def reference_logits(tiny: Tiny, ids: list[int], pixels: torch.Tensor, grids: torch.Tensor) -> np.ndarray:
     image_token = tiny.vision.image_token_id
     with torch.no_grad():
-        out = tiny.model()(input_ids=torch.tensor([ids]), pixel_values=pixels, image_grid_thw=grids,
-                           mm_token_type_ids=torch.tensor([[int(t == image_token) for t in ids]]))  # fmt: skip
+        out = tiny.model()(
+            input_ids=torch.tensor([ids]),
+            pixel_values=pixels,
+            image_grid_thw=grids,
+            mm_token_type_ids=torch.tensor([[int(t == image_token) for t in ids]]),
+        )
     return out.logits[0].numpy()
 
 
-def row(ids: list[int], images: list[ImageInput], features: list[np.ndarray], start: int, count: int, slot: int,
-        pages: list[int], merge: int) -> StepRow:  # fmt: skip
+def row(
+    ids: list[int],
+    images: list[ImageInput],
+    features: list[np.ndarray],
+    start: int,
+    count: int,
+    slot: int,
+    pages: list[int],
+    merge: int,
+) -> StepRow:
     """A step row feeding ids[start:start+count] with every position's outputs."""
     offsets, parts = [], []
     for image, values in zip(images, features):
@@ -104,9 +122,15 @@ def row(ids: list[int], images: list[ImageInput], features: list[np.ndarray], st
         if lo < hi:
             offsets += list(range(lo - start, hi - start))
             parts.append(values[lo - image.offset : hi - image.offset])
-    return StepRow(token_ids=ids[start : start + count], history_len=start, block_table=pages, state_slot=slot,
-                   output_positions=list(range(count)), rope_positions=rope_positions(images, start, count, merge),
-                   image_features=(np.array(offsets), np.concatenate(parts)) if parts else None)  # fmt: skip
+    return StepRow(
+        token_ids=ids[start : start + count],
+        history_len=start,
+        block_table=pages,
+        state_slot=slot,
+        output_positions=list(range(count)),
+        rope_positions=rope_positions(images, start, count, merge),
+        image_features=(np.array(offsets), np.concatenate(parts)) if parts else None,
+    )
 
 
 def relative(a: np.ndarray, b: np.ndarray) -> float:
@@ -151,8 +175,10 @@ def test_step_graph_logits_match_transformers(tiny: Tiny):
     second = runner.step([row(ids, images, features, cut, len(ids) - cut, 1, table, merge)])
     assert relative(np.concatenate([first.logits, second.logits]), expected) < TOLERANCE
     # Two images in one prompt, batched beside the one-image prompt (each row its own pages).
-    rows = [row(*cases[name][:3], 0, len(cases[name][0]), slot, cases[name][3], merge)
-            for slot, name in ((2, "two"), (3, "one"))]  # fmt: skip
+    rows = [
+        row(*cases[name][:3], 0, len(cases[name][0]), slot, cases[name][3], merge)
+        for slot, name in ((2, "two"), (3, "one"))
+    ]
     out = runner.step(rows)
     for b, name in enumerate(("two", "one")):
         n = len(cases[name][0])

@@ -23,8 +23,14 @@ from helios.cache import cache_root
 TOKENIZER_SOURCE = "qwen2.5-coder-0.5b"
 
 # Geometry shared by both families: head_dim 16 with 4 query heads over 2 KV heads.
-TINY = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16)  # fmt: skip
+TINY = dict(
+    num_hidden_layers=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
 
 
 def qwen_tokenizer_bundle() -> dict:
@@ -137,7 +143,10 @@ def write_tiny_checkpoint(
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     # As Qwen's own generation_config.json: generation also ends at <|endoftext|>.
     end_of_text = bundle["special_tokens"]["<|endoftext|>"]
-    generation = {"bos_token_id": bundle["bos_token_id"], "pad_token_id": bundle["pad_token_id"],
-                  "eos_token_id": [*bundle["eos_token_ids"], end_of_text]}  # fmt: skip
+    generation = {
+        "bos_token_id": bundle["bos_token_id"],
+        "pad_token_id": bundle["pad_token_id"],
+        "eos_token_id": [*bundle["eos_token_ids"], end_of_text],
+    }
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return folder

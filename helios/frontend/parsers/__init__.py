@@ -16,7 +16,10 @@ from typing import Any
 
 from helios.frontend.parsers.base import ToolParseError, ToolParser, ToolSchemas
 from helios.frontend.parsers.deepseek import DeepSeekMarkupParser
-from helios.frontend.parsers.gemma import CLOSE as GEMMA_CLOSE, OPEN as GEMMA_OPEN, QUOTE as GEMMA_QUOTE, Gemma4Parser
+from helios.frontend.parsers.gemma import CLOSE as GEMMA_CLOSE
+from helios.frontend.parsers.gemma import OPEN as GEMMA_OPEN
+from helios.frontend.parsers.gemma import QUOTE as GEMMA_QUOTE
+from helios.frontend.parsers.gemma import Gemma4Parser
 from helios.frontend.parsers.json_calls import HermesParser, KimiK2Parser, Qwen25CoderJsonParser
 from helios.frontend.parsers.reasoning import (
     ANSWER,
@@ -27,7 +30,7 @@ from helios.frontend.parsers.reasoning import (
     ReasoningSyntax,
     ResolvedReasoning,
 )
-from helios.frontend.parsers.stream import CallOut, OutputStream, Out, ReasoningOut, TextOut
+from helios.frontend.parsers.stream import CallOut, Out, OutputStream, ReasoningOut, TextOut
 from helios.frontend.parsers.xml_calls import GlmParser, MiMoFunctionTagParser, MiniMaxParser, QwenFunctionTagParser
 
 TOOL_SYNTAXES: dict[str, Callable[[ToolSchemas], ToolParser]] = {
@@ -44,6 +47,7 @@ TOOL_SYNTAXES: dict[str, Callable[[ToolSchemas], ToolParser]] = {
     "kimi_k2": KimiK2Parser,
 }
 
+
 @dataclass(frozen=True)
 class ToolEnvelope:
     """A whole tool-call block of one syntax: it runs from `opener` to the first of `closers`;
@@ -54,8 +58,12 @@ class ToolEnvelope:
     inner: tuple[str, ...] = ()
 
 
-_FUNCTION_TAGS = (QwenFunctionTagParser.FUNC_OPEN, QwenFunctionTagParser.FUNC_CLOSE,
-                  QwenFunctionTagParser.PARAM_OPEN, QwenFunctionTagParser.PARAM_CLOSE)
+_FUNCTION_TAGS = (
+    QwenFunctionTagParser.FUNC_OPEN,
+    QwenFunctionTagParser.FUNC_CLOSE,
+    QwenFunctionTagParser.PARAM_OPEN,
+    QwenFunctionTagParser.PARAM_CLOSE,
+)
 _QWEN_BLOCKS = (  # Qwen's parser also reads a bare function block without <tool_call>
     ToolEnvelope(QwenFunctionTagParser.TOOL_OPEN, (QwenFunctionTagParser.TOOL_CLOSE,), _FUNCTION_TAGS),
     ToolEnvelope(QwenFunctionTagParser.FUNC_OPEN, (QwenFunctionTagParser.FUNC_CLOSE,), _FUNCTION_TAGS[2:]),
@@ -68,14 +76,24 @@ TOOL_ENVELOPES: dict[str, tuple[ToolEnvelope, ...]] = {
     "qwen3_xml": _QWEN_BLOCKS,
     "qwen3_coder": _QWEN_BLOCKS,
     "mimo": _QWEN_BLOCKS,
-    "glm45": (ToolEnvelope(GlmParser.OPEN, (GlmParser.CLOSE,),
-                           (GlmParser.KEY_OPEN, GlmParser.KEY_CLOSE, GlmParser.VALUE_OPEN, GlmParser.VALUE_CLOSE)),),
+    "glm45": (
+        ToolEnvelope(
+            GlmParser.OPEN,
+            (GlmParser.CLOSE,),
+            (GlmParser.KEY_OPEN, GlmParser.KEY_CLOSE, GlmParser.VALUE_OPEN, GlmParser.VALUE_CLOSE),
+        ),
+    ),
     "minimax": (ToolEnvelope(MiniMaxParser.OPEN, (MiniMaxParser.CLOSE,)),),
     "gemma4": (ToolEnvelope(GEMMA_OPEN, (GEMMA_CLOSE,), (GEMMA_QUOTE,)),),
     "deepseek_dsml": (ToolEnvelope(*DeepSeekMarkupParser.region_tags("DSML")),),
     "deepseek_xtml": (ToolEnvelope(*DeepSeekMarkupParser.region_tags("XTML")),),
-    "kimi_k2": (ToolEnvelope(KimiK2Parser.SECTION_OPEN, (KimiK2Parser.SECTION_CLOSE,),
-                             (KimiK2Parser.CALL_OPEN, KimiK2Parser.ARGS, KimiK2Parser.CALL_CLOSE)),),
+    "kimi_k2": (
+        ToolEnvelope(
+            KimiK2Parser.SECTION_OPEN,
+            (KimiK2Parser.SECTION_CLOSE,),
+            (KimiK2Parser.CALL_OPEN, KimiK2Parser.ARGS, KimiK2Parser.CALL_CLOSE),
+        ),
+    ),
 }
 JSON_CALL_SYNTAXES = frozenset({"hermes", "qwen25_coder_json"})  # one JSON call object per envelope
 
@@ -103,7 +121,9 @@ def reasoning_syntax(name: str | None) -> ReasoningSyntax | None:
     try:
         return REASONING_SYNTAXES[name]
     except KeyError:
-        raise UnknownSyntax(f"unknown reasoning syntax {name!r} (known: {', '.join(sorted(REASONING_SYNTAXES))})") from None
+        raise UnknownSyntax(
+            f"unknown reasoning syntax {name!r} (known: {', '.join(sorted(REASONING_SYNTAXES))})"
+        ) from None
 
 
 def single_token(tokenizer: Any, text: str) -> int | None:
@@ -158,7 +178,21 @@ def build_stream(spec: OutputSpec) -> OutputStream:
 
 
 __all__ = [
-    "ANSWER", "REASONING", "START", "CallOut", "OutputSpec", "OutputStream", "Out", "ReasoningOut", "TextOut",
-    "ToolParseError", "UnknownSyntax", "build_stream", "reasoning_syntax", "resolve_reasoning", "single_token",
-    "start_state", "tool_syntax_known",
+    "ANSWER",
+    "REASONING",
+    "START",
+    "CallOut",
+    "OutputSpec",
+    "OutputStream",
+    "Out",
+    "ReasoningOut",
+    "TextOut",
+    "ToolParseError",
+    "UnknownSyntax",
+    "build_stream",
+    "reasoning_syntax",
+    "resolve_reasoning",
+    "single_token",
+    "start_state",
+    "tool_syntax_known",
 ]

@@ -22,7 +22,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 # api.md: tool arguments are JSON objects bounded to 8 MiB.
 MAX_ARGUMENT_BYTES = 8 << 20
@@ -56,7 +56,7 @@ class Call:
     end: int  # raw offset just past the envelope
 
 
-Item = Union[Text, Reasoning, Call]
+Item = Text | Reasoning | Call
 
 
 @dataclass
@@ -78,10 +78,11 @@ class Marker:
     start: int
 
 
-Piece = Union[Chunk, Marker]
+Piece = Chunk | Marker
 
 
 # -- offset-tracked pending text ---------------------------------------------------------------
+
 
 class Pending:
     """Undecided text plus the raw offset of each run it came from (runs need not touch)."""
@@ -190,6 +191,7 @@ def _closed_string(token: str) -> bool:
 
 def loads_strict(text: str) -> Any:
     """json.loads without NaN/Infinity (not JSON)."""
+
     def refuse(constant: str) -> Any:
         raise ValueError(f"{constant} is not valid JSON")
 
@@ -197,15 +199,21 @@ def loads_strict(text: str) -> Any:
 
 
 def check_arguments_size(arguments: dict[str, Any] | str) -> None:
-    size = len(arguments.encode("utf-8")) if isinstance(arguments, str) else len(
-        json.dumps(arguments, ensure_ascii=False).encode("utf-8"))
+    size = (
+        len(arguments.encode("utf-8"))
+        if isinstance(arguments, str)
+        else len(json.dumps(arguments, ensure_ascii=False).encode("utf-8"))
+    )
     if size > MAX_ARGUMENT_BYTES:
         raise ToolParseError(f"tool call arguments exceed {MAX_ARGUMENT_BYTES >> 20} MiB")
 
 
 def check_envelope_size(text: str) -> None:
     """An unfinished envelope that already exceeds the argument bound can never be published."""
-    if len(text) > MAX_ARGUMENT_BYTES + ENVELOPE_SLACK and len(text.encode("utf-8")) > MAX_ARGUMENT_BYTES + ENVELOPE_SLACK:
+    if (
+        len(text) > MAX_ARGUMENT_BYTES + ENVELOPE_SLACK
+        and len(text.encode("utf-8")) > MAX_ARGUMENT_BYTES + ENVELOPE_SLACK
+    ):
         raise ToolParseError(f"tool call arguments exceed {MAX_ARGUMENT_BYTES >> 20} MiB")
 
 
@@ -228,6 +236,7 @@ def make_call(name: Any, arguments: Any, start: int, end: int) -> Call:
 
 
 # -- schema-guided conversion ------------------------------------------------------------------
+
 
 def _types(schema: dict[str, Any] | None) -> list[str]:
     if not isinstance(schema, dict):

@@ -73,10 +73,10 @@ class DeepSeekMarkupParser(ToolParser):
         self._open = f"<{token}"
         self._close = f"</{token}"
         self._region_ends = self.region_tags(word)[1]  # the grammar's closers too
-        self._invoke_prefixes = (f"<{token}invoke name=\"", f"<{token} invoke name=\"")
+        self._invoke_prefixes = (f'<{token}invoke name="', f'<{token} invoke name="')
         self._param_prefixes = (f"<{token}parameter", f"<{token} parameter")
         self._invoke = re.compile(rf'<{token} ?invoke name="([^"]*)"([^>]*)(>?)')
-        self._param = re.compile(rf'<{token} ?parameter([^>]*)(>?)')
+        self._param = re.compile(rf"<{token} ?parameter([^>]*)(>?)")
         self._param_attrs = re.compile(r' name="([^"]*)"\s+string="(true|false)"')
         self.pending = Pending()
         self.mode = TEXT
@@ -215,8 +215,7 @@ class DeepSeekMarkupParser(ToolParser):
             return False, []
         attrs = self._param_attrs.fullmatch(tag.group(1))
         if attrs is None:  # the official parser corrupts or drops such a parameter
-            raise ToolParseError(f"a parameter tag of tool call {self._name!r} is not "
-                                 'name="K" string="true|false"')
+            raise ToolParseError(f'a parameter tag of tool call {self._name!r} is not name="K" string="true|false"')
         key, kind = attrs.group(1), attrs.group(2)
         if not key or key != "".join(key.split()):
             raise ToolParseError(f"tool call {self._name!r} has a parameter with an empty or spaced name")

@@ -23,7 +23,7 @@ class Gemma4Parser(TaggedParser):
         end = buf.find(CLOSE, len(OPEN))
         if end < 0:
             return MORE
-        body = buf[len(OPEN):end].strip()
+        body = buf[len(OPEN) : end].strip()
         if not body.startswith("call:"):
             raise ToolParseError("a Gemma tool call must start with call:NAME")
         brace = body.find("{")
@@ -33,7 +33,7 @@ class Gemma4Parser(TaggedParser):
         else:
             reader = _Reader(body, brace)
             value = reader.value()
-            if body[reader.pos:].strip():
+            if body[reader.pos :].strip():
                 raise ToolParseError(f"tool call {name!r} has text after its arguments")
             if not isinstance(value, dict):
                 raise ToolParseError(f"the arguments of tool call {name!r} are not an object")
@@ -56,7 +56,7 @@ class _Reader:
             end = t.find(QUOTE, self.pos + len(QUOTE))
             if end < 0:
                 raise ToolParseError("an unterminated string in Gemma tool arguments")
-            value = t[self.pos + len(QUOTE):end]
+            value = t[self.pos + len(QUOTE) : end]
             self.pos = end + len(QUOTE)
             return value
         if self.pos >= len(t):
@@ -68,7 +68,7 @@ class _Reader:
         start = self.pos
         while self.pos < len(t) and t[self.pos] not in ",}]":
             self.pos += 1
-        raw = t[start:self.pos].strip()
+        raw = t[start : self.pos].strip()
         try:
             return loads_strict(raw)
         except ValueError:
@@ -88,7 +88,7 @@ class _Reader:
                 colon = self.text.find(":", self.pos)
                 if colon < 0:
                     raise ToolParseError("a Gemma tool argument has no value")
-                key = self.text[self.pos:colon].strip()
+                key = self.text[self.pos : colon].strip()
                 self.pos = colon
             self._space()
             if not self.text.startswith(":", self.pos) or not key:

@@ -71,7 +71,11 @@ def _plain_call(item: Any) -> Any:
     if not isinstance(item, dict) or "name" in item:
         return item
     function = item.get("function")
-    if isinstance(function, dict) and set(item) <= {"function", "type", "id"} and item.get("type", "function") == "function":
+    if (
+        isinstance(function, dict)
+        and set(item) <= {"function", "type", "id"}
+        and item.get("type", "function") == "function"
+    ):
         return function
     if isinstance(function, str) and set(item) <= (CALL_KEYS | {"function"}) - {"name"}:
         return {"name": function, **{k: v for k, v in item.items() if k != "function"}}
@@ -235,7 +239,7 @@ class _WholeScan:
                 if not self._scan_value(text):
                     return None
                 try:
-                    if call_objects(loads_call_value(text[self.value_start:self.pos]), bare=True) is None:
+                    if call_objects(loads_call_value(text[self.value_start : self.pos]), bare=True) is None:
                         return False
                 except ValueError:
                     return False
@@ -245,7 +249,7 @@ class _WholeScan:
             if ch.isspace():
                 self.pos += 1
             elif ch == "`":
-                rest = text[self.pos:]
+                rest = text[self.pos :]
                 if not rest.startswith("```"):
                     return None if "```".startswith(rest) else False
                 fence = _FENCE_OPEN.match(text, self.pos)

@@ -58,8 +58,9 @@ REASONING_SYNTAXES: dict[str, ReasoningSyntax] = {
         ReasoningSyntax("mimo", "<think>", "</think>"),
         ReasoningSyntax("kimi", "<think>", "</think>"),
         # Any DSML tag ends DeepSeek reasoning (official deepseek-recipe parser).
-        ReasoningSyntax("deepseek", "<think>", "</think>", tool_ends_reasoning=True, text_only=True, strip="\n",
-                        prompt_opens=True),
+        ReasoningSyntax(
+            "deepseek", "<think>", "</think>", tool_ends_reasoning=True, text_only=True, strip="\n", prompt_opens=True
+        ),
         ReasoningSyntax("gemma4", "<|channel>thought", "<channel|>"),
     )
 }
@@ -285,7 +286,7 @@ class OutputParser:
             for run in self._ws.take_all():
                 out.append(Reasoning(run.text, run.start))
             out.append(Reasoning(body, start))
-        self._ws.add(text[len(body):], start + len(body))
+        self._ws.add(text[len(body) :], start + len(body))
         return out
 
     def _label(self, items: list[Item]) -> list[Item]:

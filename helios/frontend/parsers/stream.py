@@ -94,7 +94,7 @@ class OutputStream:
                     continue
                 self._cut(pieces, found)
                 pieces.append(Marker(token, text, self._base))
-                self._buffer = self._buffer[len(text):]
+                self._buffer = self._buffer[len(text) :]
                 self._base += len(text)
             self._pending.pop(0)
         if not self._pending and self._buffer:

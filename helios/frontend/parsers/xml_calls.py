@@ -45,7 +45,6 @@ import re
 from helios.frontend.parsers.base import ToolParseError, convert_value, partial_suffix
 from helios.frontend.parsers.tagged import MORE, Complete, Decision, NotACall, TaggedParser
 
-
 MAX_NAME = 256
 
 
@@ -162,13 +161,13 @@ class GlmParser(TaggedParser):
     def decide(self, buf: str, final: bool) -> Decision:
         lt = buf.find("<", len(self.OPEN))
         if lt < 0:
-            head = buf[len(self.OPEN):].lstrip()
+            head = buf[len(self.OPEN) :].lstrip()
             # A name is one line and short; anything more is prose that mentions the tag.
             newline = head.find("\n")
             if (newline >= 0 and head[newline:].strip()) or len(head) > MAX_NAME:
                 return NotACall(len(self.OPEN))
             return MORE
-        name = buf[len(self.OPEN):lt].strip()
+        name = buf[len(self.OPEN) : lt].strip()
         if not name or "\n" in name:
             return NotACall(len(self.OPEN))
         rest = buf[lt:]
@@ -187,7 +186,7 @@ class GlmParser(TaggedParser):
             key_end = buf.find(self.KEY_CLOSE, pos)
             if key_end < 0:
                 return MORE
-            key = buf[pos + len(self.KEY_OPEN):key_end].strip()
+            key = buf[pos + len(self.KEY_OPEN) : key_end].strip()
             if not key:
                 raise ToolParseError(f"tool call {name!r} has an empty <arg_key>")
             pos = _skip_space(buf, key_end + len(self.KEY_CLOSE))
@@ -198,7 +197,7 @@ class GlmParser(TaggedParser):
             value_end = buf.find(self.VALUE_CLOSE, pos)
             if value_end < 0:
                 return MORE
-            raw = buf[pos + len(self.VALUE_OPEN):value_end]
+            raw = buf[pos + len(self.VALUE_OPEN) : value_end]
             arguments[key] = convert_value(raw, self.schemas.parameter(name, key))
             pos = value_end + len(self.VALUE_CLOSE)
 
@@ -215,7 +214,7 @@ class MiniMaxParser(TaggedParser):
         end = buf.find(self.CLOSE)
         if end < 0:
             return MORE
-        body = buf[len(self.OPEN):end]
+        body = buf[len(self.OPEN) : end]
         calls = []
         pos = 0
         while True:
@@ -224,13 +223,13 @@ class MiniMaxParser(TaggedParser):
                 if body[pos:].strip():
                     raise ToolParseError("a <minimax:tool_call> block holds text outside <invoke> elements")
                 break
-            if body[pos:invoke.start()].strip():
+            if body[pos : invoke.start()].strip():
                 raise ToolParseError("a <minimax:tool_call> block holds text outside <invoke> elements")
             close = body.find("</invoke>", invoke.end())
             if close < 0:
                 raise ToolParseError("an <invoke> element is not closed")
             name = invoke.group(1).strip()
-            inner = body[invoke.end():close]
+            inner = body[invoke.end() : close]
             arguments: dict[str, object] = {}
             ppos = 0
             while (param := _PARAMETER.search(inner, ppos)) is not None:
@@ -240,7 +239,7 @@ class MiniMaxParser(TaggedParser):
                 key = param.group(1).strip()
                 if not key:
                     raise ToolParseError(f"tool call {name!r} has a parameter without a name")
-                raw = _unwrap(inner[param.end():value_end])
+                raw = _unwrap(inner[param.end() : value_end])
                 arguments[key] = convert_value(raw, self.schemas.parameter(name, key))
                 ppos = value_end + len("</parameter>")
             calls.append((name, arguments))

@@ -36,8 +36,9 @@ class PagedPool:
     """The step's paged KV pool as the pool kernel reads it: [kv_layers * 2 * P, page_tokens,
     kv_heads, head_dim], each row's page table and valid new tokens."""
 
-    def __init__(self, kv_pool: torch.Tensor, block_tables: torch.Tensor, query_lens: torch.Tensor,
-                 kv_layers: int) -> None:  # fmt: skip
+    def __init__(
+        self, kv_pool: torch.Tensor, block_tables: torch.Tensor, query_lens: torch.Tensor, kv_layers: int
+    ) -> None:
         self.kv_pool = kv_pool
         self.block_tables = block_tables
         self.query_lens = query_lens
@@ -51,9 +52,12 @@ class StepState:
     later layers that reuse it."""
 
     def __init__(
-        self, positions: torch.Tensor, history_lens: torch.Tensor,
-        mrope: tuple[torch.Tensor, list[int]] | None = None, pool: PagedPool | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        positions: torch.Tensor,
+        history_lens: torch.Tensor,
+        mrope: tuple[torch.Tensor, list[int]] | None = None,
+        pool: PagedPool | None = None,
+    ) -> None:
         """mrope: (rotary positions [3, B, L] per (t, h, w) axis, the axes' frequency counts) of a
         multimodal step graph; the rotary then follows them instead of `positions`. pool: what
         the layers on the pool kernel read (the others get their history gathered)."""
@@ -205,11 +209,22 @@ class GQAttention(nn.Module):
         GQA (no window, sinks or KV sharing, the class's own hooks unchanged, so no family step is
         skipped), K and V of the pool's width, a head width the kernel takes."""
         p = self.plan
-        own_hooks = any(getattr(type(self), n) is not getattr(GQAttention, n)
-                        for n in ("forward", "queries", "keys_values", "select", "rotate"))  # fmt: skip
-        return (not own_hooks and p.kind == "gqa" and p.window is None and not p.sinks and p.kv_source is None
-                and p.head_dim == p.v_head_dim == head_dim and p.num_kv_heads == kv_heads
-                and head_dim % 16 == 0 and head_dim <= 256 and p.num_heads % p.num_kv_heads == 0)  # fmt: skip
+        own_hooks = any(
+            getattr(type(self), n) is not getattr(GQAttention, n)
+            for n in ("forward", "queries", "keys_values", "select", "rotate")
+        )
+        return (
+            not own_hooks
+            and p.kind == "gqa"
+            and p.window is None
+            and not p.sinks
+            and p.kv_source is None
+            and p.head_dim == p.v_head_dim == head_dim
+            and p.num_kv_heads == kv_heads
+            and head_dim % 16 == 0
+            and head_dim <= 256
+            and p.num_heads % p.num_kv_heads == 0
+        )
 
     @torch.no_grad()
     def use_pool_kernel(self, pool_layer: int) -> None:
@@ -222,10 +237,17 @@ class GQAttention(nn.Module):
         q_rows = torch.arange(p.num_heads * width * p.head_dim).reshape(p.num_heads, width, p.head_dim)
         q_rows[:, 0] = q_rows[:, 0, order]
         k_rows = torch.arange(p.num_kv_heads * p.head_dim).reshape(p.num_kv_heads, p.head_dim)[:, order]
-        parts = [(self.q_proj, q_rows.reshape(-1)), (self.k_proj, k_rows.reshape(-1)),
-                 (self.v_proj, torch.arange(self.v_proj.out_features))]  # fmt: skip
-        self.qkv_proj = nn.Linear(self.q_proj.in_features, sum(len(rows) for _, rows in parts),
-                                  bias=self.q_proj.bias is not None, device="cpu")  # fmt: skip
+        parts = [
+            (self.q_proj, q_rows.reshape(-1)),
+            (self.k_proj, k_rows.reshape(-1)),
+            (self.v_proj, torch.arange(self.v_proj.out_features)),
+        ]
+        self.qkv_proj = nn.Linear(
+            self.q_proj.in_features,
+            sum(len(rows) for _, rows in parts),
+            bias=self.q_proj.bias is not None,
+            device="cpu",
+        )
         self.qkv_proj.weight = nn.Parameter(torch.cat([m.weight[rows] for m, rows in parts]), requires_grad=False)
         if self.q_proj.bias is not None:
             self.qkv_proj.bias = nn.Parameter(torch.cat([m.bias[rows] for m, rows in parts]), requires_grad=False)
@@ -236,7 +258,7 @@ class GQAttention(nn.Module):
                 norm.weight = nn.Parameter(norm.weight[order].clone(), requires_grad=False)
         self.pool_layer = pool_layer
 
-    def pool_forward(self, x: torch.Tensor, step: StepState):  # noqa: ANN201
+    def pool_forward(self, x: torch.Tensor, step: StepState):
         """The layer as one pool-kernel call: the fused projection and QK norms, then rotary and
         attention over the pages in place -> (output [B, L, hidden], new k, v [B, L, G, D])."""
         p, pool = self.plan, step.pool
@@ -255,9 +277,20 @@ class GQAttention(nn.Module):
             qkv = torch.cat([q.reshape(batch, length, -1), k.reshape(batch, length, -1), v], dim=-1)
         rows, cos, sin = step.kernel_rotary(p, self.inv_freq)
         out, k, v = ops.pool_attention(
-            qkv, rows, cos, sin, pool.kv_pool, pool.block_tables, step.history_lens, pool.query_lens,
-            self.pool_layer, pool.kv_layers, p.num_heads, p.num_kv_heads, p.scale or None,
-        )  # fmt: skip
+            qkv,
+            rows,
+            cos,
+            sin,
+            pool.kv_pool,
+            pool.block_tables,
+            step.history_lens,
+            pool.query_lens,
+            self.pool_layer,
+            pool.kv_layers,
+            p.num_heads,
+            p.num_kv_heads,
+            p.scale or None,
+        )
         out = out.reshape(batch, length, p.num_heads, p.head_dim)
         k, v = (t.reshape(batch, length, p.num_kv_heads, p.head_dim) for t in (k, v))
         return self.o_proj(self.gate_output(out, x, gate)), k, v
@@ -291,7 +324,7 @@ class GQAttention(nn.Module):
             k = self.k_norm(k)
         return self.rotate(k, step), v
 
-    def select(self, x, step, past_k, k, visible):  # noqa: ANN001, ANN201
+    def select(self, x, step, past_k, k, visible):
         """Sparse-attention hook: (the keys each query sees, the K rows to cache); all of them here."""
         return visible, k
 
@@ -304,7 +337,7 @@ class GQAttention(nn.Module):
             return out * torch.sigmoid(self.gate_proj(x))
         return out if gate is None else out * torch.sigmoid(gate)
 
-    def forward(self, x, step, past_k, past_v, shared=None):  # noqa: ANN001, ANN201
+    def forward(self, x, step, past_k, past_v, shared=None):
         if self.pool_layer is not None:
             return self.pool_forward(x, step)
         p = self.plan
@@ -365,12 +398,12 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(h * plan.v_head_dim, hidden, bias=plan.attention_bias)
         self.register_buffer("inv_freq", layer_inv_freq(plan), persistent=False)
 
-    def select(self, x, q_resid, cos_sin, past_v, visible, step, c):  # noqa: ANN001, ANN201
+    def select(self, x, q_resid, cos_sin, past_v, visible, step, c):
         """Sparse-attention hook: (the keys each query sees, the V rows to cache); all of them and
         the latent here."""
         return visible, c
 
-    def forward(self, x, step, past_k, past_v, shared=None):  # noqa: ANN001, ANN201
+    def forward(self, x, step, past_k, past_v, shared=None):
         p = self.plan
         batch, length, _ = x.shape
         h, rope, nope, rank = p.num_heads, p.rotary_dim, p.qk_nope_head_dim, p.kv_lora_rank

@@ -79,10 +79,15 @@ def check_fully_loaded(model: nn.Module, tensors: dict[str, np.ndarray], used: s
 
 
 # Multimodal checkpoints: the text model's tensors under these prefixes become model.* / lm_head.
-_TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
-                  ("model.language_model.", "model."))  # fmt: skip
-_NON_TEXT = re.compile(r"^(vision_tower|mm_projector|multi_modal_projector|visual|model\.visual|model\.vision_tower"
-                       r"|model\.multi_modal_projector|audio_tower|model\.audio_tower)\.")  # fmt: skip
+_TEXT_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+)
+_NON_TEXT = re.compile(
+    r"^(vision_tower|mm_projector|multi_modal_projector|visual|model\.visual|model\.vision_tower"
+    r"|model\.multi_modal_projector|audio_tower|model\.audio_tower)\."
+)
 
 
 def text_tensors(tensors: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[str]]:

@@ -116,9 +116,7 @@ class Mamba2Mixer(nn.Module):
         self.norm = GatedRMSNorm(s.intermediate, s.intermediate // s.n_groups, s.eps)
         self.out_proj = nn.Linear(s.intermediate, s.hidden, bias=s.proj_bias)
 
-    def forward(
-        self, x: torch.Tensor, state: torch.Tensor, valid: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, state: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.spec
         batch, length = x.shape[0], x.shape[1]
         k1, groups, reps, n = s.conv_kernel - 1, s.n_groups, s.heads // s.n_groups, s.d_state

@@ -114,8 +114,9 @@ class GatedDeltaNet(RecurrentMixer):
 
     kind = "gated_deltanet"
 
-    def __init__(self, hidden: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int, kernel: int,
-                 eps: float) -> None:  # fmt: skip
+    def __init__(
+        self, hidden: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int, kernel: int, eps: float
+    ) -> None:
         super().__init__()
         self.key_heads, self.value_heads, self.key_dim, self.value_dim = key_heads, value_heads, key_dim, value_dim
         self.kernel = kernel

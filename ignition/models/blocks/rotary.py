@@ -59,8 +59,9 @@ def proportional_inv_freq(dim: int, theta: float, partial: float) -> torch.Tenso
     return torch.cat([rotated, torch.zeros(dim // 2 - angles)])
 
 
-def yarn_inv_freq(dim: int, theta: float, factor: float, beta_fast: float, beta_slow: float, original: int,
-                  truncate: bool) -> torch.Tensor:  # fmt: skip
+def yarn_inv_freq(
+    dim: int, theta: float, factor: float, beta_fast: float, beta_slow: float, original: int, truncate: bool
+) -> torch.Tensor:
     """transformers' _compute_yarn_parameters frequencies: interpolated (divided by factor) below
     the correction range, extrapolated above it, linearly blended inside."""
 
