@@ -24,15 +24,13 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import llguidance
 import numpy as np
 
 from helios.engine.api import GenerationRequest
-
-if TYPE_CHECKING:  # a sequence carries its RowConstraint: its module imports this one
-    from helios.engine.sequence import Sequence
+from helios.engine.sequence import Sequence
 
 log = logging.getLogger("helios.engine")
 

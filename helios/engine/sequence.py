@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from helios.engine.api import CheckpointCandidate, FinishReason, GenerationEvent, GenerationRequest, SamplingParams
 from helios.engine.detokenizer import IncrementalDetokenizer
 from helios.engine.stops import StopChecker
-
-if TYPE_CHECKING:  # constraints loads llguidance; a sequence only carries its row state
-    from helios.engine.constraints import RowConstraint
 
 
 class SequenceStatus(enum.Enum):
@@ -63,7 +60,9 @@ class Sequence:
         # Prompt scoring: prompt positions whose entries were emitted (a recompute after
         # preemption scores nothing twice).
         self.prompt_scored = 0
-        self.constraint: RowConstraint | None = None  # its grammar or forced tokens (helios.engine.constraints)
+        # Its grammar or forced tokens: a helios.engine.constraints.RowConstraint, which module
+        # reads sequences (so this one does not import it).
+        self.constraint: Any = None
         self.host_looked_up = False  # its first admission attempt consulted the host store
         self.speculation: Any = None  # helios.engine.speculation.RequestDrafts, made at its first round
         # Learned drafter (helios.engine.drafter): leading tokens whose drafter K/V its pages hold,

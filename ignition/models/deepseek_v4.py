@@ -31,7 +31,6 @@ entry carries rotary position w * m. A buffered (incomplete) window is simply no
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,57 +43,9 @@ from ignition.models.base import FamilyError, StepModel
 from ignition.models.blocks.loading import TensorLoader, check_fully_loaded
 from ignition.models.blocks.norms import RMSNorm
 from ignition.models.blocks.rotary import default_inv_freq, yarn_attention_factor, yarn_inv_freq
-from ignition.models.deepseek_v4_layers import CSA, HCA, SLIDING, HyperHead, Layer, V4Step
+from ignition.models.deepseek_v4_layers import CSA, HCA, SLIDING, HyperHead, Layer, V4Plan, V4Step
 
 _RATIO_TYPES = {0: SLIDING, 4: CSA, 128: HCA}  # legacy per-layer `compress_ratios`
-
-
-@dataclass
-class V4Plan:
-    """What the step graph needs from a DeepSeek-V4 config (normalised as transformers does)."""
-
-    vocab_size: int
-    hidden: int
-    num_heads: int
-    head_dim: int
-    rope_dim: int
-    q_lora_rank: int
-    o_groups: int
-    o_lora_rank: int
-    eps: float
-    window: int
-    hc_mult: int
-    hc_iters: int
-    hc_eps: float
-    layer_types: list[str]
-    mlp_types: list[str]
-    rates: dict[str, int]
-    index_heads: int
-    index_dim: int
-    index_topk: int
-    num_experts: int
-    top_k: int
-    moe_intermediate: int
-    routed_scaling: float
-    swiglu_limit: float
-    main_theta: float
-    compress_rope: dict[str, Any]
-    max_positions: int
-    tie_word_embeddings: bool
-
-    def channels(self, layer_type: str) -> int:
-        """Pool channels per token of one layer (see the module docstring)."""
-        d = self.head_dim
-        if layer_type == HCA:
-            return 3 * d
-        if layer_type == CSA:
-            return 5 * d + 4 * self.index_dim
-        return d
-
-    def cache_dims(self) -> tuple[int, int]:
-        """(kv_heads, head_dim) of the pool: a slot's K and V heads hold the widest layer's channels."""
-        widest = max(self.channels(t) for t in self.layer_types)
-        return -(-widest // (2 * self.head_dim)), self.head_dim
 
 
 def plan_of(config: dict[str, Any]) -> V4Plan:
@@ -284,7 +235,7 @@ class DeepseekV4LM(StepModel):
         """Final-normed hidden states [B, L, H] and new_kv [layers, 2, B, L, kvh, D]."""
         batch, length = input_ids.shape
         kv_heads, head_dim = self.arch.num_kv_heads, self.arch.head_dim
-        step = V4Step(self, positions, history_lens, block_tables.shape[1] * kv_pool.shape[1])
+        step = V4Step(self.plan.window, self.cos_sin, positions, history_lens, block_tables.shape[1] * kv_pool.shape[1])
         x = self.embed_tokens(input_ids)
         streams = x.unsqueeze(2).expand(-1, -1, self.plan.hc_mult, -1)
         new_kv = []

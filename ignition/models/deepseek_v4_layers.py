@@ -5,8 +5,9 @@ hash- or top-k-routed experts."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -18,10 +19,55 @@ from ignition.models.blocks.mlp import GLU, MoE, MoEPlan, TopKRouter
 from ignition.models.blocks.norms import RMSNorm
 from ignition.models.blocks.rotary import rotate_trailing_pairs
 
-if TYPE_CHECKING:  # type-only: deepseek_v4.py builds these modules from its plan
-    from ignition.models.deepseek_v4 import DeepseekV4LM, V4Plan
-
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+@dataclass
+class V4Plan:
+    """What the step graph needs from a DeepSeek-V4 config (normalised as transformers does)."""
+
+    vocab_size: int
+    hidden: int
+    num_heads: int
+    head_dim: int
+    rope_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    eps: float
+    window: int
+    hc_mult: int
+    hc_iters: int
+    hc_eps: float
+    layer_types: list[str]
+    mlp_types: list[str]
+    rates: dict[str, int]
+    index_heads: int
+    index_dim: int
+    index_topk: int
+    num_experts: int
+    top_k: int
+    moe_intermediate: int
+    routed_scaling: float
+    swiglu_limit: float
+    main_theta: float
+    compress_rope: dict[str, Any]
+    max_positions: int
+    tie_word_embeddings: bool
+
+    def channels(self, layer_type: str) -> int:
+        """Pool channels per token of one layer (see the module docstring)."""
+        d = self.head_dim
+        if layer_type == HCA:
+            return 3 * d
+        if layer_type == CSA:
+            return 5 * d + 4 * self.index_dim
+        return d
+
+    def cache_dims(self) -> tuple[int, int]:
+        """(kv_heads, head_dim) of the pool: a slot's K and V heads hold the widest layer's channels."""
+        widest = max(self.channels(t) for t in self.layer_types)
+        return -(-widest // (2 * self.head_dim)), self.head_dim
 
 
 # -- per-step state -------------------------------------------------------------------------------
@@ -31,8 +77,15 @@ class V4Step:
     """Per-step tensors shared by every layer: the merged history + new sequence layout, masks,
     and rotary tables (built once per step)."""
 
-    def __init__(self, model: DeepseekV4LM, positions: torch.Tensor, history_lens: torch.Tensor, hist: int) -> None:
-        self.model = model
+    def __init__(
+        self,
+        window: int,
+        cos_sin: Callable[[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        positions: torch.Tensor,
+        history_lens: torch.Tensor,
+        hist: int,
+    ) -> None:
+        self.cos_sin = cos_sin  # the model's rotary tables: (kind, positions) -> cos, sin
         self.positions = positions
         length = positions.shape[1]
         total = hist + length
@@ -43,7 +96,7 @@ class V4Step:
         self.from_new = torch.minimum(rel, torch.full_like(rel, length - 1))
         self.is_history = (slot < history_lens.unsqueeze(1)).unsqueeze(-1)  # [B, T, 1]
         q = positions.unsqueeze(-1)  # [B, L, 1]
-        self.sliding = (slot.unsqueeze(0) <= q) & (q - slot.unsqueeze(0) < model.plan.window)  # [B, L, T]
+        self.sliding = (slot.unsqueeze(0) <= q) & (q - slot.unsqueeze(0) < window)  # [B, L, T]
         self.total = total
         self._rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._windows: dict[int, tuple] = {}
@@ -57,7 +110,7 @@ class V4Step:
     def rope(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, L, 1, rope/2] of the new tokens' positions."""
         if kind not in self._rope:
-            self._rope[kind] = self.model.cos_sin(kind, self.positions.unsqueeze(-1))
+            self._rope[kind] = self.cos_sin(kind, self.positions.unsqueeze(-1))
         return self._rope[kind]
 
     def windows(self, rate: int) -> tuple[int, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -67,7 +120,7 @@ class V4Step:
             count = (self.total + rate - 1) // rate
             entry = torch.arange(count)
             visible = entry.view(1, 1, -1) < torch.div(self.positions + 1, rate, rounding_mode="floor").unsqueeze(-1)
-            cos_sin = self.model.cos_sin("compress", (entry * rate).view(1, -1))  # [1, n_w, rope/2]
+            cos_sin = self.cos_sin("compress", (entry * rate).view(1, -1))  # [1, n_w, rope/2]
             self._windows[rate] = (count * rate, visible, cos_sin)
         return self._windows[rate]
 

@@ -1,6 +1,7 @@
 """The house rules a reviewer can check with plain tools (docs/architecture.md, "Layers"):
-imports only run down the layers, no source file outgrows one reading, and shared model code
-names no family (a family lives in its own module under ignition/models)."""
+imports only run down the layers, no two modules import each other (however indirectly, type-only
+imports included), no source file outgrows one reading, and shared model code names no family (a
+family lives in its own module under ignition/models)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,54 @@ def _imports(path: Path) -> list[str]:
     return out
 
 
+def _module_imports(path: Path, modules: set[str]) -> set[str]:
+    """The package's modules `path` imports at module level (type-only imports included: a
+    circle drawn under TYPE_CHECKING is still two modules that need each other)."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        nested = [node] if not isinstance(node, ast.If | ast.Try) else list(ast.walk(node))
+        for statement in nested:
+            names = []
+            if isinstance(statement, ast.Import):
+                names = [alias.name for alias in statement.names]
+            elif isinstance(statement, ast.ImportFrom) and statement.module and statement.level == 0:
+                names = [f"{statement.module}.{alias.name}" for alias in statement.names] + [statement.module]
+            for name in names:
+                if name in modules:
+                    found.add(name)
+                    break  # `from a.b import c`: the module c if it is one, else a.b
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while (member := stack.pop()) != node:
+                group.append(member)
+            if group:
+                groups.append(sorted([node, *group]))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return groups
+
+
 def _sources(package: str) -> list[Path]:
     return sorted((ROOT / package).rglob("*.py"))
 
@@ -72,6 +121,14 @@ def test_imports_run_down_the_layers(package: str, layers: list[tuple[str, ...]]
             if target is not None and target > own:
                 upward.append(f"{path.relative_to(ROOT)} imports {imported}")
     assert not upward, "imports running up the layers:\n" + "\n".join(sorted(set(upward)))
+
+
+@pytest.mark.parametrize("package", ["helios", "ignition"])
+def test_no_import_cycles(package: str):
+    paths = {_module(path): path for path in _sources(package)}
+    graph = {module: _module_imports(path, set(paths)) - {module} for module, path in paths.items()}
+    cycles = _cycles(graph)
+    assert not cycles, "modules importing each other:\n" + "\n".join(" <-> ".join(group) for group in cycles)
 
 
 def test_no_source_file_outgrows_one_reading():
