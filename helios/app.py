@@ -20,6 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
+from helios.engine.api import ServingEngine
 from helios.frontend import parsers
 from helios.frontend.errors import RequestError
 from helios.frontend.grammar import compiler_for
@@ -121,11 +122,13 @@ def check_startup(manifest: Manifest, config: ServerConfig, tokenizer: Tokenizer
 def create_app(
     manifest: Manifest,
     core_dir: Path,
-    engine: Any,
+    engine: ServingEngine,
     config: ServerConfig,
     extra_collectors: tuple[metrics.ExtraCollector, ...] = (),
 ) -> web.Application:
     """Build the application over a started (or about to start) engine. The caller owns the engine."""
+    if not isinstance(engine, ServingEngine):
+        raise TypeError(f"{type(engine).__name__} does not implement ServingEngine (helios/engine/api.py)")
     check_startup(manifest, config)
     tokenizer = Tokenizer.from_core(core_dir, manifest)
     check_startup(manifest, config, tokenizer)
@@ -281,8 +284,7 @@ async def health(request: web.Request) -> web.Response:
         raise unavailable(DRAINING_MESSAGE, RETRY_AFTER_SECONDS)
     try:
         ctx.engine.stats()
-        check = getattr(ctx.engine, "healthy", None)  # the step loop is alive and accepting work
-        healthy = bool(check()) if callable(check) else True
+        healthy = ctx.engine.healthy()
     except Exception as exc:  # the runtime cannot even report
         raise unavailable(f"the model runtime is unavailable: {exc}") from None
     if not healthy:

@@ -12,18 +12,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from helios.cluster.affinity import ROUTERS, route_key
 from helios.cluster.spec import ENGINES
-from helios.engine.api import EngineStats, FinishReason, GenerationEvent, GenerationRequest
+from helios.engine.api import EngineStats, FinishReason, GenerationEvent, GenerationRequest, Sink
 from helios.engine.host_store import HostStoreStats
 from helios.engine.validation import RequestCheck
 
 log = logging.getLogger("helios.cluster")
 
-Sink = Callable[[GenerationEvent], None]
 REPLICA_FAILED = "the engine replica serving this request stopped ({}); retry the request"
 NO_REPLICA = "no engine replica is available right now; retry the request"
 ROUTER_WAIT_S = 60.0

@@ -8,8 +8,9 @@ sequences or pages. A request goes in as `GenerationRequest`; `Engine.submit` re
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # a type only: the plain-data module imports no engine machinery
     from helios.engine.host_store import HostStoreStats
@@ -218,3 +219,35 @@ class EngineStats:
     learned_drafter: bool = False  # the core's learned drafter proposes drafts
     # Image input (helios.engine.vision.ImagePlacer.counters): api.md's input_* counters.
     images: dict[str, int] = field(default_factory=dict)
+
+
+Sink = Callable[[GenerationEvent], None]
+
+
+@runtime_checkable
+class ServingEngine(Protocol):
+    """The engine as the server sees it. helios.engine.engine.Engine (one process) and
+    helios.cluster.engine.ClusterEngine (replicas on Ray Serve) implement it; so do the tests'
+    scripted engines. Every method may be called from any thread."""
+
+    def submit(self, request: GenerationRequest, sink: Sink) -> None:
+        """Queue a request; `sink` receives its events, the last one `finished`."""
+        ...
+
+    def abort(self, request_id: str, reason: str | None = None) -> bool:
+        """End a request early (its sink gets a final ABORT event); False: it already ended."""
+        ...
+
+    def abort_all(self, reason: str) -> int:
+        """Abort every live request (a draining server); returns how many."""
+        ...
+
+    def num_pending(self) -> int:
+        """Requests submitted and not yet admitted (the server's queue bound reads it)."""
+        ...
+
+    def healthy(self) -> bool:
+        """The step loop is alive and accepting work."""
+        ...
+
+    def stats(self) -> EngineStats: ...

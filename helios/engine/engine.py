@@ -12,13 +12,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
 
-from helios.engine.api import EngineStats, FinishReason, GenerationEvent, GenerationRequest, PromptLogprob, TokenLogprob
+from helios.engine.api import (
+    EngineStats,
+    FinishReason,
+    GenerationEvent,
+    GenerationRequest,
+    PromptLogprob,
+    Sink,
+    TokenLogprob,
+)
 from helios.engine.assembly import (
     RunnerChoice,
     build_runner,
@@ -44,7 +51,6 @@ from helios.manifest import Manifest
 
 log = logging.getLogger("helios.engine")
 
-Sink = Callable[[GenerationEvent], None]
 QUEUE_DEADLINE_MESSAGE = "no model slot became free before the queue deadline; retry shortly"
 PREFILL_SAMPLE_TOKENS = 64  # smaller prefill steps are dominated by fixed per-step costs
 

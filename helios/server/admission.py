@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from helios.engine.api import FinishReason, GenerationEvent, GenerationRequest
+from helios.engine.api import FinishReason, GenerationEvent, GenerationRequest, ServingEngine
 from helios.frontend.errors import RequestError
 from helios.server.errors import ApiError, bad_request, rate_limited, server_error, unavailable
 
@@ -24,11 +24,6 @@ log = logging.getLogger("helios.server")
 
 # What 429/503 answers suggest in Retry-After: overload clears as running requests finish.
 RETRY_AFTER_SECONDS = 2
-
-
-class EngineLike(Protocol):
-    def submit(self, request: GenerationRequest, sink: Callable[[GenerationEvent], None]) -> None: ...
-    def abort(self, request_id: str) -> None: ...
 
 
 class Admission:
@@ -74,7 +69,7 @@ class GenerationGroup:
 
     def __init__(
         self,
-        engine: EngineLike,
+        engine: ServingEngine,
         requests: list[GenerationRequest],
         reservation: Reservation | None,
         first_response: FirstResponseRecorder | None = None,

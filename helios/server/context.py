@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from helios.engine.api import GenerationRequest
+from helios.engine.api import GenerationRequest, ServingEngine
 from helios.frontend.errors import RequestError
 from helios.frontend.template import ChatTemplate
 from helios.frontend.tokenizer import Tokenizer
@@ -54,7 +54,7 @@ class ServerContext:
     core_dir: Path
     tokenizer: Tokenizer
     template: ChatTemplate | None
-    engine: Any  # helios.engine.engine.Engine (duck-typed so tests can stand in)
+    engine: ServingEngine
     config: ServerConfig
     admission: Admission
     http: HttpStats

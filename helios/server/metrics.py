@@ -16,8 +16,10 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from helios.engine.api import EngineStats, ServingEngine
 from helios.engine.host_store import DROP_REASONS as HOST_DROP_REASONS
 from helios.engine.host_store import TIERS as HOST_TIERS
+from helios.server.admission import Admission
 from helios.server.errors import bad_request
 
 TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -90,35 +92,35 @@ HOST_HISTOGRAMS = (
 )
 
 
-def engine_fields(s: Any, decode_weight_bytes: int, output_failures: int = 0) -> dict[str, Any]:
+def engine_fields(s: EngineStats, decode_weight_bytes: int, output_failures: int = 0) -> dict[str, Any]:
     """The api.md JSON table from one Engine.stats() snapshot.
 
     Features this runtime does not use are 0 (replay timing off a GPU); the host prefix
     store's numbers are 0 when the engine runs without one.
     """
-    host = getattr(s, "host_store", None)
+    host = s.host_store
     return {
         "prefill_tokens": s.prefill_tokens_total,
         "generated_tokens": s.generated_tokens_total,
         "decode_weight_bytes": decode_weight_bytes,
-        "draft_steps": getattr(s, "draft_steps_total", 0),  # history drafts run no drafter graph
+        "draft_steps": s.draft_steps_total,  # history drafts run no drafter graph
         # Every step graph is a verification graph (of zero-draft rounds when nothing is drafted):
         # it reads the weights once, so decode_weight_bytes x verify_steps/s is the WEIGHTS bandwidth.
         "verify_steps": s.steps_total,
-        "verification_drafts": getattr(s, "verification_drafts_total", 0),
-        "verification_rounds": getattr(s, "verification_rounds_total", 0),
-        "accepted_drafts": getattr(s, "accepted_drafts_total", 0),
-        "draft_rounds": getattr(s, "draft_rounds_total", 0),
+        "verification_drafts": s.verification_drafts_total,
+        "verification_rounds": s.verification_rounds_total,
+        "accepted_drafts": s.accepted_drafts_total,
+        "draft_rounds": s.draft_rounds_total,
         "active": s.active,
         "pending": s.pending,
         "completed": s.completed_total,
-        "reasoning_budget_cuts": getattr(s, "reasoning_budget_cuts_total", 0),
+        "reasoning_budget_cuts": s.reasoning_budget_cuts_total,
         "failed": s.failed_total + output_failures,
-        "replay_gpu_ns": getattr(s, "replay_gpu_ns_total", 0),
+        "replay_gpu_ns": s.replay_gpu_ns_total,
         "replay_readiness_wait_ns": 0,
         "replay_readiness_samples": 0,
-        "reused_tokens": getattr(s, "reused_tokens_total", 0),
-        "cached_pages": getattr(s, "cached_pages", 0),
+        "reused_tokens": s.reused_tokens_total,
+        "cached_pages": s.cached_pages,
         "free_pages": s.free_pages,
         "total_pages": s.total_pages,
         "page_tokens": s.page_tokens,
@@ -128,15 +130,15 @@ def engine_fields(s: Any, decode_weight_bytes: int, output_failures: int = 0) ->
         "host_disk_records": host.disk_records if host else 0,
         "host_bytes_out": host.bytes_out if host else 0,
         "host_bytes_in": host.bytes_in if host else 0,
-        "learned_drafter": bool(getattr(s, "learned_drafter", False)),
-        **{name: (getattr(s, "images", None) or {}).get(name, 0) for name in INPUT_METRICS},
+        "learned_drafter": s.learned_drafter,
+        **{name: s.images.get(name, 0) for name in INPUT_METRICS},
     }
 
 
 class FlareCollector:
     """prometheus_client custom collector over Engine.stats() and the HTTP gauges."""
 
-    def __init__(self, engine: Any, http: HttpStats, admission: Any, decode_weight_bytes: int):
+    def __init__(self, engine: ServingEngine, http: HttpStats, admission: Admission, decode_weight_bytes: int):
         self.engine = engine
         self.http = http
         self.admission = admission
@@ -145,7 +147,7 @@ class FlareCollector:
     def collect(self):
         s = self.engine.stats()
         f = engine_fields(s, self.decode_weight_bytes, self.http.output_failures)
-        host = getattr(s, "host_store", None)
+        host = s.host_store
         counters = [
             (
                 "flare_generated_tokens_total",
@@ -164,7 +166,7 @@ class FlareCollector:
             (
                 "flare_requests_preempted_total",
                 "Preemptions (recompute) for lack of KV pages",
-                getattr(s, "preempted_total", 0),
+                s.preempted_total,
             ),
             ("flare_engine_steps_total", "Engine steps (graph launches)", s.steps_total),
             ("flare_engine_step_seconds_total", "Seconds spent running engine steps", s.step_seconds_total),
@@ -172,12 +174,12 @@ class FlareCollector:
             (
                 "flare_engine_graph_seconds_total",
                 "Seconds of engine steps spent inside the step graph",
-                getattr(s, "graph_seconds_total", 0.0),
+                s.graph_seconds_total,
             ),
             (
                 "flare_grammar_mask_seconds_total",
                 "Seconds spent computing grammar masks",
-                getattr(s, "grammar_mask_seconds_total", 0.0),
+                s.grammar_mask_seconds_total,
             ),
             ("flare_cache_reused_tokens_total", "Tokens covered by GPU prefix-cache hits", f["reused_tokens"]),
             (
@@ -237,7 +239,7 @@ class FlareCollector:
             (
                 "flare_checkpoint_extra_work_nanoseconds_total",
                 "Charged predicted extra prefill and copy work",
-                getattr(s, "checkpoint_extra_work_ns_total", 0),
+                s.checkpoint_extra_work_ns_total,
             ),
             ("flare_embedding_row_cache_hits_total", "Embedding row-cache hits", 0),
             ("flare_embedding_row_cache_misses_total", "Embedding row-cache misses", 0),
@@ -258,7 +260,7 @@ class FlareCollector:
                 "flare_speculative_rounds_total",
                 "Completed speculative or verification graphs by draft width",
                 ["width"],
-                [([str(w)], n) for w, n in sorted((getattr(s, "rounds_by_width", None) or {0: 0}).items())],
+                [([str(w)], n) for w, n in sorted((s.rounds_by_width or {0: 0}).items())],
             ),
             (
                 "flare_graph_launches_total",
@@ -266,24 +268,21 @@ class FlareCollector:
                 ["kind"],
                 [
                     (["step"], s.steps_total),
-                    (["decode_graph"], getattr(s, "decode_graph_launches_total", 0)),
-                    (["vision"], (getattr(s, "images", None) or {}).get("vision_graph_launches", 0)),
+                    (["decode_graph"], s.decode_graph_launches_total),
+                    (["vision"], s.images.get("vision_graph_launches", 0)),
                 ],
             ),
             (
                 "flare_checkpoint_captures_total",
                 "GPU prefix checkpoints captured by role",
                 ["role"],
-                [([role], (getattr(s, "checkpoint_captures", None) or {}).get(role, 0)) for role in CHECKPOINT_ROLES],
+                [([role], s.checkpoint_captures.get(role, 0)) for role in CHECKPOINT_ROLES],
             ),
             (
                 "flare_checkpoint_skips_total",
                 "Checkpoint selections or captures rejected by reason",
                 ["reason"],
-                [
-                    ([reason], (getattr(s, "checkpoint_skips", None) or {}).get(reason, 0))
-                    for reason in CHECKPOINT_SKIP_REASONS
-                ],
+                [([reason], s.checkpoint_skips.get(reason, 0)) for reason in CHECKPOINT_SKIP_REASONS],
             ),
             (
                 "flare_host_cache_held_total",
@@ -332,12 +331,12 @@ class FlareCollector:
             ),
             # Slots are KV pages: those checkpoints own, their budget, and those fetched from the host.
             ("flare_host_cache_slots_in_use", "Local checkpoint pool slots in use", f["cached_pages"]),
-            ("flare_host_cache_slots_total", "Local checkpoint pool slots", getattr(s, "checkpoint_storage_pages", 0)),
-            ("flare_host_cache_intake_slots", "Local checkpoint pool intake slots", getattr(s, "intake_pages", 0)),
+            ("flare_host_cache_slots_total", "Local checkpoint pool slots", s.checkpoint_storage_pages),
+            ("flare_host_cache_intake_slots", "Local checkpoint pool intake slots", s.intake_pages),
             (
                 "flare_history_drafts_enabled",
                 "Whether shared decoded history augments learned proposals",
-                int(getattr(s, "history_drafts_enabled", False)),
+                int(s.history_drafts_enabled),
             ),
             ("flare_http_inflight_requests", "HTTP generation requests in progress", self.http.inflight_requests),
             ("flare_http_admission_slots", "HTTP admission slots (one per generated choice)", self.admission.slots),
@@ -378,7 +377,7 @@ def prometheus_text(collector: FlareCollector, extra: tuple[ExtraCollector, ...]
 def json_snapshot(collector: FlareCollector, extra: tuple[ExtraCollector, ...] = ()) -> dict[str, Any]:
     """The api.md "Health and metrics" object; helios.dashboard.Snapshot reads it back."""
     s = collector.engine.stats()
-    host = getattr(s, "host_store", None)
+    host = s.host_store
     more = {key: value for each in extra for key, value in each.json_fields().items()}
     return {
         **engine_fields(s, collector.decode_weight_bytes, collector.http.output_failures),
@@ -394,9 +393,9 @@ def json_snapshot(collector: FlareCollector, extra: tuple[ExtraCollector, ...] =
         # the part spent scheduling, and grammar-mask time (computed beside the graph run).
         "engine_steps": s.steps_total,
         "engine_step_ns": int(s.step_seconds_total * 1e9),
-        "engine_graph_ns": int(getattr(s, "graph_seconds_total", 0.0) * 1e9),
+        "engine_graph_ns": int(s.graph_seconds_total * 1e9),
         "engine_schedule_ns": int(s.schedule_seconds_total * 1e9),
-        "grammar_mask_ns": int(getattr(s, "grammar_mask_seconds_total", 0.0) * 1e9),
+        "grammar_mask_ns": int(s.grammar_mask_seconds_total * 1e9),
         # Host prefix store beyond the table: chains declined because recomputing was predicted cheaper.
         "host_restores_declined": host.restores_declined if host else 0,
         **more,

@@ -15,13 +15,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from aiohttp import web
 
 from helios.app import create_app
-from helios.engine.api import FinishReason, GenerationEvent, GenerationRequest, TokenLogprob
+from helios.engine.api import EngineStats, FinishReason, GenerationEvent, GenerationRequest, TokenLogprob
 from helios.engine.detokenizer import IncrementalDetokenizer
 from helios.engine.stops import StopChecker
 from helios.frontend.tokenizer import Tokenizer
@@ -89,8 +88,11 @@ class ScriptedEngine:
             )
         )
 
-    def abort(self, request_id: str) -> bool:
-        return False
+    def abort(self, request_id: str, reason: str | None = None) -> bool:
+        return False  # every request ended at submit
+
+    def abort_all(self, reason: str) -> int:
+        return 0
 
     def healthy(self) -> bool:
         return True
@@ -98,8 +100,8 @@ class ScriptedEngine:
     def num_pending(self) -> int:
         return 0  # every request runs at submit
 
-    def stats(self) -> Any:
-        return SimpleNamespace(
+    def stats(self) -> EngineStats:
+        return EngineStats(
             active=0,
             pending=0,
             free_pages=1,
