@@ -114,11 +114,8 @@ def serve(
             match = re.search(r"https?://\S+", message)
             url = match.group(0) if match else f"http://{settings.host}:{settings.port}"
             auth = "key required" if settings.api_key else "no auth"
-            kernels = {"flare": ", flare's CPU kernels", "onnxruntime": ", flare ops run as onnxruntime kernels"}.get(
-                getattr(engine.runner, "kernels", ""), ""
-            )
             console.print(
-                f"[bold green]helios[/] serving [bold]{escape(manifest.model_id)}[/] at {escape(url)}/v1 ({auth}{kernels})"
+                f"[bold green]helios[/] serving [bold]{escape(manifest.model_id)}[/] at {escape(url)}/v1 ({auth})"
             )
             console.print(describe_runner(manifest, engine.runner))
             console.print(_pool_line(manifest, engine.runner))

@@ -70,7 +70,7 @@ class EngineReplica:
         return {"healthy": self.engine.healthy(), "label": self.label, "stats": self.engine.stats()}
 
     def __del__(self) -> None:
-        engine = getattr(self, "engine", None)
+        engine = getattr(self, "engine", None)  # unset when __init__ failed before making it
         if engine is not None:
             engine.abort_all(DRAIN_MESSAGE)  # Ray already waited for in-flight requests
             engine.shutdown()

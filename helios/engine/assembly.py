@@ -142,7 +142,8 @@ def build_runner(
 def describe_runner(manifest: Manifest, runner: StepRunner) -> str:
     """The start-up line's engine part: which engine, where, and its decode graphs."""
     if isinstance(runner, Runner):  # checked first: an ONNX core's start-up never imports torch
-        return "engine: ONNX step graph on onnxruntime (CPU)"
+        kernels = {"flare": ", flare's CPU kernels", "onnxruntime": ", flare ops run as onnxruntime kernels"}
+        return f"engine: ONNX step graph on onnxruntime (CPU{kernels.get(runner.kernels, '')})"
     from helios.engine.torch_runner import TorchRunner
 
     if not isinstance(runner, TorchRunner):

@@ -62,7 +62,7 @@ class LearnedDrafter:
         """Fill `drafts` of the scheduled rows with a `learned_width`: one drafter step reads each
         row's unread tokens and proposes its first draft, each further step (the rows still
         drafting, batched) one more. A failed drafter step leaves those rows without drafts."""
-        todo = [r for r in rows if getattr(r, "learned_width", 0) > 0]
+        todo = [r for r in rows if r.learned_width > 0]
         if not todo:
             return
         feeds = []

@@ -421,7 +421,7 @@ class PrefixCache:
             self._copy(seq.page_table[last], page)
             pages.append(page)
         ckpt = Checkpoint(ids, pages, role, key, state)
-        ckpt.drafter_len = min(p, getattr(seq, "drafter_len", 0))
+        ckpt.drafter_len = min(p, seq.drafter_len)
         if hasattr(seq, "shared_checkpoints"):  # its pages may hold more drafter K/V later
             seq.shared_checkpoints.append(ckpt)
         self._register(ckpt)

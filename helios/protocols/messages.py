@@ -411,14 +411,13 @@ def decode(ctx: ServerContext, body: dict[str, Any]) -> Decoded:
 
 
 def _lower(ctx: ServerContext, decoded: Decoded, prepare: bool = True) -> Lowered:
-    config = getattr(ctx, "config", None)
     return lower(
         decoded.conversation,
         decoded.options,
         manifest=ctx.manifest,
         template=ctx.template,
         tokenizer=ctx.tokenizer,
-        default_budget=config.thinking_token_budget if config else None,
+        default_budget=ctx.config.thinking_token_budget,
         prepare=prepare,
     )
 

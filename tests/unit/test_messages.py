@@ -17,6 +17,7 @@ from helios.frontend.template import ChatTemplate
 from helios.frontend.tokenizer import Tokenizer
 from helios.manifest import Manifest
 from helios.protocols import messages
+from helios.server.config import ServerConfig
 from tests.unit.live import ANTHROPIC, USER, metrics, second_token, sse
 
 
@@ -38,7 +39,9 @@ def frontend(tiny_core):
     manifest = Manifest.load(tiny_core, verify_files=False)
     tokenizer = Tokenizer.from_core(tiny_core, manifest)
     template = ChatTemplate.from_core(tiny_core, manifest, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
-    return SimpleNamespace(manifest=manifest, tokenizer=tokenizer, template=template, model_id=manifest.model_id)
+    return SimpleNamespace(
+        manifest=manifest, tokenizer=tokenizer, template=template, model_id=manifest.model_id, config=ServerConfig()
+    )
 
 
 def _count(http: httpx.Client, **body) -> int:

@@ -359,6 +359,12 @@ class ToolParser:
     def begin_answer(self) -> None:
         self.answer = True
 
+    @property
+    def in_envelope(self) -> bool:
+        """Inside a call region that owns all later text, reasoning delimiters included (only
+        DeepSeek's syntax opens one)."""
+        return False
+
     def feed(self, text: str, start: int) -> list[Item]:
         raise NotImplementedError
 

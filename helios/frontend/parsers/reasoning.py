@@ -239,7 +239,7 @@ class OutputParser:
 
     def _in_envelope(self) -> bool:
         # DeepSeek's call region (begun in reasoning) owns all later text, `</think>` included.
-        return bool(getattr(self.tools, "in_envelope", False))
+        return self.tools is not None and self.tools.in_envelope
 
     def _hand_over(self) -> list[Item]:
         out: list[Item] = []
