@@ -1,8 +1,8 @@
 """The aiohttp application: the route table, authentication, error shapes, lifecycle.
 
 The top of the house: it wires the protocol codecs (helios.protocols) onto the transport
-(helios.server). Each generating protocol is a `Codec` served by the one request lifecycle
-(helios.server.generation); this module owns what every route shares (auth, WebSocket refusal,
+(helios.transport). Each generating protocol is a `Codec` served by the one request lifecycle
+(helios.transport.generation); this module owns what every route shares (auth, WebSocket refusal,
 JSON 404/405, draining, in-flight accounting) and picks each route's error shape (OpenAI,
 Anthropic Messages, Ollama discovery). A new protocol is one module plus one line in `ROUTES`.
 """
@@ -21,18 +21,18 @@ from typing import Any
 from aiohttp import web
 
 from helios.engine.api import ServingEngine
-from helios.frontend import parsers
-from helios.frontend.errors import RequestError
-from helios.frontend.grammar import compiler_for
-from helios.frontend.template import ChatTemplate
-from helios.frontend.tokenizer import Tokenizer
 from helios.manifest import Manifest
+from helios.neutral import parsers
+from helios.neutral.errors import RequestError
+from helios.neutral.grammar import compiler_for
+from helios.neutral.template import ChatTemplate
+from helios.neutral.tokenizer import Tokenizer
 from helios.protocols import chat, completions, decisions, messages, models, ollama, responses, systemone
-from helios.server import metrics
-from helios.server.admission import RETRY_AFTER_SECONDS, Admission
-from helios.server.config import ConfigError, ServerConfig
-from helios.server.context import DRAINING_MESSAGE, ServerContext
-from helios.server.errors import (
+from helios.transport import metrics
+from helios.transport.admission import RETRY_AFTER_SECONDS, Admission
+from helios.transport.config import ConfigError, ServerConfig
+from helios.transport.context import DRAINING_MESSAGE, ServerContext
+from helios.transport.errors import (
     ApiError,
     bad_request,
     json_response,
@@ -45,7 +45,7 @@ from helios.server.errors import (
     unauthorized,
     unavailable,
 )
-from helios.server.generation import Codec, serve
+from helios.transport.generation import Codec, serve
 
 log = logging.getLogger("helios.server")
 

@@ -15,7 +15,7 @@ from rich.markup import escape
 from helios.client_config import CLIENTS, ClientConfigError, server_root, usage, write_client_config
 from helios.dashboard import run as run_dashboard
 from helios.manifest import Manifest, ManifestError
-from helios.server.config import ConfigError, ServerConfig, read_api_key_file
+from helios.transport.config import ConfigError, ServerConfig, read_api_key_file
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="helios: the Flare serving runtime")
 console = Console(stderr=False)
@@ -60,7 +60,7 @@ def serve(
     from helios.app import CTX_KEY, check_startup, create_app
     from helios.engine.assembly import choose_runner, describe_runner
     from helios.engine.engine import Engine
-    from helios.server import lifecycle
+    from helios.transport import lifecycle
 
     try:
         manifest = Manifest.load(core)

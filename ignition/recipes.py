@@ -12,9 +12,9 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from helios.frontend.parsers import REASONING_SYNTAXES, TOOL_SYNTAXES
-from helios.frontend.thinking import EFFORT_LEVELS, template_levels
 from helios.manifest import TEMPLATE_REJECTS, Range, SamplingDefaults
+from helios.neutral.parsers import REASONING_SYNTAXES, TOOL_SYNTAXES
+from helios.neutral.thinking import EFFORT_LEVELS, template_levels
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 # Families the exporter compiles (qwen2/llama: common.DecoderLM; the rest: models/configured.py)

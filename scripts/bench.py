@@ -630,8 +630,8 @@ def main() -> None:
         sys.exit("--long-tokens must be at least 16")
     threads = args.threads or os.cpu_count() or 1
 
-    from helios.frontend.tokenizer import Tokenizer
     from helios.manifest import Manifest
+    from helios.neutral.tokenizer import Tokenizer
 
     manifest = Manifest.load(args.core, verify_files=False)
     long_decode = 32 if args.quick else 64

@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from bandwidth import read_bandwidth
 
-from helios.cache import cache_root
+from helios.cache_dir import cache_root
 from helios.engine.runner import Runner, StepRow
 from helios.manifest import Manifest
 

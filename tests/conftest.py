@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helios.cache import cache_root
+from helios.cache_dir import cache_root
 
 # Triton kernels run on CPU tensors only under the interpreter, and @triton.jit picks it when it
 # decorates, triton.language's own helpers included: whichever test module first imports

@@ -19,7 +19,7 @@ from helios.cluster.affinity import DECISIONS
 from helios.cluster.engine import ClusterEngine
 from helios.cluster.spec import ClusterSpec
 from helios.manifest import Manifest
-from helios.server import lifecycle
+from helios.transport import lifecycle
 
 
 class Frontend:

@@ -25,7 +25,7 @@ from helios.cluster.frontend import Frontend
 from helios.cluster.replica import EngineReplica
 from helios.cluster.router import PrefixAffinityRouter
 from helios.cluster.spec import APP_NAME, ENGINES, FRONTEND, ClusterSpec
-from helios.server.config import ServerConfig
+from helios.transport.config import ServerConfig
 
 HEALTH_CHECK_PERIOD_S = 2.0
 ROUTING_STATS_PERIOD_S = 0.5

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from helios.manifest import Manifest
-from helios.server.config import ServerConfig
+from helios.transport.config import ServerConfig
 
 APP_NAME = "helios"
 FRONTEND = "Frontend"

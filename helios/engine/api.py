@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # a type only: the plain-data module imports no engine machin
 
 @dataclass
 class SamplingParams:
-    """Resolved sampling: already clamped to the core's ranges (see helios.frontend.sampling)."""
+    """Resolved sampling: already clamped to the core's ranges (see helios.neutral.sampling)."""
 
     temperature: float = 1.0  # always > 0 after resolution
     top_p: float = 1.0
@@ -89,11 +89,11 @@ class GenerationRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    # Candidate prefix-checkpoint boundaries (helios.frontend.checkpoints computes them).
+    # Candidate prefix-checkpoint boundaries (helios.neutral.prefix_boundaries computes them).
     checkpoints: list[CheckpointCandidate] = field(default_factory=list)
     # Bare positions of client cache hints; the engine treats each as a HINT candidate.
     checkpoint_hints: list[int] = field(default_factory=list)
-    # Structured output: an llguidance grammar (compiled spec string, helios.frontend.grammar)
+    # Structured output: an llguidance grammar (compiled spec string, helios.neutral.grammar)
     # masking the answer's tokens once reasoning has ended. None: unconstrained.
     grammar: str | None = None
     # Reasoning delimiters and budget (helios.engine.constraints). None: no reasoning syntax.

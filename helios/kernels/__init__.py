@@ -25,7 +25,7 @@ import threading
 import urllib.request
 from pathlib import Path
 
-from helios.cache import cache_root
+from helios.cache_dir import cache_root
 
 log = logging.getLogger(__name__)
 

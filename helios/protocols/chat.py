@@ -2,7 +2,7 @@
 
 decode (JSON -> Conversation + options) -> frontend lowering (template, tools, grammar, one engine
 request per choice) -> encode events as a chat.completion object or chat.completion.chunk SSE.
-The request lifecycle around both is helios.server.generation's.
+The request lifecycle around both is helios.transport.generation's.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from helios.engine.api import GenerationEvent, GenerationRequest, SamplingParams
-from helios.frontend.answer import Answer
-from helios.frontend.conversation import (
+from helios.neutral.answer import Answer
+from helios.neutral.conversation import (
     Conversation,
     ImagePart,
     Message,
@@ -24,18 +24,18 @@ from helios.frontend.conversation import (
     ToolResultPart,
     ToolSpec,
 )
-from helios.frontend.errors import RequestError
-from helios.frontend.fields import choice_count, opt_bool, opt_int, opt_object
-from helios.frontend.grammar import OutputFormat
-from helios.frontend.images import decode_data_url
-from helios.frontend.output import BlockDelta, BlockOpened, OutputEvent
-from helios.frontend.request import ChatOptions, OutputPlan, lower
-from helios.frontend.sampling import check_top_logprobs, request_sampling, resolve_max_tokens
-from helios.frontend.thinking import Budget, check_budget, check_effort, template_kwargs
-from helios.frontend.tools import EmittedCall, ToolChoice, unique_names
+from helios.neutral.errors import RequestError
+from helios.neutral.fields import choice_count, opt_bool, opt_int, opt_object
+from helios.neutral.grammar import OutputFormat
+from helios.neutral.images import decode_data_url
+from helios.neutral.output import BlockDelta, BlockOpened, OutputEvent
+from helios.neutral.request import ChatOptions, OutputPlan, lower
+from helios.neutral.sampling import check_top_logprobs, request_sampling, resolve_max_tokens
+from helios.neutral.thinking import Budget, check_budget, check_effort, template_kwargs
+from helios.neutral.tools import EmittedCall, ToolChoice, unique_names
 from helios.protocols import common
-from helios.server.context import ServerContext
-from helios.server.generation import Codec, Frame
+from helios.transport.context import ServerContext
+from helios.transport.generation import Codec, Frame
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from helios.engine.api import FinishReason, PromptLogprob, TokenLogprob
-from helios.frontend.errors import RequestError
-from helios.frontend.fields import opt_bool, opt_int, opt_object, require_bool, require_int
-from helios.frontend.grammar import OutputFormat
-from helios.frontend.tokenizer import Tokenizer
 from helios.manifest import Manifest
-from helios.server.errors import ApiError, openai_error_body
+from helios.neutral.errors import RequestError
+from helios.neutral.fields import opt_bool, opt_int, opt_object, require_bool, require_int
+from helios.neutral.grammar import OutputFormat
+from helios.neutral.tokenizer import Tokenizer
+from helios.transport.errors import ApiError, openai_error_body
 
 NONFINITE_LOGPROB = -9999.0
 

@@ -13,16 +13,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from helios.engine.api import GenerationEvent, GenerationRequest, SamplingParams
-from helios.frontend.answer import ChoiceState
-from helios.frontend.checkpoints import endpoint
-from helios.frontend.errors import RequestError
-from helios.frontend.fields import choice_count, opt_bool, opt_int, reject_present
-from helios.frontend.request import engine_requests
-from helios.frontend.sampling import check_top_logprobs, parse_token_ids, request_sampling, resolve_max_tokens
-from helios.frontend.tokenizer import Tokenizer
+from helios.neutral.answer import ChoiceState
+from helios.neutral.errors import RequestError
+from helios.neutral.fields import choice_count, opt_bool, opt_int, reject_present
+from helios.neutral.prefix_boundaries import endpoint
+from helios.neutral.request import engine_requests
+from helios.neutral.sampling import check_top_logprobs, parse_token_ids, request_sampling, resolve_max_tokens
+from helios.neutral.tokenizer import Tokenizer
 from helios.protocols import common
-from helios.server.context import ServerContext
-from helios.server.generation import Codec, Frame
+from helios.transport.context import ServerContext
+from helios.transport.generation import Codec, Frame
 
 
 @dataclass

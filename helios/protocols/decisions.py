@@ -11,11 +11,11 @@ from typing import Any
 
 from aiohttp import web
 
-from helios.frontend import decisions as d
-from helios.frontend.errors import RequestError
+from helios.neutral import label_scorer as d
+from helios.neutral.errors import RequestError
 from helios.protocols.scoring import score_questions, scorer
-from helios.server.context import ServerContext, new_response_id, response_headers
-from helios.server.errors import ApiError, json_response
+from helios.transport.context import ServerContext, new_response_id, response_headers
+from helios.transport.errors import ApiError, json_response
 
 TOP_KEYS = {"model", "input", "questions", "safety_identifier"}
 QUESTION_KEYS = {

@@ -20,8 +20,8 @@ from typing import Any
 from aiohttp import web
 
 from helios.engine.api import GenerationEvent, GenerationRequest
-from helios.frontend.answer import Answer
-from helios.frontend.conversation import (
+from helios.neutral.answer import Answer
+from helios.neutral.conversation import (
     Conversation,
     ImagePart,
     Message,
@@ -32,19 +32,19 @@ from helios.frontend.conversation import (
     ToolResultPart,
     ToolSpec,
 )
-from helios.frontend.errors import RequestError
-from helios.frontend.fields import opt_bool, opt_int, opt_object
-from helios.frontend.grammar import OutputFormat
-from helios.frontend.images import decode_base64
-from helios.frontend.output import Block, BlockClosed, BlockDelta, BlockOpened, OutputEvent
-from helios.frontend.request import ChatOptions, Lowered, OutputPlan, lower
-from helios.frontend.sampling import request_sampling, resolve_max_tokens
-from helios.frontend.thinking import INT32_MAX, Budget, check_budget, check_effort, effort_from_budget, template_kwargs
-from helios.frontend.tools import ToolChoice, unique_names
+from helios.neutral.errors import RequestError
+from helios.neutral.fields import opt_bool, opt_int, opt_object
+from helios.neutral.grammar import OutputFormat
+from helios.neutral.images import decode_base64
+from helios.neutral.output import Block, BlockClosed, BlockDelta, BlockOpened, OutputEvent
+from helios.neutral.request import ChatOptions, Lowered, OutputPlan, lower
+from helios.neutral.sampling import request_sampling, resolve_max_tokens
+from helios.neutral.thinking import INT32_MAX, Budget, check_budget, check_effort, effort_from_budget, template_kwargs
+from helios.neutral.tools import ToolChoice, unique_names
 from helios.protocols import common
-from helios.server.context import ServerContext
-from helios.server.errors import ApiError, bad_request, json_response, messages_error_body
-from helios.server.generation import Codec, Frame
+from helios.transport.context import ServerContext
+from helios.transport.errors import ApiError, bad_request, json_response, messages_error_body
+from helios.transport.generation import Codec, Frame
 
 ANTHROPIC_VERSION = "2023-06-01"
 THINKING_MARKER = "flare-thinking-v1:"

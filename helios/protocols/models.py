@@ -11,10 +11,10 @@ from urllib.parse import unquote
 
 from aiohttp import web
 
-from helios.frontend.images import image_budget, max_images
-from helios.frontend.sampling import DISTRIBUTION_FIELDS, INTEGER_FIELDS
-from helios.server.context import ServerContext
-from helios.server.errors import json_response, not_found
+from helios.neutral.images import image_budget, max_images
+from helios.neutral.sampling import DISTRIBUTION_FIELDS, INTEGER_FIELDS
+from helios.transport.context import ServerContext
+from helios.transport.errors import json_response, not_found
 
 
 def model_card(ctx: ServerContext) -> dict[str, Any]:

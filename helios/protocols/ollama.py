@@ -15,9 +15,9 @@ from typing import Any
 from aiohttp import web
 
 from helios.protocols.models import served_names
-from helios.server import bodies
-from helios.server.context import ServerContext
-from helios.server.errors import ApiError, bad_request, json_response, not_found
+from helios.transport import bodies
+from helios.transport.context import ServerContext
+from helios.transport.errors import ApiError, bad_request, json_response, not_found
 
 # The Ollama API version helios' discovery routes are compatible with. Clients gate on it: Codex
 # 0.162.1's `--oss --local-provider ollama` refuses a server older than 0.13.4, and other

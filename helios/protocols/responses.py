@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from helios.engine.api import GenerationEvent, GenerationRequest, SamplingParams
-from helios.frontend.answer import Answer
-from helios.frontend.conversation import (
+from helios.neutral.answer import Answer
+from helios.neutral.conversation import (
     Conversation,
     ImagePart,
     Message,
@@ -27,15 +27,15 @@ from helios.frontend.conversation import (
     ToolResultPart,
     ToolSpec,
 )
-from helios.frontend.errors import RequestError
-from helios.frontend.fields import opt_bool, opt_int, opt_object
-from helios.frontend.grammar import Compiler, OutputFormat, compiler_for
-from helios.frontend.images import decode_data_url
-from helios.frontend.output import Block, BlockDelta, BlockOpened, OutputEvent
-from helios.frontend.request import ChatOptions, OutputPlan, lower
-from helios.frontend.sampling import check_top_logprobs, request_sampling, resolve_max_tokens
-from helios.frontend.thinking import Budget, check_budget, check_effort, template_kwargs
-from helios.frontend.tools import (
+from helios.neutral.errors import RequestError
+from helios.neutral.fields import opt_bool, opt_int, opt_object
+from helios.neutral.grammar import Compiler, OutputFormat, compiler_for
+from helios.neutral.images import decode_data_url
+from helios.neutral.output import Block, BlockDelta, BlockOpened, OutputEvent
+from helios.neutral.request import ChatOptions, OutputPlan, lower
+from helios.neutral.sampling import check_top_logprobs, request_sampling, resolve_max_tokens
+from helios.neutral.thinking import Budget, check_budget, check_effort, template_kwargs
+from helios.neutral.tools import (
     CUSTOM_PARAMETERS,
     NAMESPACE_SEPARATOR,
     ToolChoice,
@@ -44,9 +44,9 @@ from helios.frontend.tools import (
     unique_names,
 )
 from helios.protocols import common
-from helios.server.context import ServerContext
-from helios.server.errors import ApiError
-from helios.server.generation import Codec, Frame
+from helios.transport.context import ServerContext
+from helios.transport.errors import ApiError
+from helios.transport.generation import Codec, Frame
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 ITEM_PREFIXES = {"text": "msg", "reasoning": "rs", "tool_call": "fc"}

@@ -1,4 +1,4 @@
-"""Runs scorer questions (helios.frontend.decisions) on the engine, one after another.
+"""Runs scorer questions (helios.neutral.label_scorer) on the engine, one after another.
 
 Shared by /v1/systemone and /v1/decisions: each question is one engine request with one slot of
 admission; a later question reuses the state's prefix checkpoint. Dropping the HTTP request
@@ -7,11 +7,11 @@ cancels the question in flight (the group's close aborts it).
 
 from __future__ import annotations
 
-from helios.frontend.assets import Asset
-from helios.frontend.decisions import Question, Scored, Scorer, label_logprobs
-from helios.server.admission import terminal_failure
-from helios.server.context import ServerContext
-from helios.server.errors import server_error
+from helios.neutral.assets import Asset
+from helios.neutral.label_scorer import Question, Scored, Scorer, label_logprobs
+from helios.transport.admission import terminal_failure
+from helios.transport.context import ServerContext
+from helios.transport.errors import server_error
 
 
 def scorer(ctx: ServerContext) -> Scorer:
@@ -21,7 +21,7 @@ def scorer(ctx: ServerContext) -> Scorer:
 async def score_questions(
     ctx: ServerContext, state: str, questions: list[Question], response_id: str, assets: list[Asset] | None = None
 ) -> list[Scored]:
-    """assets: System One image assets the state and questions refer to (helios.frontend.assets)."""
+    """assets: System One image assets the state and questions refer to (helios.neutral.assets)."""
     s = scorer(ctx)
     s.assets = list(assets or [])
     await ctx.in_frontend(s.check_core)

@@ -2,7 +2,7 @@
 
 Schema failures answer HTTP 422 with Jev-style `detail` entries ({type, loc, msg, input});
 malformed JSON, unsupported cores and templates answer 400 in the Chat Completions error shape.
-Image assets (helios.frontend.assets) need the TypeSafe-Danger-Zone-Images: true header and a
+Image assets (helios.neutral.assets) need the TypeSafe-Danger-Zone-Images: true header and a
 vision core; they come as data_base64 or as parts of an uncompressed multipart body.
 """
 
@@ -14,12 +14,12 @@ from typing import Any
 
 from aiohttp import web
 
-from helios.frontend import decisions as d
-from helios.frontend.assets import Asset, bind_assets
-from helios.frontend.errors import RequestError
+from helios.neutral import label_scorer as d
+from helios.neutral.assets import Asset, bind_assets
+from helios.neutral.errors import RequestError
 from helios.protocols.scoring import score_questions, scorer
-from helios.server.context import ServerContext, new_response_id, response_headers
-from helios.server.errors import ApiError, bad_request, json_response, too_large
+from helios.transport.context import ServerContext, new_response_id, response_headers
+from helios.transport.errors import ApiError, bad_request, json_response, too_large
 
 QUESTION_KEYS = {"type", "instructions", "criteria"}
 MAX_CHOICE_CRITERIA = 128

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from helios.cache import cache_root
+from helios.cache_dir import cache_root
 from helios.manifest import file_sha256
 from ignition.checkpoints.base import CheckpointError
 

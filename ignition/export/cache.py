@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from helios.cache import cache_root
+from helios.cache_dir import cache_root
 from helios.manifest import Architecture, Engine, TensorSpec, file_sha256
 from ignition.checkpoints.base import Checkpoint
 from ignition.checkpoints.packaged import PACKAGED_MODELS

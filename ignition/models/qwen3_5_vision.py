@@ -8,7 +8,7 @@ the image's patches and a GELU(tanh) MLP, then the merger (LayerNorm, merge_size
 patches concatenated, two linears around an exact GELU).
 
 The grid-dependent index work (which table entries and weights each patch resamples, each patch's
-row and column) is integer bookkeeping helios does in numpy (helios/frontend/images.py); the
+row and column) is integer bookkeeping helios does in numpy (helios/neutral/images.py); the
 graph takes it as inputs, so one graph serves every image size.
 """
 

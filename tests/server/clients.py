@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from helios.cache import cache_root
+from helios.cache_dir import cache_root
 
 REPO = Path(__file__).resolve().parents[2]
 

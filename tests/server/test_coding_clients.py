@@ -262,7 +262,7 @@ def test_each_client_inspects_edits_and_tests_a_repository(variant, scripted, bi
 
 @pytest.fixture(scope="module")
 def scripted_keyed(tiny_core):
-    from helios.server.config import ServerConfig
+    from helios.transport.config import ServerConfig
 
     server = ScriptedServer(tiny_core, ServerConfig(port=0, api_key="client-test-key"))
     yield server

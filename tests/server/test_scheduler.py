@@ -39,7 +39,7 @@ from tests.unit.live import wait_idle
 EXTERNAL_URL = (os.environ.get("FLARE_SCHEDULER_TEST_URL") or "").rstrip("/")
 EXTERNAL_KEY = os.environ.get("FLARE_API_TEST_KEY") or None
 SLOTS = 4
-# [server] settings of each in-suite service (helios/server/config.py)
+# [server] settings of each in-suite service (helios/transport/config.py)
 MODES = {
     "ordinary": 'speculation = "off"\n',
     "fixed-width": 'speculation = "auto"\nspeculation_adaptive = false\n',

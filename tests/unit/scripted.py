@@ -23,9 +23,9 @@ from helios.app import create_app
 from helios.engine.api import EngineStats, FinishReason, GenerationEvent, GenerationRequest, TokenLogprob
 from helios.engine.detokenizer import IncrementalDetokenizer
 from helios.engine.stops import StopChecker
-from helios.frontend.tokenizer import Tokenizer
 from helios.manifest import Manifest
-from helios.server.config import ServerConfig
+from helios.neutral.tokenizer import Tokenizer
+from helios.transport.config import ServerConfig
 
 
 @dataclass

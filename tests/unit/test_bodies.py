@@ -11,10 +11,10 @@ import zlib
 
 import pytest
 
-from helios.server import bodies
-from helios.server.bodies import JsonLimits
-from helios.server.config import ServerConfig
-from helios.server.errors import ApiError, dumps, openai_error_response
+from helios.transport import bodies
+from helios.transport.bodies import JsonLimits
+from helios.transport.config import ServerConfig
+from helios.transport.errors import ApiError, dumps, openai_error_response
 
 
 def rejected(data: bytes, limits: JsonLimits | None = None) -> str:

@@ -467,7 +467,7 @@ def test_helios_refuses_bad_cores_without_starting_anything(tiny_core, tmp_path,
     def never(*args, **kwargs):
         raise AssertionError("helios went on after a bad core")
 
-    monkeypatch.setattr("helios.server.lifecycle.serve", never)
+    monkeypatch.setattr("helios.transport.lifecycle.serve", never)
     monkeypatch.setattr("helios.engine.engine.Engine", never)
     result = CliRunner().invoke(helios_app, ["serve", str(core), "--port", str(free_port())], env=WIDE)
     assert result.exit_code == 2

@@ -34,7 +34,7 @@ from typing import Any
 import deepseek_recipe
 import pytest
 
-from helios.frontend.parsers import REASONING, ToolParseError, build_stream, resolve_reasoning, start_state
+from helios.neutral.parsers import REASONING, ToolParseError, build_stream, resolve_reasoning, start_state
 from tests.unit.test_parsers import merged, qwen_tokenizer, run, spec
 
 ENC_V4 = "deepseek-recipe 0.2.0 DeepseekV4Encoding (encoding_dsv4.py layout)"

@@ -28,9 +28,9 @@ from typer.testing import CliRunner
 
 from helios.engine.constraints import parser_limits
 from helios.engine.runner import Runner, StepRow
-from helios.frontend.grammar import OutputFormat, compiler_for
-from helios.frontend.tokenizer import Tokenizer
 from helios.manifest import Manifest
+from helios.neutral.grammar import OutputFormat, compiler_for
+from helios.neutral.tokenizer import Tokenizer
 from ignition.cli import app
 from ignition.recipes import available_recipes, load_recipe
 from tests.conftest import Server
@@ -431,8 +431,8 @@ def test_nemotron_h_plan_and_both_checkpoint_layouts():
 
 
 def _family_tokenizer(family: str):
-    from helios.frontend.tokenizer import Tokenizer
     from helios.manifest import TokenizerSpec
+    from helios.neutral.tokenizer import Tokenizer
     from tests.unit.family_checkpoints import MARKUP, SPECIALS, byte_tokenizer
 
     specials = SPECIALS[family]
@@ -462,7 +462,7 @@ def test_kimi_k2_tool_sections_stream_token_by_token():
         ("call", "lookup", {"limit": 3}),
     ]
     assert merged(run("No tools here.", spec("kimi_k2"), tokenizer=tok)) == [("text", "No tools here.")]
-    from helios.frontend.parsers import ToolParseError
+    from helios.neutral.parsers import ToolParseError
 
     with pytest.raises(ToolParseError):
         run(

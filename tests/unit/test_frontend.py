@@ -18,7 +18,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from helios.frontend.conversation import (
+from helios.manifest import Limits, Logprobs, Range, Sampling, SamplingDefaults, TokenizerSpec
+from helios.neutral.conversation import (
     Conversation,
     Message,
     TextPart,
@@ -28,8 +29,8 @@ from helios.frontend.conversation import (
     render_prompt,
     render_text,
 )
-from helios.frontend.errors import RequestError
-from helios.frontend.sampling import (
+from helios.neutral.errors import RequestError
+from helios.neutral.sampling import (
     SEED_MODULUS,
     SamplingFields,
     check_top_logprobs,
@@ -41,14 +42,13 @@ from helios.frontend.sampling import (
     resolve_sampling,
     resolve_seed,
 )
-from helios.frontend.template import ChatTemplate, TemplateError
-from helios.frontend.tokenizer import Tokenizer, _gpt2_unicode_to_byte
-from helios.manifest import Limits, Logprobs, Range, Sampling, SamplingDefaults, TokenizerSpec
-from helios.server import bodies
-from helios.server.admission import Admission
-from helios.server.config import ConfigError, ServerConfig, read_api_key_file
-from helios.server.errors import ApiError, openai_error_body
-from helios.server.metrics import FirstResponseWindow, wants_json
+from helios.neutral.template import ChatTemplate, TemplateError
+from helios.neutral.tokenizer import Tokenizer, _gpt2_unicode_to_byte
+from helios.transport import bodies
+from helios.transport.admission import Admission
+from helios.transport.config import ConfigError, ServerConfig, read_api_key_file
+from helios.transport.errors import ApiError, openai_error_body
+from helios.transport.metrics import FirstResponseWindow, wants_json
 
 # -- fixtures --------------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import pytest
 from helios.engine import host_store as host_store_module
 from helios.engine.host_records import read_link
 from helios.engine.host_store import HostStore, HostStoreConfig
-from helios.server.config import ConfigError, ServerConfig
+from helios.transport.config import ConfigError, ServerConfig
 
 PT = 4  # page tokens
 PAGE_SHAPE = (2, 2, 1, PT, 1, 8)  # layers, K/V, one page, page tokens, kv heads, head dim

@@ -19,9 +19,9 @@ from PIL import Image
 from rich.console import Console
 
 from helios.dashboard import Snapshot, View
-from helios.frontend.errors import RequestError
-from helios.frontend.images import prepare_image
 from helios.manifest import Manifest
+from helios.neutral.errors import RequestError
+from helios.neutral.images import prepare_image
 from ignition.recipes import load_recipe
 from ignition.tiny import TinyError, write_tiny_checkpoint
 from tests.conftest import Server, export

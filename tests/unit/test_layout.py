@@ -17,10 +17,10 @@ MAX_LINES = 600
 
 # Lower layers first; a module may import its own layer and any layer before it.
 HELIOS_LAYERS = [
-    ("helios.manifest", "helios.cache", "helios.kernels"),
+    ("helios.manifest", "helios.cache_dir", "helios.kernels"),
     ("helios.engine",),
-    ("helios.frontend",),
-    ("helios.server",),  # transport: below the protocols, never importing them
+    ("helios.neutral",),
+    ("helios.transport",),  # HTTP transport: below the protocols, never importing them
     ("helios.protocols",),
     ("helios.app",),
     ("helios.cluster",),  # scale-out: the app's frontend over engine replicas on Ray Serve

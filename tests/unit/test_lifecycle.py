@@ -15,8 +15,8 @@ import httpx
 from helios.app import create_app
 from helios.engine.engine import QUEUE_DEADLINE_MESSAGE, Engine
 from helios.manifest import Manifest
-from helios.server.config import ServerConfig
-from helios.server.lifecycle import DRAIN_MESSAGE
+from helios.transport.config import ServerConfig
+from helios.transport.lifecycle import DRAIN_MESSAGE
 from tests.conftest import Server
 from tests.unit.live import ANTHROPIC, USER, metrics, sse, wait_for, wait_idle
 from tests.unit.scripted import LoopbackServer

@@ -46,7 +46,7 @@ def engine(tiny_core):
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_core):
-    from helios.frontend.tokenizer import Tokenizer
+    from helios.neutral.tokenizer import Tokenizer
 
     return Tokenizer.from_core(tiny_core, Manifest.load(tiny_core))
 

@@ -11,13 +11,13 @@ import pytest
 from anthropic import Anthropic, BadRequestError
 
 from helios.engine.api import CheckpointRole
-from helios.frontend.conversation import render_text
-from helios.frontend.hints import boundary_positions
-from helios.frontend.template import ChatTemplate
-from helios.frontend.tokenizer import Tokenizer
 from helios.manifest import Manifest
+from helios.neutral.conversation import render_text
+from helios.neutral.hints import boundary_positions
+from helios.neutral.template import ChatTemplate
+from helios.neutral.tokenizer import Tokenizer
 from helios.protocols import messages
-from helios.server.config import ServerConfig
+from helios.transport.config import ServerConfig
 from tests.unit.live import ANTHROPIC, USER, metrics, second_token, sse
 
 

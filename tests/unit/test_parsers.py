@@ -15,8 +15,9 @@ import pytest
 
 from helios.engine.constraints import parser_limits
 from helios.engine.detokenizer import IncrementalDetokenizer
-from helios.frontend.grammar import Compiler, OutputFormat
-from helios.frontend.parsers import (
+from helios.manifest import TokenizerSpec
+from helios.neutral.grammar import Compiler, OutputFormat
+from helios.neutral.parsers import (
     ANSWER,
     JSON_CALL_SYNTAXES,
     REASONING,
@@ -32,9 +33,8 @@ from helios.frontend.parsers import (
     single_token,
     start_state,
 )
-from helios.frontend.parsers.base import MAX_ARGUMENT_BYTES, convert_value
-from helios.frontend.tokenizer import Tokenizer
-from helios.manifest import TokenizerSpec
+from helios.neutral.parsers.base import MAX_ARGUMENT_BYTES, convert_value
+from helios.neutral.tokenizer import Tokenizer
 from tests.conftest import add_think_tokens
 from tests.unit.tiny_checkpoints import qwen_tokenizer_bundle
 

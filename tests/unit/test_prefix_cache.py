@@ -265,15 +265,15 @@ def test_preempted_sequence_resumes_identically(tiny_core):
 def frontend(tiny_core):
     from types import SimpleNamespace
 
-    from helios.frontend.template import ChatTemplate
-    from helios.frontend.tokenizer import Tokenizer
+    from helios.neutral.template import ChatTemplate
+    from helios.neutral.tokenizer import Tokenizer
 
     manifest = Manifest.load(tiny_core, verify_files=False)
     core_tokenizer = Tokenizer.from_core(tiny_core, manifest)
     template = ChatTemplate.from_core(
         tiny_core, manifest, bos_token=core_tokenizer.bos_token, eos_token=core_tokenizer.eos_token
     )
-    from helios.server.config import ServerConfig
+    from helios.transport.config import ServerConfig
 
     return SimpleNamespace(
         manifest=manifest,

@@ -17,9 +17,9 @@ from helios.engine.engine import Engine
 from helios.engine.prefix_cache import PrefixCacheConfig
 from helios.engine.runner import StepRow
 from helios.engine.speculation import HistoryDrafts, SpeculationConfig, Speculator
-from helios.frontend.grammar import OutputFormat, compiler_for
-from helios.frontend.tokenizer import Tokenizer
 from helios.manifest import Manifest
+from helios.neutral.grammar import OutputFormat, compiler_for
+from helios.neutral.tokenizer import Tokenizer
 from tests.conftest import Server
 
 REPEATED = list(range(300, 340))

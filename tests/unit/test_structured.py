@@ -12,10 +12,10 @@ import pytest
 from helios.app import check_startup
 from helios.engine.api import GenerationRequest, ReasoningControl, SamplingParams
 from helios.engine.engine import Engine
-from helios.frontend.grammar import OutputFormat, compiler_for
-from helios.frontend.tokenizer import Tokenizer
 from helios.manifest import Manifest
-from helios.server.config import ConfigError, ServerConfig
+from helios.neutral.grammar import OutputFormat, compiler_for
+from helios.neutral.tokenizer import Tokenizer
+from helios.transport.config import ConfigError, ServerConfig
 from tests.conftest import Server
 from tests.unit.live import ANTHROPIC, USER, metrics
 

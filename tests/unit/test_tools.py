@@ -12,7 +12,7 @@ import pytest
 from anthropic import Anthropic
 from openai import OpenAI
 
-from helios.frontend.conversation import (
+from helios.neutral.conversation import (
     Conversation,
     Message,
     TextPart,
@@ -22,9 +22,9 @@ from helios.frontend.conversation import (
     reorder_tool_results,
     supports_inline_system,
 )
-from helios.frontend.template import ChatTemplate
-from helios.frontend.thinking import effort_from_budget, resolve_effort, template_kwargs, template_levels
-from helios.frontend.tools import REQUIRED_INSTRUCTION
+from helios.neutral.template import ChatTemplate
+from helios.neutral.thinking import effort_from_budget, resolve_effort, template_kwargs, template_levels
+from helios.neutral.tools import REQUIRED_INSTRUCTION
 from helios.protocols.messages import thinking_signature
 from tests.unit.live import ANTHROPIC, USER, sse
 from tests.unit.scripted import ScriptedServer

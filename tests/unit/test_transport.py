@@ -16,7 +16,7 @@ import pytest
 import zstandard
 
 from helios.engine.api import GenerationEvent
-from helios.server.generation import follow
+from helios.transport.generation import follow
 from tests.conftest import TINY_ADMISSION_SLOTS, TINY_API_KEY, TINY_MAX_BODY_BYTES
 from tests.unit.live import ANTHROPIC, USER, metrics, sse, wait_idle
 
@@ -248,7 +248,7 @@ def test_x_request_id(http: httpx.Client):
 
 
 def test_keepalive_comments_while_the_model_is_quiet(monkeypatch):
-    from helios.server import generation
+    from helios.transport import generation
 
     monkeypatch.setattr(generation, "KEEPALIVE_SECONDS", 0.01)
 

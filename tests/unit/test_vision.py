@@ -17,8 +17,8 @@ from PIL import Image
 from helios.engine.api import ImageInput
 from helios.engine.runner import Runner, StepRow
 from helios.engine.vision import VisionEncoder, patchify, rope_positions
-from helios.frontend.images import profile_grid
 from helios.manifest import Manifest
+from helios.neutral.images import profile_grid
 from ignition.recipes import load_recipe
 from ignition.tiny import write_tiny_checkpoint
 from tests.conftest import export

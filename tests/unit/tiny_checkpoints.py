@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from helios.cache import cache_root
+from helios.cache_dir import cache_root
 
 TOKENIZER_SOURCE = "qwen2.5-coder-0.5b"
 
