@@ -158,11 +158,22 @@ def resolve_max_tokens(
     return min(budget, remaining)
 
 
-def check_top_logprobs(k: Any, name: str, capacity: Logprobs) -> int:
-    """A natural-alternatives count 0..20 that the loaded core can return."""
-    k = require_int(k, name)
+def logprob_count(value: Any, name: str) -> int:
+    """An alternatives count (top_logprobs, logprobs, prompt_logprobs): an integer 0..20 (api.md)."""
+    k = require_int(value, name)
     if not 0 <= k <= MAX_TOP_LOGPROBS:
         raise RequestError(f"{name} must be between 0 and {MAX_TOP_LOGPROBS}", param=name)
+    return k
+
+
+def opt_logprob_count(body: Mapping[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    return None if value is None else logprob_count(value, name)
+
+
+def check_top_logprobs(k: Any, name: str, capacity: Logprobs) -> int:
+    """A natural-alternatives count 0..20 that the loaded core can return."""
+    k = logprob_count(k, name)
     if capacity.max_top_logprobs <= 0:
         raise RequestError("generation logprobs are not available in this model core", param=name)
     if k > capacity.max_top_logprobs:

@@ -25,12 +25,12 @@ from helios.neutral.conversation import (
     ToolSpec,
 )
 from helios.neutral.errors import RequestError
-from helios.neutral.fields import choice_count, opt_bool, opt_int, opt_object
+from helios.neutral.fields import choice_count, opt_bool, opt_object
 from helios.neutral.grammar import OutputFormat
 from helios.neutral.images import decode_data_url
 from helios.neutral.output import BlockDelta, BlockOpened, OutputEvent
 from helios.neutral.request import ChatOptions, OutputPlan, lower
-from helios.neutral.sampling import check_top_logprobs, request_sampling, resolve_max_tokens
+from helios.neutral.sampling import check_top_logprobs, opt_logprob_count, request_sampling, resolve_max_tokens
 from helios.neutral.thinking import Budget, check_budget, check_effort, template_kwargs
 from helios.neutral.tools import EmittedCall, ToolChoice, unique_names
 from helios.protocols import common
@@ -197,9 +197,7 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> ChatPlan
     options = common.stream_options(body)
 
     logprobs_on = opt_bool(body, "logprobs", False)
-    top = opt_int(body, "top_logprobs", None)
-    if top is not None and not 0 <= top <= 20:
-        raise RequestError("top_logprobs must be between 0 and 20", param="top_logprobs")
+    top = opt_logprob_count(body, "top_logprobs")
     if top and not logprobs_on:
         raise RequestError("top_logprobs requires logprobs: true", param="top_logprobs")
     k = check_top_logprobs(top or 0, "top_logprobs", m.logprobs) if logprobs_on else None

@@ -18,6 +18,7 @@ from helios.manifest import Manifest
 from helios.neutral.errors import RequestError
 from helios.neutral.fields import opt_bool, opt_int, opt_object, require_bool, require_int
 from helios.neutral.grammar import OutputFormat
+from helios.neutral.sampling import logprob_count
 from helios.neutral.tokenizer import Tokenizer
 from helios.transport.errors import ApiError, openai_error_body
 
@@ -168,11 +169,10 @@ def prompt_logprobs_count(
     """A prompt-scoring request's alternatives count (0..20), or None when not requested."""
     if value is None:
         return None
-    k = require_int(value, name)
+    require_int(value, name)
     if streaming and name == "prompt_logprobs":
         raise RequestError("prompt_logprobs cannot be used with stream: true", param=name)
-    if not 0 <= k <= 20:
-        raise RequestError(f"{name} must be between 0 and 20", param=name)
+    k = logprob_count(value, name)
     if not manifest.logprobs.prompt_logprobs:
         raise RequestError(
             "prompt logprobs are not available in this model core; re-export it with --prompt-logprobs", param=name

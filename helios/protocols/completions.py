@@ -18,7 +18,13 @@ from helios.neutral.errors import RequestError
 from helios.neutral.fields import choice_count, opt_bool, opt_int, reject_present
 from helios.neutral.prefix_boundaries import endpoint
 from helios.neutral.request import engine_requests
-from helios.neutral.sampling import check_top_logprobs, parse_token_ids, request_sampling, resolve_max_tokens
+from helios.neutral.sampling import (
+    check_top_logprobs,
+    opt_logprob_count,
+    parse_token_ids,
+    request_sampling,
+    resolve_max_tokens,
+)
 from helios.neutral.tokenizer import Tokenizer
 from helios.protocols import common
 from helios.transport.context import ServerContext
@@ -94,9 +100,7 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Completi
         raise RequestError("best_of must equal n (ranked sampling is not supported)", param="best_of")
     stream = opt_bool(body, "stream", False)
     echo = opt_bool(body, "echo", False)
-    raw_logprobs = opt_int(body, "logprobs", None)
-    if raw_logprobs is not None and not 0 <= raw_logprobs <= 20:
-        raise RequestError("logprobs must be between 0 and 20", param="logprobs")
+    raw_logprobs = opt_logprob_count(body, "logprobs")
     # echo with logprobs scores the prompt too (its entries lead the arrays, api.md).
     echo_scores = echo and raw_logprobs is not None
     if echo_scores:

@@ -12,7 +12,7 @@ from urllib.parse import unquote
 from aiohttp import web
 
 from helios.neutral.images import image_budget, max_images
-from helios.neutral.sampling import DISTRIBUTION_FIELDS, INTEGER_FIELDS
+from helios.neutral.sampling import DISTRIBUTION_FIELDS, INTEGER_FIELDS, MAX_TOP_LOGPROBS
 from helios.transport.context import ServerContext
 from helios.transport.errors import json_response, not_found
 
@@ -59,7 +59,7 @@ def model_card(ctx: ServerContext) -> dict[str, Any]:
         ],
         "flare": {
             "vocab_size": m.architecture.vocab_size,
-            "max_top_logprobs": max(0, min(20, m.logprobs.max_top_logprobs)),
+            "max_top_logprobs": max(0, min(MAX_TOP_LOGPROBS, m.logprobs.max_top_logprobs)),
             "max_concurrency": ctx.max_concurrency,
             "prefill_chunk_size": m.limits.prefill_chunk_size,
             "default_max_tokens": m.limits.default_max_tokens,

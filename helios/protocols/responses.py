@@ -28,12 +28,12 @@ from helios.neutral.conversation import (
     ToolSpec,
 )
 from helios.neutral.errors import RequestError
-from helios.neutral.fields import opt_bool, opt_int, opt_object
+from helios.neutral.fields import opt_bool, opt_object
 from helios.neutral.grammar import Compiler, OutputFormat, compiler_for
 from helios.neutral.images import decode_data_url
 from helios.neutral.output import Block, BlockDelta, BlockOpened, OutputEvent
 from helios.neutral.request import ChatOptions, OutputPlan, lower
-from helios.neutral.sampling import check_top_logprobs, request_sampling, resolve_max_tokens
+from helios.neutral.sampling import check_top_logprobs, opt_logprob_count, request_sampling, resolve_max_tokens
 from helios.neutral.thinking import Budget, check_budget, check_effort, template_kwargs
 from helios.neutral.tools import (
     CUSTOM_PARAMETERS,
@@ -288,9 +288,7 @@ def _logprobs(body: dict[str, Any], ctx: ServerContext) -> tuple[int | None, lis
     include = body.get("include") or []
     if not isinstance(include, list) or not all(isinstance(i, str) for i in include):
         raise _bad("include must be an array of strings", "include")
-    top = opt_int(body, "top_logprobs", None)
-    if top is not None and not 0 <= top <= 20:
-        raise _bad("top_logprobs must be between 0 and 20", "top_logprobs")
+    top = opt_logprob_count(body, "top_logprobs")
     enabled = LOGPROBS_INCLUDE in include  # other include values are ignored (api.md)
     if top and not enabled:
         raise _bad(f'top_logprobs requires include: ["{LOGPROBS_INCLUDE}"]', "top_logprobs")
