@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from helios.engine.api import SamplingParams
-from helios.manifest import Limits, Logprobs, Manifest, Sampling
+from helios.manifest import Limits, Logprobs, Sampling
 from helios.neutral.errors import RequestError
 from helios.neutral.fields import require_bool, require_int, require_number
 
@@ -166,11 +166,6 @@ def logprob_count(value: Any, name: str) -> int:
     return k
 
 
-def opt_logprob_count(body: Mapping[str, Any], name: str) -> int | None:
-    value = body.get(name)
-    return None if value is None else logprob_count(value, name)
-
-
 def check_top_logprobs(k: Any, name: str, capacity: Logprobs) -> int:
     """A natural-alternatives count 0..20 that the loaded core can return."""
     k = logprob_count(k, name)
@@ -226,26 +221,4 @@ def resolve_sampling(fields: SamplingFields, sampling: Sampling, vocab_size: int
         stop_token_sequences=stop_runs,
         logprobs=fields.logprobs,
         include_stop_str_in_output=include_stop,
-    )
-
-
-def request_sampling(
-    body: Mapping[str, Any], manifest: Manifest, *, stop_name: str = "stop", logprobs: int | None = None
-) -> SamplingParams:
-    """A request body's sampling fields (native extensions included) resolved against the core's
-    prepared policy; max_tokens and per-choice seeds are set when its engine requests are built."""
-    return resolve_sampling(
-        SamplingFields(
-            values={name: body.get(name) for name in DISTRIBUTION_FIELDS},
-            seed=body.get("seed"),
-            stop=body.get(stop_name),
-            stop_name=stop_name,
-            stop_token_ids=body.get("stop_token_ids"),
-            stop_token_sequences=body.get("stop_token_sequences"),
-            ignore_eos=body.get("ignore_eos"),
-            include_stop_str_in_output=body.get("include_stop_str_in_output"),
-            logprobs=logprobs,
-        ),
-        manifest.sampling,
-        manifest.architecture.vocab_size,
     )

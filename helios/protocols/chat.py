@@ -30,7 +30,7 @@ from helios.neutral.grammar import OutputFormat
 from helios.neutral.images import decode_data_url
 from helios.neutral.output import BlockDelta, BlockOpened, OutputEvent
 from helios.neutral.request import ChatOptions, OutputPlan, lower
-from helios.neutral.sampling import check_top_logprobs, opt_logprob_count, request_sampling, resolve_max_tokens
+from helios.neutral.sampling import check_top_logprobs, resolve_max_tokens
 from helios.neutral.thinking import Budget, check_budget, check_effort, template_kwargs
 from helios.neutral.tools import EmittedCall, ToolChoice, unique_names
 from helios.protocols import common
@@ -197,7 +197,7 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> ChatPlan
     options = common.stream_options(body)
 
     logprobs_on = opt_bool(body, "logprobs", False)
-    top = opt_logprob_count(body, "top_logprobs")
+    top = common.opt_logprob_count(body, "top_logprobs")
     if top and not logprobs_on:
         raise RequestError("top_logprobs requires logprobs: true", param="top_logprobs")
     k = check_top_logprobs(top or 0, "top_logprobs", m.logprobs) if logprobs_on else None
@@ -213,7 +213,7 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> ChatPlan
         effort=effort,
         template_source=ctx.template.source if ctx.template else None,
     )
-    base = request_sampling(body, m, logprobs=k)
+    base = common.request_sampling(body, m, logprobs=k)
     base.logprob_token_ids = explicit
     chat_options = ChatOptions(
         tools=tools,

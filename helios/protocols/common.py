@@ -10,15 +10,16 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from helios.engine.api import FinishReason, PromptLogprob, TokenLogprob
+from helios.engine.api import FinishReason, PromptLogprob, SamplingParams, TokenLogprob
 from helios.manifest import Manifest
 from helios.neutral.errors import RequestError
 from helios.neutral.fields import opt_bool, opt_int, opt_object, require_bool, require_int
 from helios.neutral.grammar import OutputFormat
-from helios.neutral.sampling import logprob_count
+from helios.neutral.sampling import DISTRIBUTION_FIELDS, SamplingFields, logprob_count, resolve_sampling
 from helios.neutral.tokenizer import Tokenizer
 from helios.transport.errors import ApiError, openai_error_body
 
@@ -346,3 +347,31 @@ def echo_logprobs(
 def echo_chars(tokenizer: Tokenizer, prompt_ids: list[int]) -> int:
     """Characters of the decoded token strings of `prompt_ids` (where generated offsets start)."""
     return sum(len(tokenizer.token_string(t)) for t in prompt_ids)
+
+
+def request_sampling(
+    body: Mapping[str, Any], manifest: Manifest, *, stop_name: str = "stop", logprobs: int | None = None
+) -> SamplingParams:
+    """A request body's sampling fields (native extensions included), handed to the neutral layer
+    as SamplingFields and resolved against the core's prepared policy; max_tokens and per-choice
+    seeds are set when its engine requests are built."""
+    return resolve_sampling(
+        SamplingFields(
+            values={name: body.get(name) for name in DISTRIBUTION_FIELDS},
+            seed=body.get("seed"),
+            stop=body.get(stop_name),
+            stop_name=stop_name,
+            stop_token_ids=body.get("stop_token_ids"),
+            stop_token_sequences=body.get("stop_token_sequences"),
+            ignore_eos=body.get("ignore_eos"),
+            include_stop_str_in_output=body.get("include_stop_str_in_output"),
+            logprobs=logprobs,
+        ),
+        manifest.sampling,
+        manifest.architecture.vocab_size,
+    )
+
+
+def opt_logprob_count(body: Mapping[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    return None if value is None else logprob_count(value, name)

@@ -20,9 +20,7 @@ from helios.neutral.prefix_boundaries import endpoint
 from helios.neutral.request import engine_requests
 from helios.neutral.sampling import (
     check_top_logprobs,
-    opt_logprob_count,
     parse_token_ids,
-    request_sampling,
     resolve_max_tokens,
 )
 from helios.neutral.tokenizer import Tokenizer
@@ -100,7 +98,7 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Completi
         raise RequestError("best_of must equal n (ranked sampling is not supported)", param="best_of")
     stream = opt_bool(body, "stream", False)
     echo = opt_bool(body, "echo", False)
-    raw_logprobs = opt_logprob_count(body, "logprobs")
+    raw_logprobs = common.opt_logprob_count(body, "logprobs")
     # echo with logprobs scores the prompt too (its entries lead the arrays, api.md).
     echo_scores = echo and raw_logprobs is not None
     if echo_scores:
@@ -122,7 +120,7 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Completi
             f"{count} prompt(s) x n={n} needs more admission slots than this server has ({ctx.admission.slots})",
             param="n",
         )
-    base = request_sampling(body, m, logprobs=k)
+    base = common.request_sampling(body, m, logprobs=k)
     base.logprob_token_ids = explicit
     prompts = decode_prompts(raw, ctx.tokenizer, m.architecture.vocab_size)
     budgets = [resolve_max_tokens(body.get("max_tokens"), len(p.token_ids), m.limits, allow_zero=True) for p in prompts]

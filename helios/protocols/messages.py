@@ -38,7 +38,7 @@ from helios.neutral.grammar import OutputFormat
 from helios.neutral.images import decode_base64
 from helios.neutral.output import Block, BlockClosed, BlockDelta, BlockOpened, OutputEvent
 from helios.neutral.request import ChatOptions, Lowered, OutputPlan, lower
-from helios.neutral.sampling import request_sampling, resolve_max_tokens
+from helios.neutral.sampling import resolve_max_tokens
 from helios.neutral.thinking import INT32_MAX, Budget, check_budget, check_effort, effort_from_budget, template_kwargs
 from helios.neutral.tools import ToolChoice, unique_names
 from helios.protocols import common
@@ -435,7 +435,7 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Messages
     m = ctx.manifest
     decoded = decode(ctx, body)
     stream = opt_bool(body, "stream", False)
-    sampling = request_sampling(body, m, stop_name="stop_sequences")
+    sampling = common.request_sampling(body, m, stop_name="stop_sequences")
     lowered = _lower(ctx, decoded)
     max_tokens = resolve_max_tokens(body.get("max_tokens"), len(lowered.prompt_ids), m.limits, allow_zero=False)
     requests = lowered.requests(response_id, dataclasses.replace(sampling, max_tokens=max_tokens))

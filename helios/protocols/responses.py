@@ -33,7 +33,7 @@ from helios.neutral.grammar import Compiler, OutputFormat, compiler_for
 from helios.neutral.images import decode_data_url
 from helios.neutral.output import Block, BlockDelta, BlockOpened, OutputEvent
 from helios.neutral.request import ChatOptions, OutputPlan, lower
-from helios.neutral.sampling import check_top_logprobs, opt_logprob_count, request_sampling, resolve_max_tokens
+from helios.neutral.sampling import check_top_logprobs, resolve_max_tokens
 from helios.neutral.thinking import Budget, check_budget, check_effort, template_kwargs
 from helios.neutral.tools import (
     CUSTOM_PARAMETERS,
@@ -288,7 +288,7 @@ def _logprobs(body: dict[str, Any], ctx: ServerContext) -> tuple[int | None, lis
     include = body.get("include") or []
     if not isinstance(include, list) or not all(isinstance(i, str) for i in include):
         raise _bad("include must be an array of strings", "include")
-    top = opt_logprob_count(body, "top_logprobs")
+    top = common.opt_logprob_count(body, "top_logprobs")
     enabled = LOGPROBS_INCLUDE in include  # other include values are ignored (api.md)
     if top and not enabled:
         raise _bad(f'top_logprobs requires include: ["{LOGPROBS_INCLUDE}"]', "top_logprobs")
@@ -350,7 +350,7 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Response
         effort=controls.effort,
         template_source=ctx.template.source if ctx.template else None,
     )
-    sampling = request_sampling(body, m, logprobs=k)
+    sampling = common.request_sampling(body, m, logprobs=k)
     sampling.logprob_token_ids = explicit
     options = ChatOptions(
         tools=tools,
