@@ -126,12 +126,11 @@ def create_app(
     config: ServerConfig,
     extra_collectors: tuple[metrics.ExtraCollector, ...] = (),
 ) -> web.Application:
-    """Build the application over a started (or about to start) engine. The caller owns the engine."""
+    """Build the application over a started (or about to start) engine. The caller owns the engine
+    and has run check_startup on this core and configuration (before loading the engine)."""
     if not isinstance(engine, ServingEngine):
         raise TypeError(f"{type(engine).__name__} does not implement ServingEngine (helios/engine/api.py)")
-    check_startup(manifest, config)
     tokenizer = Tokenizer.from_core(core_dir, manifest)
-    check_startup(manifest, config, tokenizer)
     # Build the grammar tokenizer (about a second) now, not on the first structured request.
     threading.Thread(
         target=lambda: compiler_for(tokenizer, manifest).llg, name="helios-grammar-warmup", daemon=True

@@ -60,6 +60,7 @@ def serve(
     from helios.app import CTX_KEY, check_startup, create_app
     from helios.engine.assembly import choose_runner, describe_runner
     from helios.engine.engine import Engine
+    from helios.neutral.tokenizer import Tokenizer
     from helios.transport import lifecycle
 
     try:
@@ -81,7 +82,7 @@ def serve(
         ):
             if value is not None:
                 setattr(settings, name, value)
-        check_startup(manifest, settings)
+        check_startup(manifest, settings, Tokenizer.from_core(core, manifest))
         try:
             choice = choose_runner(manifest, device, engine_kind)
         except ValueError as exc:
@@ -215,8 +216,9 @@ def cluster_serve(
         if router not in POLICIES:
             raise ConfigError(f"--router must be one of {', '.join(POLICIES)}")
         from helios.app import check_startup
+        from helios.neutral.tokenizer import Tokenizer
 
-        check_startup(manifest, settings)
+        check_startup(manifest, settings, Tokenizer.from_core(core, manifest))
     except (ManifestError, ConfigError) as exc:
         err_console.print(f"[bold red]error:[/] {escape(str(exc))}")
         raise typer.Exit(2) from None
