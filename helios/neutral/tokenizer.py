@@ -47,19 +47,18 @@ def _pieces(text: str) -> Iterator[str]:
 
 
 @lru_cache(maxsize=1)
-def _gpt2_unicode_to_byte() -> dict[str, int]:
-    """Inverse of GPT-2's bytes_to_unicode: printable stand-in character -> raw byte."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    codes = printable[:]
-    shift = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            codes.append(256 + shift)
-            shift += 1
-    return {chr(c): b for b, c in zip(printable, codes)}
+def gpt2_byte_alphabet() -> dict[int, str]:
+    """GPT-2's bytes_to_unicode: raw byte -> the printable character byte-level vocabularies
+    spell it with (printable Latin-1 bytes stand for themselves, the rest map past U+0100)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+@lru_cache(maxsize=1)
+def gpt2_unicode_to_byte() -> dict[str, int]:
+    """The inverse of gpt2_byte_alphabet: printable stand-in character -> raw byte."""
+    return {char: b for b, char in gpt2_byte_alphabet().items()}
 
 
 class Tokenizer:
@@ -185,7 +184,7 @@ class Tokenizer:
         if piece is None:
             return b""
         if self._byte_level:
-            table = _gpt2_unicode_to_byte()
+            table = gpt2_unicode_to_byte()
             if all(ch in table for ch in piece):
                 return bytes(table[ch] for ch in piece)
         match = _BYTE_FALLBACK.match(piece)

@@ -11,12 +11,12 @@ The document never adds BOS/EOS by itself (no template post-processor): encode w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Any
 
 import gguf
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+from helios.neutral.tokenizer import gpt2_byte_alphabet
 from ignition.checkpoints.base import CheckpointError
 
 # llama.cpp token types (tokenizer.ggml.token_type).
@@ -70,25 +70,11 @@ def _normalizer(pre: str) -> normalizers.Normalizer | None:
     return normalizers.NFC() if pre in ("qwen2", "deepseek-r1-qwen") else None
 
 
-@cache
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> printable character map, as the byte-level vocabulary spells tokens."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
-
-
 def _byte_spelling(token: str, alphabet: set[str]) -> str:
     """Tokens are stored byte-spelled; respell any that is not (a converter quirk) the same way."""
     if set(token) <= alphabet:
         return token
-    spelling = _byte_alphabet()
+    spelling = gpt2_byte_alphabet()
     return "".join(spelling[b] for b in token.encode("utf-8"))
 
 
@@ -105,7 +91,7 @@ class GGUFTokenizer:
 
 
 def build_byte_level_bpe(tokens: list[str], token_types: list[int], merges: list[str], pre: str) -> Tokenizer:
-    alphabet = set(_byte_alphabet().values())
+    alphabet = set(gpt2_byte_alphabet().values())
     vocab: dict[str, int] = {}
     for index, token in enumerate(tokens):
         # setdefault: keep the first id if a converter ever wrote a duplicate spelling.

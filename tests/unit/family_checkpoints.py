@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from helios.neutral.tokenizer import gpt2_unicode_to_byte
+
 # Control tokens each family's template and parsers use (single tokens in the real tokenizers).
 SPECIALS = {
     "deepseek_v3": [
@@ -626,7 +628,7 @@ def byte_tokenizer(specials: list[str]) -> str:
 
     alphabet = ByteLevel.alphabet()
     # bytes_to_unicode order, so id = byte value for readability
-    chars = sorted(alphabet, key=lambda c: _byte_of(c))
+    chars = sorted(alphabet, key=gpt2_unicode_to_byte().__getitem__)
     tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
@@ -637,17 +639,6 @@ def byte_tokenizer(specials: list[str]) -> str:
         else:
             tokenizer.add_special_tokens([added])
     return tokenizer.to_str()
-
-
-def _byte_of(char: str) -> int:
-    code = ord(char)
-    printable = (
-        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    if code in printable:
-        return code
-    others = [b for b in range(256) if b not in printable]
-    return others[code - 256]
 
 
 def build_reference(family: str, seed: int = 0, overrides: dict[str, Any] | None = None):

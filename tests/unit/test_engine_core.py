@@ -41,24 +41,12 @@ from helios.manifest import (
     TemplateSpec,
     TokenizerSpec,
 )
+from helios.neutral.tokenizer import gpt2_byte_alphabet
 
 # -- a tiny byte-level BPE tokenizer: token id == byte value for single bytes ------------------
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (what ByteLevel uses)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
-B2U = _bytes_to_unicode()
+B2U = gpt2_byte_alphabet()
 MERGES = [("h", "e"), ("l", "l"), ("he", "ll"), ("hell", "o"), ("Ġ", "w"), ("o", "r"), ("Ġw", "or")]
 EOS = 256 + len(MERGES)  # <|endoftext|>
 IM_END = EOS + 1  # <|im_end|>

@@ -43,7 +43,7 @@ from helios.neutral.sampling import (
     resolve_seed,
 )
 from helios.neutral.template import ChatTemplate, TemplateError
-from helios.neutral.tokenizer import Tokenizer, _gpt2_unicode_to_byte
+from helios.neutral.tokenizer import Tokenizer, gpt2_unicode_to_byte
 from helios.transport import bodies
 from helios.transport.admission import Admission
 from helios.transport.config import ConfigError, ServerConfig, read_api_key_file
@@ -83,7 +83,7 @@ CHATML = (
 
 def _tokenizer(bos: int | None = 256, add_bos: bool = False) -> Tokenizer:
     """A tiny byte-level BPE (GPT-2 byte alphabet + two merges) with ChatML control tokens."""
-    table = _gpt2_unicode_to_byte()
+    table = gpt2_unicode_to_byte()
     vocab = {ch: b for ch, b in table.items()}
     merges = [("Ġ", "w"), ("o", "r")]
     for a, b in merges:
