@@ -5,7 +5,7 @@
 #
 # Starts `helios serve CORE` on a free port with the `helios.output` logger at DEBUG, so the
 # server log holds every rendered prompt and every answer's raw generated text (the material
-# docs/conformance.md quotes), then runs the suite twice: the issue-5 subset (tools, structured
+# docs/conformance.md quotes), then runs the suite twice: the tools subset (tools, structured
 # output, reasoning, custom tools, required and parallel calls) and the whole file. Results go
 # to OUT_DIR (default: a new temporary folder, printed): helios.log, subset.txt, full.txt.
 # Extra arguments go to both pytest runs. The suite is ../shared/spec/test_protocols.py relative

@@ -12,7 +12,7 @@ Phases (each one's results are written to --out as soon as it ends, so a killed 
   model:*  Qwen2.5-Coder 0.5B / 1.5B shapes, random weights: bf16 export on the machine, parity vs an
            fp32 reference, decode b1/b8 (graph replay alone and through TorchRunner.step), prefill
   peer     transformers Qwen2 + StaticCache + torch.compile(reduce-overhead) decode (gpt-fast's method)
-  targets  the issue's targets, met / not met, with the numbers
+  targets  the targets in docs/performance.md ("GPU"), met / not met, with the numbers
 Every exception is recorded verbatim and the run goes on; past --deadline the remaining phases are
 skipped (and say so). No network and no weights are needed: every model is random.
 """

@@ -1,5 +1,5 @@
 """scripts/gpu_check.py's run: builds the run's context, runs the phases in order (each one's results
-written as it ends), then the closing targets phase (the issue's targets, met / not met)."""
+written as it ends), then the closing targets phase (the GPU targets of docs/performance.md, "GPU", met / not met)."""
 
 from __future__ import annotations
 

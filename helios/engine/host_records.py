@@ -11,8 +11,8 @@ page ends up holding the leaf's view of it.
 
 File: one JSON header line, then the payload (ids int64, K/V float32, state float32). The header
 names the format, the core identity, the link (key, parent, start, length, first_page), the shapes
-and a blake2b checksum of the payload. `inputs` is reserved for prepared image inputs (the images
-issue): readers of this format require it empty.
+and a blake2b checksum of the payload. `inputs` is reserved for prepared image inputs (not stored
+yet): readers of this format require it empty.
 """
 
 from __future__ import annotations

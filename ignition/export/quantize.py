@@ -60,7 +60,7 @@ class QuantSettings:
 #   8-bit block 32 is a slow MLAS path: the lm_head alone takes ~7x longer at M=1 than with
 #   block 64/128 (isolated: 21 ms vs 3.1-3.6 ms), so the 8-bit lm_head always uses block 128.
 #
-# int4 layers: block 64 (engine-speed issue). Re-measured with every other process on the host
+# int4 layers: block 64. Re-measured with every other process on the host
 #   paused (median ms per step graph call, the real 0.5B, int4 block-128 lm_head, 64-token
 #   history; KL and top-1 over the validation sequence, reference = fp32 graph of the GGUF):
 #
@@ -76,7 +76,7 @@ class QuantSettings:
 #   position, 0.055, is where top-1 starts to be at risk), so 64 it is. The 4-bit embedding
 #   table (same block) halves the core for +6% KL and no speed cost (it is gathered, not
 #   multiplied).
-# int4 lm_head (engine-speed issue): the lm_head is the largest matmul (151936 x 896); at 8 bits it
+# int4 lm_head: the lm_head is the largest matmul (151936 x 896); at 8 bits it
 #   is ~140 of the ~365 MB a decode step reads. Re-measured on the validation sequence (64-token
 #   prompt + 8 decode steps, 10 positions; reference = cached fp32 torch logits), lm_head variants
 #   over the same int4 b32 layers, interleaved runs, process CPU-ms per b=1 step on a loaded host:
@@ -92,7 +92,7 @@ class QuantSettings:
 # int8: block 128, ~15% faster than 32 at negligible KL either way. It decodes about as fast as
 #   int4 on 2 cores (unpacking nibbles costs what the halved bandwidth saves) at ~40x lower KL.
 #   8-bit Gather is unsupported, so its embedding stays fp32 (core ~1.06 GB).
-# int4 tiles (engine-speed issue, fourth session): the same block-64 int4 weights and int8
+# int4 tiles (ai.flare.MatMulInt4): the same block-64 int4 weights and int8
 #   activation blocks, run by flare's MatMulInt4 (helios/kernels/cpu_kernels.cc) instead of
 #   MatMulNBits. Isolated, 12-24 cache-cold copies, interleaved: M=1 0.9-1.8x MatMulNBits' speed
 #   (parity on the largest shapes, ahead on small ones), M=8 1.8-4.8x, M=64 1.9-3.0x; step graph

@@ -1,5 +1,5 @@
 """`helios cluster serve` end to end: two replicas of the real default core on Ray Serve behind
-one endpoint, driven by the real openai and anthropic SDKs (issue: scale-out on Ray Serve).
+one endpoint, driven by the real openai and anthropic SDKs.
 
 One cluster for the module (Ray and two engines take a while to start); the tests run in file
 order because the last ones kill and drain replicas.

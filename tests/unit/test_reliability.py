@@ -154,7 +154,7 @@ def test_non_finite_numbers_anywhere_are_400s(http, path):
             response = post_raw(http, path, text)
             assert response.status_code == 400, (leaf, literal, response.text)
             assert "finite" in check_shape(response, shape)
-    # Named in the issue: after generation ran, these used to fail while echoing.
+    # Fields read after generation ran (metadata, user, text.verbosity): a non-finite number in each is still a 400.
     for extra in ('"metadata": {"x": 1e999}', '"user": 1e999', '"text": {"verbosity": 1e999}'):
         response = post_raw(http, "/v1/responses", '{"input": "Hi", "max_output_tokens": 2, ' + extra + "}")
         assert response.status_code == 400 and "finite" in check_shape(response, "openai")
