@@ -179,8 +179,35 @@ def decode_output_format(body: dict[str, Any]) -> tuple[OutputFormat | None, str
     return (fmt, "response_format") if fmt is not None else (guided, param)
 
 
-def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> ChatPlan:
-    """Validate everything and build every child request (runs in the frontend pool)."""
+@dataclass(frozen=True)
+class ChatRequest:
+    """A Chat Completions body decoded once: every field validated (against the core where the
+    core bounds it); build() reads only this."""
+
+    conversation: Conversation
+    tools: list[ToolSpec]
+    tool_choice: ToolChoice
+    output_format: OutputFormat | None
+    output_format_param: str
+    thinking_budget: int | None
+    template_kwargs: dict[str, Any]  # chat_template_kwargs, the thinking variables filled in
+    n: int
+    stream: bool
+    stream_options: common.StreamOptions
+    top_logprobs: int | None  # natural alternatives per entry; None: logprobs off
+    prompt_logprobs: int | None
+    add_generation_prompt: bool
+    continue_final: bool
+    sampling: SamplingParams  # without max_tokens, which needs the rendered prompt
+    max_tokens: Any  # max_completion_tokens, else max_tokens (checked against the prompt by build)
+    max_tokens_param: str
+    as_token_ids: bool
+    return_token_ids: bool
+    return_timestamps: bool
+
+
+def decode(ctx: ServerContext, body: dict[str, Any]) -> ChatRequest:
+    """The body's fields, checked in the order their errors are reported."""
     m = ctx.manifest
     messages = decode_messages(body.get("messages"))
     tools, choice = decode_tools(body)
@@ -213,49 +240,85 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> ChatPlan
         effort=effort,
         template_source=ctx.template.source if ctx.template else None,
     )
-    base = common.request_sampling(body, m, logprobs=k)
-    base.logprob_token_ids = explicit
-    chat_options = ChatOptions(
+    sampling = common.request_sampling(body, m, logprobs=k)
+    sampling.logprob_token_ids = explicit
+    max_tokens, max_tokens_param = body.get("max_completion_tokens"), "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, max_tokens_param = body.get("max_tokens"), "max_tokens"
+    return ChatRequest(
+        conversation=Conversation(messages),
         tools=tools,
-        choice=choice,
+        tool_choice=choice,
         output_format=fmt,
         output_format_param=fmt_param,
+        thinking_budget=budget,
         template_kwargs=kwargs,
+        n=n,
+        stream=stream,
+        stream_options=options,
+        top_logprobs=k,
+        prompt_logprobs=prompt_k,
         add_generation_prompt=add_generation_prompt,
         continue_final=continue_final,
-        budget=Budget(budget, explicit=budget is not None),
-        user_stops=base.has_user_stops,
-        ignore_eos=base.ignore_eos,
+        sampling=sampling,
+        max_tokens=max_tokens,
+        max_tokens_param=max_tokens_param,
+        as_token_ids=opt_bool(body, "return_tokens_as_token_ids", False),
+        return_token_ids=opt_bool(body, "return_token_ids", False),
+        return_timestamps=opt_bool(body, "return_token_timestamps", False),
+    )
+
+
+def build(ctx: ServerContext, request: ChatRequest, response_id: str) -> ChatPlan:
+    """Render the conversation and make one engine request per choice."""
+    chat_options = ChatOptions(
+        tools=request.tools,
+        choice=request.tool_choice,
+        output_format=request.output_format,
+        output_format_param=request.output_format_param,
+        template_kwargs=request.template_kwargs,
+        add_generation_prompt=request.add_generation_prompt,
+        continue_final=request.continue_final,
+        budget=Budget(request.thinking_budget, explicit=request.thinking_budget is not None),
+        user_stops=request.sampling.has_user_stops,
+        ignore_eos=request.sampling.ignore_eos,
     )
     lowered = lower(
-        Conversation(messages),
+        request.conversation,
         chat_options,
-        manifest=m,
+        manifest=ctx.manifest,
         template=ctx.template,
         tokenizer=ctx.tokenizer,
         default_budget=ctx.config.thinking_token_budget,
     )
-    requested = body.get("max_completion_tokens")
-    name = "max_completion_tokens"
-    if requested is None:
-        requested, name = body.get("max_tokens"), "max_tokens"
-    max_tokens = resolve_max_tokens(requested, len(lowered.prompt_ids), m.limits, name=name, allow_zero=False)
-    base = dataclasses.replace(base, max_tokens=max_tokens)
+    max_tokens = resolve_max_tokens(
+        request.max_tokens,
+        len(lowered.prompt_ids),
+        ctx.manifest.limits,
+        name=request.max_tokens_param,
+        allow_zero=False,
+    )
+    base = dataclasses.replace(request.sampling, max_tokens=max_tokens)
     return ChatPlan(
         response_id=response_id,
         prompt_ids=lowered.prompt_ids,
         # The top-level prompt_logprobs field reports one scoring of the shared prompt.
-        requests=lowered.requests(response_id, base, choices=n, prompt_logprobs=prompt_k),
-        stream=stream,
-        options=options,
-        logprobs=k,
-        as_token_ids=opt_bool(body, "return_tokens_as_token_ids", False),
-        return_token_ids=opt_bool(body, "return_token_ids", False),
-        return_timestamps=opt_bool(body, "return_token_timestamps", False),
+        requests=lowered.requests(response_id, base, choices=request.n, prompt_logprobs=request.prompt_logprobs),
+        stream=request.stream,
+        options=request.stream_options,
+        logprobs=request.top_logprobs,
+        as_token_ids=request.as_token_ids,
+        return_token_ids=request.return_token_ids,
+        return_timestamps=request.return_timestamps,
         base=base,
         output=lowered.output,
-        prompt_logprobs=prompt_k,
+        prompt_logprobs=request.prompt_logprobs,
     )
+
+
+def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> ChatPlan:
+    """Decode, then build (runs in the frontend pool)."""
+    return build(ctx, decode(ctx, body), response_id)
 
 
 # -- encoding --------------------------------------------------------------------------------------
