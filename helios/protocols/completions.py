@@ -85,7 +85,27 @@ def _token_prompt(ids: list[Any], tokenizer: Tokenizer, vocab_size: int) -> Prom
     return Prompt(checked, tokenizer.decode(checked))
 
 
-def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> CompletionPlan:
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A Completions body decoded once: every field validated, the prompts tokenized; build()
+    reads only this."""
+
+    prompts: list[Prompt]
+    n: int
+    stream: bool
+    stream_options: common.StreamOptions
+    echo: bool
+    top_logprobs: int | None  # natural alternatives per entry; None: logprobs off
+    echo_scores: bool  # echo with logprobs: the prompt's entries lead the arrays (api.md)
+    prompt_logprobs: int | None  # the prompt_logprobs field's count (or echo's)
+    scoring: int | None  # alternatives the engine scores the prompt with; None: unscored
+    sampling: SamplingParams  # without max_tokens, which depends on each prompt
+    max_tokens: Any
+    as_token_ids: bool
+
+
+def decode(ctx: ServerContext, body: dict[str, Any]) -> CompletionRequest:
+    """The body's fields, checked in the order their errors are reported."""
     m = ctx.manifest
     if body.get("suffix") is not None:
         raise RequestError("suffix is not supported", param="suffix")
@@ -120,37 +140,61 @@ def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> Completi
             f"{count} prompt(s) x n={n} needs more admission slots than this server has ({ctx.admission.slots})",
             param="n",
         )
-    base = common.request_sampling(body, m, logprobs=k)
-    base.logprob_token_ids = explicit
-    prompts = decode_prompts(raw, ctx.tokenizer, m.architecture.vocab_size)
-    budgets = [resolve_max_tokens(body.get("max_tokens"), len(p.token_ids), m.limits, allow_zero=True) for p in prompts]
+    sampling = common.request_sampling(body, m, logprobs=k)
+    sampling.logprob_token_ids = explicit
+    return CompletionRequest(
+        prompts=decode_prompts(raw, ctx.tokenizer, m.architecture.vocab_size),
+        n=n,
+        stream=stream,
+        stream_options=common.stream_options(body),
+        echo=echo,
+        top_logprobs=k,
+        echo_scores=echo_scores,
+        prompt_logprobs=prompt_k,
+        scoring=scoring,
+        sampling=sampling,
+        max_tokens=body.get("max_tokens"),
+        as_token_ids=opt_bool(body, "return_tokens_as_token_ids", False),
+    )
+
+
+def build(ctx: ServerContext, request: CompletionRequest, response_id: str) -> CompletionPlan:
+    """One engine request per (prompt, choice), each with its own output budget."""
+    prompts = request.prompts
+    limits = ctx.manifest.limits
+    budgets = [resolve_max_tokens(request.max_tokens, len(p.token_ids), limits, allow_zero=True) for p in prompts]
     requests: list[GenerationRequest] = []
     # max_tokens 0 reaches the model only to score the prompt (api.md).
-    if any(budgets) or scoring is not None:
+    if any(budgets) or request.scoring is not None:
         for pi, (prompt, budget) in enumerate(zip(prompts, budgets)):
             requests += engine_requests(
                 response_id,
                 prompt.token_ids,
-                dataclasses.replace(base, max_tokens=budget),
-                choices=n,
-                first_index=pi * n,
+                dataclasses.replace(request.sampling, max_tokens=budget),
+                choices=request.n,
+                first_index=pi * request.n,
                 checkpoints=endpoint(prompt.token_ids),  # raw prompts: the endpoint only
-                prompt_logprobs=scoring,
+                prompt_logprobs=request.scoring,
             )
     return CompletionPlan(
         response_id=response_id,
         prompts=prompts,
-        n=n,
+        n=request.n,
         requests=requests,
-        echo=echo,
-        stream=stream,
-        options=common.stream_options(body),
-        logprobs=k,
-        as_token_ids=opt_bool(body, "return_tokens_as_token_ids", False),
-        base=base,
-        echo_scores=echo_scores,
-        prompt_logprobs=prompt_k,
+        echo=request.echo,
+        stream=request.stream,
+        options=request.stream_options,
+        logprobs=request.top_logprobs,
+        as_token_ids=request.as_token_ids,
+        base=request.sampling,
+        echo_scores=request.echo_scores,
+        prompt_logprobs=request.prompt_logprobs,
     )
+
+
+def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> CompletionPlan:
+    """Decode, then build (runs in the frontend pool)."""
+    return build(ctx, decode(ctx, body), response_id)
 
 
 # -- encoding --------------------------------------------------------------------------------------
