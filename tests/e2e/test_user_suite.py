@@ -54,25 +54,19 @@ def suite_file() -> Path | None:
 
 
 def run_suite(suite: Path, url: str, folder: Path, name: str, selection: list[str]) -> dict[str, str]:
-    """One pytest run of the suite's rows (`selection`: extra pytest arguments) against `url`,
-    in its own process with its own empty configuration; returns each row's outcome."""
+    """One pytest run of the suite against `url` (`selection`: rows' node ids, or pytest arguments
+    for the whole file), in its own process with its own empty configuration; returns each row's
+    outcome."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "pytest.ini").write_text("[pytest]\n")
     report = folder / f"{name}.xml"
     env = {**os.environ, "FLARE_API_TEST_URL": url, "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("FLARE_API_TEST_KEY", None)  # the served core has no key
-    command = [
-        sys.executable,
-        "-m",
-        "pytest",
-        str(suite),
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-c",
-        str(folder / "pytest.ini"),
-    ]
-    command += ["--rootdir", str(suite.parent), "-o", "timeout=300", f"--junitxml={report}", *selection]
+    # Node ids select rows themselves; other arguments (--deselect) apply to the whole file.
+    targets = selection if selection and selection[0].startswith(suite.name + "::") else [suite.name, *selection]
+    command = [sys.executable, "-m", "pytest", *targets, "-q", "-p", "no:cacheprovider"]
+    command += ["-c", str(folder / "pytest.ini"), "--rootdir", str(suite.parent), "-o", "timeout=300"]
+    command += [f"--junitxml={report}"]
     run = subprocess.run(command, cwd=suite.parent, env=env, capture_output=True, text=True, timeout=1800)
     assert report.is_file(), run.stdout[-4000:] + run.stderr[-4000:]
     outcomes = {}
