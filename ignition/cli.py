@@ -69,8 +69,8 @@ def export(
 ) -> None:
     """Export CHECKPOINT with RECIPE into a core folder."""
     # Imported here: torch and onnxruntime cost seconds that `ignition inspect` and --help never use.
+    from ignition.export.options import parse_targets
     from ignition.export.pipeline import STAGES, ExportError, ExportOptions, export_core
-    from ignition.export.state import parse_targets
 
     try:
         loaded = load_recipe(recipe)

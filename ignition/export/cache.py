@@ -5,7 +5,8 @@ special ids), the fp32 step graph (which carries the converted weights) and the 
 reference's validation logits. A later export of the same checkpoint, at any precision, then
 skips read, convert and trace (and the reference half of validate): it quantizes the cached
 graph and validates the engine against the cached reference. `CachedStages` is that wrapping:
-the pipeline hands it the three stages and it runs them or restores what they would have set.
+the pipeline hands it each of those stages (and the torch program, kept per dtype beside the
+graph) and gets the stage's product back, from the entry or from running the stage.
 
 Location: `$FLARE_CACHE/export` (default `~/.cache/flare/export`), one folder per key.
 The key is a sha256 over: the checkpoint's sha256 (plus, for a Hugging Face folder, its config
@@ -36,10 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
-
-import numpy as np
-import torch
+from typing import Any, ParamSpec, TypeVar
 
 from helios.cache_dir import cache_root
 from helios.manifest import Architecture, Engine, TensorSpec, file_sha256
@@ -48,8 +46,13 @@ from ignition.checkpoints.packaged import PACKAGED_MODELS
 from ignition.checkpoints.safetensors_dir import files_sha256, safetensors_files
 from ignition.export.graph import STEP_GRAPH_FILE
 from ignition.export.manifest import cache_layouts
-from ignition.export.state import ExportState
+from ignition.export.options import ExportOptions, Progress
+from ignition.export.output import owner_alive
+from ignition.export.reference import CachedReference, RecordingReference, Reference
+from ignition.export.stages import TorchModel, Traced
 from ignition.export.toolchain import exporter_version, toolchain
+from ignition.models import DecoderLM
+from ignition.recipes import Recipe
 
 ENTRY_FORMAT = 1
 ENTRY_NAME = "entry.json"
@@ -129,87 +132,31 @@ def entry_key(source: Source, page_tokens: int) -> str:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
 
-# -- the validation reference, recorded and replayed ------------------------------------------
-
-
-class ReferenceMiss(LookupError):
-    """The cached reference was recorded for other tokens: validate against the real model."""
-
-
-class RecordingReference:
-    """Wraps a DecoderLM for validate(): passes `reference` calls through and keeps what a
-    replay needs (the last call's logits in full, every call's last row)."""
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-        self.lengths: list[int] = []
-        self.last_rows: list[np.ndarray] = []
-        self.tokens: list[int] | None = None
-        self.final: np.ndarray | None = None
-
-    def reference(self, tokens: Any) -> Any:
-        out = self.model.reference(tokens)
-        array = out.detach().float().numpy()
-        self.lengths.append(int(array.shape[0]))
-        self.last_rows.append(array[-1].copy())
-        self.tokens, self.final = [int(t) for t in tokens.reshape(-1).tolist()], array.copy()
-        return out
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.model, name)
-
-    def save(self, path: Path) -> bool:
-        if self.final is None or self.tokens is None:
-            return False
-        np.savez(
-            path,
-            tokens=np.asarray(self.tokens, dtype=np.int64),
-            final=self.final,
-            lengths=np.asarray(self.lengths, dtype=np.int64),
-            last_rows=np.stack(self.last_rows),
-        )
-        return True
-
-
-class CachedReference:
-    """Replays RecordingReference's logits: each call's last row exactly as recorded, earlier
-    rows from the longest call (causal: a prefix's rows do not depend on later tokens)."""
-
-    def __init__(self, path: Path) -> None:
-        with np.load(path) as data:
-            self.tokens = [int(t) for t in data["tokens"]]
-            self.final = data["final"]
-            self.rows = {int(n): row for n, row in zip(data["lengths"], data["last_rows"])}
-
-    def reference(self, tokens: Any) -> Any:
-        ids = [int(t) for t in tokens.reshape(-1).tolist()]
-        n = len(ids)
-        if n not in self.rows or ids != self.tokens[:n]:
-            raise ReferenceMiss(f"no cached reference logits for this {n}-token sequence")
-        if n == len(self.tokens):
-            return torch.from_numpy(self.final.copy())
-        return torch.from_numpy(np.concatenate([self.final[: n - 1], self.rows[n][None]]))
-
-
 # -- around the stages it can skip -------------------------------------------------------------
 
-Stage = Callable[[ExportState], None]
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 class CachedStages:
-    """The export cache around read, convert and trace (a context manager: leaving it discards
-    an uncommitted entry).
+    """The export cache around the stages it can skip: read, convert, trace and the torch
+    program. Each method takes the stage (and its inputs) and returns the stage's product, from
+    the entry or fresh; a context manager: leaving it discards an uncommitted entry.
 
-    A hit runs none of them: it restores the checkpoint (without tensors), the fp32 step graph
-    and the recorded reference. A miss runs them, tracing into a staging folder, and records the
-    reference's logits while validate runs; commit() then turns the folder into an entry. With
-    the cache off, or a spec that cannot be identified cheaply, the stages just run.
+    read looks the checkpoint up. On a hit no stage runs: read gives the entry's checkpoint
+    (without tensors), convert a model built only if a stage needs it after all, trace the
+    entry's fp32 step graph, reference its recorded logits and torch_program its program of that
+    dtype when it has one. On a miss they run, trace and the torch program into a staging folder,
+    the reference records validate's logits, and commit() turns the folder into an entry. With
+    the cache off, or a spec that cannot be identified cheaply, they run into scratch.
     """
 
-    def __init__(self, state: ExportState) -> None:
-        self.state = state
-        self.cache = ExportCache() if state.options.cache else None
-        self.staging: Staging | None = None
+    def __init__(self, options: ExportOptions, progress: Progress, scratch: Path) -> None:
+        self.options, self.progress, self.scratch = options, progress, scratch
+        self.cache = ExportCache() if options.cache else None
+        self.entry: Entry | None = None  # a hit
+        self.staging: Staging | None = None  # a miss the cache will keep
+        self.recorder: RecordingReference | None = None
         self.seconds: dict[str, float] = {}  # of read/convert/trace on a miss, kept in the entry
 
     def __enter__(self) -> CachedStages:
@@ -221,67 +168,100 @@ class CachedStages:
         if self.staging is not None:
             self.staging.discard()
 
-    def run(self, read: Stage, convert: Stage, trace: Stage) -> None:
-        state, spec = self.state, self.state.options.checkpoint
-        source = key = entry = None
-        if self.cache is not None:
-            state.progress("read", f"looking up {spec} in the export cache")
-            source = identify(spec)
-            key = entry_key(source, state.recipe.limits.page_tokens) if source else None
-            entry = self.cache.lookup(key) if key else None
-        if entry is not None:
-            assert source is not None
-            self._restore(entry, source)
-            return
-        self.seconds["read"] = _timed(read, state)
-        if self.cache is not None and key is not None and source is not None:
-            self._stage(key, source)
-        self.seconds["convert"] = _timed(convert, state)
-        self.seconds["export"] = _timed(trace, state)  # keyed by the stage names the CLI shows
-        if self.staging is not None:
-            state.reference = RecordingReference(state.reference)
+    @property
+    def folder(self) -> Path:
+        """Where the stages write what the cache keeps: the staging folder, else scratch."""
+        return self.staging.path if self.staging is not None else self.scratch
 
-    def commit(self) -> None:
+    def read(self, stage: Callable[[str, Progress], Checkpoint]) -> Checkpoint:
+        spec, progress = self.options.checkpoint, self.progress
+        source = key = None
+        if self.cache is not None:
+            progress("read", f"looking up {spec} in the export cache")
+            source = identify(spec)
+            key = entry_key(source, self.options.recipe.limits.page_tokens) if source else None
+            self.entry = self.cache.lookup(key) if key else None
+        if self.entry is not None and source is not None:
+            progress("read", f"export cache hit {self.entry.key[:12]}: converted checkpoint, nothing read")
+            return self.entry.checkpoint(source)
+        checkpoint = self._timed("read", stage, spec, progress)
+        if self.cache is not None and key is not None and source is not None:
+            self._stage(self.cache, key, source, checkpoint)
+        return checkpoint
+
+    def convert(self, stage: Callable[[Recipe, Checkpoint, Progress], DecoderLM], checkpoint: Checkpoint) -> TorchModel:
+        spec, progress = self.options.checkpoint, self.progress
+        if self.entry is not None:
+            took = self.entry.saved_seconds
+            progress("convert", f"skipped: cached (read+convert+export took {took:.1f}s when it was cached)")
+            return TorchModel(spec, progress)
+        return TorchModel(spec, progress, self._timed("convert", stage, self.options.recipe, checkpoint, progress))
+
+    def trace(
+        self,
+        stage: Callable[[Recipe, Checkpoint, DecoderLM, Path, Progress], Traced],
+        checkpoint: Checkpoint,
+        model: TorchModel,
+    ) -> Traced:
+        recipe = self.options.recipe
+        if self.entry is not None:
+            self.progress("export", f"skipped: cached fp32 step graph {self.entry.key[:12]}")
+            kv, state = cache_layouts(recipe, checkpoint)
+            return Traced(self.entry.graph, self.entry.engine(), kv, state)
+        # A miss converted the model: get() builds nothing. Timed under the CLI's stage name.
+        return self._timed("export", stage, recipe, checkpoint, model.get(), self.folder, self.progress)
+
+    def reference(self, model: TorchModel) -> Reference | None:
+        """Validation's reference: on a hit the entry's recorded logits (None if it has none), on
+        a miss the converted model, recording its logits when the cache keeps this export."""
+        if self.entry is not None:
+            return self.entry.reference()
+        if self.staging is None:
+            return model.get()
+        self.recorder = RecordingReference(model.get())
+        return self.recorder
+
+    def torch_program(
+        self,
+        stage: Callable[[Checkpoint, Traced, TorchModel, str, Path, Progress], Path],
+        checkpoint: Checkpoint,
+        traced: Traced,
+        model: TorchModel,
+        dtype: str,
+    ) -> Path:
+        """The `dtype` torch step program beside the fp32 graph: the entry's, or the stage's into
+        the staging folder (committed with the entry) or scratch. An entry cached without it (an
+        earlier cpu-only export) keeps it so: the program is traced into scratch, and its model
+        read and converted on a hit."""
+        name = f"step.cuda.{dtype}.pt2"
+        if self.entry is not None and (self.entry.path / name).is_file():
+            self.progress("export", f"cached {dtype} torch step program")
+            return self.entry.path / name
+        return stage(checkpoint, traced, model, dtype, self.folder / name, self.progress)
+
+    def commit(self, checkpoint: Checkpoint, traced: Traced) -> None:
         """Keep a fresh export's read/convert/trace results (a failure here never fails the export)."""
         if self.staging is None:
             return
-        state = self.state
-        assert state.checkpoint is not None and state.fp32_engine is not None
-        recorder = state.reference if isinstance(state.reference, RecordingReference) else None
         try:
-            self.staging.commit(state.checkpoint, state.fp32_engine, self.seconds, recorder)
+            self.staging.commit(checkpoint, traced.engine, self.seconds, self.recorder)
         except OSError:
             self.staging.discard()
 
-    def _restore(self, entry: Entry, source: Source) -> None:
-        state = self.state
-        state.progress("read", f"export cache hit {entry.key[:12]}: converted checkpoint, nothing read")
-        state.checkpoint = entry.checkpoint(source)
-        state.progress(
-            "convert", f"skipped: cached (read+convert+export took {entry.saved_seconds:.1f}s when it was cached)"
-        )
-        state.reference = entry.reference()
-        state.progress("export", f"skipped: cached fp32 step graph {entry.key[:12]}")
-        state.fp32_engine, state.fp32_graph = entry.engine(), entry.graph
-        state.kv, state.state_layout = cache_layouts(state.recipe, state.checkpoint)
-
-    def _stage(self, key: str, source: Source) -> None:
+    def _stage(self, cache: ExportCache, key: str, source: Source, checkpoint: Checkpoint) -> None:
         """Trace into a new entry, if the checkpoint read is the one the key was derived from."""
-        assert self.cache is not None and self.state.checkpoint is not None
-        checkpoint = self.state.checkpoint
         if (source.checkpoint_id, source.sha256) != (checkpoint.checkpoint_id, checkpoint.sha256):
             return
         try:
-            self.staging = self.cache.stage(key)
+            self.staging = cache.stage(key)
         except OSError:  # an unwritable cache only costs the reuse
             return
-        self.state.fp32_dir = self.staging.path
 
-
-def _timed(stage: Stage, state: ExportState) -> float:
-    started = time.monotonic()
-    stage(state)
-    return time.monotonic() - started
+    def _timed(self, name: str, stage: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        started = time.monotonic()
+        product = stage(*args, **kwargs)
+        self.seconds[name] = time.monotonic() - started
+        return product
 
 
 # -- entries -----------------------------------------------------------------------------------
@@ -481,22 +461,3 @@ class ExportCache:
         for path in self.root.iterdir():
             if path.name.startswith((".staging-", ".trash-")) and not owner_alive(path.name.split("-", 2)[1:]):
                 shutil.rmtree(path, ignore_errors=True)
-
-
-def owner_alive(fields: list[str]) -> bool:
-    """Whether the process named by "[pid, host-...]" name fields may still be running: True
-    unless it ran on this host and is gone (another host's folders are never touched)."""
-    try:
-        pid = int(fields[0])
-    except (IndexError, ValueError):
-        return True
-    rest = fields[1] if len(fields) > 1 else ""
-    if not rest.startswith(socket.gethostname() + "-"):
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

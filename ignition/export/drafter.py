@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from helios.manifest import Drafter, Manifest
-from ignition.export.state import ExportError, ExportState
+from helios.manifest import Drafter, Engine, Manifest
+from ignition.checkpoints.base import Checkpoint
+from ignition.export.options import ExportError, ExportOptions, Progress
 
 DRAFTER_ENGINE = "drafter"
 DRAFTER_DIR = "drafter"  # in the core folder
@@ -31,71 +35,78 @@ def check_drafter_vocab(drafter: str, ours: dict[str, int], theirs: dict[str, in
         )
 
 
-def add_drafter(state: ExportState, export_core) -> None:
+@dataclass(frozen=True)
+class CompiledDrafter:
+    """The drafter's product: its step engine (files moved under `drafter/` in the core) and the
+    manifest of the core it was exported as."""
+
+    spec: str  # --drafter
+    engine: Engine
+    manifest: Manifest
+
+
+def add_drafter(
+    options: ExportOptions,
+    checkpoint: Checkpoint,
+    work: Path,
+    core: Path,
+    progress: Progress,
+    export_core: Callable[[ExportOptions, Progress], Manifest],
+) -> CompiledDrafter | None:
     """With --drafter: export it (export_core: the pipeline's entry point) and move its step engine
-    into the core; the manifest's `drafter` section is set by `describe_drafter`."""
-    options = state.options
-    if options.drafter is None:
-        return
-    outer = state.progress
+    into the core; the manifest's `drafter` section is `describe_drafter`'s. None without one."""
+    spec = options.drafter
+    if spec is None:
+        return None
 
-    def progress(stage: str, detail: str) -> None:  # the drafter's stages show inside "export"
-        outer("export", f"drafter: {stage}: {detail}")
+    def nested(stage: str, detail: str) -> None:  # the drafter's stages show inside "export"
+        progress("export", f"drafter: {stage}: {detail}")
 
-    nested = dataclasses.replace(
-        options,
-        checkpoint=options.drafter,
-        out=state.work / DRAFTER_WORK,
-        drafter=None,
-        prompt_logprobs=False,
-        force=False,
+    source = work / DRAFTER_WORK
+    drafter_options = dataclasses.replace(
+        options, checkpoint=spec, out=source, drafter=None, prompt_logprobs=False, force=False
     )
     try:
-        drafter = export_core(nested, progress)
+        drafter = export_core(drafter_options, nested)
     except ExportError as exc:
-        raise ExportError(f"the drafter {options.drafter}: {exc}") from None
+        raise ExportError(f"the drafter {spec}: {exc}") from None
     if drafter.state is not None:
         raise ExportError(
-            f"the drafter {options.drafter} keeps recurrent state, which cannot roll back rejected "
+            f"the drafter {spec} keeps recurrent state, which cannot roll back rejected "
             "drafts: choose an attention-only drafter"
         )
-    source = state.work / DRAFTER_WORK
-    assert state.checkpoint is not None
-    ours = Tokenizer.from_str(state.checkpoint.tokenizer_json).get_vocab(with_added_tokens=True)
+    ours = Tokenizer.from_str(checkpoint.tokenizer_json).get_vocab(with_added_tokens=True)
     theirs = Tokenizer.from_file(str(source / drafter.tokenizer.file)).get_vocab(with_added_tokens=True)
-    check_drafter_vocab(options.drafter, ours, theirs)
+    check_drafter_vocab(spec, ours, theirs)
     step = drafter.engine("step")
-    target = state.core_dir / DRAFTER_DIR
+    target = core / DRAFTER_DIR
     target.mkdir()
     for name in (step.file, *step.data_files):
         shutil.move(source / name, target / name)
-    state.engines.append(
-        dataclasses.replace(
-            step,
-            name=DRAFTER_ENGINE,
-            file=f"{DRAFTER_DIR}/{step.file}",
-            data_files=[f"{DRAFTER_DIR}/{name}" for name in step.data_files],
-        )
-    )
-    state.drafter = drafter
     shutil.rmtree(source)
+    engine = dataclasses.replace(
+        step,
+        name=DRAFTER_ENGINE,
+        file=f"{DRAFTER_DIR}/{step.file}",
+        data_files=[f"{DRAFTER_DIR}/{name}" for name in step.data_files],
+    )
+    return CompiledDrafter(spec, engine, drafter)
 
 
-def describe_drafter(state: ExportState, manifest: Manifest) -> None:
-    """Name the exported drafter in `manifest`, checking it can share the target's pages."""
-    drafter = state.drafter
-    if drafter is None:
-        return
-    manifest.drafter = Drafter(
+def describe_drafter(drafter: CompiledDrafter, manifest: Manifest) -> Drafter:
+    """The target manifest's `drafter` section, checked to share the target's pages."""
+    own = drafter.manifest
+    section = Drafter(
         engine=DRAFTER_ENGINE,
-        checkpoint_id=drafter.identity.checkpoint_id,
-        checkpoint_sha256=drafter.identity.checkpoint_sha256,
-        architecture=drafter.architecture,
-        kv=drafter.kv,
-        decode_weight_bytes=drafter.decode_weight_bytes,
-        parity=drafter.parity,
+        checkpoint_id=own.identity.checkpoint_id,
+        checkpoint_sha256=own.identity.checkpoint_sha256,
+        architecture=own.architecture,
+        kv=own.kv,
+        decode_weight_bytes=own.decode_weight_bytes,
+        parity=own.parity,
     )
     try:
-        manifest.drafter.check(manifest)
+        section.check(manifest)
     except ValueError as exc:
-        raise ExportError(f"the drafter {state.options.drafter} cannot serve this core: {exc}") from None
+        raise ExportError(f"the drafter {drafter.spec} cannot serve this core: {exc}") from None
+    return section

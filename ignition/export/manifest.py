@@ -1,5 +1,5 @@
 """The ignition side of core.json: every `helios.manifest.Manifest` field an export fills, from
-its state (the schema itself is helios/manifest.py, shared with helios).
+the stages' products (the schema itself is helios/manifest.py, shared with helios).
 
 assemble() builds the manifest once the engines are in the core; validate adds `parity` and
 write seals it (`files`, `digest`, `content_digest`). The cache layouts and limits are computed
@@ -14,6 +14,7 @@ import onnx
 from tokenizers import Tokenizer
 
 from helios.manifest import (
+    Engine,
     Identity,
     KVLayout,
     Limits,
@@ -24,10 +25,11 @@ from helios.manifest import (
     StateLayout,
     TemplateSpec,
     TokenizerSpec,
+    Vision,
 )
 from ignition.checkpoints.base import Checkpoint
+from ignition.export.options import ExportError, ExportOptions
 from ignition.export.quantize import manifest_quantization
-from ignition.export.state import ExportError, ExportState
 from ignition.export.toolchain import toolchain
 from ignition.models import cache_layout
 from ignition.recipes import Recipe
@@ -36,11 +38,18 @@ TOP_LOGPROBS = 20
 MAX_EXPLICIT_TOKEN_IDS = 128  # api.md: logprob_token_ids takes at most 128 ids
 
 
-def assemble(state: ExportState) -> Manifest:
+def assemble(
+    options: ExportOptions,
+    checkpoint: Checkpoint,
+    limits: Limits,
+    kv: KVLayout,
+    state: StateLayout | None,
+    engines: list[Engine],
+    vision: Vision | None,
+    core: Path,
+) -> Manifest:
     """The core's manifest without parity; writes the tokenizer and chat template it names."""
-    checkpoint, recipe, options = state.checkpoint, state.recipe, state.options
-    assert checkpoint is not None and state.kv is not None and state.limits is not None
-    core = state.core_dir
+    recipe = options.recipe
     tokenizer = write_tokenizer(checkpoint, recipe, core)
     template = write_template(checkpoint, recipe, core)
     return Manifest(
@@ -52,9 +61,9 @@ def assemble(state: ExportState) -> Manifest:
         ),
         architecture=checkpoint.architecture,
         precision=options.precision,
-        limits=state.limits,
-        kv=state.kv,
-        engines=state.engines,
+        limits=limits,
+        kv=kv,
+        engines=engines,
         tokenizer=tokenizer,
         template=template,
         sampling=Sampling(defaults=recipe.sampling_defaults, ranges=dict(recipe.sampling_ranges)),
@@ -65,11 +74,11 @@ def assemble(state: ExportState) -> Manifest:
             prompt_logprobs=options.prompt_logprobs,
             max_explicit_token_ids=MAX_EXPLICIT_TOKEN_IDS,
         ),
-        decode_weight_bytes=decode_weight_bytes(core / state.engines[0].file),
+        decode_weight_bytes=decode_weight_bytes(core / engines[0].file),
         toolchain=toolchain(),
-        state=state.state_layout,
+        state=state,
         quantization=manifest_quantization(options.precision),
-        vision=state.vision,
+        vision=vision,
     )
 
 

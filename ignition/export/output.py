@@ -19,8 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from helios.manifest import MANIFEST_NAME
-from ignition.export.cache import owner_alive
-from ignition.export.state import ExportError
+from ignition.export.options import ExportError
 
 
 def check_out(out: Path, force: bool) -> None:
@@ -83,3 +82,22 @@ def remove_dead_partials(out: Path) -> None:
             fields = path.name[len(prefix) :].split("-", 1)
             if not owner_alive(fields):
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def owner_alive(fields: list[str]) -> bool:
+    """Whether the process named by "[pid, host-...]" name fields may still be running: True
+    unless it ran on this host and is gone (another host's folders are never touched)."""
+    try:
+        pid = int(fields[0])
+    except (IndexError, ValueError):
+        return True
+    rest = fields[1] if len(fields) > 1 else ""
+    if not rest.startswith(socket.gethostname() + "-"):
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,11 +1,29 @@
-"""The export pipeline: recipe + checkpoint -> core folder, stage by stage (stages.py).
+"""The export pipeline: recipe + checkpoint -> core folder. export_core runs the stages in this
+order, each taking earlier products and returning its own (stages.py unless named):
+
+    check          refuse what the options and the checkpoint's metadata rule out (nothing read)
+    read           -> Checkpoint                                        [cached]
+    convert        -> TorchModel (on a cache hit: built only if needed)  [cached]
+    trace          -> Traced: fp32 step graph, its engine, KV and state layouts  [cached]
+    reference      -> validation's reference (recorded on a miss, replayed on a hit)  [cached]
+    limits         -> Limits (manifest.py): a --context-length past the native context stops here
+    quantize       -> the step Engine, in the core at --precision
+    score          -> the score Engine (--prompt-logprobs)
+    vision         -> VisionGraph (a checkpoint with a vision tower)
+    torch program  -> its .pt2, then its Engine in the core (--target cuda)  [cached per dtype]
+    free scratch   the fp32 graph the cache does not keep
+    drafter        -> CompiledDrafter (drafter.py, --drafter: this pipeline, nested)
+    assemble       -> Manifest (manifest.py; with the drafter's section)
+    validate       -> Manifest with parity; past tolerance ParityError fails the export
+    commit         the cache entry (also on ParityError: only this precision's engine failed)
+    write          seal core.json and rename the core into place
 
 Release-artifact rules (docs/cores.md):
 - Reproducible: the same checkpoint, recipe, flags and toolchain give byte-identical files and
   core.json (no timestamps, no absolute paths, sorted JSON, the exporter's source-location
   metadata stripped from the graph, deterministic names and external-data layout).
 - Atomic: the core is assembled in a hidden sibling of --out and renamed into place (output.py).
-- Cached: read/convert/trace results are reused from the export cache (cache.py) by content
+- Cached: the [cached] stages' products are reused from the export cache (cache.py) by content
   hash, unless ExportOptions.cache is False (--no-cache).
 """
 
@@ -19,44 +37,55 @@ from ignition.export import stages
 from ignition.export.cache import CachedStages
 from ignition.export.drafter import add_drafter, check_drafter_vocab, describe_drafter
 from ignition.export.manifest import assemble, serving_limits
+from ignition.export.options import ExportError, ExportOptions, Progress
 from ignition.export.output import check_out, work_folder
 from ignition.export.quantize import PRECISIONS
-from ignition.export.state import ExportError, ExportOptions, ExportState, Progress
 from ignition.export.torch_program import TORCH_DTYPES
 from ignition.export.validate import ParityError
 from ignition.models import PLANNED, logit_postprocessing
 
-# The stages as the CLI shows them (trace and score report as "export").
+# The stages as the CLI shows them (trace, score, vision and the torch program report as "export").
 STAGES = ("read", "convert", "export", "quantize", "validate", "write")
 
 
 def export_core(options: ExportOptions, progress: Progress = lambda stage, detail: None) -> Manifest:
     """Export options.checkpoint with options.recipe into the core folder options.out."""
     check_request(options)
-    with work_folder(Path(options.out)) as work:
-        state = ExportState(options, progress, work)
-        with CachedStages(state) as cached:
-            cached.run(stages.read_checkpoint, stages.convert_model, stages.trace_step_graph)
-            # Before quantization and validation: a --context-length past the native context stops here.
-            assert state.checkpoint is not None
-            state.limits = serving_limits(state.recipe, state.checkpoint, options.context_length)
-            stages.quantize_step_graph(state)
-            stages.add_score_graph(state)
-            stages.add_vision_graph(state)
-            stages.add_torch_program(state)
-            stages.free_scratch(state)
-            add_drafter(state, export_core)
-            state.manifest = assemble(state)
-            describe_drafter(state, state.manifest)
-            try:
-                stages.validate_engines(state)
-            except ParityError as exc:
-                # What the cache keeps is sound (only this precision's engine failed): keep it.
-                cached.commit()
-                raise ExportError(str(exc)) from None
-            cached.commit()
-            stages.write_core(state)
-            return state.manifest
+    recipe, precision, dtype = options.recipe, options.precision, options.torch_dtype
+    with work_folder(Path(options.out)) as work, CachedStages(options, progress, work / stages.SCRATCH_DIR) as cache:
+        core = work / stages.CORE_DIR
+        checkpoint = cache.read(stages.read_checkpoint)
+        model = cache.convert(stages.convert_model, checkpoint)
+        traced = cache.trace(stages.trace_step_graph, checkpoint, model)
+        reference = cache.reference(model)
+        # Before quantization and validation: a --context-length past the native context stops here.
+        limits = serving_limits(recipe, checkpoint, options.context_length)
+        engines = [stages.quantize_step_graph(traced, precision, core, progress)]
+        if options.prompt_logprobs:
+            engines.append(stages.add_score_graph(traced, checkpoint, precision, work, core, progress))
+        vision = stages.add_vision_graph(traced, checkpoint, limits, core, progress)
+        if vision is not None:
+            engines.append(vision.engine)
+        if "cuda" in options.targets:
+            program = cache.torch_program(stages.trace_torch_program, checkpoint, traced, model, dtype)
+            engines.append(stages.add_torch_program(program, checkpoint, traced, dtype, core))
+        stages.free_scratch(work / stages.SCRATCH_DIR)
+        drafter = add_drafter(options, checkpoint, work, core, progress, export_core)
+        if drafter is not None:
+            engines.append(drafter.engine)
+        manifest = assemble(
+            options, checkpoint, limits, traced.kv, traced.state, engines, vision.spec if vision else None, core
+        )
+        if drafter is not None:
+            manifest.drafter = describe_drafter(drafter, manifest)
+        try:
+            manifest = stages.validate_engines(manifest, checkpoint, reference, model, core, progress)
+        except ParityError as exc:
+            cache.commit(checkpoint, traced)  # only this precision's engine failed: what the cache keeps is sound
+            raise ExportError(str(exc)) from None
+        cache.commit(checkpoint, traced)
+        stages.write_core(manifest, core, Path(options.out), options.force, progress)
+        return manifest
 
 
 def check_request(options: ExportOptions) -> None:

@@ -12,7 +12,7 @@ import torch
 from helios.manifest import Engine, TensorSpec, Vision
 from ignition.checkpoints.base import Checkpoint
 from ignition.export.graph import OPSET, save_with_external_data
-from ignition.export.state import ExportError
+from ignition.export.options import ExportError
 from ignition.models.qwen3_5 import mrope_axes
 from ignition.models.qwen3_5_vision import Qwen35VisionTower
 

@@ -19,8 +19,8 @@ from helios.engine.engine import Engine
 from helios.engine.prefix_cache import PrefixCacheConfig
 from helios.engine.speculation import SpeculationConfig
 from helios.manifest import Manifest
+from ignition.export.options import ExportError
 from ignition.export.pipeline import ExportOptions, export_core
-from ignition.export.state import ExportError
 from ignition.recipes import load_recipe
 from tests.conftest import Server, add_think_tokens
 from tests.unit.tiny_checkpoints import write_tiny_checkpoint
