@@ -25,7 +25,6 @@ from helios.neutral.conversation import (
     ToolSpec,
 )
 from helios.neutral.errors import RequestError
-from helios.neutral.fields import choice_count, opt_bool, opt_object
 from helios.neutral.grammar import OutputFormat
 from helios.neutral.images import decode_data_url
 from helios.neutral.output import BlockDelta, BlockOpened, OutputEvent
@@ -34,6 +33,7 @@ from helios.neutral.sampling import check_top_logprobs, resolve_max_tokens
 from helios.neutral.thinking import Budget, check_budget, check_effort, template_kwargs
 from helios.neutral.tools import EmittedCall, ToolChoice, unique_names
 from helios.protocols import common
+from helios.protocols.fields import choice_count, opt_bool, opt_object
 from helios.transport.context import ServerContext
 from helios.transport.generation import Codec, Frame
 

@@ -17,10 +17,11 @@ from typing import Any
 from helios.engine.api import FinishReason, PromptLogprob, SamplingParams, TokenLogprob
 from helios.manifest import Manifest
 from helios.neutral.errors import RequestError
-from helios.neutral.fields import opt_bool, opt_int, opt_object, require_bool, require_int
+from helios.neutral.fields import require_bool, require_int
 from helios.neutral.grammar import OutputFormat
 from helios.neutral.sampling import DISTRIBUTION_FIELDS, SamplingFields, logprob_count, resolve_sampling
 from helios.neutral.tokenizer import Tokenizer
+from helios.protocols.fields import opt_bool, opt_int, opt_object
 from helios.transport.errors import ApiError, openai_error_body
 
 NONFINITE_LOGPROB = -9999.0

@@ -15,7 +15,6 @@ from typing import Any
 from helios.engine.api import GenerationEvent, GenerationRequest, SamplingParams
 from helios.neutral.answer import ChoiceState
 from helios.neutral.errors import RequestError
-from helios.neutral.fields import choice_count, opt_bool, opt_int, reject_present
 from helios.neutral.prefix_boundaries import endpoint
 from helios.neutral.request import engine_requests
 from helios.neutral.sampling import (
@@ -25,6 +24,7 @@ from helios.neutral.sampling import (
 )
 from helios.neutral.tokenizer import Tokenizer
 from helios.protocols import common
+from helios.protocols.fields import choice_count, opt_bool, opt_int, reject_present
 from helios.transport.context import ServerContext
 from helios.transport.generation import Codec, Frame
 

@@ -33,7 +33,6 @@ from helios.neutral.conversation import (
     ToolSpec,
 )
 from helios.neutral.errors import RequestError
-from helios.neutral.fields import opt_bool, opt_int, opt_object
 from helios.neutral.grammar import OutputFormat
 from helios.neutral.images import decode_base64
 from helios.neutral.output import Block, BlockClosed, BlockDelta, BlockOpened, OutputEvent
@@ -42,6 +41,7 @@ from helios.neutral.sampling import resolve_max_tokens
 from helios.neutral.thinking import INT32_MAX, Budget, check_budget, check_effort, effort_from_budget, template_kwargs
 from helios.neutral.tools import ToolChoice, unique_names
 from helios.protocols import common
+from helios.protocols.fields import opt_bool, opt_int, opt_object
 from helios.transport.context import ServerContext
 from helios.transport.errors import ApiError, bad_request, json_response, messages_error_body
 from helios.transport.generation import Codec, Frame

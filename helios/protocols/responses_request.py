@@ -21,7 +21,6 @@ from helios.neutral.conversation import (
     ToolSpec,
 )
 from helios.neutral.errors import RequestError
-from helios.neutral.fields import opt_bool, opt_object
 from helios.neutral.grammar import Compiler, OutputFormat, compiler_for
 from helios.neutral.images import decode_data_url
 from helios.neutral.request import ChatOptions
@@ -36,6 +35,7 @@ from helios.neutral.tools import (
     unique_names,
 )
 from helios.protocols import common
+from helios.protocols.fields import opt_bool, opt_object
 from helios.transport.context import ServerContext
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
