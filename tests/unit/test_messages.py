@@ -16,7 +16,7 @@ from helios.neutral.conversation import render_text
 from helios.neutral.hints import boundary_positions
 from helios.neutral.template import ChatTemplate
 from helios.neutral.tokenizer import Tokenizer
-from helios.protocols import messages
+from helios.protocols import messages, messages_request
 from helios.transport.config import ServerConfig
 from tests.unit.live import ANTHROPIC, USER, metrics, second_token, sse
 
@@ -146,7 +146,7 @@ def test_system_blocks_inline_system_and_empty_controls(http: httpx.Client, fron
     ]
     controls = {"role": "system", "content": [], "output_config": {"effort": "high"}}
     assert _count(http, messages=inline) == _count(http, messages=inline + [controls])
-    decoded = messages.decode(frontend, {"messages": inline})
+    decoded = messages_request.decode(frontend, {"messages": inline})
     text = render_text(decoded.conversation, frontend.template)
     assert text.index("Hello") < text.index("Reply with exactly OK.")  # kept at its position
 
@@ -167,7 +167,7 @@ def test_tool_history_and_thinking_replay(http: httpx.Client, frontend):
                 {
                     "type": "thinking",
                     "thinking": "I should call lookup.",
-                    "signature": messages.thinking_signature("I should call lookup."),
+                    "signature": messages_request.thinking_signature("I should call lookup."),
                 },
                 {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {"q": "alpha"}},
             ],
@@ -180,7 +180,7 @@ def test_tool_history_and_thinking_replay(http: httpx.Client, frontend):
             ],
         },
     ]
-    decoded = messages.decode(frontend, {"messages": history, "tools": tools})
+    decoded = messages_request.decode(frontend, {"messages": history, "tools": tools})
     assert [m.role for m in decoded.conversation.messages] == ["user", "assistant", "tool", "user"]
     text = render_text(decoded.conversation, frontend.template)
     assert '"q": "alpha"' in text and "The result is 42." in text and "lookup" in text
@@ -189,7 +189,7 @@ def test_tool_history_and_thinking_replay(http: httpx.Client, frontend):
     foreign = [dict(history[1], content=[{"type": "thinking", "thinking": "x", "signature": "sig-from-elsewhere"}])]
     assert _count(http, messages=history[:1] + foreign + history[2:]) > 0
     for block in (
-        {"type": "thinking", "thinking": "tampered", "signature": messages.thinking_signature("x")},
+        {"type": "thinking", "thinking": "tampered", "signature": messages_request.thinking_signature("x")},
         {"type": "redacted_thinking", "data": "opaque"},
     ):
         bad = history[:1] + [{"role": "assistant", "content": [block]}] + history[2:]
@@ -199,7 +199,7 @@ def test_tool_history_and_thinking_replay(http: httpx.Client, frontend):
 
 def test_assistant_prefill_continues_the_final_message(http: httpx.Client, frontend):
     prefill = USER + [{"role": "assistant", "content": "Sure:"}]
-    decoded = messages.decode(frontend, {"messages": prefill})
+    decoded = messages_request.decode(frontend, {"messages": prefill})
     assert decoded.continue_final
     prompt = messages._prompt(frontend, decoded)
     assert frontend.tokenizer.decode(prompt).endswith("Sure:")
@@ -213,15 +213,15 @@ def test_assistant_prefill_continues_the_final_message(http: httpx.Client, front
 def test_cache_control_blocks_become_checkpoint_hints(frontend):
     block = {"type": "text", "text": "A long shared history. " * 10, "cache_control": {"type": "ephemeral"}}
     body = {"messages": [{"role": "user", "content": [block, {"type": "text", "text": "Now act."}]}]}
-    decoded = messages.decode(frontend, body)
+    decoded = messages_request.decode(frontend, body)
     assert len(decoded.cache_hints) == 1
     prompt = messages._prompt(frontend, decoded)
     positions = [c.position for c in messages._lower(frontend, decoded).checkpoints if c.role == CheckpointRole.HINT]
     assert len(positions) == 1
     assert frontend.tokenizer.decode(prompt[: positions[0]]).endswith(block["text"].rstrip())
     many = {"messages": [{"role": "user", "content": [dict(block, text=f"part {i}") for i in range(6)]}]}
-    assert len(messages.decode(frontend, many).cache_hints) == messages.MAX_CACHE_HINTS
-    unhinted = messages.decode(frontend, {"messages": USER, "system": [block]})  # system: ignored
+    assert len(messages_request.decode(frontend, many).cache_hints) == messages_request.MAX_CACHE_HINTS
+    unhinted = messages_request.decode(frontend, {"messages": USER, "system": [block]})  # system: ignored
     assert unhinted.cache_hints == []
     assert boundary_positions(decoded.conversation, [], frontend.template, frontend.tokenizer, prompt) == []
 
@@ -241,7 +241,7 @@ def test_anthropic_version_header(tiny_server, version, status):
             assert response.json()["type"] == "error" and "anthropic-version" in response.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("field", messages.LOGPROB_FIELDS)
+@pytest.mark.parametrize("field", messages_request.LOGPROB_FIELDS)
 def test_logprob_fields_are_rejected(http: httpx.Client, field):
     value = (
         True if field in ("logprobs", "return_tokens_as_token_ids") else ([1] if field == "logprob_token_ids" else 0)
