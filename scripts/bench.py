@@ -85,7 +85,7 @@ from moe_tps import measure as measure_moe
 from prefix_ttft import measure as measure_prefix_reuse
 from speculative_tps import measure as measure_speculative
 
-from tests.conftest import Server
+from helios.launcher import HeliosProcess
 
 STORY = "Write a long story about a lighthouse keeper."
 
@@ -644,7 +644,7 @@ def main() -> None:
     tokenizer = None if long_skip else Tokenizer.from_core(args.core, manifest)
 
     start_load = os.getloadavg()
-    server = Server(args.core, *(["--threads", str(args.threads)] if args.threads else []))
+    server = HeliosProcess(args.core, *(["--threads", str(args.threads)] if args.threads else []))
     helios_rounds: list[dict] = []
     peer_rounds: list[dict] = []
     bandwidth: list[dict] = []

@@ -28,8 +28,8 @@ from prefix_ttft import first_token
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.conftest import CACHE
-from tests.server.cluster import Cluster
+from helios.cache_dir import cache_root
+from helios.launcher import ClusterProcess
 
 THINK_S = 1.0  # between turns: the agent runs its tools
 RULE = "Rule {n}: when the user asks about module {s}_{n}, read it first, then answer in one short line.\n"
@@ -71,7 +71,7 @@ def run_session(url: str, session: int, turns: int) -> list[dict]:
 
 
 def measure(core: Path, policy: str, sessions: int, turns: int) -> dict:
-    cluster = Cluster(core, "--threads", "1", "--router", policy)
+    cluster = ClusterProcess(core, "--threads", "1", "--router", policy)
     try:
         first_token(httpx.Client(base_url=cluster.url, timeout=600), [{"role": "user", "content": "warm up"}])
         with ThreadPoolExecutor(sessions) as pool:
@@ -96,7 +96,7 @@ def measure(core: Path, policy: str, sessions: int, turns: int) -> dict:
 
 
 def default_core() -> Path:
-    cores = sorted((CACHE / "cores").glob("qwen25_coder-int4-*"))
+    cores = sorted((cache_root() / "cores").glob("qwen25_coder-int4-*"))
     if not cores:
         raise SystemExit("no default core cached: run the tests once, or pass --core")
     return cores[-1]

@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from prefix_ttft import first_token
 
-from tests.conftest import Server
+from helios.launcher import HeliosProcess
 
 TOOL = {
     "type": "function",
@@ -97,7 +97,7 @@ def measure(core: Path, tokens: int = 16000, others: int = 8, log: Callable[[str
     prompt = agent_prompt("main", tokens)
     result: dict = {"prompt_tokens": 0}
 
-    server = Server(core, *serve)
+    server = HeliosProcess(core, *serve)
     try:
         with httpx.Client(base_url=server.url, timeout=3600) as client:
             first_token(client, [{"role": "user", "content": "warm up"}])
@@ -107,7 +107,7 @@ def measure(core: Path, tokens: int = 16000, others: int = 8, log: Callable[[str
     finally:
         server.stop()
     drop_page_cache(folder)
-    server = Server(core, *serve)
+    server = HeliosProcess(core, *serve)
     try:
         with httpx.Client(base_url=server.url, timeout=3600) as client:
             seconds, usage = first_token(client, prompt)

@@ -6,7 +6,7 @@ active-bytes bound (prints numbers, asserts nothing).
 
 A synthetic Qwen 3.5 MoE checkpoint (4 full-attention layers, hidden 2048, 64 experts of width
 512, top-4, a shared expert; transformers' own initialisation with a wider tied token table, the
-byte tokenizer of the tests) is exported at int4 once into the flare cache: ~0.9 B parameters of
+byte tokenizer of ignition.tiny_text) is exported at int4 once into the flare cache: ~0.9 B parameters of
 which the experts are ~90%; a decode step reads ~60 MB of it. The step graph
 runs through helios's Runner twice: with its routed MoEInt4 layers (flare's kernel), and with
 `FLARE_EXPERTS=dense`, which rewrites them into the dense chain ignition exported before (every
@@ -66,6 +66,15 @@ CONFIG = dict(
     num_experts_per_tok=4,
     moe_intermediate_size=512,
     shared_expert_intermediate_size=512,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=4096,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+        "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True,
+    },
 )
 EMBEDDING_STD = 0.1
 TARGETS = {"b1_vs_dense": 5.0, "b1_vs_bound": 0.6, "b8_vs_b1": 1.5, "prefill_vs_dense": 1.0}
@@ -73,10 +82,12 @@ TARGETS = {"b1_vs_dense": 5.0, "b1_vs_bound": 0.6, "b8_vs_b1": 1.5, "prefill_vs_
 
 def synthetic_core(log: Callable[[str], None]) -> Path:
     """The synthetic MoE core, exported once per exporter version into $FLARE_CACHE/cores."""
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
     from ignition.export.pipeline import ExportOptions, export_core
     from ignition.export.toolchain import exporter_version
     from ignition.recipes import load_recipe
-    from tests.unit.family_checkpoints import write_quantizable_checkpoint
+    from ignition.tiny_text import QWEN_SPECIALS, write_text_checkpoint
 
     core = cache_root() / "cores" / f"moe-synthetic-int4-{exporter_version()[:12]}-h{CONFIG['hidden_size']}"
     if (core / "core.json").is_file():
@@ -84,7 +95,15 @@ def synthetic_core(log: Callable[[str], None]) -> Path:
     log(f"exporting the synthetic MoE core into {core} (minutes)")
     folder = cache_root() / "checkpoints" / "moe-synthetic"
     shutil.rmtree(folder, ignore_errors=True)
-    checkpoint = write_quantizable_checkpoint(folder, "qwen3_5_moe", overrides=CONFIG, embedding_std=EMBEDDING_STD)
+    checkpoint = write_text_checkpoint(
+        folder,
+        Qwen3_5MoeTextConfig,
+        Qwen3_5MoeForCausalLM,
+        QWEN_SPECIALS,
+        "<|im_end|>",
+        CONFIG,
+        embedding_std=EMBEDDING_STD,
+    )
     export_core(
         ExportOptions(recipe=load_recipe("qwen38"), checkpoint=str(checkpoint), out=core, precision="int4", force=True)
     )

@@ -1,15 +1,14 @@
 """The measurement scripts' shared entry: a running server, or one `helios serve CORE` started
-for the run (tests.conftest.Server), then the result printed and optionally written as JSON."""
+for the run (helios.launcher.HeliosProcess), then the result printed and optionally written as JSON."""
 
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from helios.launcher import HeliosProcess
 
 
 def run_against(
@@ -23,10 +22,7 @@ def run_against(
     cores/default) and stopped afterwards."""
     server = None
     if url is None:
-        sys.path.insert(0, str(REPO))
-        from tests.conftest import Server
-
-        server = Server(core or Path("cores/default"))
+        server = HeliosProcess(core or Path("cores/default"))
         url, pid = server.url, server.process.pid
     try:
         result = measure(url, pid)

@@ -40,7 +40,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.conftest import Server
+from helios.launcher import HeliosProcess
 
 TARGETS = {"edit": 2.5, "free": 0.95, "b8": 0.95}
 
@@ -145,7 +145,7 @@ def rates(core: Path, mode: str, log: Callable[[str], None], settings: str = "",
         config = Path(tempfile.mkdtemp()) / "helios.toml"
         config.write_text("[server]\n" + settings)
         args += ["--config", str(config)]
-    server = Server(core, *args)
+    server = HeliosProcess(core, *args)
     try:
         with httpx.Client(base_url=server.url, timeout=1800) as client:
             stream(client, [{"role": "user", "content": "warm up"}], 8)

@@ -5,19 +5,13 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from helios.cache_dir import cache_root
+from helios.launcher import HeliosProcess
 
 # Triton kernels run on CPU tensors only under the interpreter, and @triton.jit picks it when it
 # decorates, triton.language's own helpers included: whichever test module first imports
@@ -154,76 +148,17 @@ def default_core() -> Path:
     return target
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A real `helios serve` process on a loopback port (`command` picks another helios command
-    that serves, e.g. ("cluster", "serve"))."""
-
-    command: tuple[str, ...] = ("serve",)
-    stop_timeout = 15.0  # after SIGTERM, before SIGKILL to the whole process group
-
-    def __init__(self, core: Path, *args: str, timeout: float = 300.0, cwd: Path = REPO):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        # An anonymous file: the log is read on failure and never left beside the core (which may
-        # sit in the shared flare cache).
-        self.log = tempfile.TemporaryFile("w+")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "helios.cli", *self.command, str(core), "--port", str(self.port), *args],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            cwd=cwd,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"helios exited with {self.process.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200 and self.ready():
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"helios did not become healthy in {timeout}s:\n{self.output()}")
-
-    def ready(self) -> bool:
-        """Past a 200 from /health, what else serving needs (a cluster: all its replicas)."""
-        return True
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()[-5000:]
-
-    def stop(self) -> int | None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(self.stop_timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
-        self.log.close()
-        return self.process.returncode
-
-
 @pytest.fixture(scope="session")
-def tiny_server(tiny_core) -> Iterator[Server]:
-    server = Server(tiny_core)
+def tiny_server(tiny_core) -> Iterator[HeliosProcess]:
+    server = HeliosProcess(tiny_core)
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="session")
-def tiny_torch_server(tiny_core) -> Iterator[Server]:
+def tiny_torch_server(tiny_core) -> Iterator[HeliosProcess]:
     """The tiny core served by its torch step program on CPU torch (what a GPU serves, minus graphs)."""
-    server = Server(tiny_core, "--engine", "torch")
+    server = HeliosProcess(tiny_core, "--engine", "torch")
     yield server
     server.stop()
 
@@ -236,19 +171,19 @@ TINY_MAX_BODY_BYTES = 1 << 20
 
 
 @pytest.fixture(scope="session")
-def tiny_keyed_server(tiny_core, tmp_path_factory) -> Iterator[Server]:
+def tiny_keyed_server(tiny_core, tmp_path_factory) -> Iterator[HeliosProcess]:
     folder = tmp_path_factory.mktemp("keyed")
     (folder / "key").write_text(TINY_API_KEY + "\n")
     (folder / "helios.toml").write_text(
         f"[server]\nhttp_admission_slots = {TINY_ADMISSION_SLOTS}\nmax_body_bytes = {TINY_MAX_BODY_BYTES}\n"
     )
-    server = Server(tiny_core, "--api-key-file", str(folder / "key"), "--config", str(folder / "helios.toml"))
+    server = HeliosProcess(tiny_core, "--api-key-file", str(folder / "key"), "--config", str(folder / "helios.toml"))
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="session")
-def default_server(default_core) -> Iterator[Server]:
-    server = Server(default_core)
+def default_server(default_core) -> Iterator[HeliosProcess]:
+    server = HeliosProcess(default_core)
     yield server
     server.stop()

@@ -132,7 +132,7 @@ def test_speculation_is_exact_and_fires_on_an_edit(default_core, default_server,
     """Greedy output of an edit (a file re-emitted with one name changed), and of a chat with a
     tool, is the same with speculation (the default server) and without it, token for token with
     the same target logprobs (parting only at a tie, TIE_NATS), and history drafts were accepted."""
-    from tests.conftest import Server
+    from helios.launcher import HeliosProcess
 
     module = "class Inventory:\n    def __init__(self):\n        self.record_store = {}\n" + "".join(
         f"\n    def add_{i}(self, sku: str, count: int) -> int:\n"
@@ -172,7 +172,7 @@ def test_speculation_is_exact_and_fires_on_an_edit(default_core, default_server,
     after = http.get("/metrics", params={"format": "json"}).json()
     assert after["accepted_drafts"] - before["accepted_drafts"] > 40
     fast_chat = http.post("/v1/chat/completions", json=chat).json()["choices"][0]
-    plain = Server(default_core, "--speculation", "off")
+    plain = HeliosProcess(default_core, "--speculation", "off")
     try:
         slow = httpx.post(plain.url + "/v1/completions", json=body, timeout=300).json()["choices"][0]
         slow_chat = httpx.post(plain.url + "/v1/chat/completions", json=chat, timeout=300).json()["choices"][0]

@@ -21,8 +21,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from helios.dashboard import Snapshot
+from helios.launcher import ClusterProcess
 from tests.conftest import REPO
-from tests.server.cluster import Cluster
 from tests.unit.live import wait_for
 
 pytest.importorskip("ray.serve", reason="the `cluster` extra (ray[serve]) is not installed")
@@ -35,13 +35,13 @@ SYSTEM = "You are a careful assistant for the Flare project. " + " ".join(
 
 
 @pytest.fixture(scope="module")
-def cluster(default_core, tmp_path_factory) -> Iterator[Cluster]:
+def cluster(default_core, tmp_path_factory) -> Iterator[ClusterProcess]:
     folder = tmp_path_factory.mktemp("cluster")
     (folder / "key").write_text(KEY + "\n")
     # The replicas share one host-store directory; "always" restores a found chain without
     # weighing it against the prefill (deterministic for the test).
     (folder / "helios.toml").write_text('[server]\ndrain_timeout_s = 60\nhost_store_restore = "always"\n')
-    running = Cluster(
+    running = ClusterProcess(
         default_core,
         "--threads",
         "1",
@@ -57,11 +57,11 @@ def cluster(default_core, tmp_path_factory) -> Iterator[Cluster]:
     running.stop()
 
 
-def oai(cluster: Cluster) -> openai.OpenAI:
+def oai(cluster: ClusterProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=cluster.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
-def chat(cluster: Cluster, question: str, **extra) -> openai.types.chat.ChatCompletion:
+def chat(cluster: ClusterProcess, question: str, **extra) -> openai.types.chat.ChatCompletion:
     return oai(cluster).chat.completions.create(
         model="local",
         messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
@@ -72,7 +72,7 @@ def chat(cluster: Cluster, question: str, **extra) -> openai.types.chat.ChatComp
     )  # greedy: temperature 0 is clamped
 
 
-def routed(cluster: Cluster) -> dict[str, int]:
+def routed(cluster: ClusterProcess) -> dict[str, int]:
     return {r["replica"]: r["routed"] for r in cluster.metrics()["replicas"]}
 
 
@@ -166,7 +166,7 @@ def kill(replica: dict) -> None:
     os.kill(int(replica["label"].rsplit(":", 1)[1]), signal.SIGKILL)
 
 
-def wait_for_replicas(cluster: Cluster, killed: dict, count: int = 2) -> None:
+def wait_for_replicas(cluster: ClusterProcess, killed: dict, count: int = 2) -> None:
     """Until `count` healthy replicas serve and the killed one is not among them: its last
     routing stats still say healthy until Ray notices it died."""
     deadline = time.monotonic() + 180  # Ray restarts a killed replica
@@ -197,7 +197,7 @@ def test_a_prefix_outlives_its_replica_through_the_shared_disk_tier(cluster):
     wait_for_replicas(cluster, holder)
 
 
-def stream_lines(cluster: Cluster, prompt: str, max_tokens: int) -> Iterator[str]:
+def stream_lines(cluster: ClusterProcess, prompt: str, max_tokens: int) -> Iterator[str]:
     body = {
         "model": "local",
         "prompt": prompt,
@@ -213,7 +213,7 @@ def stream_lines(cluster: Cluster, prompt: str, max_tokens: int) -> Iterator[str
         yield from (line for line in response.iter_lines() if line)
 
 
-def serving_replica(cluster: Cluster) -> dict:
+def serving_replica(cluster: ClusterProcess) -> dict:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         busy = [r for r in cluster.metrics()["replicas"] if r["inflight"] > 0]  # the frontend's own count

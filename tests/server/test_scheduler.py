@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import Server
+from helios.launcher import HeliosProcess
 from tests.unit.live import wait_idle
 
 EXTERNAL_URL = (os.environ.get("FLARE_SCHEDULER_TEST_URL") or "").rstrip("/")
@@ -91,7 +91,7 @@ def service(request, tmp_path_factory) -> Iterator[Service]:
         return
     config: Path = tmp_path_factory.mktemp("scheduler") / "helios.toml"
     config.write_text("[server]\n" + MODES[request.param])
-    server = Server(
+    server = HeliosProcess(
         request.getfixturevalue("tiny_core"),
         "--max-concurrency",
         str(SLOTS),

@@ -7,20 +7,19 @@ fused expert tensors as each family's hub checkpoints have them). Weights
 are re-drawn larger than transformers' init (std 0.02 leaves logits nearly flat, which would hide
 errors), and biases/norms that init to constants are randomised so dropping one shows.
 
-The tokenizer is a byte-level BPE without merges (256 byte tokens) plus the family's control
-tokens, so any text round-trips and the family's delimiters are single tokens.
+The tokenizer is ignition.tiny_text's byte-level BPE plus the family's control tokens, so any
+text round-trips and the family's delimiters are single tokens.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from helios.neutral.tokenizer import gpt2_unicode_to_byte
+from ignition.tiny_text import QWEN_SPECIALS, write_byte_tokenizer, write_text_checkpoint
 
 # Control tokens each family's template and parsers use (single tokens in the real tokenizers).
 SPECIALS = {
@@ -111,28 +110,8 @@ SPECIALS = {
         "<tool_response|>",
         '<|"|>',
     ],
-    "qwen3_5": [
-        "<|endoftext|>",
-        "<|im_start|>",
-        "<|im_end|>",
-        "<think>",
-        "</think>",
-        "<tool_call>",
-        "</tool_call>",
-        "<tool_response>",
-        "</tool_response>",
-    ],
-    "qwen3_5_moe": [
-        "<|endoftext|>",
-        "<|im_start|>",
-        "<|im_end|>",
-        "<think>",
-        "</think>",
-        "<tool_call>",
-        "</tool_call>",
-        "<tool_response>",
-        "</tool_response>",
-    ],
+    "qwen3_5": QWEN_SPECIALS,
+    "qwen3_5_moe": QWEN_SPECIALS,
     "nemotron_h": [
         "<|endoftext|>",
         "<|im_start|>",
@@ -585,62 +564,6 @@ class MuseCausalLM(torch.nn.Module):
         (Path(folder) / "config.json").write_text(self.config.to_json_string())
 
 
-# Markup the parsers must see in generated text: added tokens that are not special (as Qwen3's
-# <think> and <tool_call> are), so the detokenizer keeps them; the rest are control tokens.
-MARKUP = {
-    "<think>",
-    "</think>",
-    "<tool_call>",
-    "</tool_call>",
-    "<tool_response>",
-    "</tool_response>",
-    "<arg_key>",
-    "</arg_key>",
-    "<arg_value>",
-    "</arg_value>",
-    "<|tool_calls_section_begin|>",
-    "<|tool_calls_section_end|>",
-    "<|tool_call_begin|>",
-    "<|tool_call_argument_begin|>",
-    "<|tool_call_end|>",
-    "<minimax:tool_call>",
-    "</minimax:tool_call>",
-    "<|channel>",
-    "<channel|>",
-    "<|tool_call>",
-    "<tool_call|>",
-    "<|tool>",
-    "<tool|>",
-    "<|tool_response>",
-    "<tool_response|>",
-    '<|"|>',
-    "<|think|>",
-    "<｜DSML｜function_calls>",
-    "</｜DSML｜function_calls>",
-}
-
-
-def byte_tokenizer(specials: list[str]) -> str:
-    """tokenizer.json of a byte-level BPE with no merges plus `specials` (ids 256...) as added
-    tokens: special control tokens, or plain added tokens for MARKUP."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    alphabet = ByteLevel.alphabet()
-    # bytes_to_unicode order, so id = byte value for readability
-    chars = sorted(alphabet, key=gpt2_unicode_to_byte().__getitem__)
-    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    for token in specials:  # one at a time: ids follow the list order
-        added = AddedToken(token, special=token not in MARKUP, normalized=False)
-        if token in MARKUP:
-            tokenizer.add_tokens([added])
-        else:
-            tokenizer.add_special_tokens([added])
-    return tokenizer.to_str()
-
-
 def build_reference(family: str, seed: int = 0, overrides: dict[str, Any] | None = None):
     """The transformers model of a tiny `family` checkpoint (eval, float32, eager attention);
     `overrides` replace TINY_CONFIGS entries (e.g. more experts)."""
@@ -724,15 +647,7 @@ def write_family_checkpoint(
 
 
 def write_tokenizer_files(folder: Path, family: str) -> None:
-    specials = SPECIALS[family]
-    (folder / "tokenizer.json").write_text(byte_tokenizer(specials))
-    tokenizer_config = {
-        "bos_token": specials[0],
-        "eos_token": EOS[family],
-        "add_bos_token": False,
-        "model_max_length": 4096,
-    }
-    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    write_byte_tokenizer(folder, SPECIALS[family], EOS[family])
 
 
 def write_quantizable_checkpoint(
@@ -749,23 +664,8 @@ def write_quantizable_checkpoint(
     engine is right (fp32 parity 3e-5). transformers' own initialisation keeps the tiny network
     contractive, and tied embeddings make each next-token distribution peaked, as a trained
     model's are (int4: KL ~2e-4, top-1 1.0 on the validation prompt)."""
-    folder = Path(folder)
     config_cls, model_cls = _classes(family)
-    specials = SPECIALS[family]
-    eos = 256 + specials.index(EOS[family])
-    config = config_cls(
-        vocab_size=256 + len(specials),
-        bos_token_id=256,
-        eos_token_id=eos,
-        pad_token_id=eos,
-        **{**TINY_CONFIGS[family], **(overrides or {}), "tie_word_embeddings": True},
+    text_config = {**TINY_CONFIGS[family], **(overrides or {})}
+    return write_text_checkpoint(
+        folder, config_cls, model_cls, SPECIALS[family], EOS[family], text_config, seed, embedding_std
     )
-    torch.manual_seed(seed)
-    model = model_cls(config).eval()
-    if embedding_std is not None:  # wider models: a wider (tied) table keeps the logits peaked
-        with torch.no_grad():
-            model.get_input_embeddings().weight.normal_(0.0, embedding_std)
-    small = sum(p.numel() for p in model.parameters()) < 10_000_000  # tiny ones sharded, as real ones are
-    model.save_pretrained(folder, max_shard_size="300KB" if small else "2GB")
-    write_tokenizer_files(folder, family)
-    return folder

@@ -23,12 +23,13 @@ import onnx
 import pytest
 from typer.testing import CliRunner
 
+from helios.launcher import free_port
 from helios.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, ManifestError, content_digest, file_sha256
 from ignition.cli import app
 from ignition.export import cache as export_cache
 from ignition.export.pipeline import ExportError, ExportOptions, export_core
 from ignition.recipes import load_recipe
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO
 
 RECIPE = "qwen25_coder"
 WIDE = {"COLUMNS": "200"}  # rich wraps at 80 columns off a terminal

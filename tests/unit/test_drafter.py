@@ -18,11 +18,12 @@ from helios.engine.api import GenerationRequest, SamplingParams
 from helios.engine.engine import Engine
 from helios.engine.prefix_cache import PrefixCacheConfig
 from helios.engine.speculation import SpeculationConfig
+from helios.launcher import HeliosProcess
 from helios.manifest import Manifest
 from ignition.export.options import ExportError
 from ignition.export.pipeline import ExportOptions, export_core
 from ignition.recipes import load_recipe
-from tests.conftest import Server, add_think_tokens
+from tests.conftest import add_think_tokens
 from tests.unit.tiny_checkpoints import write_tiny_checkpoint
 
 PROMPT = np.random.default_rng(11).integers(300, 6000, 40).tolist()
@@ -192,7 +193,7 @@ def test_served_core_reports_its_drafter(cores, tmp_path):
     config.write_text(
         "[server]\nspeculation_history_drafts = false\nspeculation_adaptive = false\nspeculation_max_width = 3\n"
     )
-    server = Server(cores["self"], "--config", str(config))
+    server = HeliosProcess(cores["self"], "--config", str(config))
     try:
         card = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]
         assert card["flare"]["learned_drafter"] is True
@@ -206,7 +207,7 @@ def test_served_core_reports_its_drafter(cores, tmp_path):
         server.stop()
     # speculation_learned_drafter = false: the core still serves, without its drafter.
     config.write_text("[server]\nspeculation_learned_drafter = false\n")
-    server = Server(cores["self"], "--config", str(config))
+    server = HeliosProcess(cores["self"], "--config", str(config))
     try:
         snapshot = httpx.get(server.url + "/metrics", params={"format": "json"}, timeout=30).json()
         assert snapshot["learned_drafter"] is False

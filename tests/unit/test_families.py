@@ -28,12 +28,12 @@ from typer.testing import CliRunner
 
 from helios.engine.constraints import parser_limits
 from helios.engine.runner import Runner, StepRow
+from helios.launcher import HeliosProcess
 from helios.manifest import Manifest
 from helios.neutral.grammar import OutputFormat, compiler_for
 from helios.neutral.tokenizer import Tokenizer
 from ignition.cli import app
 from ignition.recipes import available_recipes, load_recipe
-from tests.conftest import Server
 from tests.unit.conftest import COMPILED, PLANNED, SEED_RECIPES
 from tests.unit.family_checkpoints import build_reference as build_reference_model
 from tests.unit.family_checkpoints import write_family_checkpoint
@@ -155,7 +155,7 @@ def test_helios_serves_a_chat_round_trip(family_env, recipe):
     manifest = Manifest.load(core)
     loaded = load_recipe(recipe)
     assert (manifest.parsers.tool, manifest.parsers.reasoning) == (loaded.tool_parser, loaded.reasoning_parser)
-    server = Server(core)
+    server = HeliosProcess(core)
     try:
         response = httpx.post(
             server.url + "/v1/chat/completions", json={"model": manifest.model_id, **CHAT}, timeout=120
@@ -433,7 +433,8 @@ def test_nemotron_h_plan_and_both_checkpoint_layouts():
 def _family_tokenizer(family: str):
     from helios.manifest import TokenizerSpec
     from helios.neutral.tokenizer import Tokenizer
-    from tests.unit.family_checkpoints import MARKUP, SPECIALS, byte_tokenizer
+    from ignition.tiny_text import MARKUP, byte_tokenizer
+    from tests.unit.family_checkpoints import SPECIALS
 
     specials = SPECIALS[family]
     spec = TokenizerSpec(

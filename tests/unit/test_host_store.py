@@ -17,8 +17,8 @@ from helios.engine.api import CheckpointCandidate, CheckpointRole, GenerationReq
 from helios.engine.engine import Engine
 from helios.engine.host_store import HostStoreConfig
 from helios.engine.prefix_cache import PrefixCacheConfig
+from helios.launcher import HeliosProcess
 from helios.manifest import Manifest
-from tests.conftest import Server
 
 LENGTH = 100
 
@@ -247,13 +247,13 @@ def test_a_restarted_server_reuses_the_disk_tier_on_every_protocol(tiny_core, tm
         assert response.status_code == 200, response.text
         return response.json()
 
-    first = Server(tiny_core, "--config", str(config))
+    first = HeliosProcess(tiny_core, "--config", str(config))
     try:
         cold = {protocol: send(first.url, protocol) for protocol in requests}
     finally:
         first.stop()  # SIGTERM: the engine shuts down and its disk writes finish
     assert cold["chat"]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    second = Server(tiny_core, "--config", str(config))
+    second = HeliosProcess(tiny_core, "--config", str(config))
     try:
         for protocol in requests:
             warm = send(second.url, protocol)
@@ -268,7 +268,7 @@ def test_a_restarted_server_reuses_the_disk_tier_on_every_protocol(tiny_core, tm
         assert "flare_host_cache_estimated_transfer_ns_count 0.0" not in text
     finally:
         second.stop()
-    third = Server(tiny_core, "--config", str(config))
+    third = HeliosProcess(tiny_core, "--config", str(config))
     try:
         with ThreadPoolExecutor(4) as pool:  # four requests racing for one record
             raced = list(pool.map(lambda _: send(third.url, "chat"), range(4)))

@@ -19,11 +19,12 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from helios.launcher import HeliosProcess
 from ignition.checkpoints.base import CheckpointError
 from ignition.checkpoints.hub_cache import find_snapshot, hub_cache_dirs, resolve_recipe_checkpoint
 from ignition.cli import app
 from ignition.recipes import RecipeError, load_recipe
-from tests.conftest import REPO, Server
+from tests.conftest import REPO
 from tests.unit.family_checkpoints import write_quantizable_checkpoint
 
 QWEN38_ID = "Qwen/Qwen3.8-Flash-Next"
@@ -168,7 +169,7 @@ def test_the_design_card_commands_work_as_typed(hub_cache, export_cache, tmp_pat
     )
     assert exported.returncode == 0, exported.stdout + exported.stderr
     assert "helios serve cores/qwen38" in exported.stdout + exported.stderr
-    server = Server(Path("cores/qwen38"), cwd=tmp_path)
+    server = HeliosProcess(Path("cores/qwen38"), cwd=tmp_path)
     try:
         card = httpx.get(server.url + "/v1/models").json()["data"][0]
         assert card["id"] == "Qwen3.8-Flash-Next"

@@ -19,12 +19,13 @@ from PIL import Image
 from rich.console import Console
 
 from helios.dashboard import Snapshot, View
+from helios.launcher import HeliosProcess
 from helios.manifest import Manifest
 from helios.neutral.errors import RequestError
 from helios.neutral.images import prepare_image
 from ignition.recipes import load_recipe
 from ignition.tiny import TinyError, write_tiny_checkpoint
-from tests.conftest import Server, export
+from tests.conftest import export
 
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
@@ -36,8 +37,8 @@ def vision_core(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(vision_core: Path) -> Iterator[Server]:
-    running = Server(vision_core)
+def server(vision_core: Path) -> Iterator[HeliosProcess]:
+    running = HeliosProcess(vision_core)
     yield running
     running.stop()
 
@@ -62,12 +63,12 @@ def message_image(data: bytes, media: str = "image/png") -> dict:
     return {"type": "image", "source": {"type": "base64", "media_type": media, "data": b64(data)}}
 
 
-def post(server: Server, path: str, body: dict) -> httpx.Response:
+def post(server: HeliosProcess, path: str, body: dict) -> httpx.Response:
     headers = {"anthropic-version": "2023-06-01"} if path.startswith("/v1/messages") else {}
     return httpx.post(server.url + path, json=body, headers=headers, timeout=120)
 
 
-def test_card_and_show_report_the_prepared_vision(server: Server):
+def test_card_and_show_report_the_prepared_vision(server: HeliosProcess):
     card = httpx.get(server.url + "/v1/models").json()["data"][0]["flare"]
     assert card["input_modalities"] == ["text", "image"]
     assert card["max_image_tokens_per_image"] == card["image_feature_window_tokens"] == 196
@@ -77,7 +78,7 @@ def test_card_and_show_report_the_prepared_vision(server: Server):
     assert "vision" in show["capabilities"]
 
 
-def test_chat_usage_counts_image_tokens_as_messages_count_tokens_does(server: Server):
+def test_chat_usage_counts_image_tokens_as_messages_count_tokens_does(server: HeliosProcess):
     """A 96x64 image is a 4x6 patch grid: 6 image tokens (2x2 patches each)."""
     image = png(96, 64)
     with_param = {"type": "image_url", "image_url": {"url": f"data:image/png;name=shot.png;base64,{b64(image)}"}}
@@ -114,7 +115,7 @@ def test_chat_usage_counts_image_tokens_as_messages_count_tokens_does(server: Se
     assert usage["prompt_tokens"] == text_only["prompt_tokens"] + 6 + 2
 
 
-def test_messages_images_also_inside_tool_results(server: Server):
+def test_messages_images_also_inside_tool_results(server: HeliosProcess):
     body = {
         "model": "local",
         "max_tokens": 4,
@@ -144,7 +145,7 @@ def test_messages_images_also_inside_tool_results(server: Server):
     assert without.json()["input_tokens"] < counted.json()["input_tokens"]
 
 
-def test_responses_input_image(server: Server):
+def test_responses_input_image(server: HeliosProcess):
     response = post(
         server,
         "/v1/responses",
@@ -188,7 +189,7 @@ def test_responses_input_image(server: Server):
         (chat_image(png(4000, 10, fmt="PNG")), "aspect ratio"),
     ],
 )
-def test_bad_images_are_400s_in_the_protocols_shape(server: Server, part: dict, needle: str):
+def test_bad_images_are_400s_in_the_protocols_shape(server: HeliosProcess, part: dict, needle: str):
     response = post(
         server, "/v1/chat/completions", {"messages": [{"role": "user", "content": [part]}], "max_tokens": 1}
     )
@@ -196,7 +197,7 @@ def test_bad_images_are_400s_in_the_protocols_shape(server: Server, part: dict, 
     assert needle in response.json()["error"]["message"]
 
 
-def test_oversized_extent_is_refused_before_decoding(server: Server):
+def test_oversized_extent_is_refused_before_decoding(server: HeliosProcess):
     big = io.BytesIO()
     Image.new("RGB", (6000, 6000)).save(big, "PNG")  # 36 MP of one colour: a small file
     response = post(
@@ -210,7 +211,7 @@ def test_oversized_extent_is_refused_before_decoding(server: Server):
     assert "6000x6000 pixels (36000000), more than max_image_pixels 33554432" in error["message"]
 
 
-def test_image_budget_names_the_whole_request_and_the_first_image_over_it(server: Server):
+def test_image_budget_names_the_whole_request_and_the_first_image_over_it(server: HeliosProcess):
     """42 images of 196 tokens (784 patches) each: 8232 tokens > 8191; image 42 crosses it."""
     flat = io.BytesIO()
     Image.new("RGB", (448, 448), (200, 30, 90)).save(flat, "PNG")  # one colour: small enough for the body limit
@@ -226,7 +227,7 @@ def test_image_budget_names_the_whole_request_and_the_first_image_over_it(server
     assert "image 42 (448x448 pixels, 196 tokens) crossed the budget" in message
 
 
-def test_prefix_reuse_over_an_image_follows_its_content(server: Server):
+def test_prefix_reuse_over_an_image_follows_its_content(server: HeliosProcess):
     """The same image again reuses the prefix past it with identical seeded output; another image
     of the same size stops reuse at the image; appending an image keeps the earlier turn's reuse."""
 
@@ -260,7 +261,7 @@ def test_prefix_reuse_over_an_image_follows_its_content(server: Server):
     assert turn["prompt_tokens_details"]["multimodal_tokens"] == {"image": 6 + 4}
 
 
-def test_text_only_cores_still_refuse_images(tiny_server: Server):
+def test_text_only_cores_still_refuse_images(tiny_server: HeliosProcess):
     response = post(
         tiny_server,
         "/v1/chat/completions",
@@ -279,7 +280,7 @@ def test_tiny_checkpoint_is_seeded(tmp_path: Path):
         assert (a / name).read_bytes() == (b / name).read_bytes()
 
 
-def test_metrics_count_decoded_images_and_reused_features(server: Server):
+def test_metrics_count_decoded_images_and_reused_features(server: HeliosProcess):
     """The same image after different text: no prefix covers it, so its features come from the
     prepared-input cache and the vision graph does not run again."""
 
@@ -323,13 +324,13 @@ SYSTEM_ONE = {
 DANGER = {"TypeSafe-Danger-Zone-Images": "true"}
 
 
-def system_one(server: Server, body: dict, headers: dict | None = None, **kwargs) -> httpx.Response:
+def system_one(server: HeliosProcess, body: dict, headers: dict | None = None, **kwargs) -> httpx.Response:
     return httpx.post(
         server.url + "/v1/systemone", json=body if not kwargs else None, headers=headers or {}, timeout=120, **kwargs
     )
 
 
-def test_system_one_image_assets_as_base64(server: Server):
+def test_system_one_image_assets_as_base64(server: HeliosProcess):
     shot = png(64, 48, 30)
     body = {**SYSTEM_ONE, "assets": {"SHOT": {"data_base64": b64(shot)}}}
     response = system_one(server, body, DANGER)
@@ -356,7 +357,7 @@ def test_system_one_image_assets_as_base64(server: Server):
         assert needle in response.json()["error"]["message"]
 
 
-def test_system_one_image_assets_as_multipart(server: Server):
+def test_system_one_image_assets_as_multipart(server: HeliosProcess):
     shot = png(64, 48, 31)
     request = json.dumps({**SYSTEM_ONE, "assets": {"SHOT": {}}})
     files = [("request", ("request.json", request, "application/json")), ("SHOT", ("shot.png", shot, "image/png"))]
@@ -376,7 +377,7 @@ def test_system_one_image_assets_as_multipart(server: Server):
     assert compressed.status_code == 415
 
 
-def test_responses_tool_output_images_count(server: Server):
+def test_responses_tool_output_images_count(server: HeliosProcess):
     """A function_call_output carrying an input_image (Codex's view_image) reaches the prompt."""
 
     def body(output: list) -> dict:
@@ -413,7 +414,7 @@ def test_encoded_size_limit(vision_core: Path):
         prepare_image(png(32, 32), vision, 2)
 
 
-def test_prompt_logprobs_are_null_at_image_positions(server: Server):
+def test_prompt_logprobs_are_null_at_image_positions(server: HeliosProcess):
     """api.md: the first entry and image positions are null; every text position has its entry."""
     response = post(
         server,

@@ -24,12 +24,12 @@ HELIOS_LAYERS = [
     ("helios.protocols",),
     ("helios.app",),
     ("helios.cluster",),  # scale-out: the app's frontend over engine replicas on Ray Serve
-    ("helios.cli", "helios.dashboard", "helios.client_config", "helios.__main__"),
+    ("helios.cli", "helios.dashboard", "helios.client_config", "helios.launcher", "helios.__main__"),
 ]
 IGNITION_LAYERS = [
     ("ignition.models",),  # torch modules over helios.manifest's Architecture
     ("ignition.recipes", "ignition.checkpoints"),  # readers check families against the registry
-    ("ignition.export", "ignition.tiny"),  # tiny: writes checkpoints the exporter compiles
+    ("ignition.export", "ignition.tiny", "ignition.tiny_text"),  # tiny*: write checkpoints the exporter compiles
     ("ignition.inspect_core", "ignition.verify_core", "ignition.cli", "ignition.__main__"),
 ]
 

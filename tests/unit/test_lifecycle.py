@@ -4,6 +4,7 @@ errors past the deadline), and an engine step that raises, end to end."""
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -14,20 +15,20 @@ import httpx
 
 from helios.app import create_app
 from helios.engine.engine import QUEUE_DEADLINE_MESSAGE, Engine
+from helios.launcher import HeliosProcess
 from helios.manifest import Manifest
 from helios.transport.config import ServerConfig
 from helios.transport.lifecycle import DRAIN_MESSAGE
-from tests.conftest import Server
 from tests.unit.live import ANTHROPIC, USER, metrics, sse, wait_for, wait_idle
 from tests.unit.scripted import LoopbackServer
 
 HOLD = {"prompt": "Count:", "max_tokens": 100000, "ignore_eos": True, "stream": True}
 
 
-def config_server(core: Path, folder: Path, *args: str, **table: object) -> Server:
+def config_server(core: Path, folder: Path, *args: str, **table: object) -> HeliosProcess:
     lines = "".join(f"{key} = {value}\n" for key, value in table.items())
     (folder / "helios.toml").write_text(f"[server]\n{lines}")
-    return Server(core, "--config", str(folder / "helios.toml"), *args)
+    return HeliosProcess(core, "--config", str(folder / "helios.toml"), *args)
 
 
 def first_data(stream: httpx.Response) -> Iterator[str]:
@@ -78,8 +79,10 @@ def test_overload_gets_retryable_503s_in_each_shape(tiny_core, tmp_path):
                 assert streamed.status_code == 200  # enqueued, then a terminal error event, no [DONE]
                 frames = sse(streamed.text)
                 assert frames[-1][1]["error"]["message"] == QUEUE_DEADLINE_MESSAGE and "[DONE]" not in streamed.text
+                # The request holding the slot streamed on through the overload, untouched by it.
+                frame = json.loads(next(line for line in held_lines if line.startswith("data: "))[6:])
+                assert "error" not in frame and frame["choices"][0]["text"] is not None
             after = wait_idle(http)
-            assert held_lines is not None
             assert after["flare_http_admission_slots_used"] == 0 and after["flare_pending_requests"] == 0
             assert http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2}).status_code == 200
     finally:

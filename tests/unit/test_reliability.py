@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import Server
+from helios.launcher import HeliosProcess
 from tests.unit.live import ANTHROPIC, USER, sse, wait_idle
 
 KEY = "reliability-key"
@@ -66,7 +66,7 @@ def server(tiny_core, tmp_path_factory):
     (folder / "helios.toml").write_text(
         f"[server]\nmax_body_bytes = {BODY_LIMIT}\nheader_timeout_s = {TIMEOUT_S}\nbody_timeout_s = {TIMEOUT_S}\n"
     )
-    server = Server(tiny_core, "--api-key-file", str(folder / "key"), "--config", str(folder / "helios.toml"))
+    server = HeliosProcess(tiny_core, "--api-key-file", str(folder / "key"), "--config", str(folder / "helios.toml"))
     yield server
     server.stop()
 
@@ -181,7 +181,7 @@ def test_grammars_that_cannot_generate_are_400s_at_admission(http, field, value)
     assert ok.status_code == 200, ok.text
 
 
-def raw_request(server: Server, head: bytes, body: bytes = b"", timeout: float = 20) -> bytes:
+def raw_request(server: HeliosProcess, head: bytes, body: bytes = b"", timeout: float = 20) -> bytes:
     with socket.create_connection(("127.0.0.1", server.port), timeout=timeout) as conn:
         conn.sendall(head + body)
         chunks = []

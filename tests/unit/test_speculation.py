@@ -17,10 +17,10 @@ from helios.engine.engine import Engine
 from helios.engine.prefix_cache import PrefixCacheConfig
 from helios.engine.runner import StepRow
 from helios.engine.speculation import HistoryDrafts, SpeculationConfig, Speculator
+from helios.launcher import HeliosProcess
 from helios.manifest import Manifest
 from helios.neutral.grammar import OutputFormat, compiler_for
 from helios.neutral.tokenizer import Tokenizer
-from tests.conftest import Server
 
 REPEATED = list(range(300, 340))
 
@@ -256,7 +256,7 @@ def test_constrained_requests_and_off_mode_never_draft(tiny_core):
 
 
 def test_serve_flag_and_metrics(tiny_core):
-    server = Server(tiny_core, "--speculation", "auto")
+    server = HeliosProcess(tiny_core, "--speculation", "auto")
     try:
         body = {
             "prompt": " ".join(["alpha beta gamma delta"] * 30),

@@ -12,11 +12,11 @@ import pytest
 from helios.app import check_startup
 from helios.engine.api import GenerationRequest, ReasoningControl, SamplingParams
 from helios.engine.engine import Engine
+from helios.launcher import HeliosProcess
 from helios.manifest import Manifest
 from helios.neutral.grammar import OutputFormat, compiler_for
 from helios.neutral.tokenizer import Tokenizer
 from helios.transport.config import ConfigError, ServerConfig
-from tests.conftest import Server
 from tests.unit.live import ANTHROPIC, USER, metrics
 
 END_THINK = 151668
@@ -40,7 +40,7 @@ def think_http(tiny_think_core, tmp_path_factory):
     """A live server on the reasoning core with a [server] default reasoning budget of 4."""
     config = tmp_path_factory.mktemp("think-config") / "helios.toml"
     config.write_text("[server]\nthinking_token_budget = 4\n")
-    server = Server(tiny_think_core, "--config", str(config))
+    server = HeliosProcess(tiny_think_core, "--config", str(config))
     with httpx.Client(base_url=server.url, headers=ANTHROPIC, timeout=120) as client:
         yield client
     server.stop()
