@@ -56,6 +56,7 @@ class ChatPlan:
     base: SamplingParams
     output: OutputPlan
     prompt_logprobs: int | None = None  # alternatives of the top-level prompt_logprobs; None: omitted
+    cache_key: str | None = None  # prompt_cache_key: a routing hint
 
 
 # -- decoding --------------------------------------------------------------------------------------
@@ -204,6 +205,7 @@ class ChatRequest:
     as_token_ids: bool
     return_token_ids: bool
     return_timestamps: bool
+    cache_key: str | None
 
 
 def decode(ctx: ServerContext, body: dict[str, Any]) -> ChatRequest:
@@ -266,6 +268,7 @@ def decode(ctx: ServerContext, body: dict[str, Any]) -> ChatRequest:
         as_token_ids=opt_bool(body, "return_tokens_as_token_ids", False),
         return_token_ids=opt_bool(body, "return_token_ids", False),
         return_timestamps=opt_bool(body, "return_token_timestamps", False),
+        cache_key=common.prompt_cache_key(body),
     )
 
 
@@ -313,6 +316,7 @@ def build(ctx: ServerContext, request: ChatRequest, response_id: str) -> ChatPla
         base=base,
         output=lowered.output,
         prompt_logprobs=request.prompt_logprobs,
+        cache_key=request.cache_key,
     )
 
 

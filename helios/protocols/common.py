@@ -373,6 +373,13 @@ def request_sampling(
     )
 
 
+def prompt_cache_key(body: Mapping[str, Any]) -> str | None:
+    """OpenAI's prompt_cache_key: the client's conversation id, kept only as a routing hint (a
+    value that is not a short nonempty string is ignored, never an error)."""
+    key = body.get("prompt_cache_key")
+    return key if isinstance(key, str) and 0 < len(key) <= 256 else None
+
+
 def opt_logprob_count(body: Mapping[str, Any], name: str) -> int | None:
     value = body.get(name)
     return None if value is None else logprob_count(value, name)

@@ -48,6 +48,7 @@ class CompletionPlan:
     as_token_ids: bool
     base: SamplingParams
     echo_scores: bool = False  # echo with logprobs: prompt entries lead the logprobs arrays
+    cache_key: str | None = None  # prompt_cache_key: a routing hint
     prompt_logprobs: int | None = None  # alternatives of choices[i].prompt_logprobs; None: omitted
 
     def prompt_of(self, choice_index: int) -> int:
@@ -102,6 +103,7 @@ class CompletionRequest:
     sampling: SamplingParams  # without max_tokens, which depends on each prompt
     max_tokens: Any
     as_token_ids: bool
+    cache_key: str | None  # prompt_cache_key: a routing hint
 
 
 def decode(ctx: ServerContext, body: dict[str, Any]) -> CompletionRequest:
@@ -155,6 +157,7 @@ def decode(ctx: ServerContext, body: dict[str, Any]) -> CompletionRequest:
         sampling=sampling,
         max_tokens=body.get("max_tokens"),
         as_token_ids=opt_bool(body, "return_tokens_as_token_ids", False),
+        cache_key=common.prompt_cache_key(body),
     )
 
 
@@ -189,6 +192,7 @@ def build(ctx: ServerContext, request: CompletionRequest, response_id: str) -> C
         base=request.sampling,
         echo_scores=request.echo_scores,
         prompt_logprobs=request.prompt_logprobs,
+        cache_key=request.cache_key,
     )
 
 

@@ -44,6 +44,7 @@ class MessagesPlan:
     requests: list[GenerationRequest]
     stream: bool
     output: OutputPlan
+    cache_key: str | None = None  # a routing hint
 
 
 def require_version(request: web.Request) -> None:
@@ -88,7 +89,7 @@ def build(ctx: ServerContext, request: MessagesRequest, response_id: str) -> Mes
     lowered = _lower(ctx, request.decoded)
     max_tokens = resolve_max_tokens(request.max_tokens, len(lowered.prompt_ids), ctx.manifest.limits, allow_zero=False)
     requests = lowered.requests(response_id, dataclasses.replace(request.sampling, max_tokens=max_tokens))
-    return MessagesPlan(response_id, lowered.prompt_ids, requests, request.stream, lowered.output)
+    return MessagesPlan(response_id, lowered.prompt_ids, requests, request.stream, lowered.output, request.cache_key)
 
 
 def plan(ctx: ServerContext, body: dict[str, Any], response_id: str) -> MessagesPlan:

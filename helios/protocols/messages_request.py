@@ -374,6 +374,7 @@ class MessagesRequest:
     stream: bool
     sampling: SamplingParams  # without max_tokens, which needs the rendered prompt
     max_tokens: Any
+    cache_key: str | None  # prompt_cache_key, accepted on every generation route: a routing hint
 
 
 def decode_request(ctx: ServerContext, body: dict[str, Any]) -> MessagesRequest:
@@ -381,4 +382,4 @@ def decode_request(ctx: ServerContext, body: dict[str, Any]) -> MessagesRequest:
     decoded = decode(ctx, body)
     stream = opt_bool(body, "stream", False)
     sampling = common.request_sampling(body, ctx.manifest, stop_name="stop_sequences")
-    return MessagesRequest(decoded, stream, sampling, body.get("max_tokens"))
+    return MessagesRequest(decoded, stream, sampling, body.get("max_tokens"), common.prompt_cache_key(body))

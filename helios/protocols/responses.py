@@ -40,6 +40,7 @@ class ResponsesPlan:
     echo: dict[str, Any]  # request settings repeated in every response object
     sampling: SamplingParams
     output: OutputPlan
+    cache_key: str | None = None  # prompt_cache_key: a routing hint
 
 
 def build(ctx: ServerContext, request: ResponsesRequest, response_id: str) -> ResponsesPlan:
@@ -67,6 +68,7 @@ def build(ctx: ServerContext, request: ResponsesRequest, response_id: str) -> Re
         echo=dict(request.echo),
         sampling=sampling,
         output=lowered.output,
+        cache_key=request.cache_key,
     )
 
 

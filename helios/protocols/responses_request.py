@@ -319,6 +319,7 @@ class ResponsesRequest:
     stream: bool
     as_token_ids: bool
     echo: dict[str, Any]  # request settings repeated in every response object
+    cache_key: str | None  # prompt_cache_key: a routing hint
 
 
 def decode(ctx: ServerContext, body: dict[str, Any]) -> ResponsesRequest:
@@ -359,4 +360,5 @@ def decode(ctx: ServerContext, body: dict[str, Any]) -> ResponsesRequest:
         stream=opt_bool(body, "stream", False),
         as_token_ids=opt_bool(body, "return_tokens_as_token_ids", False),
         echo={**controls.echo, "max_output_tokens": body.get("max_output_tokens")},
+        cache_key=common.prompt_cache_key(body),
     )

@@ -36,6 +36,7 @@ class Plan(Protocol):
 
     requests: list[GenerationRequest]
     stream: bool
+    cache_key: str | None  # the client's conversation id from the body (prompt_cache_key), if any
 
 
 class Encoder(Protocol):
@@ -70,7 +71,7 @@ async def serve(request: web.Request, ctx: ServerContext, codec: Codec) -> web.S
     body = await ctx.read_json_object(request)
     response_id = codec.new_id()
     plan = await ctx.in_frontend(codec.plan, ctx, body, response_id)
-    hint = session_hint(request.headers, body)
+    hint = session_hint(request.headers, plan.cache_key)
     for child in plan.requests:
         child.session_hint = hint
     encoder = codec.encoder(ctx, plan)
@@ -86,12 +87,12 @@ async def serve(request: web.Request, ctx: ServerContext, codec: Codec) -> web.S
         group.close()  # aborts unfinished children on disconnect or failure
 
 
-def session_hint(headers: Any, body: dict[str, Any]) -> str | None:
-    """The client's conversation id, if it sent one: OpenAI's prompt_cache_key, else a session
-    header (Claude Code, Codex and generic forms). Only a routing hint: never trusted for access."""
-    key = body.get("prompt_cache_key")
-    if isinstance(key, str) and 0 < len(key) <= 256:
-        return f"key:{key}"
+def session_hint(headers: Any, cache_key: str | None) -> str | None:
+    """The client's conversation id, if it sent one: OpenAI's prompt_cache_key (decoded by the
+    protocol), else a session header (Claude Code, Codex and generic forms). Only a routing hint:
+    never trusted for access."""
+    if cache_key is not None:
+        return f"key:{cache_key}"
     for name in SESSION_HEADERS:
         value = headers.get(name)
         if value and len(value) <= 256:
