@@ -15,8 +15,9 @@ from typing import Any
 from aiohttp import web
 
 from helios.neutral import label_scorer as d
-from helios.neutral.assets import Asset, bind_assets
+from helios.neutral.assets import Asset
 from helios.neutral.errors import RequestError
+from helios.protocols.assets import bind_assets
 from helios.protocols.scoring import score_questions, scorer
 from helios.transport.context import ServerContext, new_response_id, response_headers
 from helios.transport.errors import ApiError, bad_request, json_response, too_large
