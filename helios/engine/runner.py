@@ -1,9 +1,11 @@
 """Runs the core's step graph on onnxruntime and owns the paged KV pool.
 
-The pool is one zeroed float32 numpy array of the contract shape
-[layers * 2 * num_pages, page_tokens, kv_heads, head_dim] (docs/architecture.md). onnxruntime
-reads it in place through an OrtValue that wraps the numpy memory (never copied per call); only
-the runner writes it, by scattering each step's new K/V into the rows' pages.
+The pool is one zeroed numpy array of the contract shape
+[layers * 2 * num_pages, page_tokens, kv_heads, head_dim] (docs/architecture.md), float32 or a
+16-bit type (helios.kernels.kv_dtype: the session's kv_pool input is retyped to match).
+onnxruntime reads it in place through an OrtValue that wraps the numpy memory (never copied per
+call); only the runner writes it, by scattering each step's new K/V into the rows' pages (already
+rounded to the pool's type by the attention kernel, so the store is exact).
 
 Plain data in and out: `StepRow`s (token ids, history length, page table) go in, a `StepOutput`
 with one row of logits/logprob stats per input row comes out. No torch, no scheduler state.
@@ -32,6 +34,7 @@ from helios.engine.step_io import (
     run_in_groups,
     scatter_new_kv,
 )
+from helios.kernels import kv_dtype as kv_types
 from helios.kernels.session import open_session
 from helios.manifest import KVLayout, Manifest, StateLayout
 
@@ -56,13 +59,16 @@ class Runner:
         num_pages: int,
         threads: int | None = None,
         state_slots: int | None = None,
+        kv_dtype: str = "float32",
     ) -> None:
         """state_slots: recurrent-state slots (cores with `state`); default the core's concurrency
-        plus SPARE_STATE_SLOTS."""
+        plus SPARE_STATE_SLOTS. kv_dtype: the pool's element type (float32, bfloat16, float16)."""
         engine = manifest.engine("step")
         if state_slots is None:
             state_slots = manifest.limits.max_concurrency + SPARE_STATE_SLOTS
-        self._setup(Path(core_dir) / engine.file, manifest.kv, num_pages, threads, manifest.state, state_slots)
+        self._setup(
+            Path(core_dir) / engine.file, manifest.kv, num_pages, threads, manifest.state, state_slots, kv_dtype
+        )
         score = next((e for e in manifest.engines if e.name == "score"), None)
         self.scorer = PromptScorer(Path(core_dir) / score.file, threads) if score is not None else None
         # Positions past the graph's rotary tables would read out of range.
@@ -78,10 +84,11 @@ class Runner:
         score_graph: Path | None = None,
         state: StateLayout | None = None,
         state_slots: int = SPARE_STATE_SLOTS,
+        kv_dtype: str = "float32",
     ) -> Runner:
         """A runner over a bare step graph (export validation has no core.json yet)."""
         runner = cls.__new__(cls)
-        runner._setup(Path(graph_path), kv, num_pages, threads, state, state_slots)
+        runner._setup(Path(graph_path), kv, num_pages, threads, state, state_slots, kv_dtype)
         runner.scorer = PromptScorer(Path(score_graph), threads) if score_graph is not None else None
         return runner
 
@@ -93,11 +100,13 @@ class Runner:
         threads: int | None,
         state: StateLayout | None = None,
         state_slots: int = 0,
+        kv_dtype: str = "float32",
     ) -> None:
         if num_pages < 1:
             raise ValueError("num_pages must be >= 1")
-        if kv.dtype != "float32":
-            raise ValueError(f"this runner supports a float32 KV pool, not {kv.dtype}")
+        if kv.dtype != "float32":  # the type the graph declares; the pool's own is kv_dtype
+            raise ValueError(f"this runner takes step graphs with a float32 kv_pool, not {kv.dtype}")
+        kv_dtype = kv_types.canonical(kv_dtype)
         self.kv = kv
         self.num_pages = num_pages
         self.threads = threads
@@ -106,12 +115,16 @@ class Runner:
         self.split_mixed = True  # False: one graph call per step whatever the padding (tests)
         self.graph_seconds = 0.0  # time inside the step graph's runs (EngineStats.graph_seconds_total)
         # kernels: what runs the graph's ai.flare operators ("flare", "onnxruntime" or "").
-        self.session, self.kernels = open_session(graph_path, self._session_options(), ["CPUExecutionProvider"])
-        self.pool = np.zeros(
-            (kv.num_layers * 2 * num_pages, kv.page_tokens, kv.kv_heads, kv.head_dim), dtype=np.float32
+        self.session, self.kernels = open_session(
+            graph_path, self._session_options(), ["CPUExecutionProvider"], kv_dtype
         )
+        self.pool = np.zeros(
+            (kv.num_layers * 2 * num_pages, kv.page_tokens, kv.kv_heads, kv.head_dim),
+            dtype=kv_types.numpy_dtype(kv_dtype),
+        )
+        self._pool_dtype = kv_dtype
         # Wraps the numpy buffer (no copy): writes to self.pool are what the next call reads.
-        self._pool_value = ort.OrtValue.ortvalue_from_numpy(self.pool)
+        self._pool_value = kv_types.ort_value(self.pool)
         # The same memory as [layers, 2, pages, tokens, kvh, D]: the scatter/copy view.
         self._pages = self.pool.reshape(kv.num_layers, 2, num_pages, kv.page_tokens, kv.kv_heads, kv.head_dim)
         self._output_names = [o.name for o in self.session.get_outputs()]
@@ -160,10 +173,10 @@ class Runner:
         self._pages[:, :, dst] = self._pages[:, :, src]
 
     def read_pages(self, pages: list[int]) -> np.ndarray:
-        return self._pages[:, :, pages]  # fancy indexing: a fresh copy
+        return self._pages[:, :, pages]  # fancy indexing: a fresh copy, in the pool's dtype
 
     def write_pages(self, pages: list[int], data: np.ndarray) -> None:
-        self._pages[:, :, pages] = data
+        self._pages[:, :, pages] = data  # another dtype is rounded to the pool's
 
     def read_state(self, slot: int) -> np.ndarray:
         if self.state_pool is None:
@@ -181,7 +194,7 @@ class Runner:
 
     @property
     def pool_dtype(self) -> str:
-        return "float32"
+        return self._pool_dtype
 
     # -- internals ------------------------------------------------------------------------------
 

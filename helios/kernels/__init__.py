@@ -50,6 +50,7 @@ COMPILE_FLAGS = [
     "-fPIC",
     "-mavx2",
     "-mfma",
+    "-mf16c",  # every AVX-512 CPU has it: fp16 KV pools
     *(f"-m{f.replace('_', '')}" for f in CPU_FLAGS),
     *OPTIONAL_FLAGS,
 ]

@@ -122,22 +122,21 @@ constexpr size_t ChunkTileElems() {
   return static_cast<size_t>(kChunkKeys) * DV * 16;  // K or V: one bf16 per key and dim
 }
 
-template <int DV>
-void ChunkToTiles(const KeyRows& key_rows, int begin, int keys, uint16_t* k_tiles, uint16_t* v_tiles) {
+template <int DV, class E>
+void ChunkToTiles(const KeyRows<E>& key_rows, int begin, int keys, uint16_t* k_tiles, uint16_t* v_tiles) {
   constexpr int D = DV * 16, DT = D / 32;
   std::memset(k_tiles, 0, sizeof(uint16_t) * ChunkTileElems<DV>());
   std::memset(v_tiles, 0, sizeof(uint16_t) * ChunkTileElems<DV>());
   const __m512i interleave = _mm512_loadu_si512(kInterleave);
   for (int blk = 0; blk * 16 < keys; ++blk) {
-    const float* k_rows[16];
-    const float* v_rows[16];
+    const typename E::T* k_rows[16];
+    const typename E::T* v_rows[16];
     const int count = std::min(16, keys - 16 * blk);
     key_rows(begin + 16 * blk, count, k_rows, v_rows);
     for (int t = 0; t < DT; ++t) {
       __m512 r[16];
       for (int jj = 0; jj < 16; ++jj)
-        r[jj] = jj < count ? _mm512_castsi512_ps(PackBf16(_mm512_loadu_ps(k_rows[jj] + 32 * t),
-                                                          _mm512_loadu_ps(k_rows[jj] + 32 * t + 16)))
+        r[jj] = jj < count ? _mm512_castsi512_ps(PackBf16(E::Load(k_rows[jj] + 32 * t), E::Load(k_rows[jj] + 32 * t + 16)))
                            : _mm512_setzero_ps();
       Transpose16(r);
       for (int pair = 0; pair < 16; ++pair)
@@ -146,8 +145,8 @@ void ChunkToTiles(const KeyRows& key_rows, int begin, int keys, uint16_t* k_tile
     for (int jj = 0; jj < count; jj += 2) {
       const int key = 16 * blk + jj, step = key / kStepKeys, pair = key % kStepKeys / 2;
       for (int x = 0; x < DV; ++x) {
-        const __m512 even = _mm512_loadu_ps(v_rows[jj] + 16 * x);
-        const __m512 odd = jj + 1 < count ? _mm512_loadu_ps(v_rows[jj + 1] + 16 * x) : _mm512_setzero_ps();
+        const __m512 even = E::Load(v_rows[jj] + 16 * x);
+        const __m512 odd = jj + 1 < count ? E::Load(v_rows[jj + 1] + 16 * x) : _mm512_setzero_ps();
         _mm512_storeu_si512(v_tiles + (static_cast<size_t>(step) * DV + x) * 512 + pair * 32,
                             _mm512_permutexvar_epi16(interleave, PackBf16(even, odd)));
       }
@@ -381,23 +380,23 @@ void AmxChunk(const AttentionProblem& p, int b, int i0, int last, const uint16_t
 }
 
 // The K and V tiles of one (row, KV head, chunk) of a bf16 step (ChunkToTiles) into `tiles`.
-template <int DV>
+template <int DV, class E>
 void ConvertChunk(const AttentionProblem& p, int b, int kv, int chunk, uint16_t* tiles) {
   const int begin = chunk * kChunkKeys;
   const int keys = std::min(kChunkKeys, static_cast<int>(p.history_lens[b] + p.query_lens[b]) - begin);
   if (keys <= 0) return;  // past the row's keys: no query reads it
-  ChunkToTiles<DV>(KeyRows(p, b, kv), begin, keys, tiles, tiles + ChunkTileElems<DV>());
+  ChunkToTiles<DV, E>(KeyRows<E>(p, b, kv), begin, keys, tiles, tiles + ChunkTileElems<DV>());
 }
 
 // One item per (row, KV head, chunk) of a bf16 step that is not split: the chunk's tiles, shared
 // by every query block of the row.
-template <int DV>
+template <int DV, class E>
 void ConvertItemOf(const AttentionProblem& p, size_t item) {
   if constexpr (DV % 2 == 0) {
     const int chunk = static_cast<int>(item % p.row_chunks);
     const int kv = static_cast<int>(item / p.row_chunks % p.KVH);
     const int b = static_cast<int>(item / p.row_chunks / p.KVH);
-    ConvertChunk<DV>(p, b, kv, chunk, p.chunk_tiles + item * 2 * ChunkTileElems<DV>());
+    ConvertChunk<DV, E>(p, b, kv, chunk, p.chunk_tiles + item * 2 * ChunkTileElems<DV>());
   }
 }
 

@@ -2,10 +2,13 @@
 //
 // Inputs:  qkv float [B, L, (H + 2 KVH) * D] (the fused projection, before rotary);
 //          positions int64 [B, L]; cos_cache, sin_cache float [P, D/2] (rotate-half rotary);
-//          kv_pool float [R, T, KVH, D] with R = num_layers * 2 * pages (row (2 layer + kind) *
-//          pages + page holds T tokens); block_tables int64 [B, M]; history_lens, query_lens
-//          int64 [B].
+//          kv_pool float, bfloat16 or float16 [R, T, KVH, D] with R = num_layers * 2 * pages (row
+//          (2 layer + kind) * pages + page holds T tokens); block_tables int64 [B, M];
+//          history_lens, query_lens int64 [B].
 // Outputs: out float [B, L, H * D]; k float [B, L, KVH * D] (rotated); v float [B, L, KVH * D].
+// A 16-bit pool: k and v are rounded to its type (nearest even) before anything reads them, so the
+// step's own keys are the values the pool will hold (the runner's scatter stores them exactly) and
+// a query sees the same keys whether its history was computed in this step or an earlier one.
 // Attributes: num_heads, kv_heads, layer, num_layers, scale (float).
 // Query i < query_lens[b] of row b attends to the row's history_lens[b] pool tokens and its new
 // tokens 0..i (query head h uses KV head h / (H / KVH)); padded queries get zeros. It replaces
@@ -30,6 +33,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #define ORT_API_MANUAL_INIT
@@ -44,18 +48,59 @@ struct QueryState {  // one query vector's online softmax
   float max, sum;
 };
 
+enum class PoolType { kF32, kBf16, kF16 };
+
+// The pool's element types: each loads 16 values of a row as fp32 (D is a multiple of 16).
+struct PoolF32 {
+  using T = float;
+  static __m512 Load(const float* x) { return _mm512_loadu_ps(x); }
+};
+struct PoolBf16 {
+  using T = uint16_t;
+  static __m512 Load(const uint16_t* x) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  // Round to nearest even, NaN kept quiet: numpy's (ml_dtypes') float32 -> bfloat16.
+  static uint16_t Round(float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+    return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+  static float Widen(uint16_t h) {
+    const uint32_t u = static_cast<uint32_t>(h) << 16;
+    float x;
+    std::memcpy(&x, &u, 4);
+    return x;
+  }
+};
+struct PoolF16 {
+  using T = uint16_t;
+  static __m512 Load(const uint16_t* x) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))); }
+  // Saturated to +-65504 (an overflowing key would otherwise turn the softmax into NaN), then
+  // rounded to nearest even as numpy's float32 -> float16.
+  static uint16_t Round(float x) {
+    return _cvtss_sh(std::min(std::max(x, -65504.f), 65504.f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  static float Widen(uint16_t h) { return _cvtsh_ss(h); }
+};
+
 struct AttentionProblem {
   const float* qkv;
   const int64_t* positions;
   const float* cos_cache;
   const float* sin_cache;
-  const float* pool;
+  const void* pool;
+  PoolType pool_type;
   const int64_t* block_tables;
   const int64_t* history_lens;
   const int64_t* query_lens;
   float* out;
   float* k_out;
   float* v_out;
+  uint16_t* k_new16;  // 16-bit pools: the step's k and v in the pool's type [B, L, KVH, D]
+  uint16_t* v_new16;
   float* q_rot;  // [B, L, H, D], filled by RotateToken
   int B, L, M, H, KVH, D, T, P, pages, layer;
   int query_blocks;  // per row: ceil(L / kQueryBlock)
@@ -86,6 +131,18 @@ void Rotate(const float* x, const float* cos, const float* sin, int half, float*
   }
 }
 
+// A 16-bit pool: the token's k and v rounded to E in place, and their 16-bit bits kept.
+template <class E>
+void RoundNewKeys(const AttentionProblem& p, size_t token) {
+  const size_t n = static_cast<size_t>(p.KVH) * p.D, at = token * n;
+  for (size_t i = 0; i < n; ++i) {
+    p.k_new16[at + i] = E::Round(p.k_out[at + i]);
+    p.k_out[at + i] = E::Widen(p.k_new16[at + i]);
+    p.v_new16[at + i] = E::Round(p.v_out[at + i]);
+    p.v_out[at + i] = E::Widen(p.v_new16[at + i]);
+  }
+}
+
 void RotateToken(void* data, size_t token) {
   const AttentionProblem& p = *static_cast<const AttentionProblem*>(data);
   const int width = (p.H + 2 * p.KVH) * p.D, half = p.D / 2;
@@ -99,14 +156,17 @@ void RotateToken(void* data, size_t token) {
   float* k = p.k_out + token * p.KVH * p.D;
   for (int h = 0; h < p.KVH; ++h) Rotate(x + (p.H + h) * p.D, cos, sin, half, k + h * p.D);
   std::memcpy(p.v_out + token * p.KVH * p.D, x + (p.H + p.KVH) * p.D, sizeof(float) * p.KVH * p.D);
+  if (p.pool_type == PoolType::kBf16) RoundNewKeys<PoolBf16>(p, token);
+  if (p.pool_type == PoolType::kF16) RoundNewKeys<PoolF16>(p, token);
 }
 
 // Flash-attention style: the keys stream past in blocks of 16 (transposed in registers, so a query
 // vector's 16 scores are D FMAs), each query vector keeps a running max, sum and output
 // accumulator (online softmax), and NR query vectors share every key and value load.
+template <class E>
 struct KeyBlock {
   alignas(64) float kt[kMaxHeadDim][16];  // [d][key]
-  const float* values[16];
+  const typename E::T* values[16];
   int count;  // keys in the block (the rest of kt is zero)
 };
 
@@ -135,8 +195,8 @@ inline void Transpose16(__m512 r[16]) {
 }
 
 // Not inlined: inside AttendChunk the compiler spills the NR x DV accumulators to the stack.
-template <int DV, int NR>
-__attribute__((noinline)) void AttendBlock(const AttentionProblem& p, const KeyBlock& blk, int j0, int history, int i0, int group,
+template <int DV, int NR, class E>
+__attribute__((noinline)) void AttendBlock(const AttentionProblem& p, const KeyBlock<E>& blk, int j0, int history, int i0, int group,
                  const float* q, int v0, int nv, float* acc, QueryState* state) {
   constexpr int D = DV * 16;
   __m512 s[NR], s_odd[NR];  // even and odd dimensions: two chains per score halve its latency
@@ -176,7 +236,7 @@ __attribute__((noinline)) void AttendBlock(const AttentionProblem& p, const KeyB
       out[r][x] = _mm512_mul_ps(_mm512_loadu_ps(acc + (v0 + r) * D + 16 * x), _mm512_set1_ps(corr[r]));
   for (int j = 0; j < blk.count; ++j) {
     __m512 v[DV];
-    for (int x = 0; x < DV; ++x) v[x] = _mm512_loadu_ps(blk.values[j] + 16 * x);
+    for (int x = 0; x < DV; ++x) v[x] = E::Load(blk.values[j] + 16 * x);
     for (int r = 0; r < NR; ++r) {
       const __m512 pj = _mm512_set1_ps(prob[r][j]);
       for (int x = 0; x < DV; ++x) out[r][x] = _mm512_fmadd_ps(pj, v[x], out[r][x]);
@@ -211,22 +271,35 @@ inline void Finish(const QueryState& run, const float* run_acc, float* out) {
   for (int x = 0; x < DV; ++x) _mm512_storeu_ps(out + 16 * x, _mm512_mul_ps(_mm512_loadu_ps(run_acc + 16 * x), inv));
 }
 
-// The K and V rows of one row's keys for one KV head: pool pages for history, the step's own
-// new tokens after it. A block of keys inside one page is one pointer and a stride.
+// The K and V rows of one row's keys for one KV head, in the pool's element type E: pool pages
+// for history, the step's own new tokens after it (rounded to E for a 16-bit pool). A block of
+// keys inside one page is one pointer and a stride.
+template <class E>
 struct KeyRows {
+  using T = typename E::T;
   const AttentionProblem& p;
   int b, kv, history;
   size_t stride;
-  const float* k_pages;
-  const float* v_pages;
+  const T* k_pages;
+  const T* v_pages;
+  const T* k_new;
+  const T* v_new;
 
   KeyRows(const AttentionProblem& problem, int row, int head)
       : p(problem), b(row), kv(head), history(static_cast<int>(problem.history_lens[row])),
         stride(static_cast<size_t>(problem.KVH) * problem.D),
-        k_pages(problem.pool + static_cast<size_t>(2 * problem.layer) * problem.pages * problem.T * stride),
-        v_pages(k_pages + static_cast<size_t>(problem.pages) * problem.T * stride) {}
+        k_pages(static_cast<const T*>(problem.pool) + static_cast<size_t>(2 * problem.layer) * problem.pages * problem.T * stride),
+        v_pages(k_pages + static_cast<size_t>(problem.pages) * problem.T * stride) {
+    if constexpr (std::is_same_v<T, float>) {
+      k_new = problem.k_out;
+      v_new = problem.v_out;
+    } else {
+      k_new = problem.k_new16;
+      v_new = problem.v_new16;
+    }
+  }
 
-  void operator()(int j0, int count, const float** k_rows, const float** v_rows) const {
+  void operator()(int j0, int count, const T** k_rows, const T** v_rows) const {
     if (j0 + count <= history && j0 / p.T == (j0 + count - 1) / p.T) {
       const int64_t page = p.block_tables[static_cast<size_t>(b) * p.M + j0 / p.T];
       const size_t base = (static_cast<size_t>(page) * p.T + j0 % p.T) * stride + kv * p.D;
@@ -245,8 +318,8 @@ struct KeyRows {
         v_rows[jj] = v_pages + at;
       } else {
         const size_t at = (static_cast<size_t>(b) * p.L + (j - history)) * stride + kv * p.D;
-        k_rows[jj] = p.k_out + at;
-        v_rows[jj] = p.v_out + at;
+        k_rows[jj] = k_new + at;
+        v_rows[jj] = v_new + at;
       }
     }
   }
@@ -255,9 +328,10 @@ struct KeyRows {
 // One chunk of keys for query vectors [i0, last) x group of row b (q: their rotated queries,
 // [nq, D]), from a fresh state: acc [nq, D] gets sum(e^(s - max) v), states the running max and
 // sum. Keys [begin, end): the chunk, clipped to what the last query sees.
-template <int DV>
+template <int DV, class E>
 void AttendChunk(const AttentionProblem& p, int b, int i0, int last, const float* q, int begin, int end,
-                 const KeyRows& key_rows, float* acc, QueryState* states) {
+                 const KeyRows<E>& key_rows, float* acc, QueryState* states) {
+  using T = typename E::T;
   constexpr int D = DV * 16;
   constexpr int NR = DV <= 2 ? 8 : DV <= 4 ? 4 : DV <= 8 ? 2 : 1;  // accumulators NR x DV stay in registers
   const int group = p.H / p.KVH;
@@ -267,30 +341,30 @@ void AttendChunk(const AttentionProblem& p, int b, int i0, int last, const float
   // A one-row decode waits on memory unless the rows a few blocks ahead are already on the way.
   auto prefetch = [&](int j0) {
     if (j0 >= end) return;
-    const float* rows[2][16];
+    const T* rows[2][16];
     const int count = std::min(16, end - j0);
     key_rows(j0, count, rows[0], rows[1]);
     for (int jj = 0; jj < count; ++jj)
-      for (int line = 0; line < D * 4; line += 64) {
+      for (int line = 0; line < D * static_cast<int>(sizeof(T)); line += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(rows[0][jj]) + line, _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(rows[1][jj]) + line, _MM_HINT_T0);
       }
   };
   for (int ahead = 0; ahead < kPrefetchBlocks; ++ahead) prefetch(begin + 16 * ahead);
-  KeyBlock blk;
+  KeyBlock<E> blk;
   for (int j0 = begin; j0 < end; j0 += 16) {
     prefetch(j0 + 16 * kPrefetchBlocks);
     blk.count = std::min(16, end - j0);
-    const float* k_rows[16];
+    const T* k_rows[16];
     key_rows(j0, blk.count, k_rows, blk.values);
     for (int x = 0; x < DV; ++x) {  // 16 keys x 16 dims at a time, missing keys as zeros
       __m512 r[16];
-      for (int jj = 0; jj < 16; ++jj) r[jj] = jj < blk.count ? _mm512_loadu_ps(k_rows[jj] + 16 * x) : _mm512_setzero_ps();
+      for (int jj = 0; jj < 16; ++jj) r[jj] = jj < blk.count ? E::Load(k_rows[jj] + 16 * x) : _mm512_setzero_ps();
       Transpose16(r);
       for (int c = 0; c < 16; ++c) _mm512_store_ps(blk.kt[16 * x + c], r[c]);
     }
     for (int v0 = 0; v0 < nq; v0 += NR)
-      AttendBlock<DV, NR>(p, blk, j0, key_rows.history, i0, group, q, v0, std::min(NR, nq - v0), acc, states);
+      AttendBlock<DV, NR, E>(p, blk, j0, key_rows.history, i0, group, q, v0, std::min(NR, nq - v0), acc, states);
   }
 }
 
@@ -307,7 +381,7 @@ inline int ChunkEnd(const AttentionProblem& p, int b, int last, int chunk) {
 }
 
 // One item's query vectors of one KV head, in the precision the step runs: fp32 or bf16 tiles.
-template <int DV>
+template <int DV, class E>
 struct HeadQueries {
   const AttentionProblem& p;
   int b, kv, i0, last, nq;
@@ -328,7 +402,7 @@ struct HeadQueries {
   }
 
   void Chunk(int chunk, float* acc, QueryState* states) const {
-    const KeyRows rows(p, b, kv);
+    const KeyRows<E> rows(p, b, kv);
     const int begin = chunk * kChunkKeys, end = ChunkEnd(p, b, last, chunk);
     if constexpr (DV % 2 == 0) {  // AMX tiles take 32 dims at a time: Compute sets bf16 only then
       if (p.bf16) {
@@ -338,14 +412,14 @@ struct HeadQueries {
           k_tiles = p.chunk_tiles + ((static_cast<size_t>(b) * p.KVH + kv) * p.row_chunks + chunk) * 2 * ChunkTileElems<DV>();
         } else {  // a split step reads each chunk once: convert it here, into cache-sized tiles
           own.resize(2 * ChunkTileElems<DV>());
-          ConvertChunk<DV>(p, b, kv, chunk, own.data());
+          ConvertChunk<DV, E>(p, b, kv, chunk, own.data());
           k_tiles = own.data();
         }
         return AmxChunk<DV>(p, b, i0, last, q_bf16.data(), begin, end, k_tiles, k_tiles + ChunkTileElems<DV>(), acc,
                             states);
       }
     }
-    AttendChunk<DV>(p, b, i0, last, q.data(), begin, end, rows, acc, states);
+    AttendChunk<DV, E>(p, b, i0, last, q.data(), begin, end, rows, acc, states);
   }
 };
 
@@ -365,7 +439,7 @@ ItemSpan Span(const AttentionProblem& p, size_t item, int chunks) {
   return s;
 }
 
-template <int DV>
+template <int DV, class E>
 void AttendHeads(const AttentionProblem& p, size_t item) {
   constexpr int D = DV * 16;
   const ItemSpan s = Span(p, item, p.split ? p.row_chunks : 1);
@@ -380,7 +454,7 @@ void AttendHeads(const AttentionProblem& p, size_t item) {
   thread_local std::vector<QueryState> chunk_state, run_state;
   if (p.bf16) ConfigureTiles();
   for (int kv = 0; kv < p.KVH; ++kv) {
-    HeadQueries<DV> queries{p, s.b, kv, s.i0, s.last, nq, q_buf, q_bf16};
+    HeadQueries<DV, E> queries{p, s.b, kv, s.i0, s.last, nq, q_buf, q_bf16};
     queries.Load();
     if (p.split) {
       const size_t slot = item * p.KVH + kv;
@@ -424,14 +498,26 @@ void MergeHeads(const AttentionProblem& p, size_t item) {
 }
 
 // The three kinds of work item of a step, each a template over the head width in 16-float
-// vectors, called through ForHeadDim for the step's head dimension.
+// vectors, called through ForHeadDim for the step's head dimension (and the pool's type).
 template <int DV>
 struct Attend {
-  static void Run(const AttentionProblem& p, size_t item) { AttendHeads<DV>(p, item); }
+  static void Run(const AttentionProblem& p, size_t item) {
+    switch (p.pool_type) {
+      case PoolType::kBf16: return AttendHeads<DV, PoolBf16>(p, item);
+      case PoolType::kF16: return AttendHeads<DV, PoolF16>(p, item);
+      default: return AttendHeads<DV, PoolF32>(p, item);
+    }
+  }
 };
 template <int DV>
 struct Convert {
-  static void Run(const AttentionProblem& p, size_t item) { ConvertItemOf<DV>(p, item); }
+  static void Run(const AttentionProblem& p, size_t item) {
+    switch (p.pool_type) {
+      case PoolType::kBf16: return ConvertItemOf<DV, PoolBf16>(p, item);
+      case PoolType::kF16: return ConvertItemOf<DV, PoolF16>(p, item);
+      default: return ConvertItemOf<DV, PoolF32>(p, item);
+    }
+  }
 };
 template <int DV>
 struct Merge {
@@ -516,7 +602,13 @@ struct PagedAttentionKernel {
     p.positions = positions.GetTensorData<int64_t>();
     p.cos_cache = cos.GetTensorData<float>();
     p.sin_cache = sin.GetTensorData<float>();
-    p.pool = pool.GetTensorData<float>();
+    switch (pool.GetTensorTypeAndShapeInfo().GetElementType()) {
+      case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: p.pool_type = PoolType::kF32; break;
+      case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: p.pool_type = PoolType::kBf16; break;
+      case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: p.pool_type = PoolType::kF16; break;
+      default: fail("kv_pool must be float, bfloat16 or float16");
+    }
+    p.pool = pool.GetTensorRawData();
     p.block_tables = tables.GetTensorData<int64_t>();
     p.history_lens = history.GetTensorData<int64_t>();
     p.query_lens = query.GetTensorData<int64_t>();
@@ -537,6 +629,14 @@ struct PagedAttentionKernel {
     thread_local std::vector<float> q_rot;
     q_rot.resize(static_cast<size_t>(B * L * H * D));
     p.q_rot = q_rot.data();
+    thread_local std::vector<uint16_t> k_new16, v_new16;
+    p.k_new16 = p.v_new16 = nullptr;
+    if (p.pool_type != PoolType::kF32) {
+      k_new16.resize(static_cast<size_t>(B * L * KVH * D));
+      v_new16.resize(static_cast<size_t>(B * L * KVH * D));
+      p.k_new16 = k_new16.data();
+      p.v_new16 = v_new16.data();
+    }
     if (B * L < 16) {
       for (int64_t t = 0; t < B * L; ++t) RotateToken(&p, t);
     } else {
@@ -580,6 +680,7 @@ struct PagedAttentionOp : Ort::CustomOpBase<PagedAttentionOp, PagedAttentionKern
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
   size_t GetInputTypeCount() const { return 8; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
+    if (i == 4) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // kv_pool: float, bfloat16 or float16
     return i == 1 || i >= 5 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   size_t GetOutputTypeCount() const { return 3; }

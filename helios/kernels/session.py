@@ -13,6 +13,7 @@ import onnxruntime as ort
 from helios.kernels import DOMAIN, available
 from helios.kernels.attention import to_group_query_attention
 from helios.kernels.int4_layout import to_matmul_nbits
+from helios.kernels.kv_dtype import retype_pool
 from helios.kernels.moe import to_dense_experts
 
 log = logging.getLogger(__name__)
@@ -22,13 +23,20 @@ def uses_flare_ops(model: onnx.ModelProto) -> bool:
     return any(node.domain == DOMAIN for node in model.graph.node)
 
 
-def open_session(path: Path, options: ort.SessionOptions, providers: list[str]) -> tuple[ort.InferenceSession, str]:
-    """(session, kernels) for the graph at `path`; `kernels` says what runs its ai.flare
-    operators: "flare" (flare's kernel library), "onnxruntime" (rewritten to onnxruntime's
-    MatMulNBits and GroupQueryAttention, and routed experts to dense Einsums, because the library
-    cannot run here: the reason is logged) or "" (the graph has none)."""
+def open_session(
+    path: Path, options: ort.SessionOptions, providers: list[str], kv_dtype: str = "float32"
+) -> tuple[ort.InferenceSession, str]:
+    """(session, kernels) for the graph at `path`, its kv_pool input declared `kv_dtype` (a step
+    graph's; helios.kernels.kv_dtype); `kernels` says what runs its ai.flare operators: "flare"
+    (flare's kernel library), "onnxruntime" (rewritten to onnxruntime's MatMulNBits and
+    GroupQueryAttention, and routed experts to dense Einsums, because the library cannot run here:
+    the reason is logged) or "" (the graph has none)."""
     header = onnx.load(str(path), load_external_data=False)
+    retype = kv_dtype != "float32"
     if not uses_flare_ops(header):
+        if retype:
+            retype_pool(header, kv_dtype)
+            return _open_header(header, path, options, providers), ""
         return ort.InferenceSession(str(path), options, providers=providers), ""
     library, why = available()
     if library is not None and providers == ["CPUExecutionProvider"]:
@@ -40,7 +48,12 @@ def open_session(path: Path, options: ort.SessionOptions, providers: list[str]) 
             # ignition's graphs did before ai.flare.MoE.
             model = onnx.load(str(path))
             to_dense_experts(model)
+            if retype:
+                retype_pool(model, kv_dtype)
             return _open_rewritten(model, path, options, providers), "flare"
+        if retype:
+            retype_pool(header, kv_dtype)
+            return _open_header(header, path, options, providers), "flare"
         return ort.InferenceSession(str(path), options, providers=providers), "flare"
     why = why or f"providers {providers} are not the CPU's"
     log.warning("%s: running flare's operators as onnxruntime kernels (%s)", path.name, why)
@@ -48,7 +61,17 @@ def open_session(path: Path, options: ort.SessionOptions, providers: list[str]) 
     to_matmul_nbits(model)
     to_group_query_attention(model)
     to_dense_experts(model)
+    if retype:
+        retype_pool(model, kv_dtype)
     return _open_rewritten(model, path, options, providers), "onnxruntime"
+
+
+def _open_header(
+    header: onnx.ModelProto, path: Path, options: ort.SessionOptions, providers: list[str]
+) -> ort.InferenceSession:
+    """A session over an edited graph whose weights stay in `path`'s external data files."""
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
+    return ort.InferenceSession(header.SerializeToString(), options, providers=providers)
 
 
 def _open_rewritten(

@@ -15,6 +15,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from helios import kernels
+from helios.kernels import kv_dtype
 from helios.kernels.session import open_session
 from ignition.models.ops import pool_attention_ref
 
@@ -146,17 +147,79 @@ def _session(model: onnx.ModelProto, path) -> ort.InferenceSession:
     return session
 
 
+def _session16(model: onnx.ModelProto, path, pool_dtype: str) -> ort.InferenceSession:
+    """A session whose kv_pool is `pool_dtype`, as helios' runner opens a 16-bit pool."""
+    onnx.save(model, str(path))
+    session, used = open_session(path, ort.SessionOptions(), ["CPUExecutionProvider"], pool_dtype)
+    assert used == "flare"
+    return session
+
+
+def _run(session: ort.InferenceSession, feeds: dict) -> list[np.ndarray]:
+    """Run with the pool bound as an OrtValue (numpy has no bfloat16 onnxruntime takes directly)."""
+    binding = session.io_binding()
+    for name, value in feeds.items():
+        if name == "kv_pool":
+            binding.bind_ortvalue_input(name, kv_dtype.ort_value(value))
+        else:
+            binding.bind_cpu_input(name, value)
+    for out in ("out", "k", "v"):
+        binding.bind_output(out, "cpu")
+    session.run_with_iobinding(binding)
+    return [value.numpy() for value in binding.get_outputs()]
+
+
+POOL_DTYPES = ["float32", "bfloat16", "float16"]
+
+
+@pytest.mark.parametrize("pool_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("case", ["decode batch", "prefill chunks", "wide heads", "long decode, pages of 12"])
+def test_a_16bit_pool_is_read_in_place_and_new_keys_are_rounded_once(case, pool_dtype, tmp_path):
+    """A bfloat16 or float16 pool: the kernel reads the 16-bit pages and rounds the step's own k
+    and v to the pool's type (as numpy would) before attending, so k and v come out exactly as the
+    pool will hold them; the output stays within 16-bit rounding of the fp32 meaning."""
+    if kernels.cpu_missing_flags():
+        pytest.skip("no AVX512-VNNI")
+    model, feeds, want, rows = _case(*CASES[case], seed=len(case))
+    narrow = kv_dtype.numpy_dtype(pool_dtype)
+    fp32 = _run(_session16(model, tmp_path / "fp32.onnx", "float32"), feeds)
+    got = _run(
+        _session16(model, tmp_path / "16.onnx", pool_dtype), dict(feeds, kv_pool=feeds["kv_pool"].astype(narrow))
+    )
+    for name, g, f in zip(("k", "v"), got[1:], fp32[1:]):
+        np.testing.assert_array_equal(g, f.astype(narrow).astype(np.float32), err_msg=name)  # rounded once, as numpy
+    for b, (_, valid) in enumerate(rows):
+        np.testing.assert_allclose(got[0][b, :valid], want[0][b, :valid], rtol=3e-2, atol=3e-2)
+        assert np.abs(got[0][b, :valid] - want[0][b, :valid]).mean() < 5e-3
+        assert (got[0][b, valid:] == 0).all()
+
+
+def test_a_pool_of_another_type_is_refused(tmp_path):
+    if kernels.cpu_missing_flags():
+        pytest.skip("no AVX512-VNNI")
+    model, feeds, _, _ = _case(*CASES["one kv head"], seed=2)
+    model.graph.input[2].type.tensor_type.elem_type = TensorProto.DOUBLE
+    path = tmp_path / "attn.onnx"
+    onnx.save(model, str(path))
+    session, _ = open_session(path, ort.SessionOptions(), ["CPUExecutionProvider"])
+    with pytest.raises(Exception, match="kv_pool must be float, bfloat16 or float16"):
+        session.run(None, dict(feeds, kv_pool=feeds["kv_pool"].astype(np.float64)))
+
+
+@pytest.mark.parametrize("pool_dtype", POOL_DTYPES)
 @pytest.mark.parametrize("precision", [None, "bfloat16"])
-def test_a_query_gets_the_same_bits_from_a_prefill_and_from_a_decode(tmp_path, precision):
+def test_a_query_gets_the_same_bits_from_a_prefill_and_from_a_decode(tmp_path, precision, pool_dtype):
     """The last query of a 140-token prefill over 300 history tokens (one item per query block,
     chunks folded in one item) against the same query decoded alone after the other 139 new
-    tokens were written to the pool (one item per chunk, folded by the merge pass)."""
+    tokens were written to the pool (one item per chunk, folded by the merge pass), for every
+    pool type: a 16-bit pool's step keys are rounded as the pool stores them."""
     if kernels.cpu_missing_flags():
         pytest.skip("no AVX512-VNNI")
     heads, kv_heads, dim, page, history, length = 8, 2, 32, 16, 300, 140
     model, feeds, _, _ = _case(heads, kv_heads, dim, page, [(history, length)], length, seed=11, precision=precision)
-    session = _session(model, tmp_path / "attn.onnx")
-    out, k, v = session.run(None, feeds)
+    feeds = dict(feeds, kv_pool=feeds["kv_pool"].astype(kv_dtype.numpy_dtype(pool_dtype)))
+    session = _session16(model, tmp_path / "attn.onnx", pool_dtype)
+    out, k, v = _run(session, feeds)
     # The decode: 139 of the new tokens now live in the row's pages, the last one is the query.
     pool, table = feeds["kv_pool"].copy(), feeds["block_tables"][0]
     pages, layer = pool.shape[0] // 6, 1
@@ -172,7 +235,7 @@ def test_a_query_gets_the_same_bits_from_a_prefill_and_from_a_decode(tmp_path, p
         history_lens=np.array([history + length - 1], np.int64),
         query_lens=np.array([1], np.int64),
     )
-    alone = session.run(None, decode)[0]
+    alone = _run(session, decode)[0]
     np.testing.assert_array_equal(alone[0, 0], out[0, length - 1])
 
 
