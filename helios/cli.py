@@ -36,6 +36,11 @@ def serve(
     config: Path | None = typer.Option(None, help="TOML file with a [server] table"),
     max_concurrency: int | None = typer.Option(None, help="active sequences the engine batches"),
     kv_pages: int | None = typer.Option(None, help="KV pool size in pages"),
+    kv_dtype: str | None = typer.Option(
+        None,
+        help="KV pool type: auto (bf16 where the CPU has a bf16 dot product, else fp16 where it converts "
+        "halves, else fp32), bf16, fp16 or fp32 [default: the core's, normally auto]",
+    ),
     threads: int | None = typer.Option(None, help="engine compute threads"),
     dashboard: bool = typer.Option(False, "--dashboard", help="show the `helios top` dashboard while serving"),
     host_store: Path | None = typer.Option(None, help="directory of the host prefix store's disk tier"),
@@ -79,12 +84,13 @@ def serve(
             ("host_store_dram_gb", host_store_dram_gb),
             ("host_store_disk_gb", host_store_disk_gb),
             ("speculation", speculation),
+            ("kv_dtype", kv_dtype),
         ):
             if value is not None:
                 setattr(settings, name, value)
         check_startup(manifest, settings, Tokenizer.from_core(core, manifest))
         try:
-            choice = choose_runner(manifest, device, engine_kind)
+            choice = choose_runner(manifest, device, engine_kind, settings.kv_dtype)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         for name, value in (("kv-pages", kv_pages), ("threads", threads)):
@@ -125,7 +131,7 @@ def serve(
                 drafter = speculator.learned.runner
                 console.print(
                     f"learned drafter: {escape(manifest.drafter.checkpoint_id)}, its own KV pool "
-                    f"{drafter.pool.nbytes / 2**30:.2f} GiB over the same pages"
+                    f"{drafter.pool_bytes / 2**30:.2f} GiB ({drafter.pool_dtype}) over the same pages"
                 )
 
         stop = _start_dashboard(settings) if dashboard else None

@@ -50,8 +50,13 @@ from typing import Any, get_type_hints
 #      program of the same step module for helios' torch runner, `ignition export --target cuda`),
 #      with its weights' `dtype`, the `torch_version` that wrote it and its own `parity`. An
 #      older 1.x helios ignores the fields and serves the first "step" engine (the ONNX one).
-FORMAT_VERSION = "1.11"
+# 1.12: `limits.kv_dtype`: the KV pool's element type helios serves with by default ("auto",
+#      "float32", "bfloat16", "float16"; `ignition export --kv-dtype`, `helios serve --kv-dtype`
+#      overrides). The step graph still declares a float32 pool: helios retypes it when it opens
+#      the session. An older 1.x helios ignores the field and serves a float32 pool.
+FORMAT_VERSION = "1.12"
 ENGINE_TARGETS = ("cpu", "cuda")
+KV_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 TEMPLATE_REJECTS = ("drop_thinking", "continuation", "add_generation_prompt_false")
 CONTENT_DIGEST_SINCE = (1, 5)
 MANIFEST_NAME = "core.json"
@@ -94,6 +99,7 @@ class Limits:
     max_batch_tokens: int  # max tokens (prefill + decode) in one engine step
     default_max_tokens: int  # output budget when a request omits it
     kv_pages: int  # default KV pool size in pages (overridable at serve time)
+    kv_dtype: str = "auto"  # default KV pool element type (KV_DTYPE_NAMES; overridable at serve time)
 
 
 @dataclass
@@ -412,6 +418,10 @@ class Manifest:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Manifest:
         manifest = _build(cls, data, "core")
+        if manifest.limits.kv_dtype not in KV_DTYPE_NAMES:
+            raise ManifestError(
+                f"core.limits.kv_dtype {manifest.limits.kv_dtype!r} is not one of {', '.join(KV_DTYPE_NAMES)}"
+            )
         for i, engine in enumerate(manifest.engines):
             if engine.target not in ENGINE_TARGETS:
                 raise ManifestError(

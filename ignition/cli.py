@@ -62,6 +62,13 @@ def export(
     torch_dtype: Annotated[
         str, typer.Option(help="Weights of the torch step program (--target cuda): bfloat16 or float32")
     ] = "bfloat16",
+    kv_dtype: Annotated[
+        str,
+        typer.Option(
+            help="The KV pool type helios serves the core with by default: auto (bf16 where the CPU has a "
+            "bf16 dot product, else fp16 where it converts halves, else fp32), bf16, fp16 or fp32"
+        ),
+    ] = "auto",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing core at --out")] = False,
     no_cache: Annotated[
         bool, typer.Option("--no-cache", help="Neither read nor fill the export cache ($FLARE_CACHE/export)")
@@ -69,7 +76,7 @@ def export(
 ) -> None:
     """Export CHECKPOINT with RECIPE into a core folder."""
     # Imported here: torch and onnxruntime cost seconds that `ignition inspect` and --help never use.
-    from ignition.export.options import parse_targets
+    from ignition.export.options import parse_kv_dtype, parse_targets
     from ignition.export.pipeline import STAGES, ExportError, ExportOptions, export_core
 
     try:
@@ -87,6 +94,7 @@ def export(
             drafter=drafter,
             targets=parse_targets(target),
             torch_dtype=torch_dtype,
+            kv_dtype=parse_kv_dtype(kv_dtype),
         )
         started = time.monotonic()
         current: dict = {"stage": None, "detail": "", "t": started}

@@ -17,6 +17,7 @@ from typing import Any
 
 from helios.cluster.spec import ClusterSpec
 from helios.engine.api import GenerationEvent, GenerationRequest
+from helios.engine.assembly import choose_runner
 from helios.engine.engine import Engine
 from helios.engine.validation import RequestCheck
 from helios.manifest import Manifest
@@ -37,6 +38,7 @@ class EngineReplica:
             prefix_cache=settings.prefix_cache_config(),
             host_store=settings.host_store_config(),
             speculation=settings.speculation_config(),
+            choice=choose_runner(manifest, kv_dtype=settings.kv_dtype),
         )
         self.engine.start()
         self.label = f"{socket.gethostname()}:{os.getpid()}"

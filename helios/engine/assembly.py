@@ -14,6 +14,7 @@ from helios.engine.host_store import HostStore, HostStoreConfig, core_identity
 from helios.engine.runner import SPARE_STATE_SLOTS, Runner
 from helios.engine.speculation import SpeculationConfig, Speculator
 from helios.engine.step_io import StepRunner
+from helios.kernels import kv_dtype as kv_types
 from helios.manifest import Manifest
 
 
@@ -52,14 +53,16 @@ def host_store_arguments(manifest: Manifest, runner: StepRunner, config: HostSto
     if config is None or not runner.exports_pages or (config.dram_bytes <= 0 and config.directory is None):
         return {}
     identity = core_identity(manifest, runner.pool_dtype)
-    store = HostStore(identity, config, manifest.kv.page_tokens, kv_page_bytes(manifest))
+    page_bytes = kv_page_bytes(manifest, runner.pool_dtype)
+    store = HostStore(identity, config, manifest.kv.page_tokens, page_bytes, runner.pool_dtype)
     return {"host": store, "read_pages": runner.read_pages, "write_pages": runner.write_pages}
 
 
-def kv_page_bytes(manifest: Manifest) -> int:
-    """Bytes of one page as the host store keeps it (float32, whatever the pool's dtype)."""
+def kv_page_bytes(manifest: Manifest, pool_dtype: str) -> int:
+    """Bytes of one page (every layer's K and V) in a pool of `pool_dtype`, as copies and the host
+    store move it."""
     kv = manifest.kv
-    return kv.num_layers * 2 * kv.page_tokens * kv.kv_heads * kv.head_dim * 4
+    return kv.num_layers * 2 * kv.page_tokens * kv.kv_heads * kv.head_dim * kv_types.itemsize(pool_dtype)
 
 
 def state_snapshot_arguments(manifest: Manifest, runner: StepRunner) -> dict[str, Any]:
@@ -82,19 +85,26 @@ ENGINES = ("auto", "onnx", "torch")
 
 @dataclass(frozen=True)
 class RunnerChoice:
-    """Which step engine serves the core, where: ("onnx", "cpu"), ("torch", "cpu") or ("torch", "cuda")."""
+    """Which step engine serves the core, where: ("onnx", "cpu"), ("torch", "cpu") or ("torch",
+    "cuda"), and the ONNX runner's KV pool type (helios.kernels.kv_dtype; "auto" resolved there)."""
 
     engine: str = "onnx"
     device: str = "cpu"
+    kv_dtype: str = "float32"
 
 
-def choose_runner(manifest: Manifest, device: str = "auto", engine: str = "auto") -> RunnerChoice:
-    """--device / --engine against the core and this machine; ValueError says what is missing.
+def choose_runner(
+    manifest: Manifest, device: str = "auto", engine: str = "auto", kv_dtype: str | None = None
+) -> RunnerChoice:
+    """--device / --engine / --kv-dtype against the core and this machine; ValueError says what is
+    missing.
 
     auto device: CUDA when the core has a torch program (target "cuda") and torch sees a GPU;
-    auto engine: the torch program on CUDA, the ONNX graph on a CPU."""
+    auto engine: the torch program on CUDA, the ONNX graph on a CPU. kv_dtype None: the core's
+    default (manifest limits); the torch program's pool has the program's dtype."""
     if device not in DEVICES or engine not in ENGINES:
         raise ValueError(f"--device is one of {', '.join(DEVICES)} and --engine one of {', '.join(ENGINES)}")
+    pool = kv_types.canonical(kv_dtype or manifest.limits.kv_dtype)
     has_program = manifest.has_engine("step", "cuda")
     if device == "auto":
         device = "cuda" if engine != "onnx" and has_program and _cuda_available() else "cpu"
@@ -108,7 +118,12 @@ def choose_runner(manifest: Manifest, device: str = "auto", engine: str = "auto"
         raise ValueError("this core has no torch step program: export it with `ignition export --target cpu,cuda`")
     if device == "cuda" and not _cuda_available():
         raise ValueError("--device cuda, but torch sees no CUDA device (a CUDA build of torch and a GPU are needed)")
-    return RunnerChoice(engine, device)
+    if engine == "torch":
+        program = manifest.engine("step", "cuda").dtype or "float32"
+        if kv_dtype is not None and pool not in ("auto", program):
+            raise ValueError(f"the torch step program's KV pool has its weights' dtype ({program}), not {pool}")
+        return RunnerChoice(engine, device, program)
+    return RunnerChoice(engine, device, pool)
 
 
 def _cuda_available() -> bool:
@@ -125,7 +140,7 @@ def build_runner(
     """The chosen runner, its state slots and decode-graph buckets sized for max_concurrency."""
     slots = max_concurrency + SPARE_STATE_SLOTS
     if choice.engine == "onnx":
-        return Runner(core_dir, manifest, num_pages, threads, state_slots=slots)
+        return Runner(core_dir, manifest, num_pages, threads, state_slots=slots, kv_dtype=choice.kv_dtype)
     from helios.engine.torch_runner import TorchRunner  # torch only where its engine serves
 
     return TorchRunner(

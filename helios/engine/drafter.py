@@ -41,7 +41,8 @@ class LearnedDrafter:
         spec = manifest.drafter
         assert spec is not None
         engine = manifest.engine(spec.engine)
-        runner = Runner.from_graph(Path(core_dir) / engine.file, spec.kv, target.num_pages, target.threads)
+        path = Path(core_dir) / engine.file
+        runner = Runner.from_graph(path, spec.kv, target.num_pages, target.threads, kv_dtype=target.pool_dtype)
         runner.max_positions = spec.architecture.max_position_embeddings
         # Decode is bound by reading the weights: a drafter step costs about what it reads, and
         # what the two graphs' one-token steps take here says how much more.

@@ -98,7 +98,7 @@ class Engine:
         self.prefix_cache = PrefixCache(
             self.block_manager,
             copy_page=page_copier(runner, speculator),
-            page_bytes=kv_page_bytes(manifest),
+            page_bytes=kv_page_bytes(manifest, runner.pool_dtype),
             config=prefix_cache,
             **state_snapshot_arguments(manifest, runner),
             **host_store_arguments(manifest, runner, host_store),

@@ -4,13 +4,14 @@ retention; the store itself is helios.engine.host_store).
 A record is one link of a chain. It extends its parent record (the longest record already held
 whose ids prefix its own, or nothing) from token `start` to `length`: it carries those token ids,
 the K/V of the pool pages from `first_page` = start // page_tokens up to the page holding
-length - 1 ([layers, 2, pages, page_tokens, kv_heads, head_dim], the pool's float32 layout; the
+length - 1 ([layers, 2, pages, page_tokens, kv_heads, head_dim] in the pool's layout and dtype; the
 parent's partly filled last page is carried again, completed), and, for cores with recurrent
 state, the state after `length` tokens. Restoring a chain writes its links root first, so every
 page ends up holding the leaf's view of it.
 
-File: one JSON header line, then the payload (ids int64, K/V float32, state float32). The header
-names the format, the core identity, the link (key, parent, start, length, first_page), the shapes
+File: one JSON header line, then the payload (ids int64, K/V in the pool's dtype, state float32).
+The header names the format, the core identity, the K/V dtype (a record of another dtype is
+refused, so recomputed, never misread), the link (key, parent, start, length, first_page), the shapes
 and a blake2b checksum of the payload. `inputs` is reserved for prepared image inputs (not stored
 yet): readers of this format require it empty.
 """
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from helios.kernels import kv_dtype
 
 FORMAT = "flare-host-record-2"
 
@@ -54,7 +57,7 @@ class RecordLink:
 class HostRecord:
     link: RecordLink
     ids: np.ndarray  # int64 [length - start]: the tokens this link adds
-    kv: np.ndarray  # float32 [layers, 2, pages, page_tokens, kv_heads, head_dim] from first_page
+    kv: np.ndarray  # the pool's dtype [layers, 2, pages, page_tokens, kv_heads, head_dim] from first_page
     state: np.ndarray | None = None  # float32 [width]: recurrent state after `length` tokens
 
     @property
@@ -87,7 +90,7 @@ def write_record(path: Path, record: HostRecord, identity: str) -> int:
         "first_page": link.first_page,
         "kv_shape": list(record.kv.shape),
         "state_shape": None if record.state is None else list(record.state.shape),
-        "dtype": "float32",
+        "dtype": kv_dtype.name_of(record.kv.dtype),
         "inputs": [],
         "checksum": _checksum(payload),
     }
@@ -103,22 +106,23 @@ def write_record(path: Path, record: HostRecord, identity: str) -> int:
     return path.stat().st_size
 
 
-def read_link(path: Path, identity: str) -> RecordLink:
+def read_link(path: Path, identity: str, dtype: str) -> RecordLink:
     """The header of a record file (a start-up or rescan index entry); raises RecordError/OSError."""
     with open(path, "rb") as source:
-        header = _header(source.readline(), identity)
+        header = _header(source.readline(), identity, dtype)
     return _link(header)
 
 
-def read_record(path: Path, identity: str, link: RecordLink) -> HostRecord:
-    """The whole record, every check passed; raises RecordError, or OSError when unreadable."""
+def read_record(path: Path, identity: str, link: RecordLink, dtype: str) -> HostRecord:
+    """The whole record, every check passed (its K/V in `dtype`, the pool's); raises RecordError,
+    or OSError when unreadable."""
     with open(path, "rb") as source:
-        header = _header(source.readline(), identity)
+        header = _header(source.readline(), identity, dtype)
         if _link(header) != link:
             raise RecordReplaced("its header does not match the index")
         kv_shape = [int(n) for n in header["kv_shape"]]
         state_shape = header["state_shape"]
-        sizes = [(link.length - link.start) * 8, int(np.prod(kv_shape)) * 4]
+        sizes = [(link.length - link.start) * 8, int(np.prod(kv_shape)) * kv_dtype.itemsize(dtype)]
         if state_shape is not None:
             sizes.append(int(np.prod([int(n) for n in state_shape])) * 4)
         parts = [source.read(size) for size in sizes]
@@ -128,12 +132,12 @@ def read_record(path: Path, identity: str, link: RecordLink) -> HostRecord:
     if _checksum(parts) != header["checksum"]:
         raise RecordError("checksum mismatch")
     ids = np.frombuffer(parts[0], dtype=np.int64)
-    kv = np.frombuffer(parts[1], dtype=np.float32).reshape(kv_shape)
+    kv = np.frombuffer(parts[1], dtype=kv_dtype.numpy_dtype(dtype)).reshape(kv_shape)
     state = None if state_shape is None else np.frombuffer(parts[2], dtype=np.float32)
     return HostRecord(link, ids.copy(), kv.copy(), None if state is None else state.copy())
 
 
-def _header(line: bytes, identity: str) -> dict:
+def _header(line: bytes, identity: str, dtype: str) -> dict:
     try:
         header = json.loads(line)
     except ValueError as exc:
@@ -142,8 +146,10 @@ def _header(line: bytes, identity: str) -> dict:
         raise RecordError(f"not a {FORMAT} record")
     if header.get("identity") != identity:
         raise RecordError("written by another core (identity mismatch)")
-    if header.get("dtype") != "float32" or header.get("inputs") != []:
-        raise RecordError("unsupported payload (dtype or prepared inputs)")
+    if header.get("dtype") != dtype:
+        raise RecordError(f"K/V of another dtype ({header.get('dtype')!r}, the pool holds {dtype})")
+    if header.get("inputs") != []:
+        raise RecordError("unsupported payload (prepared inputs)")
     return header
 
 
@@ -151,7 +157,8 @@ def _link(header: dict) -> RecordLink:
     try:
         kv_shape = [int(n) for n in header["kv_shape"]]
         state = header["state_shape"]
-        nbytes = (int(header["length"]) - int(header["start"])) * 8 + int(np.prod(kv_shape)) * 4
+        item = kv_dtype.itemsize(header["dtype"])
+        nbytes = (int(header["length"]) - int(header["start"])) * 8 + int(np.prod(kv_shape)) * item
         nbytes += 0 if state is None else int(np.prod([int(n) for n in state])) * 4
         return RecordLink(
             str(header["key"]),

@@ -163,7 +163,7 @@ class Chain:
 
 def core_identity(manifest: Manifest, pool_dtype: str = "float32") -> str:
     """What a record must match to be served: the core's files, its KV layout and the dtype of the
-    pool the K/V came from (a bf16 pool's pages are not a float32 pool's, though stored as float32)."""
+    pool the K/V came from (each dtype keeps its own folder; a record's header names it too)."""
     kv = manifest.kv
     text = json.dumps(
         [
@@ -182,8 +182,12 @@ class HostStore:
     """The two tiers and their chain index. Offers, lookups and loads run on the engine thread,
     disk writes on one writer thread; the index is shared under one lock."""
 
-    def __init__(self, identity: str, config: HostStoreConfig, page_tokens: int, page_bytes: int):
+    def __init__(
+        self, identity: str, config: HostStoreConfig, page_tokens: int, page_bytes: int, dtype: str = "float32"
+    ):
+        """page_bytes: one page's K/V in the pool's `dtype`, the type records hold."""
         self.identity = identity
+        self.dtype = dtype
         self.config = config
         self.page_tokens = page_tokens
         self.page_bytes = page_bytes
@@ -454,7 +458,7 @@ class HostStore:
             if key in self._links or not length.isdigit():
                 continue
             try:
-                link = read_link(path, self.identity)
+                link = read_link(path, self.identity, self.dtype)
                 size = path.stat().st_size
                 if link.key != key or link.length != int(length) or not self._well_formed(link):
                     raise RecordError("its header does not match its name or its chain fields are inconsistent")
@@ -538,7 +542,7 @@ class HostStore:
         path = self._path(link)
         started = time.perf_counter()
         try:
-            record = read_record(path, self.identity, link)
+            record = read_record(path, self.identity, link, self.dtype)
         except FileNotFoundError:  # another process sharing the directory evicted it
             with self._lock:
                 self._forget(link.key)

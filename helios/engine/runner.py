@@ -62,7 +62,8 @@ class Runner:
         kv_dtype: str = "float32",
     ) -> None:
         """state_slots: recurrent-state slots (cores with `state`); default the core's concurrency
-        plus SPARE_STATE_SLOTS. kv_dtype: the pool's element type (float32, bfloat16, float16)."""
+        plus SPARE_STATE_SLOTS. kv_dtype: the pool's element type (float32, bfloat16, float16, or
+        auto: helios.kernels.kv_dtype.resolve)."""
         engine = manifest.engine("step")
         if state_slots is None:
             state_slots = manifest.limits.max_concurrency + SPARE_STATE_SLOTS
@@ -107,6 +108,8 @@ class Runner:
         if kv.dtype != "float32":  # the type the graph declares; the pool's own is kv_dtype
             raise ValueError(f"this runner takes step graphs with a float32 kv_pool, not {kv.dtype}")
         kv_dtype = kv_types.canonical(kv_dtype)
+        if kv_dtype == "auto":
+            kv_dtype = kv_types.resolve("auto", fused=kv_types.fused_reads_only(graph_path))
         self.kv = kv
         self.num_pages = num_pages
         self.threads = threads

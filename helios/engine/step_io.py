@@ -4,7 +4,7 @@
 and whatever runs the core's step engine: `Runner` (the ONNX step graph on onnxruntime,
 helios/engine/runner.py) and `TorchRunner` (the torch step program on a GPU or CPU torch,
 helios/engine/torch_runner.py) both implement it. Rows go in as `StepRow`s, one `StepOutput`
-comes out; pages move in and out of the pool as float32 numpy arrays whatever the pool's dtype.
+comes out; pages move in and out of the pool as numpy arrays in the pool's dtype.
 """
 
 from __future__ import annotations
@@ -220,11 +220,11 @@ class StepRunner(Protocol):
         ...
 
     def read_pages(self, pages: list[int]) -> np.ndarray:
-        """A float32 copy of `pages`: [layers, 2, len(pages), page_tokens, kv_heads, head_dim]."""
+        """A copy of `pages` in the pool's dtype: [layers, 2, len(pages), page_tokens, kv_heads, head_dim]."""
         ...
 
     def write_pages(self, pages: list[int], data: np.ndarray) -> None:
-        """Write `data` (read_pages' layout) into `pages`."""
+        """Write `data` (read_pages' layout; another dtype is rounded to the pool's) into `pages`."""
         ...
 
     def read_state(self, slot: int) -> np.ndarray:

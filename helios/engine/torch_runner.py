@@ -13,8 +13,8 @@ one `StepOutput` out, new K/V written into the rows' pages. What differs is wher
   verification steps run eagerly. `DecodeGraphs` holds that logic; on a CPU (CI) its "graphs"
   are eager calls over the same static buffers, so bucket, padding and page logic are the same.
 
-Pages leave and enter the pool as float32 numpy arrays (the host store's layout), exactly: a bf16
-value widens to float32 and narrows back unchanged.
+Pages leave and enter the pool as numpy arrays in the pool's dtype (bf16 as ml_dtypes' type): the
+host store keeps them so, and a float32 page written in is rounded to the pool's type.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from helios.engine.step_io import (
     pack_rows,
     run_in_groups,
 )
+from helios.kernels import kv_dtype as kv_types
 from helios.manifest import Engine, Manifest
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -165,14 +166,22 @@ class TorchRunner:
         self.pages[:, :, dst] = self.pages[:, :, src]
 
     def read_pages(self, pages: list[int]) -> np.ndarray:
+        """A copy in the pool's dtype (bfloat16 as ml_dtypes' numpy type)."""
         index = torch.as_tensor(pages, dtype=torch.int64, device=self.device)
-        return self.pages[:, :, index].float().cpu().numpy()
+        chosen = self.pages[:, :, index].cpu()
+        if self.dtype == torch.bfloat16:  # numpy has no bfloat16: move the bits
+            return chosen.view(torch.int16).numpy().view(kv_types.numpy_dtype("bfloat16"))
+        return chosen.numpy()
 
     def write_pages(self, pages: list[int], data: np.ndarray) -> None:
+        """`data` in read_pages' layout; another dtype is rounded to the pool's."""
         index = torch.as_tensor(pages, dtype=torch.int64, device=self.device)
-        self.pages[:, :, index] = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(
-            self.device, self.dtype
-        )
+        data = np.ascontiguousarray(data)
+        if data.dtype == kv_types.numpy_dtype("bfloat16"):
+            values = torch.from_numpy(data.view(np.int16)).view(torch.bfloat16)
+        else:
+            values = torch.from_numpy(data.astype(np.float32, copy=False))
+        self.pages[:, :, index] = values.to(self.device, self.dtype)
 
     def read_state(self, slot: int) -> np.ndarray:
         if self.state_pool is None:

@@ -10,7 +10,10 @@ kernel library cannot run) gets a Cast to float32 after its gather, so only the 
 widened.
 
 "auto" picks bfloat16 where the CPU has a bf16 dot product (AVX512-BF16 or AMX), else float16
-where it converts halves in hardware (F16C), else float32.
+where it converts halves in hardware (F16C), else float32; and float32 for a graph whose pool is
+read by anything but the fused kernel, or where the kernel library cannot run: only the fused
+kernel rounds a step's own keys before attending, which keeps a query's result independent of how
+its prompt was chunked (an explicit 16-bit choice still serves those graphs, within rounding).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
+
+from helios.kernels import available
 
 KV_DTYPES = ("float32", "bfloat16", "float16")
 CHOICES = ("auto", "bf16", "fp16", "fp32")  # what `helios serve --kv-dtype` takes
@@ -49,11 +54,14 @@ def cpu_flags() -> set[str]:
     return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
 
 
-def resolve(name: str, flags: set[str] | None = None) -> str:
-    """The pool dtype `name` means on this CPU (`flags`: /proc/cpuinfo's, by default)."""
+def resolve(name: str, flags: set[str] | None = None, fused: bool = True) -> str:
+    """The pool dtype `name` means on this CPU (`flags`: /proc/cpuinfo's, by default) for a graph
+    whose pool only the fused kernel reads (`fused`)."""
     name = canonical(name)
     if name != "auto":
         return name
+    if not fused:
+        return "float32"
     flags = cpu_flags() if flags is None else flags
     if "avx512_bf16" in flags or "amx_bf16" in flags:
         return "bfloat16"
@@ -62,12 +70,28 @@ def resolve(name: str, flags: set[str] | None = None) -> str:
     return "float32"
 
 
+def fused_reads_only(graph_path: Path) -> bool:
+    """Whether only flare's fused attention reads the graph's pool, and flare's kernels run here."""
+    header = onnx.load(str(graph_path), load_external_data=False)
+    readers = [n for n in header.graph.node if "kv_pool" in n.input]
+    return available()[0] is not None and all((n.domain, n.op_type) in _TYPE_AGNOSTIC for n in readers)
+
+
 def numpy_dtype(name: str) -> np.dtype:
     return _NUMPY[canonical(name)]
 
 
 def itemsize(name: str) -> int:
-    return numpy_dtype(name).itemsize
+    """Bytes of one element of a pool of `name` (a KV dtype, or any numpy dtype a test pool holds)."""
+    return numpy_dtype(name).itemsize if name in _ALIASES else np.dtype(name).itemsize
+
+
+def name_of(dtype: np.dtype) -> str:
+    """The KV_DTYPES name of a numpy dtype (ValueError for any other)."""
+    for name, known in _NUMPY.items():
+        if np.dtype(dtype) == known:
+            return name
+    raise ValueError(f"{dtype} is not a KV pool dtype")
 
 
 def ort_value(pool: np.ndarray) -> ort.OrtValue:

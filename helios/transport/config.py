@@ -6,6 +6,7 @@ port = 8000
 api_key = ""                  # empty: authentication off; --api-key-file overrides it
 max_body_bytes = 33554432     # bound on encoded and decoded request bodies
 max_concurrency = 8           # engine active sequences (default: the core's limit)
+kv_dtype = "auto"             # KV pool type: auto, bf16, fp16, fp32 (default: the core's, limits.kv_dtype)
 http_admission_slots = 256    # generated choices admitted at once (429 beyond)
 queue_size = 64               # engine-pending requests before 503 (default: 4 x max_concurrency)
 queue_timeout_s = 120         # longest wait for a first batch slot before a 503 (0: no deadline)
@@ -39,9 +40,11 @@ from typing import Any
 from helios.engine.host_store import RESTORE_POLICIES, HostStoreConfig, default_dram_bytes
 from helios.engine.prefix_cache import PrefixCacheConfig
 from helios.engine.speculation import SpeculationConfig
+from helios.kernels.kv_dtype import CHOICES, KV_DTYPES
 from helios.neutral.thinking import INT32_MAX
 from helios.transport.bodies import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, JsonLimits
 
+KV_DTYPE_SPELLINGS = (*CHOICES, *KV_DTYPES)
 DEFAULT_ADMISSION_SLOTS = 256
 DEFAULT_FRONTEND_WORKERS = 4
 DEFAULT_QUEUE_PER_SEQUENCE = 4  # default queue_size: this many waiting requests per batch slot
@@ -62,6 +65,7 @@ class ServerConfig:
     api_key: str = ""
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_concurrency: int | None = None
+    kv_dtype: str | None = None  # None: the core's default (manifest limits.kv_dtype)
     http_admission_slots: int = DEFAULT_ADMISSION_SLOTS
     queue_size: int | None = None
     queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
@@ -130,6 +134,8 @@ class ServerConfig:
         positive("frontend_workers", self.frontend_workers)
         if self.max_concurrency is not None:
             positive("max_concurrency", self.max_concurrency)
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPE_SPELLINGS:
+            raise ConfigError(f"{where}: kv_dtype must be one of {', '.join(KV_DTYPE_SPELLINGS)}")
         if self.queue_size is not None:
             positive("queue_size", self.queue_size)
         if self.max_json_elements is not None:

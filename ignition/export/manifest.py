@@ -101,7 +101,9 @@ def serving_context(recipe: Recipe, native: int, requested: int | None) -> int:
     return min(requested or recipe.limits.context_length or native, native)
 
 
-def serving_limits(recipe: Recipe, checkpoint: Checkpoint, requested_context: int | None) -> Limits:
+def serving_limits(
+    recipe: Recipe, checkpoint: Checkpoint, requested_context: int | None, kv_dtype: str = "auto"
+) -> Limits:
     lim = recipe.limits
     context = serving_context(recipe, checkpoint.architecture.max_position_embeddings, requested_context)
     # The default pool holds two full-context sequences (a long agent session and one more).
@@ -113,6 +115,7 @@ def serving_limits(recipe: Recipe, checkpoint: Checkpoint, requested_context: in
         max_batch_tokens=lim.max_batch_tokens,
         default_max_tokens=min(lim.default_max_tokens, context),
         kv_pages=max(lim.kv_pages, 2 * full_context_pages),
+        kv_dtype=kv_dtype,
     )
 
 

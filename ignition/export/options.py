@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from helios.kernels import kv_dtype
 from ignition.recipes import Recipe
 
 Progress = Callable[[str, str], None]  # (stage, detail)
@@ -30,6 +31,14 @@ def parse_targets(text: str) -> tuple[str, ...]:
     return tuple(t for t in TARGETS if t in named or t == "cpu")
 
 
+def parse_kv_dtype(text: str) -> str:
+    """--kv-dtype: auto, bf16, fp16 or fp32 (the full names too), as the manifest spells it."""
+    try:
+        return kv_dtype.canonical(text)
+    except ValueError as exc:
+        raise ExportError(f"--kv-dtype: {exc}") from None
+
+
 @dataclass
 class ExportOptions:
     recipe: Recipe
@@ -45,3 +54,4 @@ class ExportOptions:
     # score graph and the drafter build on it) and "cuda" (the torch step program beside it).
     targets: tuple[str, ...] = ("cpu",)
     torch_dtype: str = "bfloat16"  # the torch program's weights (--torch-dtype)
+    kv_dtype: str = "auto"  # the KV pool type helios serves with by default (--kv-dtype; manifest limits)

@@ -59,7 +59,7 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
         traced = cache.trace(stages.trace_step_graph, checkpoint, model)
         reference = cache.reference(model)
         # Before quantization and validation: a --context-length past the native context stops here.
-        limits = serving_limits(recipe, checkpoint, options.context_length)
+        limits = serving_limits(recipe, checkpoint, options.context_length, options.kv_dtype)
         engines = [stages.quantize_step_graph(traced, precision, core, progress)]
         if options.prompt_logprobs:
             engines.append(stages.add_score_graph(traced, checkpoint, precision, work, core, progress))

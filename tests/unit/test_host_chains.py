@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ml_dtypes import bfloat16
 
 from helios.engine import host_store as host_store_module
 from helios.engine.host_records import read_link
@@ -133,7 +134,7 @@ def test_concurrent_writers_of_one_record_never_expose_a_partial_file(tmp_path):
         while not stop.is_set():
             for path in tmp_path.rglob("*.rec"):
                 try:
-                    read_link(path, "core-identity-" + "0" * 50)
+                    read_link(path, "core-identity-" + "0" * 50, "float32")
                 except FileNotFoundError:
                     pass
                 except Exception as exc:
@@ -197,18 +198,40 @@ def test_a_record_larger_than_a_tier_is_not_kept_there(tmp_path):
     assert host.stats().disk_records == 1 and restored(host, [1] * 17) == [1] * 16
 
 
-@pytest.mark.parametrize("field", ["identity", "inputs"])
+@pytest.mark.parametrize("field", ["identity", "inputs", "dtype"])
 def test_foreign_or_unknown_records_are_refused(tmp_path, field):
     host = store(tmp_path)
     offer(host, [3] * 8)
     host.close()
     (path,) = tmp_path.rglob("*.rec")
     header, _, payload = path.read_bytes().partition(b"\n")
-    replacement = b'"identity": "another-core"' if field == "identity" else b'"inputs": [{"image": 1}]'
-    needle = b'"identity": "core-identity-' + b"0" * 50 + b'"' if field == "identity" else b'"inputs": []'
+    needle, replacement = {
+        "identity": (b'"identity": "core-identity-' + b"0" * 50 + b'"', b'"identity": "another-core"'),
+        "inputs": (b'"inputs": []', b'"inputs": [{"image": 1}]'),
+        "dtype": (b'"dtype": "float32"', b'"dtype": "bfloat16"'),  # never read as another type
+    }[field]
     path.write_bytes(header.replace(needle, replacement) + b"\n" + payload)
     reader = store(tmp_path)
     assert reader.stats().disk_records == 0 and reader.dropped[("nvme", "io_error")] == 1
+
+
+def test_a_16bit_pool_keeps_16bit_records_that_a_float32_reader_refuses(tmp_path):
+    """A bfloat16 pool's pages go to DRAM and disk as bfloat16 (half a float32 record's payload) and
+    come back equal; a reader expecting float32 refuses the file instead of misreading it."""
+    bf16 = np.dtype(bfloat16)
+    config = HostStoreConfig(dram_bytes=0, directory=tmp_path, disk_bytes=1 << 20)
+    ids = list(range(1, 13))
+    writer = HostStore("core-identity-" + "0" * 50, config, PT, PAGE_BYTES // 2, "bfloat16")
+    writer.offer(np.asarray(ids), lambda first: Pool(ids).read(first).astype(bf16))
+    writer.close()
+    (path,) = tmp_path.rglob("*.rec")
+    assert path.stat().st_size < PAGE_BYTES * 3 // 2 + 1000  # three bf16 pages, not three float32 ones
+    reader = HostStore("core-identity-" + "0" * 50, config, PT, PAGE_BYTES // 2, "bfloat16")
+    chain = reader.find(ids + [0], 13)
+    [record] = reader.load(chain, ids + [0])
+    assert record.kv.dtype == bf16 and np.array_equal(record.kv.astype(np.float32), Pool(ids).read(0))
+    refusing = HostStore("core-identity-" + "0" * 50, config, PT, PAGE_BYTES, "float32")
+    assert refusing.stats().disk_records == 0 and refusing.dropped[("nvme", "io_error")] == 1
 
 
 def test_config_file_keys(tmp_path):

@@ -13,6 +13,7 @@ import torch
 from helios.engine.runner import Runner
 from helios.engine.step_io import StepRow, StepRunner, new_token_slots
 from helios.engine.torch_runner import DecodeGraphs, TorchRunner, decode_buckets
+from helios.kernels import kv_dtype
 from helios.manifest import Manifest
 
 PAGES = 24
@@ -86,12 +87,16 @@ def test_pages_move_exactly_in_bf16_too(tiny_core):
     np.testing.assert_array_equal(torch_runner.read_pages([11, 2]), data)
     torch_runner.copy_page(11, 0)
     np.testing.assert_array_equal(torch_runner.read_pages([0]), data[:, :, :1])
-    # A bf16 pool (a GPU core's): pages widen to float32 and narrow back exactly.
+    # A bf16 pool (a GPU core's): pages leave as bfloat16 (the host store keeps that type) and come
+    # back bit for bit; float32 pages are rounded on the way in, as the ONNX runner's bf16 pool does.
     torch_runner.dtype, torch_runner.pool = torch.bfloat16, torch_runner.pool.to(torch.bfloat16)
     torch_runner.pages = torch_runner.pool.view(torch_runner.pages.shape)
-    rounded = torch.from_numpy(data).to(torch.bfloat16).float().numpy()
-    torch_runner.write_pages([3, 5], rounded)
-    np.testing.assert_array_equal(torch_runner.read_pages([3, 5]), rounded)
+    torch_runner.write_pages([3, 5], data)
+    narrow = torch_runner.read_pages([3, 5])
+    assert narrow.dtype == kv_dtype.numpy_dtype("bfloat16")
+    np.testing.assert_array_equal(narrow, data.astype(narrow.dtype))
+    torch_runner.write_pages([6, 8], narrow)
+    np.testing.assert_array_equal(torch_runner.read_pages([6, 8]).view(np.uint16), narrow.view(np.uint16))
 
 
 def test_decode_buckets():
