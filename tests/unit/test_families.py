@@ -119,6 +119,50 @@ def test_engine_matches_transformers_on_prefill_and_paged_decode(family_env, rec
     assert max(decode_errors) <= RELATIVE, f"decode logits differ by {max(decode_errors):.3g} relative"
 
 
+# A 16-bit pool against the float32 pool on the same steps: the whole logit vector of every
+# output within this relative error of the largest logit (the families' weights are drawn at unit
+# scale, so a rounded key moves a logit more than a trained model's would).
+POOL_RELATIVE = {"bfloat16": 3e-2, "float16": 4e-3}
+
+
+@pytest.mark.parametrize("recipe", COMPILED)
+def test_16bit_pools_follow_the_float32_pool(family_env, recipe):
+    """Every family's core over a bfloat16 and a float16 pool: a chunked prefill and paged decode
+    on a shuffled block table (fed the float32 pool's greedy tokens) give the float32 pool's
+    logits within POOL_RELATIVE at 80% of the outputs or more (families whose pool gathers read
+    get a Cast of the pages)."""
+    core, _ = _core(family_env, recipe)
+    manifest = Manifest.load(core)
+    rng = np.random.default_rng(11)
+    ids = rng.integers(0, manifest.architecture.vocab_size, size=40).tolist()
+    page = manifest.kv.page_tokens
+    pages = -(-(len(ids) + DECODE_STEPS) // page)
+    table = rng.permutation(pages + 2).tolist()[:pages]
+
+    def run(pool: str, tokens: list[int] | None = None) -> tuple[np.ndarray, list[int]]:
+        runner = Runner(core, manifest, num_pages=pages + 2, kv_dtype=pool)
+        assert runner.pool_dtype == pool and runner.pool.itemsize == (4 if pool == "float32" else 2)
+        logits = [runner.step([StepRow(ids[:25], 0, table, state_slot=0)]).logits[0]]
+        logits.append(runner.step([StepRow(ids[25:], 25, table, state_slot=0)]).logits[0])
+        fed = []
+        for step in range(DECODE_STEPS):
+            fed.append(int(logits[-1].argmax()) if tokens is None else tokens[step])
+            logits.append(runner.step([StepRow([fed[-1]], len(ids) + step, table, state_slot=0)]).logits[0])
+        return np.array(logits, dtype=np.float64), fed
+
+    want, tokens = run("float32")
+    for pool, bound in POOL_RELATIVE.items():
+        got, _ = run(pool, tokens)
+        errors = np.array([_relative(g, w) for g, w in zip(got, want)])
+        assert np.isfinite(got).all()
+        # A discrete choice (experts, sparse key selection) may flip at a near-tie and move one
+        # step's logits a lot; a misread pool would move most of them.
+        within = (errors <= bound).mean()
+        assert within >= 0.8, (
+            f"{pool} pool: {1 - within:.0%} of outputs differ by more than {bound} ({errors.round(4)})"
+        )
+
+
 CHAT = {
     "messages": [
         {"role": "system", "content": "You are terse."},

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from helios.engine.api import CheckpointCandidate, CheckpointRole, GenerationRequest, SamplingParams
+from helios.engine.assembly import RunnerChoice
 from helios.engine.engine import Engine
 from helios.engine.prefix_cache import PrefixCacheConfig
 from helios.manifest import Manifest
@@ -25,10 +26,21 @@ A, H, M, E = CheckpointRole.ANCHOR, CheckpointRole.HINT, CheckpointRole.MESSAGE,
 PT = 16  # the tiny core's page tokens (checked below)
 
 
-def make_engine(core: Path, *, kv_pages: int = 256, **config) -> Engine:
+# Every pool type: a 16-bit pool's restores, chunked prefills and preemptions are exact too.
+POOLS = ["float32", "bfloat16", "float16"]
+
+
+def make_engine(core: Path, *, kv_pages: int = 256, pool: str = "float32", **config) -> Engine:
     manifest = Manifest.load(core, verify_files=False)
     assert manifest.kv.page_tokens == PT
-    return Engine(core, manifest, kv_pages=kv_pages, threads=1, prefix_cache=PrefixCacheConfig(**config))
+    return Engine(
+        core,
+        manifest,
+        kv_pages=kv_pages,
+        threads=1,
+        prefix_cache=PrefixCacheConfig(**config),
+        choice=RunnerChoice(kv_dtype=pool),
+    )
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -63,13 +75,14 @@ def roles(engine: Engine) -> dict[int, str]:
 
 @pytest.mark.parametrize("sampling", [{"top_k": 1}, {"seed": 1234, "temperature": 1.0}], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("length", [100, 96])  # the endpoint inside a page, and page aligned
-def test_restored_output_identical_to_uncached(tiny_core, sampling, length):
+@pytest.mark.parametrize("pool", POOLS)
+def test_restored_output_identical_to_uncached(tiny_core, sampling, length, pool):
     ids = prompt(length, seed=length)
-    cold = make_engine(tiny_core, enabled=False)
+    cold = make_engine(tiny_core, enabled=False, pool=pool)
     expected, cached, expected_lp = run(cold, ids, [(length, E)], max_tokens=12, logprobs=3, **sampling)
     assert cached == 0 and cold.stats().cached_pages == 0
 
-    warm = make_engine(tiny_core)
+    warm = make_engine(tiny_core, pool=pool)
     first, cached, _ = run(warm, ids, [(40, A), (length, E)], max_tokens=12, logprobs=3, **sampling)
     assert cached == 0 and first == expected
     again, cached, again_lp = run(warm, ids, [(40, A), (length, E)], max_tokens=12, logprobs=3, **sampling)
@@ -86,11 +99,12 @@ def test_restored_output_identical_to_uncached(tiny_core, sampling, length):
     assert stats.reused_tokens_total == 2 * length - 1 and stats.cache_hits_total == 2
 
 
-def test_chunked_prefill_and_concurrent_restores_match(tiny_core):
+@pytest.mark.parametrize("pool", POOLS)
+def test_chunked_prefill_and_concurrent_restores_match(tiny_core, pool):
     """Restores into a batch with other prefills and decodes, with chunked prefill, still match."""
     base = prompt(700, seed=3)  # longer than one 512-token chunk
-    cold = make_engine(tiny_core, enabled=False)
-    warm = make_engine(tiny_core)
+    cold = make_engine(tiny_core, enabled=False, pool=pool)
+    warm = make_engine(tiny_core, pool=pool)
     run(warm, base, [(300, M), (700, E)], max_tokens=1)
     tails = [base[:300] + prompt(50, seed=s) for s in range(3)] + [base + prompt(20, seed=9)]
     expected = [run(cold, t, max_tokens=5, top_k=1)[0] for t in tails]
@@ -226,10 +240,11 @@ def test_eviction_under_page_pressure(tiny_core):
     assert [run(engine, ids, max_tokens=1)[1] for ids in warmed] == [59, 16, 16, 59]
 
 
-def test_preempted_sequence_resumes_identically(tiny_core):
+@pytest.mark.parametrize("pool", POOLS)
+def test_preempted_sequence_resumes_identically(tiny_core, pool):
     """Live sequences outgrow the pool: checkpoints go first, preemption recomputes correctly."""
-    cold = make_engine(tiny_core, enabled=False, kv_pages=64)
-    warm = make_engine(tiny_core, kv_pages=12)
+    cold = make_engine(tiny_core, enabled=False, kv_pages=64, pool=pool)
+    warm = make_engine(tiny_core, kv_pages=12, pool=pool)
     prompts = [prompt(70, seed=40 + i) for i in range(3)]
     expected = [run(cold, p, max_tokens=40, top_k=1)[0] for p in prompts]
     for p in prompts:

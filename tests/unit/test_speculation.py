@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from helios.engine.api import GenerationRequest, SamplingParams
+from helios.engine.assembly import RunnerChoice
 from helios.engine.engine import Engine
 from helios.engine.prefix_cache import PrefixCacheConfig
 from helios.engine.runner import StepRow
@@ -25,7 +26,10 @@ from helios.neutral.tokenizer import Tokenizer
 REPEATED = list(range(300, 340))
 
 
-def engine(core: Path, mode: str = "auto", **config) -> Engine:
+POOLS = ["float32", "bfloat16", "float16"]  # verification is exact over a 16-bit pool too
+
+
+def engine(core: Path, mode: str = "auto", pool: str = "float32", **config) -> Engine:
     return Engine(
         core,
         Manifest.load(core, verify_files=False),
@@ -33,6 +37,7 @@ def engine(core: Path, mode: str = "auto", **config) -> Engine:
         threads=1,
         prefix_cache=PrefixCacheConfig(enabled=False),
         speculation=SpeculationConfig(mode=mode, **config),
+        choice=RunnerChoice(kv_dtype=pool),
     )
 
 
@@ -82,10 +87,11 @@ def test_outputs_at_chosen_positions_equal_separate_last_position_runs(tiny_core
     e.shutdown()
 
 
-def test_greedy_output_and_logprobs_match_without_speculation(tiny_core):
+@pytest.mark.parametrize("pool", POOLS)
+def test_greedy_output_and_logprobs_match_without_speculation(tiny_core, pool):
     """A prompt whose tail occurred earlier makes history drafts fire; the committed tokens and
     their logprobs are the target's (the same as a run without speculation)."""
-    off, on = engine(tiny_core, mode="off"), engine(tiny_core, max_batch_rows=8)
+    off, on = engine(tiny_core, mode="off", pool=pool), engine(tiny_core, max_batch_rows=8, pool=pool)
     first, _ = generate(off, REPEATED, "seed", max_tokens=40)
     prompt = REPEATED + first + REPEATED + first[:8]  # its tail occurred before: drafts from there
     want, want_logprobs = generate(off, prompt, "off", logprobs=2)
@@ -101,10 +107,11 @@ def test_greedy_output_and_logprobs_match_without_speculation(tiny_core):
     on.shutdown()
 
 
-def test_accepted_drafts_and_rounds_are_counted_and_pages_come_back(tiny_core):
+@pytest.mark.parametrize("pool", POOLS)
+def test_accepted_drafts_and_rounds_are_counted_and_pages_come_back(tiny_core, pool):
     """A model made to repeat (its own output fed back as the prompt) accepts drafts; every
     round counts (zero-draft ones too), and a finished or cancelled request leaves no pages."""
-    e = engine(tiny_core, max_batch_rows=8)
+    e = engine(tiny_core, max_batch_rows=8, pool=pool)
     first, _ = generate(e, REPEATED, "seed", max_tokens=40)
     # The model's greedy continuation of its own output repeats it: drafts from history hit.
     echo = REPEATED + first + REPEATED + first[:8]
@@ -129,12 +136,13 @@ def test_accepted_drafts_and_rounds_are_counted_and_pages_come_back(tiny_core):
     e.shutdown()
 
 
-def test_seeded_sampling_matches_without_speculation(tiny_core):
+@pytest.mark.parametrize("pool", POOLS)
+def test_seeded_sampling_matches_without_speculation(tiny_core, pool):
     """Sampled drafts follow the target distribution exactly: each committed token is drawn from
     the target's distribution at its position with one draw from the request's generator,
     drafted or not, so seeded runs are the same token for token with and without speculation,
     including runs where sampled tokens accepted drafts."""
-    off, on = engine(tiny_core, mode="off"), engine(tiny_core, max_batch_rows=8)
+    off, on = engine(tiny_core, mode="off", pool=pool), engine(tiny_core, max_batch_rows=8, pool=pool)
     first, _ = generate(off, REPEATED, "seed", max_tokens=40)
     echo = REPEATED + first + REPEATED + first[:8]
     # A low temperature: the random tiny model then mostly follows its greedy path, so drafts
