@@ -73,6 +73,8 @@ class Snapshot:
     cached_pages: int = 0
     free_pages: int = 0
     total_pages: int = 0
+    kv_pool_bytes: int = 0
+    kv_pool_dtype: str = ""
     host_reused_tokens: int = 0
     host_hits: int = 0
     http_inflight_requests: int = 0
@@ -93,6 +95,8 @@ class Snapshot:
                 continue
             if f.name == "learned_drafter":
                 values[f.name] = bool(raw)
+            elif f.name == "kv_pool_dtype":
+                values[f.name] = str(raw)
             elif isinstance(raw, (int, float)) and not isinstance(raw, bool):
                 values[f.name] = int(raw)
         first = data.get("first_response")
@@ -203,6 +207,7 @@ class View:
             f"active {s.active}  pending {s.pending}  inflight {s.http_inflight_requests}  "
             f"completed {s.completed}  failed {s.failed}  cancelled {s.cancelled}  "
             f"cached pages {s.cached_pages}  host hits {s.host_hits} ({s.host_reused_tokens} tokens)  DEPTH {depth}  first response {first}  uptime {s.uptime_seconds}s"
+            f"  KV pool {s.kv_pool_bytes / 2**30:.2f} GiB {s.kv_pool_dtype or '-'}"
             + (
                 f"  images {s.input_decoded_images_total} ({s.input_prepared_cache_hits_total} reused)"
                 if s.input_decoded_images_total

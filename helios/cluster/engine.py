@@ -126,7 +126,8 @@ def _final(request: GenerationRequest, reason: FinishReason, error: str | None) 
 
 
 def sum_stats(snapshots: list[EngineStats]) -> EngineStats:
-    """The cluster's stats: counters and gauges summed over replicas (dicts by key), flags or-ed."""
+    """The cluster's stats: counters and gauges summed over replicas (dicts by key), flags or-ed,
+    the pool's dtype as every replica's."""
     total = EngineStats(
         active=0,
         pending=0,
@@ -147,6 +148,7 @@ def sum_stats(snapshots: list[EngineStats]) -> EngineStats:
     for s in snapshots:
         _add_into(total, s)
         total.page_tokens = s.page_tokens
+        total.kv_pool_dtype = s.kv_pool_dtype  # every replica serves the same core and settings
         if s.host_store is not None:
             if total.host_store is None:
                 total.host_store = HostStoreStats()

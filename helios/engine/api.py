@@ -219,6 +219,8 @@ class EngineStats:
     learned_drafter: bool = False  # the core's learned drafter proposes drafts
     # Image input (helios.engine.vision.ImagePlacer.counters): api.md's input_* counters.
     images: dict[str, int] = field(default_factory=dict)
+    kv_pool_bytes: int = 0  # the KV pool's memory (the learned drafter's pool not included)
+    kv_pool_dtype: str = ""  # its element type ("float32", "bfloat16", "float16")
 
 
 Sink = Callable[[GenerationEvent], None]

@@ -219,6 +219,8 @@ class Engine:
             free_pages=self.block_manager.num_free,
             total_pages=self.block_manager.num_pages,
             page_tokens=self.block_manager.page_tokens,
+            kv_pool_bytes=self.runner.pool_bytes,
+            kv_pool_dtype=self.runner.pool_dtype,
             prefill_tokens_total=self._prefill_tokens,
             generated_tokens_total=self._generated_tokens,
             completed_total=self._completed,

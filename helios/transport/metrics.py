@@ -124,6 +124,8 @@ def engine_fields(s: EngineStats, decode_weight_bytes: int, output_failures: int
         "free_pages": s.free_pages,
         "total_pages": s.total_pages,
         "page_tokens": s.page_tokens,
+        "kv_pool_bytes": s.kv_pool_bytes,
+        "kv_pool_dtype": s.kv_pool_dtype,
         "host_hits": host.hits if host else 0,
         "host_reused_tokens": host.reused_tokens if host else 0,
         "host_memory_records": host.memory_records if host else 0,
@@ -312,6 +314,11 @@ class FlareCollector:
             ("flare_free_kv_pages", "KV pages free for new history", f["free_pages"]),
             ("flare_total_kv_pages", "Pages in the KV pool", f["total_pages"]),
             ("flare_kv_page_tokens", "History tokens per KV page", f["page_tokens"]),
+            (
+                "flare_kv_pool_bytes",
+                "Memory of the KV pool (its element type: the JSON's kv_pool_dtype)",
+                f["kv_pool_bytes"],
+            ),
             ("flare_cached_kv_pages", "KV pages owned by immutable prefix checkpoints", f["cached_pages"]),
             ("flare_checkpoint_anchor_reservations", "Unused anchor guards", 0),
             (

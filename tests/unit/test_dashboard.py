@@ -123,6 +123,7 @@ def test_live_server_snapshot_and_run(tiny_server):
         httpx.post(tiny_server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
         snap = dashboard.fetch(client, tiny_server.url)
     assert snap.generated_tokens > 0 and snap.total_pages > 0 and snap.decode_weight_bytes > 0
+    assert snap.kv_pool_dtype in ("float32", "bfloat16", "float16") and snap.kv_pool_bytes > 0
     out = io.StringIO()
     console = Console(file=out, width=120, color_system=None, force_terminal=False)
     stop = threading.Event()
@@ -134,6 +135,7 @@ def test_live_server_snapshot_and_run(tiny_server):
     thread.join(10)
     assert not thread.is_alive()
     assert "WEIGHTS" in out.getvalue() and "tokens/s" in out.getvalue()
+    assert f"GiB {snap.kv_pool_dtype}" in out.getvalue()  # the footer names the pool's type
     view = View("http://127.0.0.1:1")  # nothing listens: the view shows the error, no exception
     with httpx.Client(timeout=1) as client:
         try:

@@ -482,6 +482,9 @@ def test_metrics_cover_api_md(anon: httpx.Client, http: httpx.Client):
     for name in JSON_FIELDS:
         assert isinstance(snapshot[name], int) and not isinstance(snapshot[name], bool), name
     assert snapshot["learned_drafter"] is False
+    # Beside the table: the KV pool's bytes (also a gauge) and element type.
+    assert snapshot["kv_pool_dtype"] in ("float32", "bfloat16", "float16")
+    assert snapshot["kv_pool_bytes"] == values["flare_kv_pool_bytes"] > 0
     assert snapshot["input_decoded_images_total"] == 0
     assert snapshot["generated_tokens"] == values["flare_generated_tokens_total"] > 0
     widths = {name: value for name, value in values.items() if name.startswith("flare_speculative_rounds_total")}
