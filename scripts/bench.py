@@ -31,8 +31,9 @@ Machine: a memory-read-bandwidth probe (numpy: one reader per compute thread, ea
 its own slice of a buffer >= 4x the last-level cache, the GIL released; aggregate GB/s, best of
 a few passes) runs before each round's long-context section (once when there is none); the
 run's best figure bounds helios's decode at 16k history: bytes per step = core
-`decode_weight_bytes` + the KV read (16384 x layers x 2 x kv_heads x head_dim x the KV dtype's
-bytes), bound = bandwidth / bytes.
+`decode_weight_bytes` + the KV read (16384 x layers x 2 x kv_heads x head_dim x the bytes of the
+pool type helios serves with: --kv-dtype, auto by default, reported as kv_pool_dtype), bound =
+bandwidth / bytes.
 
 Other tenants' load on a shared host comes and goes within a run, so helios and the peers
 alternate for --rounds rounds (default 2) and each runtime keeps its best round; every round's
@@ -290,10 +291,10 @@ def long_context_skip(manifest, tokens: int, decode: int) -> str | None:
     return None
 
 
-def kv_read_bytes(manifest, tokens: int) -> int:
-    """K and V bytes one decode step reads over `tokens` tokens of history."""
+def kv_read_bytes(manifest, tokens: int, pool_dtype: str) -> int:
+    """K and V bytes one decode step reads over `tokens` tokens of history in a `pool_dtype` pool."""
     kv = manifest.kv
-    return tokens * kv.num_layers * 2 * kv.kv_heads * kv.head_dim * DTYPE_BYTES.get(kv.dtype, 4)
+    return tokens * kv.num_layers * 2 * kv.kv_heads * kv.head_dim * DTYPE_BYTES[pool_dtype]
 
 
 def helios_long_context(client: httpx.Client, tokenizer, tokens: int, decode: int) -> dict:
@@ -524,6 +525,7 @@ def long_context_results(
     manifest,
     tokens: int,
     bandwidth_gbs: float | None,
+    pool_dtype: str,
 ) -> dict:
     """The JSON `long_context` section: {RUNTIME: {prefill_16k_tps, decode_16k_tps, ...}} for helios
     (its best round per metric, plus the second turn and the ratios to the best peer and to the
@@ -549,7 +551,8 @@ def long_context_results(
     helios["tokens"] = tokens
     if top.get("prefill_tps") and helios.get("prefill_16k_tps"):
         helios["prefill_16k_vs_512"] = round(helios["prefill_16k_tps"] / top["prefill_tps"], 3)
-    step_bytes = manifest.decode_weight_bytes + kv_read_bytes(manifest, tokens)
+    step_bytes = manifest.decode_weight_bytes + kv_read_bytes(manifest, tokens, pool_dtype)
+    helios["kv_pool_dtype"] = pool_dtype
     helios["decode_16k_bytes_per_step"] = step_bytes
     if bandwidth_gbs and helios.get("decode_16k_tps"):
         bound = bandwidth_gbs * 1e9 / step_bytes
@@ -585,6 +588,10 @@ def main() -> None:
     parser.add_argument("--peers", nargs="+", choices=["llama.cpp", "onnxruntime-genai"], help="only these peers")
     parser.add_argument("--threads", type=int, default=None, help="compute threads for every runtime [cores]")
     parser.add_argument("--rounds", type=int, default=2, help="alternating helios/peer rounds; best kept [2]")
+    parser.add_argument("--kv-dtype", default="auto", help="helios' KV pool type (helios serve --kv-dtype) [auto]")
+    parser.add_argument(
+        "--speculation", default="auto", choices=["auto", "off"], help="helios serve --speculation [auto]"
+    )
     parser.add_argument(
         "--no-long-context",
         action="store_true",
@@ -644,13 +651,16 @@ def main() -> None:
     tokenizer = None if long_skip else Tokenizer.from_core(args.core, manifest)
 
     start_load = os.getloadavg()
-    server = HeliosProcess(args.core, *(["--threads", str(args.threads)] if args.threads else []))
+    serve_args = [*(["--threads", str(args.threads)] if args.threads else []), "--kv-dtype", args.kv_dtype]
+    serve_args += ["--speculation", args.speculation]
+    server = HeliosProcess(args.core, *serve_args)
     helios_rounds: list[dict] = []
     peer_rounds: list[dict] = []
     bandwidth: list[dict] = []
     try:
         with httpx.Client(base_url=server.url, timeout=900) as client:
             stream_completion(client, "warm up", 8)
+            pool_dtype = client.get("/metrics", params={"format": "json"}).json()["kv_pool_dtype"]
             # Other tenants' load on this host comes and goes: alternate helios and the peers
             # for --rounds rounds and keep each runtime's best round, so no runtime is compared
             # only at its unluckiest moment.
@@ -699,6 +709,8 @@ def main() -> None:
         "step_b8": max((r["step_b8"] for r in helios_rounds), key=lambda s: -s.get("step_ms", 1e9)),
         "grammar": grammar,
         "first_round_load_avg": first["load_avg"],
+        "kv_pool_dtype": pool_dtype,
+        "speculation": args.speculation,
     }
     names = {n for r in peer_rounds for n in r}
     peers = {}
@@ -714,7 +726,13 @@ def main() -> None:
         "helios": helios,
         "peers": peers,
         "long_context": long_context_results(
-            long_skip, helios_rounds, peer_rounds, manifest, args.long_tokens, machine_info.get("read_bandwidth_gbs")
+            long_skip,
+            helios_rounds,
+            peer_rounds,
+            manifest,
+            args.long_tokens,
+            machine_info.get("read_bandwidth_gbs"),
+            pool_dtype,
         ),
         "machine": machine_info,
         "core": str(args.core),

@@ -33,7 +33,7 @@ DOMAIN = "ai.flare"  # the ONNX domain of flare's operators
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.cc", "attention_kernels.cc", "moe_kernels.cc"))
 LOCAL_HEADERS = tuple(
-    Path(__file__).with_name(n) for n in ("int4_gemm.h", "simd_math.h", "attention_amx.h")
+    Path(__file__).with_name(n) for n in ("int4_gemm.h", "simd_math.h", "attention_amx.h", "attention_dpbf16.h")
 )  # included
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
 HEADERS_DEB = (
@@ -41,7 +41,8 @@ HEADERS_DEB = (
     "14f7d959d5deacbcf1504830d4189f91fc67382b399ed9ae9d3aa9c4050ced08",
 )
 HEADERS = ("onnxruntime_c_api.h", "onnxruntime_cxx_api.h", "onnxruntime_cxx_inline.h", "onnxruntime_float16.h")
-# AMX-BF16 and AVX512-BF16 are compiled in but optional: attention_amx.h checks for them at run time.
+# AMX-BF16 and AVX512-BF16 are compiled in but optional: attention_amx.h and attention_dpbf16.h check
+# for them at run time.
 OPTIONAL_FLAGS = ("-mamx-tile", "-mamx-bf16", "-mavx512bf16")
 COMPILE_FLAGS = [
     "-O3",

@@ -154,6 +154,61 @@ void ChunkToTiles(const KeyRows<E>& key_rows, int begin, int keys, uint16_t* k_t
   }
 }
 
+// The softmax of one chunk's scores S ([tiles * 16, width] fp32, rows past nq ignored) for query
+// vectors [0, nq) of queries i0... of row b: P = e^(S - max) in bf16 (zero past each vector's
+// visible keys, and for the padding rows), and each vector's chunk state (max, sum). Shared by
+// the AMX and the AVX512-BF16 chunks, so both fold the same way.
+inline void ChunkSoftmax(const AttentionProblem& p, int b, int i0, int nq, int begin, int keys, int width, int tiles,
+                         const float* s_rows, uint16_t* p_rows, QueryState* states) {
+  const int group = p.H / p.KVH;
+  const int history = static_cast<int>(p.history_lens[b]);
+  for (int v = 0; v < tiles * 16; ++v) {  // softmax over the chunk, per query vector
+    uint16_t* prow = p_rows + static_cast<size_t>(v) * width;
+    const int visible = v < nq ? std::min(keys, std::max(0, history + i0 + v / group + 1 - begin)) : 0;
+    if (v < nq) states[v] = QueryState{-INFINITY, 0.f};
+    if (visible == 0) {
+      std::fill(prow, prow + width, 0);
+      continue;
+    }
+    // Whole 16-key vectors without masks, two max chains (a max waits on the one before), then
+    // the partial vector; P past the visible keys is zero.
+    const float* srow = s_rows + static_cast<size_t>(v) * width;
+    const int whole = visible & ~15;
+    const __mmask16 tail = static_cast<__mmask16>((1u << (visible - whole)) - 1u);
+    __m512 top0 = _mm512_set1_ps(-INFINITY), top1 = top0;
+    int j = 0;
+    for (; j + 32 <= whole; j += 32) {
+      top0 = _mm512_max_ps(top0, _mm512_loadu_ps(srow + j));
+      top1 = _mm512_max_ps(top1, _mm512_loadu_ps(srow + j + 16));
+    }
+    if (j < whole) top0 = _mm512_max_ps(top0, _mm512_loadu_ps(srow + j));
+    if (tail != 0) top1 = _mm512_mask_max_ps(top1, tail, top1, _mm512_maskz_loadu_ps(tail, srow + whole));
+    const float max = _mm512_reduce_max_ps(_mm512_max_ps(top0, top1));
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), shift = _mm512_set1_ps(max * 1.44269504088896341f);
+    __m512 sum = _mm512_setzero_ps();
+    for (j = 0; j + 32 <= whole; j += 32) {  // two vectors: one conversion, one 64-byte store
+      const __m512 e0 = Exp2Softmax(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j), log2e, shift));
+      const __m512 e1 = Exp2Softmax(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j + 16), log2e, shift));
+      sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
+      _mm512_storeu_si512(prow + j, PackBf16(e0, e1));
+    }
+    if (j < whole) {
+      const __m512 e = Exp2Softmax(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j), log2e, shift));
+      sum = _mm512_add_ps(sum, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), ToBf16(e));
+      j += 16;
+    }
+    if (tail != 0) {
+      const __m512 e = _mm512_maskz_mov_ps(tail, Exp2Softmax(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(tail, srow + j), log2e, shift)));
+      sum = _mm512_add_ps(sum, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), ToBf16(e));
+      j += 16;
+    }
+    for (; j < width; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), _mm256_setzero_si256());
+    states[v] = QueryState{max, _mm512_reduce_add_ps(sum)};
+  }
+}
+
 struct AmxChunkBuffers {
   std::vector<uint16_t> p;  // P [16, keys] in bf16
   std::vector<float> s, o;  // scores [16, keys]; P V [16, D]
@@ -261,51 +316,7 @@ void AmxChunk(const AttentionProblem& p, int b, int i0, int last, const uint16_t
       _tile_stored(3, srow + 48, width * 4);
     }
   }
-  for (int v = 0; v < tiles * 16; ++v) {  // softmax over the chunk, per query vector
-    uint16_t* prow = buf.p.data() + static_cast<size_t>(v) * width;
-    const int visible = v < nq ? std::min(keys, std::max(0, history + i0 + v / group + 1 - begin)) : 0;
-    if (v < nq) states[v] = QueryState{-INFINITY, 0.f};
-    if (visible == 0) {
-      std::fill(prow, prow + width, 0);
-      continue;
-    }
-    // Whole 16-key vectors without masks, two max chains (a max waits on the one before), then
-    // the partial vector; P past the visible keys is zero.
-    const float* srow = buf.s.data() + static_cast<size_t>(v) * width;
-    const int whole = visible & ~15;
-    const __mmask16 tail = static_cast<__mmask16>((1u << (visible - whole)) - 1u);
-    __m512 top0 = _mm512_set1_ps(-INFINITY), top1 = top0;
-    int j = 0;
-    for (; j + 32 <= whole; j += 32) {
-      top0 = _mm512_max_ps(top0, _mm512_loadu_ps(srow + j));
-      top1 = _mm512_max_ps(top1, _mm512_loadu_ps(srow + j + 16));
-    }
-    if (j < whole) top0 = _mm512_max_ps(top0, _mm512_loadu_ps(srow + j));
-    if (tail != 0) top1 = _mm512_mask_max_ps(top1, tail, top1, _mm512_maskz_loadu_ps(tail, srow + whole));
-    const float max = _mm512_reduce_max_ps(_mm512_max_ps(top0, top1));
-    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), shift = _mm512_set1_ps(max * 1.44269504088896341f);
-    __m512 sum = _mm512_setzero_ps();
-    for (j = 0; j + 32 <= whole; j += 32) {  // two vectors: one conversion, one 64-byte store
-      const __m512 e0 = Exp2Softmax(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j), log2e, shift));
-      const __m512 e1 = Exp2Softmax(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j + 16), log2e, shift));
-      sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
-      _mm512_storeu_si512(prow + j, PackBf16(e0, e1));
-    }
-    if (j < whole) {
-      const __m512 e = Exp2Softmax(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j), log2e, shift));
-      sum = _mm512_add_ps(sum, e);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), ToBf16(e));
-      j += 16;
-    }
-    if (tail != 0) {
-      const __m512 e = _mm512_maskz_mov_ps(tail, Exp2Softmax(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(tail, srow + j), log2e, shift)));
-      sum = _mm512_add_ps(sum, e);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), ToBf16(e));
-      j += 16;
-    }
-    for (; j < width; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), _mm256_setzero_si256());
-    states[v] = QueryState{max, _mm512_reduce_add_ps(sum)};
-  }
+  ChunkSoftmax(p, b, i0, nq, begin, keys, width, tiles, buf.s.data(), buf.p.data(), states);
   // acc = P V over the chunk's 32-key steps. Pairs of query tiles take 2 x 2 accumulators (two
   // P tiles and two V tiles per step: each V tile serves both query tiles, a load per product);
   // a last unpaired tile takes four 16-dim accumulators. Whole tiles are stored straight into acc.

@@ -110,7 +110,8 @@ struct AttentionProblem {
   float* part_acc;  // split: [item, KVH, slot_vectors, D] unnormalized sums
   QueryState* part_state;  // split: [item, KVH, slot_vectors]
   float scale;
-  bool bf16;  // the chunks run in bf16 on AMX tiles (attention_amx.h)
+  bool bf16;  // the chunks run in bf16: on AMX tiles (attention_amx.h) or with AVX512-BF16 (attention_dpbf16.h)
+  bool amx;  // bf16 on AMX tiles
   uint16_t* chunk_tiles;  // bf16: [B, KVH, row_chunks] chunks of K tiles then V tiles
 };
 
@@ -370,8 +371,10 @@ void AttendChunk(const AttentionProblem& p, int b, int i0, int last, const float
 
 }  // namespace
 
-// The bf16 chunk (AMX): after the definitions it shares (QueryState, KeyRows, Transpose16, Exp).
+// The bf16 chunks (AMX, AVX512-BF16): after the definitions they share (QueryState, KeyRows,
+// Transpose16, Exp).
 #include "attention_amx.h"
+#include "attention_dpbf16.h"
 
 namespace {
 
@@ -404,7 +407,7 @@ struct HeadQueries {
   void Chunk(int chunk, float* acc, QueryState* states) const {
     const KeyRows<E> rows(p, b, kv);
     const int begin = chunk * kChunkKeys, end = ChunkEnd(p, b, last, chunk);
-    if constexpr (DV % 2 == 0) {  // AMX tiles take 32 dims at a time: Compute sets bf16 only then
+    if constexpr (DV % 2 == 0) {  // bf16 chunks take 32 dims at a time: Compute sets bf16 only then
       if (p.bf16) {
         const uint16_t* k_tiles;
         thread_local std::vector<uint16_t> own;
@@ -415,8 +418,9 @@ struct HeadQueries {
           ConvertChunk<DV, E>(p, b, kv, chunk, own.data());
           k_tiles = own.data();
         }
-        return AmxChunk<DV>(p, b, i0, last, q_bf16.data(), begin, end, k_tiles, k_tiles + ChunkTileElems<DV>(), acc,
-                            states);
+        const uint16_t* v_tiles = k_tiles + ChunkTileElems<DV>();
+        if (p.amx) return AmxChunk<DV>(p, b, i0, last, q_bf16.data(), begin, end, k_tiles, v_tiles, acc, states);
+        return Dpbf16Chunk<DV>(p, b, i0, last, q_bf16.data(), begin, end, k_tiles, v_tiles, acc, states);
       }
     }
     AttendChunk<DV, E>(p, b, i0, last, q.data(), begin, end, rows, acc, states);
@@ -452,7 +456,7 @@ void AttendHeads(const AttentionProblem& p, size_t item) {
   thread_local std::vector<float> q_buf, chunk_acc, run_acc;
   thread_local std::vector<uint16_t> q_bf16;
   thread_local std::vector<QueryState> chunk_state, run_state;
-  if (p.bf16) ConfigureTiles();
+  if (p.amx) ConfigureTiles();
   for (int kv = 0; kv < p.KVH; ++kv) {
     HeadQueries<DV, E> queries{p, s.b, kv, s.i0, s.last, nq, q_buf, q_bf16};
     queries.Load();
@@ -475,7 +479,7 @@ void AttendHeads(const AttentionProblem& p, size_t item) {
       Finish<DV>(run_state[v], run_acc.data() + v * D,
                  p.out + ((static_cast<size_t>(s.b) * p.L + s.i0 + v / group) * p.H + kv * group + v % group) * D);
   }
-  if (p.bf16) _tile_release();
+  if (p.amx) _tile_release();
 }
 
 // One item per (row, query block, KV head) of a split step: folds the chunks' partial states.
@@ -541,7 +545,7 @@ void ForHeadDim(void* data, size_t item) {
 struct PagedAttentionKernel {
   int64_t H, KVH, layer, num_layers;
   float scale;
-  bool bf16 = false;  // precision "bfloat16": AMX tiles where the CPU and OS allow them
+  bool bf16 = false;  // precision "bfloat16": bf16 chunks where the CPU has a bf16 dot product
 
   PagedAttentionKernel(const OrtApi&, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
@@ -596,8 +600,6 @@ struct PagedAttentionKernel {
     p.pages = static_cast<int>(pool_shape[0] / (2 * num_layers));
     p.layer = static_cast<int>(layer);
     p.scale = scale;
-    // Without AMX (or with head_dim not a multiple of 32) a bfloat16 graph runs in fp32.
-    p.bf16 = bf16 && D % 32 == 0 && AmxUsable();
     p.qkv = qkv.GetTensorData<float>();
     p.positions = positions.GetTensorData<int64_t>();
     p.cos_cache = cos.GetTensorData<float>();
@@ -609,6 +611,11 @@ struct PagedAttentionKernel {
       default: fail("kv_pool must be float, bfloat16 or float16");
     }
     p.pool = pool.GetTensorRawData();
+    // bf16 chunks for precision="bfloat16" or a bfloat16 pool, where the CPU has a bf16 dot product
+    // (AMX tiles, else AVX512-BF16) and head_dim is a multiple of 32; fp32 otherwise.
+    const bool wants_bf16 = (bf16 || p.pool_type == PoolType::kBf16) && D % 32 == 0;
+    p.amx = wants_bf16 && AmxUsable();
+    p.bf16 = p.amx || (wants_bf16 && Avx512Bf16Usable());
     p.block_tables = tables.GetTensorData<int64_t>();
     p.history_lens = history.GetTensorData<int64_t>();
     p.query_lens = query.GetTensorData<int64_t>();

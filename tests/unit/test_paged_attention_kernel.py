@@ -194,6 +194,19 @@ def test_a_16bit_pool_is_read_in_place_and_new_keys_are_rounded_once(case, pool_
         assert (got[0][b, valid:] == 0).all()
 
 
+@pytest.mark.parametrize("case", ["decode batch", "long decode", "long prefill", "wide heads"])
+def test_a_bfloat16_pool_attends_as_a_float32_pool_of_the_same_values(case, tmp_path):
+    """precision="bfloat16" over a float32 pool holding bf16 values and over a bfloat16 pool: the
+    bf16 chunks round the step's own keys the same way in both, so the outputs are the same bits."""
+    if kernels.cpu_missing_flags() or not _bf16_dot():
+        pytest.skip("no bf16 dot product (AMX or AVX512-BF16)")
+    model, feeds, _, _ = _case(*CASES[case], seed=len(case), precision="bfloat16")
+    narrow = feeds["kv_pool"].astype(kv_dtype.numpy_dtype("bfloat16"))
+    wide = _run(_session16(model, tmp_path / "fp32.onnx", "float32"), dict(feeds, kv_pool=narrow.astype(np.float32)))
+    got = _run(_session16(model, tmp_path / "bf16.onnx", "bfloat16"), dict(feeds, kv_pool=narrow))
+    np.testing.assert_array_equal(got[0], wide[0])
+
+
 def test_a_pool_of_another_type_is_refused(tmp_path):
     if kernels.cpu_missing_flags():
         pytest.skip("no AVX512-VNNI")
@@ -244,11 +257,17 @@ def _amx() -> bool:
     return "amx_bf16" in text and "amx_tile" in text
 
 
+def _bf16_dot() -> bool:
+    """The CPU has a bf16 dot product: AMX tiles or AVX512-BF16 (the kernel's bf16 chunks)."""
+    return _amx() or "avx512_bf16" in kv_dtype.cpu_flags()
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_bfloat16_precision_matches_the_torch_meaning_within_bf16(case, tmp_path):
-    """precision="bfloat16": Q, K, P and V rounded to bf16 on AMX tiles, fp32 accumulation and
-    softmax; where the CPU has AMX the numbers differ from the fp32 kernel's (the tiles ran),
-    within bf16 rounding of the torch meaning; heads of 16 dims, and CPUs without AMX, run fp32."""
+    """precision="bfloat16": Q, K, P and V rounded to bf16 on AMX tiles or with AVX512-BF16, fp32
+    accumulation and softmax; where the CPU has either the numbers differ from the fp32 kernel's
+    (the bf16 chunks ran), within bf16 rounding of the torch meaning; heads of 16 dims, and CPUs
+    with neither, run fp32."""
     if kernels.cpu_missing_flags():
         pytest.skip("no AVX512-VNNI")
     heads, kv_heads, dim, page, rows, length = CASES[case]
@@ -256,7 +275,7 @@ def test_bfloat16_precision_matches_the_torch_meaning_within_bf16(case, tmp_path
     got = _session(model, tmp_path / "bf16.onnx").run(None, feeds)
     fp32_model, _, _, _ = _case(*CASES[case], seed=len(case))
     fp32 = _session(fp32_model, tmp_path / "fp32.onnx").run(None, feeds)
-    tiles = _amx() and dim % 32 == 0
+    tiles = _bf16_dot() and dim % 32 == 0
     for b, (_, valid) in enumerate(rows):
         np.testing.assert_allclose(got[0][b, :valid], want[0][b, :valid], rtol=3e-2, atol=3e-2)
         assert np.abs(got[0][b, :valid] - want[0][b, :valid]).mean() < 5e-3
