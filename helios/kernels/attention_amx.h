@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -122,22 +123,59 @@ constexpr size_t ChunkTileElems() {
   return static_cast<size_t>(kChunkKeys) * DV * 16;  // K or V: one bf16 per key and dim
 }
 
+// 32 bf16 of a row from `row` (dims in order): a bfloat16 pool's bits as they are, another type's
+// values rounded (nearest even).
+template <class E>
+inline __m512i RowBf16x32(const typename E::T* row) {
+  if constexpr (std::is_same_v<E, PoolBf16>) return _mm512_loadu_si512(row);
+  return PackBf16(E::Load(row), E::Load(row + 16));
+}
+
+// 16 bf16 of two rows side by side (`odd` may be null: zeros), as PackBf16(even, odd) lays them.
+template <class E>
+inline __m512i TwoRowsBf16x16(const typename E::T* even, const typename E::T* odd) {
+  if constexpr (std::is_same_v<E, PoolBf16>) {
+    const __m256i hi = odd != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd)) : _mm256_setzero_si256();
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even))), hi, 1);
+  }
+  return PackBf16(E::Load(even), odd != nullptr ? E::Load(odd) : _mm512_setzero_ps());
+}
+
 template <int DV, class E>
 void ChunkToTiles(const KeyRows<E>& key_rows, int begin, int keys, uint16_t* k_tiles, uint16_t* v_tiles) {
   constexpr int D = DV * 16, DT = D / 32;
-  std::memset(k_tiles, 0, sizeof(uint16_t) * ChunkTileElems<DV>());
-  std::memset(v_tiles, 0, sizeof(uint16_t) * ChunkTileElems<DV>());
+  using T = typename E::T;
+  // Zero only what the keys leave unwritten, up to the 64-key bound the AMX chunk reads.
+  const int bound = std::min(kChunkKeys, (keys + 63) / 64 * 64), k_blocks = (keys + 15) / 16;
+  std::memset(k_tiles + static_cast<size_t>(k_blocks) * DT * 512, 0, sizeof(uint16_t) * (bound / 16 - k_blocks) * DT * 512);
+  const int last_step = (keys - 1) / kStepKeys, pairs = (keys - last_step * kStepKeys + 1) / 2;
+  for (int x = 0; x < DV; ++x)
+    std::memset(v_tiles + (static_cast<size_t>(last_step) * DV + x) * 512 + pairs * 32, 0, sizeof(uint16_t) * (16 - pairs) * 32);
+  std::memset(v_tiles + static_cast<size_t>(last_step + 1) * DV * 512, 0,
+              sizeof(uint16_t) * (bound / kStepKeys - last_step - 1) * DV * 512);
   const __m512i interleave = _mm512_loadu_si512(kInterleave);
+  auto prefetch = [&](int blk) {  // a decode's chunk streams from memory: rows a block ahead
+    if (blk * 16 >= keys) return;
+    const T* rows[2][16];
+    const int count = std::min(16, keys - 16 * blk);
+    key_rows(begin + 16 * blk, count, rows[0], rows[1]);
+    for (int jj = 0; jj < count; ++jj)
+      for (int line = 0; line < D * static_cast<int>(sizeof(T)); line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(rows[0][jj]) + line, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(rows[1][jj]) + line, _MM_HINT_T0);
+      }
+  };
+  prefetch(0);
   for (int blk = 0; blk * 16 < keys; ++blk) {
-    const typename E::T* k_rows[16];
-    const typename E::T* v_rows[16];
+    prefetch(blk + 1);
+    const T* k_rows[16];
+    const T* v_rows[16];
     const int count = std::min(16, keys - 16 * blk);
     key_rows(begin + 16 * blk, count, k_rows, v_rows);
     for (int t = 0; t < DT; ++t) {
       __m512 r[16];
       for (int jj = 0; jj < 16; ++jj)
-        r[jj] = jj < count ? _mm512_castsi512_ps(PackBf16(E::Load(k_rows[jj] + 32 * t), E::Load(k_rows[jj] + 32 * t + 16)))
-                           : _mm512_setzero_ps();
+        r[jj] = jj < count ? _mm512_castsi512_ps(RowBf16x32<E>(k_rows[jj] + 32 * t)) : _mm512_setzero_ps();
       Transpose16(r);
       for (int pair = 0; pair < 16; ++pair)
         _mm512_storeu_si512(k_tiles + (static_cast<size_t>(blk) * DT + t) * 512 + pair * 32, _mm512_castps_si512(r[pair]));
@@ -145,10 +183,9 @@ void ChunkToTiles(const KeyRows<E>& key_rows, int begin, int keys, uint16_t* k_t
     for (int jj = 0; jj < count; jj += 2) {
       const int key = 16 * blk + jj, step = key / kStepKeys, pair = key % kStepKeys / 2;
       for (int x = 0; x < DV; ++x) {
-        const __m512 even = E::Load(v_rows[jj] + 16 * x);
-        const __m512 odd = jj + 1 < count ? E::Load(v_rows[jj + 1] + 16 * x) : _mm512_setzero_ps();
+        const T* odd = jj + 1 < count ? v_rows[jj + 1] + 16 * x : nullptr;
         _mm512_storeu_si512(v_tiles + (static_cast<size_t>(step) * DV + x) * 512 + pair * 32,
-                            _mm512_permutexvar_epi16(interleave, PackBf16(even, odd)));
+                            _mm512_permutexvar_epi16(interleave, TwoRowsBf16x16<E>(v_rows[jj] + 16 * x, odd)));
       }
     }
   }
