@@ -207,15 +207,13 @@ class Engine:
         return inbox + len(self.scheduler.waiting)
 
     def stats(self) -> EngineStats:
-        with self._cv:
-            inbox = len(self._inbox)
         sched = self.scheduler
         cache = self.prefix_cache
         spec = sched.speculator
         learned = spec.learned if spec is not None else None
         return EngineStats(
             active=len(sched.running),
-            pending=len(sched.waiting) + inbox,
+            pending=self.num_pending(),
             free_pages=self.block_manager.num_free,
             total_pages=self.block_manager.num_pages,
             page_tokens=self.block_manager.page_tokens,

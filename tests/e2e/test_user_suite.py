@@ -2,7 +2,9 @@
 
 It runs whole, in its own pytest process, except the rows listed in EXPECTED_FAILURES: rows the
 0.5B default model cannot pass, each with its reason. Those rows run afterwards on their own; one
-that passes there is reported (a pytest warning) so the list shrinks.
+that passes there is reported (a pytest warning) so the list shrinks. A row of SAMPLED_ROWS (it
+samples at temperature 1 without a seed, so the small model misses now and then) that fails is
+run again on its own, up to SAMPLED_ATTEMPTS times in all, and passes if one attempt does.
 
 FLARE_USER_SUITE names the suite file; unset, the test looks beside the repository
 (../shared/spec/test_protocols.py) and skips where a clone has none. .ci/run sets it, so in CI a
@@ -40,6 +42,17 @@ EXPECTED_FAILURES: dict[str, str] = {
         for streaming in (False, True)
     },
 }
+
+
+# Rows that sample at temperature 1 with no seed, where the default model fails some draws.
+SAMPLED_ROWS: dict[str, str] = {
+    f"test_required_tool_choice_sdk_contracts[{streaming}]": (
+        "three required-mode calls at temperature 1; the model misses the call in ~12% of draws "
+        "(5 of seeds 0..39, bf16 and fp32 attention alike), so the row fails ~1 run in 3"
+    )
+    for streaming in (False, True)
+}
+SAMPLED_ATTEMPTS = 5  # a row whose draws pass 2 runs in 3 fails all five ~0.4% of the time
 
 
 def suite_file() -> Path | None:
@@ -86,6 +99,14 @@ def test_user_suite_passes_but_the_listed_rows(default_server, tmp_path):
     outcomes = run_suite(suite, default_server.url, tmp_path, "suite", deselect)
     assert len(outcomes) >= 60, f"only {len(outcomes)} rows ran: the suite did not load"
     failed = sorted(name for name, outcome in outcomes.items() if outcome == "failed")
+    for attempt in range(1, SAMPLED_ATTEMPTS):
+        again = [name for name in failed if name in SAMPLED_ROWS]
+        if not again:
+            break
+        rerun = run_suite(
+            suite, default_server.url, tmp_path, f"sampled-{attempt}", [f"{suite.name}::{n}" for n in again]
+        )
+        failed = sorted(name for name in failed if rerun.get(name) != "passed")
     assert not failed, f"user suite rows failed on the default core: {failed}"
     assert set(outcomes).isdisjoint(EXPECTED_FAILURES), "a listed row was not deselected"
 
