@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -21,6 +22,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_healthy(process: subprocess.Popen, url: str, timeout: float, ready: Callable[[], bool] = lambda: True) -> bool:
+    """Poll `url`/health until it answers 200 and `ready()` holds (True), or `timeout` passes
+    (False); RuntimeError when the process exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200 and ready():
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return False
 
 
 class HeliosProcess:
@@ -43,18 +60,13 @@ class HeliosProcess:
             cwd=cwd,
             start_new_session=True,
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"helios exited with {self.process.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200 and self.ready():
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"helios did not become healthy in {timeout}s:\n{self.output()}")
+        try:
+            healthy = wait_healthy(self.process, self.url, timeout, self.ready)
+        except RuntimeError as exc:
+            raise RuntimeError(f"helios: {exc}:\n{self.output()}") from None
+        if not healthy:
+            self.stop()
+            raise RuntimeError(f"helios did not become healthy in {timeout}s:\n{self.output()}")
 
     def ready(self) -> bool:
         """Past a 200 from /health, what else serving needs (a cluster: all its replicas)."""

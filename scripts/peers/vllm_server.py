@@ -9,12 +9,9 @@ import os
 import signal
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
-from helios.launcher import free_port
+from helios.launcher import free_port, wait_healthy
 
 SERVED_NAME = "peer"  # the model name requests carry
 
@@ -45,18 +42,13 @@ class VllmServer:
         self.process = subprocess.Popen(
             command, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.process.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        self.stop()
-        raise RuntimeError(f"vLLM did not become healthy in {timeout}s:\n{self.output()}")
+        try:
+            healthy = wait_healthy(self.process, self.url, timeout)
+        except RuntimeError as exc:
+            raise RuntimeError(f"vLLM: {exc}:\n{self.output()}") from None
+        if not healthy:
+            self.stop()
+            raise RuntimeError(f"vLLM did not become healthy in {timeout}s:\n{self.output()}")
 
     def output(self) -> str:
         self.log.seek(0)
