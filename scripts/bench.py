@@ -97,6 +97,7 @@ from moe_tps import measure as measure_moe
 from prefix_ttft import measure as measure_prefix_reuse
 from speculative_tps import measure as measure_speculative
 
+from helios.kernels.kv_dtype import itemsize
 from helios.launcher import HeliosProcess
 
 
@@ -209,7 +210,6 @@ def helios_speed(client: httpx.Client, pid: int, quick: bool) -> dict:
 LONG_TOKENS = 16384  # the prompt of the long-context section (its JSON keys say 16k)
 SECOND_TURN_NEW = 50  # new tokens the second turn adds after the first turn's prompt and reply
 LONG_KEYS = ("prefill_16k_tps", "decode_16k_tps")
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1}
 
 
 def long_context_skip(manifest, tokens: int, decode: int) -> str | None:
@@ -230,7 +230,7 @@ def long_context_skip(manifest, tokens: int, decode: int) -> str | None:
 def kv_read_bytes(manifest, tokens: int, pool_dtype: str) -> int:
     """K and V bytes one decode step reads over `tokens` tokens of history in a `pool_dtype` pool."""
     kv = manifest.kv
-    return tokens * kv.num_layers * 2 * kv.kv_heads * kv.head_dim * DTYPE_BYTES[pool_dtype]
+    return tokens * kv.num_layers * 2 * kv.kv_heads * kv.head_dim * itemsize(pool_dtype)
 
 
 def helios_long_context(client: httpx.Client, tokenizer, tokens: int, decode: int) -> dict:

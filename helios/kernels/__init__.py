@@ -69,13 +69,18 @@ def _cache_root() -> Path:
     return cache_root() / "kernels"
 
 
-def cpu_missing_flags() -> list[str]:
+def cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo (None where it cannot be read)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return list(CPU_FLAGS)
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return [f for f in CPU_FLAGS if f not in flags]
+        return None
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
+def cpu_missing_flags() -> list[str]:
+    flags = cpu_flags()
+    return [f for f in CPU_FLAGS if flags is None or f not in flags]
 
 
 def _deb_member(deb: bytes, prefix: str) -> bytes:

@@ -154,20 +154,9 @@ void ChunkToTiles(const KeyRows<E>& key_rows, int begin, int keys, uint16_t* k_t
   std::memset(v_tiles + static_cast<size_t>(last_step + 1) * DV * 512, 0,
               sizeof(uint16_t) * (bound / kStepKeys - last_step - 1) * DV * 512);
   const __m512i interleave = _mm512_loadu_si512(kInterleave);
-  auto prefetch = [&](int blk) {  // a decode's chunk streams from memory: rows a block ahead
-    if (blk * 16 >= keys) return;
-    const T* rows[2][16];
-    const int count = std::min(16, keys - 16 * blk);
-    key_rows(begin + 16 * blk, count, rows[0], rows[1]);
-    for (int jj = 0; jj < count; ++jj)
-      for (int line = 0; line < D * static_cast<int>(sizeof(T)); line += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(rows[0][jj]) + line, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(rows[1][jj]) + line, _MM_HINT_T0);
-      }
-  };
-  prefetch(0);
+  key_rows.Prefetch(begin, begin + keys);
   for (int blk = 0; blk * 16 < keys; ++blk) {
-    prefetch(blk + 1);
+    key_rows.Prefetch(begin + 16 * (blk + 1), begin + keys);
     const T* k_rows[16];
     const T* v_rows[16];
     const int count = std::min(16, keys - 16 * blk);

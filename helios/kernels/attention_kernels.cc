@@ -324,6 +324,20 @@ struct KeyRows {
       }
     }
   }
+
+  // Start loading the K and V rows of keys [j0, end), at most 16 of them, into L1 (a decode's
+  // keys stream from memory: the chunks fetch a block or two ahead of the one they work on).
+  void Prefetch(int j0, int end) const {
+    if (j0 >= end) return;
+    const T* rows[2][16];
+    const int count = std::min(16, end - j0);
+    (*this)(j0, count, rows[0], rows[1]);
+    for (int jj = 0; jj < count; ++jj)
+      for (int line = 0; line < p.D * static_cast<int>(sizeof(T)); line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(rows[0][jj]) + line, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(rows[1][jj]) + line, _MM_HINT_T0);
+      }
+  }
 };
 
 // One chunk of keys for query vectors [i0, last) x group of row b (q: their rotated queries,
@@ -340,21 +354,10 @@ void AttendChunk(const AttentionProblem& p, int b, int i0, int last, const float
   std::fill(acc, acc + static_cast<size_t>(nq) * D, 0.f);
   std::fill(states, states + nq, QueryState{-INFINITY, 0.f});
   // A one-row decode waits on memory unless the rows a few blocks ahead are already on the way.
-  auto prefetch = [&](int j0) {
-    if (j0 >= end) return;
-    const T* rows[2][16];
-    const int count = std::min(16, end - j0);
-    key_rows(j0, count, rows[0], rows[1]);
-    for (int jj = 0; jj < count; ++jj)
-      for (int line = 0; line < D * static_cast<int>(sizeof(T)); line += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(rows[0][jj]) + line, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(rows[1][jj]) + line, _MM_HINT_T0);
-      }
-  };
-  for (int ahead = 0; ahead < kPrefetchBlocks; ++ahead) prefetch(begin + 16 * ahead);
+  for (int ahead = 0; ahead < kPrefetchBlocks; ++ahead) key_rows.Prefetch(begin + 16 * ahead, end);
   KeyBlock<E> blk;
   for (int j0 = begin; j0 < end; j0 += 16) {
-    prefetch(j0 + 16 * kPrefetchBlocks);
+    key_rows.Prefetch(j0 + 16 * kPrefetchBlocks, end);
     blk.count = std::min(16, end - j0);
     const T* k_rows[16];
     key_rows(j0, blk.count, k_rows, blk.values);

@@ -26,7 +26,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from helios.kernels import available
+from helios.kernels import available, cpu_flags
 
 KV_DTYPES = ("float32", "bfloat16", "float16")
 CHOICES = ("auto", "bf16", "fp16", "fp32")  # what `helios serve --kv-dtype` takes
@@ -46,14 +46,6 @@ def canonical(name: str) -> str:
     return _ALIASES[name]
 
 
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-
-
 def resolve(name: str, flags: set[str] | None = None, fused: bool = True) -> str:
     """The pool dtype `name` means on this CPU (`flags`: /proc/cpuinfo's, by default) for a graph
     whose pool only the fused kernel reads (`fused`)."""
@@ -62,7 +54,7 @@ def resolve(name: str, flags: set[str] | None = None, fused: bool = True) -> str
         return name
     if not fused:
         return "float32"
-    flags = cpu_flags() if flags is None else flags
+    flags = (cpu_flags() or set()) if flags is None else flags
     if "avx512_bf16" in flags or "amx_bf16" in flags:
         return "bfloat16"
     if "f16c" in flags:

@@ -259,7 +259,7 @@ def _amx() -> bool:
 
 def _bf16_dot() -> bool:
     """The CPU has a bf16 dot product: AMX tiles or AVX512-BF16 (the kernel's bf16 chunks)."""
-    return _amx() or "avx512_bf16" in kv_dtype.cpu_flags()
+    return _amx() or "avx512_bf16" in (kernels.cpu_flags() or set())
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
