@@ -27,8 +27,18 @@ from helios.neutral.errors import RequestError
 from helios.neutral.grammar import compiler_for
 from helios.neutral.template import ChatTemplate
 from helios.neutral.tokenizer import Tokenizer
-from helios.protocols import chat, completions, decisions, messages, models, ollama, responses, systemone
-from helios.transport import metrics
+from helios.protocols import (
+    chat,
+    completions,
+    decisions,
+    messages,
+    models,
+    ollama,
+    responses,
+    systemone,
+    tokenize,
+)
+from helios.transport import cors, metrics
 from helios.transport.admission import RETRY_AFTER_SECONDS, Admission
 from helios.transport.config import ConfigError, ServerConfig
 from helios.transport.context import DRAINING_MESSAGE, ServerContext
@@ -55,7 +65,11 @@ COLLECTOR_KEY = web.AppKey("flare_collector", metrics.FlareCollector)
 EXTRA_COLLECTORS_KEY = web.AppKey("flare_extra_collectors", tuple)
 
 # Aggregate-only routes anyone may read (api.md: no request content is exposed there).
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/"})
+# The web page's own files (it asks for the key itself and sends it on its API calls).
+PAGE_PREFIX = "/ui/"
+PAGE_DIR = Path(__file__).resolve().parent / "web"
+PAGE_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
 # Anthropic routes: Messages error shape, and x-api-key accepted next to Bearer.
 ANTHROPIC_PREFIX = "/v1/messages"
 OLLAMA_PREFIX = "/api/"
@@ -94,6 +108,9 @@ ROUTES = (
     Route("GET", "/api/version", ollama.version),
     Route("GET", "/api/tags", ollama.tags),
     Route("POST", "/api/show", ollama.show),
+    Route("POST", "/tokenize", tokenize.tokenize),
+    Route("POST", "/detokenize", tokenize.detokenize),
+    Route("GET", "/version", tokenize.version),
 )
 
 
@@ -156,6 +173,7 @@ def create_app(
         # We decode bodies ourselves (bounded); disconnects cancel handlers so engine work is aborted.
         handler_args={"auto_decompress": False, "handler_cancellation": True},
     )
+    cors.install(app, config.allowed_origins)
     app[CTX_KEY] = ctx
     app[COLLECTOR_KEY] = metrics.FlareCollector(engine, http, admission, manifest.decode_weight_bytes)
     app[EXTRA_COLLECTORS_KEY] = extra_collectors
@@ -174,6 +192,8 @@ def create_app(
 
         return wrapped
 
+    app.router.add_get("/", page)
+    app.router.add_get(PAGE_PREFIX + "{name}", page)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_route)
     for r in ROUTES:
@@ -265,7 +285,7 @@ def authorized(headers: Any, key: str, anthropic: bool) -> bool:
 async def _auth_middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
     ctx = request.app[CTX_KEY]
     key = ctx.config.api_key
-    if key and request.path not in OPEN_PATHS:
+    if key and request.path not in OPEN_PATHS and not request.path.startswith(PAGE_PREFIX):
         anthropic = is_anthropic(request.path)
         if not authorized(request.headers, key, anthropic):
             if anthropic:
@@ -297,4 +317,17 @@ async def metrics_route(request: web.Request) -> web.Response:
         return json_response(metrics.json_snapshot(collector, extra))
     return web.Response(
         body=metrics.prometheus_text(collector, extra), headers={"Content-Type": metrics.TEXT_CONTENT_TYPE}
+    )
+
+
+async def page(request: web.Request) -> web.Response:
+    """The web page: index.html at /, its files under /ui/ (only files shipped in helios/web)."""
+    name = request.match_info.get("name", "index.html")
+    path = PAGE_DIR / name
+    kind = PAGE_TYPES.get(path.suffix)
+    if kind is None or "/" in name or name.startswith(".") or not path.is_file():
+        raise not_found(f"no page file {name!r}")
+    return web.Response(
+        body=path.read_bytes(),
+        headers={"Content-Type": f"{kind}; charset=utf-8", "Cache-Control": "no-cache"},
     )

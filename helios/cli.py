@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import threading
@@ -14,7 +13,7 @@ from rich.markup import escape
 
 from helios.client_config import CLIENTS, ClientConfigError, server_root, usage, write_client_config
 from helios.dashboard import run as run_dashboard
-from helios.manifest import Manifest, ManifestError
+from helios.manifest import MANIFEST_NAME, Manifest, ManifestError
 from helios.transport.config import ConfigError, ServerConfig, read_api_key_file
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="helios: the Flare serving runtime")
@@ -22,72 +21,165 @@ console = Console(stderr=False)
 err_console = Console(stderr=True)
 
 
+def _show_version(value: bool) -> None:
+    if value:
+        from helios.version import flare_version
+
+        console.print(f"helios {flare_version()}")
+        raise typer.Exit()
+
+
 @app.callback()
-def main() -> None:
+def main(
+    version: bool = typer.Option(
+        False, "--version", callback=_show_version, is_eager=True, help="print the version and exit"
+    ),
+) -> None:
     """helios: serve a Flare core over HTTP."""
+
+
+def _split(values: list[str] | None) -> list[str] | None:
+    """A repeatable option's values, each also split at commas (environment variables use commas)."""
+    if not values:
+        return None
+    return [part.strip() for value in values for part in value.split(",") if part.strip()]
+
+
+def _resolve_model(model: str, recipe: str | None, precision: str, download: bool) -> Path:
+    """MODEL as a core folder: itself, or the cached core compiled from the checkpoint it names."""
+    path = Path(model).expanduser()
+    if recipe is None and (path / MANIFEST_NAME).is_file():
+        return path  # a core: no compiler imported (ignition pulls in torch)
+    from ignition.intake import IntakeError, compile_core, locate, resolve_recipe
+
+    try:
+        located = locate(model, download)
+        if located.kind == "core":
+            return path
+        chosen = resolve_recipe(located, recipe)
+        err_console.print(
+            f"[bold]{escape(model)}[/]: recipe [bold]{chosen.name}[/] ({chosen.family})"
+            + ("" if recipe else ", inferred from the checkpoint; --recipe NAME picks another")
+        )
+        return compile_core(located, chosen, precision, err_console)
+    except IntakeError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 @app.command()
 def serve(
-    core: Path = typer.Argument(..., help="core folder written by `ignition export`"),
-    host: str | None = typer.Option(None, help="bind address [default: 127.0.0.1]"),
-    port: int | None = typer.Option(None, help="TCP port [default: 8000]"),
-    api_key_file: Path | None = typer.Option(None, help="file holding the serving key (overrides api_key)"),
-    config: Path | None = typer.Option(None, help="TOML file with a [server] table"),
-    max_concurrency: int | None = typer.Option(None, help="active sequences the engine batches"),
-    kv_pages: int | None = typer.Option(None, help="KV pool size in pages"),
+    model: str = typer.Argument(
+        ...,
+        envvar="FLARE_MODEL",
+        help="a core folder, a .gguf file, a Hugging Face model folder, a packaged model name, or ORG/NAME "
+        "in the local Hugging Face cache (checkpoints are compiled into the flare cache once)",
+    ),
+    recipe: str | None = typer.Option(
+        None, envvar="FLARE_RECIPE", help="recipe for a checkpoint [default: inferred from its architecture]"
+    ),
+    precision: str = typer.Option("int4", envvar="FLARE_PRECISION", help="weights of a compiled checkpoint"),
+    download: bool = typer.Option(
+        False, "--download", envvar="FLARE_DOWNLOAD", help="download an ORG/NAME missing from the Hugging Face cache"
+    ),
+    host: str | None = typer.Option(None, envvar="FLARE_HOST", help="bind address [default: 127.0.0.1]"),
+    port: int | None = typer.Option(None, envvar="FLARE_PORT", help="TCP port [default: 8000]"),
+    api_key_file: Path | None = typer.Option(
+        None,
+        envvar="FLARE_API_KEY_FILE",
+        help="file holding the serving key (overrides $FLARE_API_KEY, which holds the key itself, and api_key)",
+    ),
+    config: Path | None = typer.Option(None, envvar="FLARE_CONFIG", help="TOML file with a [server] table"),
+    max_concurrency: int | None = typer.Option(
+        None, envvar="FLARE_MAX_CONCURRENCY", help="active sequences the engine batches"
+    ),
+    kv_pages: int | None = typer.Option(None, envvar="FLARE_KV_PAGES", help="KV pool size in pages"),
     kv_dtype: str | None = typer.Option(
         None,
+        envvar="FLARE_KV_DTYPE",
         help="KV pool type: auto (bf16 where the CPU has a bf16 dot product, else fp16 where it converts "
         "halves, else fp32), bf16, fp16 or fp32 [default: the core's, normally auto]",
     ),
-    threads: int | None = typer.Option(None, help="engine compute threads"),
-    dashboard: bool = typer.Option(False, "--dashboard", help="show the `helios top` dashboard while serving"),
-    host_store: Path | None = typer.Option(None, help="directory of the host prefix store's disk tier"),
-    host_store_dram_gb: float | None = typer.Option(None, help="DRAM tier budget in GiB (0: off)"),
-    host_store_disk_gb: float | None = typer.Option(None, help="disk tier budget in GiB [default: 16]"),
+    threads: int | None = typer.Option(None, envvar="FLARE_THREADS", help="engine compute threads"),
+    dashboard: bool = typer.Option(
+        False, "--dashboard", envvar="FLARE_DASHBOARD", help="show the `helios top` dashboard while serving"
+    ),
+    host_store: Path | None = typer.Option(
+        None, envvar="FLARE_HOST_STORE", help="directory of the host prefix store's disk tier"
+    ),
+    host_store_dram_gb: float | None = typer.Option(
+        None, envvar="FLARE_HOST_STORE_DRAM_GB", help="DRAM tier budget in GiB (0: off)"
+    ),
+    host_store_disk_gb: float | None = typer.Option(
+        None, envvar="FLARE_HOST_STORE_DISK_GB", help="disk tier budget in GiB [default: 16]"
+    ),
     speculation: str | None = typer.Option(
         None,
+        envvar="FLARE_SPECULATION",
         help="auto: history drafts (and the core's learned drafter) verified in the step graph; off [default: auto]",
     ),
     device: str = typer.Option(
-        "auto", help="auto (CUDA when torch sees a GPU and the core has a torch program), cpu or cuda"
+        "auto",
+        envvar="FLARE_DEVICE",
+        help="auto (CUDA when torch sees a GPU and the core has a torch program), cpu or cuda",
     ),
     engine_kind: str = typer.Option(
         "auto",
         "--engine",
+        envvar="FLARE_ENGINE",
         help="auto (torch on CUDA, onnx on a CPU), onnx or torch (the core's torch program, also on a CPU)",
     ),
+    log_level: str | None = typer.Option(
+        None, envvar="FLARE_LOG_LEVEL", help="debug, info (with the access log), warning, error [default: info]"
+    ),
+    log_format: str | None = typer.Option(
+        None, envvar="FLARE_LOG_FORMAT", help="text or json (one object per line) [default: text]"
+    ),
+    served_model_name: list[str] | None = typer.Option(
+        None,
+        envvar="FLARE_SERVED_MODEL_NAME",
+        help="a name the model answers to (repeatable; the first is every response's model) [default: the core's]",
+    ),
+    allowed_origins: list[str] | None = typer.Option(
+        None,
+        envvar="FLARE_ALLOWED_ORIGINS",
+        help="CORS: an origin browsers may call from, http(s)://HOST[:PORT] or * (repeatable) [default: none]",
+    ),
 ) -> None:
-    """Serve CORE over the OpenAI-compatible HTTP API."""
+    """Serve MODEL over the OpenAI-compatible HTTP API (every option also reads $FLARE_<OPTION>)."""
     # Imported here, not at the top: onnxruntime and the engine cost `helios top` and
     # `helios client-config` about a second of start-up they never use.
     from helios.app import CTX_KEY, check_startup, create_app
     from helios.engine.assembly import choose_runner, describe_runner
     from helios.engine.engine import Engine
     from helios.neutral.tokenizer import Tokenizer
-    from helios.transport import lifecycle
+    from helios.transport import lifecycle, logs
 
     try:
-        manifest = Manifest.load(core)
         settings = ServerConfig.load(config) if config else ServerConfig()
-        if host is not None:
-            settings.host = host
-        if port is not None:
-            settings.port = port
         if api_key_file is not None:
             settings.api_key = read_api_key_file(api_key_file)
-        if max_concurrency is not None:
-            settings.max_concurrency = max_concurrency
+        elif os.environ.get("FLARE_API_KEY"):
+            settings.api_key = os.environ["FLARE_API_KEY"].strip()
         for name, value in (
+            ("host", host),
+            ("port", port),
+            ("max_concurrency", max_concurrency),
             ("host_store_dir", str(host_store) if host_store else None),
             ("host_store_dram_gb", host_store_dram_gb),
             ("host_store_disk_gb", host_store_disk_gb),
             ("speculation", speculation),
             ("kv_dtype", kv_dtype),
+            ("log_level", log_level.lower() if log_level else None),
+            ("log_format", log_format.lower() if log_format else None),
+            ("served_model_names", _split(served_model_name)),
+            ("allowed_origins", _split(allowed_origins)),
         ):
             if value is not None:
                 setattr(settings, name, value)
+        settings.validate("options")
+        logs.configure(settings.log_level, settings.log_format)
+        core = _resolve_model(model, recipe, precision, download)
+        manifest = Manifest.load(core)
         check_startup(manifest, settings, Tokenizer.from_core(core, manifest))
         try:
             choice = choose_runner(manifest, device, engine_kind, settings.kv_dtype)
@@ -100,7 +192,6 @@ def serve(
         err_console.print(f"[bold red]error:[/] {escape(str(exc))}")
         raise typer.Exit(2) from None
 
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = Engine(
         core,
         manifest,
@@ -121,9 +212,9 @@ def serve(
             match = re.search(r"https?://\S+", message)
             url = match.group(0) if match else f"http://{settings.host}:{settings.port}"
             auth = "key required" if settings.api_key else "no auth"
-            console.print(
-                f"[bold green]helios[/] serving [bold]{escape(manifest.model_id)}[/] at {escape(url)}/v1 ({auth})"
-            )
+            name = settings.served_model_names[0] if settings.served_model_names else manifest.model_id
+            console.print(f"[bold green]helios[/] serving [bold]{escape(name)}[/] at {escape(url)}/v1 ({auth})")
+            console.print(f"chat in a browser at {escape(url)}/ or in a terminal: helios chat {escape(url)}")
             console.print(describe_runner(manifest, engine.runner))
             console.print(_pool_line(manifest, engine.runner))
             speculator = engine.scheduler.speculator
@@ -295,6 +386,33 @@ def client_config(
         console.print(f"wrote {escape(str(path))}")
     console.print(f"{escape(model.name)}: context {model.context_length} tokens; run:")
     console.print(escape(usage(client, root, folder, model.name, api_key_env)), soft_wrap=True)
+
+
+@app.command()
+def chat(
+    target: str = typer.Argument(
+        "http://127.0.0.1:8000", help="a running helios (http://HOST:PORT), or a MODEL to serve for this chat"
+    ),
+    api_key_env: str | None = typer.Option(
+        None, help="environment variable holding the serving key [default: FLARE_API_KEY when set]"
+    ),
+    max_tokens: int | None = typer.Option(None, min=1, help="output limit per reply [default: the core's]"),
+) -> None:
+    """Chat in the terminal with a running server or a model it starts (streaming; /help for commands)."""
+    from helios.chat import ChatError, run_chat
+
+    name = api_key_env or "FLARE_API_KEY"
+    api_key = os.environ.get(name)
+    if api_key_env and not api_key:
+        err_console.print(f"[bold red]error:[/] ${escape(api_key_env)} is not set")
+        raise typer.Exit(2)
+    try:
+        run_chat(target, api_key, max_tokens)
+    except ChatError as exc:
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}")
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        pass
 
 
 @app.command()

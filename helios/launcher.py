@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import httpx
@@ -47,7 +47,15 @@ class HeliosProcess:
     command: tuple[str, ...] = ("serve",)
     stop_timeout = 15.0  # after SIGTERM, before SIGKILL to the whole process group
 
-    def __init__(self, core: Path, *args: str, timeout: float = 300.0, cwd: Path | None = None):
+    def __init__(
+        self,
+        core: Path | str,
+        *args: str,
+        timeout: float = 300.0,
+        cwd: Path | None = None,
+        env: Mapping[str, str] | None = None,
+    ):
+        """`env`: variables set for the process beside this one's environment."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # An anonymous file: the log is read on failure and never left beside the core (which may
@@ -58,6 +66,7 @@ class HeliosProcess:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             cwd=cwd,
+            env={**os.environ, **env} if env else None,
             start_new_session=True,
         )
         try:

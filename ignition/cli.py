@@ -23,8 +23,20 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="Flare's ahea
 console = Console(stderr=True)
 
 
+def _show_version(value: bool) -> None:
+    if value:
+        from helios.version import flare_version
+
+        console.print(f"ignition {flare_version()}")
+        raise typer.Exit()
+
+
 @app.callback()
-def main() -> None:
+def main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_show_version, is_eager=True, help="print the version and exit")
+    ] = False,
+) -> None:
     """Flare's ahead-of-time model compiler."""
 
 
@@ -76,8 +88,9 @@ def export(
 ) -> None:
     """Export CHECKPOINT with RECIPE into a core folder."""
     # Imported here: torch and onnxruntime cost seconds that `ignition inspect` and --help never use.
+    from ignition.export.display import export_with_progress
     from ignition.export.options import parse_kv_dtype, parse_targets
-    from ignition.export.pipeline import STAGES, ExportError, ExportOptions, export_core
+    from ignition.export.pipeline import ExportError, ExportOptions
 
     try:
         loaded = load_recipe(recipe)
@@ -97,27 +110,7 @@ def export(
             kv_dtype=parse_kv_dtype(kv_dtype),
         )
         started = time.monotonic()
-        current: dict = {"stage": None, "detail": "", "t": started}
-
-        def done(now: float) -> None:
-            detail = escape(current["detail"])
-            console.print(f"[green]✓[/] {current['stage']:<9} {now - current['t']:6.1f}s  [dim]{detail}[/]")
-
-        with console.status("starting") as status:
-
-            def progress(stage: str, detail: str) -> None:
-                # A stage reports once or more (the last detail is kept); the next stage ends it.
-                now = time.monotonic()
-                if stage != current["stage"]:
-                    if current["stage"] is not None:
-                        done(now)
-                    current["stage"], current["t"] = stage, now
-                current["detail"] = detail
-                step = STAGES.index(stage) + 1
-                status.update(f"[bold]{stage}[/] ({step}/{len(STAGES)}): {escape(detail)}")
-
-            manifest = export_core(options, progress)
-            done(time.monotonic())
+        manifest = export_with_progress(options, console)
     except (RecipeError, CheckpointError, ExportError) as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}")
         raise typer.Exit(code=2) from None

@@ -37,6 +37,9 @@ class SamplingParams:
     # Explicit ids (deduplicated, caller order) reported instead of natural alternatives.
     logprob_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    # OpenAI logit_bias: token id -> additive bias applied to the logits before sampling (never
+    # to reported logprobs, which stay the model's raw distribution). Empty: none.
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     @property
     def has_user_stops(self) -> bool:

@@ -1,7 +1,7 @@
 """Token sampling: penalties vectorized over the batch, filters per row on small candidate sets.
 
 Order (HF / vLLM): repetition penalty (prompt + generated, HF semantics), presence and frequency
-penalties (generated only, OpenAI semantics), temperature, top-k, top-p, min-p, then one draw
+penalties (generated only, OpenAI semantics), logit_bias (added), temperature, top-k, top-p, min-p, then one draw
 per row from that row's own numpy Generator by inverse CDF. Each row's result depends only on
 its own logits, parameters and generator, never on its batch neighbours or position.
 
@@ -95,7 +95,8 @@ def sample(
         if mask is not None and mask.forced is not None:
             out[b] = mask.forced
             continue
-        if top_ids is not None and (mask is None or mask.allowed is None):
+        # A bias can lift a token outside the graph's top ids, so biased rows take the full path.
+        if top_ids is not None and not s.logit_bias and (mask is None or mask.allowed is None):
             certified = logsumexp is not None and bool(np.isfinite(logsumexp[b]))
             fast = _top_k_fast(logits[b], top_ids[b], row, certified)
             if fast is not None:
@@ -128,7 +129,8 @@ def apply_mask(z: np.ndarray, allowed: np.ndarray) -> None:
 
 
 def apply_penalties(z: np.ndarray, rows: list[SampleRow]) -> None:
-    """Repetition, presence and frequency penalties, in place on z [B, V], for all rows at once.
+    """Repetition, presence and frequency penalties, then each row's logit_bias, in place on
+    z [B, V], for all rows at once.
 
     The per-row work is only collecting each row's distinct token ids (O(history), no vocab
     loop); the logits are then updated with one gather/scatter for the whole batch.
@@ -162,6 +164,11 @@ def apply_penalties(z: np.ndarray, rows: list[SampleRow]) -> None:
         r, i, c = np.concatenate(out_r), np.concatenate(out_ids), np.concatenate(out_cnt)
         # OpenAI: frequency per occurrence, presence once per distinct generated token.
         z[r, i] -= np.concatenate(freq) * c + np.concatenate(pres)
+    for b, row in enumerate(rows):
+        bias = row.sampling.logit_bias
+        if bias:
+            ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
+            z[b, ids] += np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
 
 
 def candidates(z: np.ndarray, s: SamplingParams, ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

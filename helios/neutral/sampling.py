@@ -44,6 +44,8 @@ MAX_STOP_BYTES = 4096
 MAX_TOKEN_STOPS = 16  # stop_token_ids and stop_token_sequences together (api.md)
 MAX_STOP_SEQUENCE_IDS = 64
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
+MAX_LOGIT_BIAS = 100.0
 SEED_MODULUS = 1 << 64  # seeds are taken modulo 2**64 so the engine always sees a nonnegative int
 
 
@@ -131,6 +133,31 @@ def parse_token_stops(ids: Any, sequences: Any, vocab_size: int) -> tuple[list[i
     return stop_ids, runs
 
 
+def parse_logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
+    """OpenAI logit_bias: an object of token id (a decimal string key) -> bias in [-100, 100],
+    at most 300 entries, every id inside the vocabulary."""
+    name = "logit_bias"
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise RequestError(f"{name} must be an object mapping token ids to biases", param=name)
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise RequestError(f"{name} accepts at most {MAX_LOGIT_BIAS_ENTRIES} entries", param=name)
+    biases: dict[int, float] = {}
+    for key, raw in value.items():
+        text = key.strip() if isinstance(key, str) else ""
+        if not text.isascii() or not text.lstrip("-").isdigit():
+            raise RequestError(f"{name} keys must be token ids, got {key!r}", param=name)
+        token = int(text)
+        if not 0 <= token < vocab_size:
+            raise RequestError(f"{name} names token id {token}, outside the vocabulary of {vocab_size}", param=name)
+        bias = require_number(raw, f"{name}[{key}]")
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise RequestError(f"{name}[{key}] must be between -100 and 100", param=name)
+        biases[token] = float(bias)
+    return biases
+
+
 def resolve_max_tokens(
     requested: Any, prompt_tokens: int, limits: Limits, *, name: str = "max_tokens", allow_zero: bool
 ) -> int:
@@ -191,6 +218,7 @@ class SamplingFields:
     ignore_eos: Any = None
     include_stop_str_in_output: Any = None
     logprobs: int | None = None  # already validated natural-alternative count, None for off
+    logit_bias: Any = None  # OpenAI Chat and Completions only
 
 
 def resolve_sampling(fields: SamplingFields, sampling: Sampling, vocab_size: int) -> SamplingParams:
@@ -221,4 +249,5 @@ def resolve_sampling(fields: SamplingFields, sampling: Sampling, vocab_size: int
         stop_token_sequences=stop_runs,
         logprobs=fields.logprobs,
         include_stop_str_in_output=include_stop,
+        logit_bias=parse_logit_bias(fields.logit_bias, vocab_size),
     )

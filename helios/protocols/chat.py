@@ -28,7 +28,7 @@ from helios.neutral.errors import RequestError
 from helios.neutral.grammar import OutputFormat
 from helios.neutral.images import decode_data_url
 from helios.neutral.output import BlockDelta, BlockOpened, OutputEvent
-from helios.neutral.request import ChatOptions, OutputPlan, lower
+from helios.neutral.request import ChatOptions, Lowered, OutputPlan, lower
 from helios.neutral.sampling import check_top_logprobs, resolve_max_tokens
 from helios.neutral.thinking import Budget, check_budget, check_effort, template_kwargs
 from helios.neutral.tools import EmittedCall, ToolChoice, unique_names
@@ -218,7 +218,7 @@ def decode(ctx: ServerContext, body: dict[str, Any]) -> ChatRequest:
     fmt, fmt_param = decode_output_format(body)
     budget = check_budget(body.get("thinking_token_budget"))
     effort = check_effort(body.get("reasoning_effort"), "reasoning_effort", m.template.numeric_effort)
-    common.reject_unsupported_extensions(body, structured=True)
+    common.reject_unsupported_extensions(body, structured=True, biased=True)
     n = choice_count(body)
     if n > ctx.admission.slots:
         raise RequestError(f"n={n} needs more admission slots than this server has ({ctx.admission.slots})", param="n")
@@ -242,7 +242,7 @@ def decode(ctx: ServerContext, body: dict[str, Any]) -> ChatRequest:
         effort=effort,
         template_source=ctx.template.source if ctx.template else None,
     )
-    sampling = common.request_sampling(body, m, logprobs=k)
+    sampling = common.request_sampling(body, m, logprobs=k, biased=True)
     sampling.logprob_token_ids = explicit
     max_tokens, max_tokens_param = body.get("max_completion_tokens"), "max_completion_tokens"
     if max_tokens is None:
@@ -272,8 +272,9 @@ def decode(ctx: ServerContext, body: dict[str, Any]) -> ChatRequest:
     )
 
 
-def build(ctx: ServerContext, request: ChatRequest, response_id: str) -> ChatPlan:
-    """Render the conversation and make one engine request per choice."""
+def render(ctx: ServerContext, request: ChatRequest, prepare: bool = True) -> Lowered:
+    """The conversation lowered through the core's template (`prepare` False: the prompt only,
+    as /tokenize counts it)."""
     chat_options = ChatOptions(
         tools=request.tools,
         choice=request.tool_choice,
@@ -286,14 +287,20 @@ def build(ctx: ServerContext, request: ChatRequest, response_id: str) -> ChatPla
         user_stops=request.sampling.has_user_stops,
         ignore_eos=request.sampling.ignore_eos,
     )
-    lowered = lower(
+    return lower(
         request.conversation,
         chat_options,
         manifest=ctx.manifest,
         template=ctx.template,
         tokenizer=ctx.tokenizer,
         default_budget=ctx.config.thinking_token_budget,
+        prepare=prepare,
     )
+
+
+def build(ctx: ServerContext, request: ChatRequest, response_id: str) -> ChatPlan:
+    """Render the conversation and make one engine request per choice."""
+    lowered = render(ctx, request)
     max_tokens = resolve_max_tokens(
         request.max_tokens,
         len(lowered.prompt_ids),

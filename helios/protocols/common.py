@@ -43,11 +43,12 @@ def stream_options(body: dict[str, Any]) -> StreamOptions:
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
-def reject_unsupported_extensions(body: dict[str, Any], *, structured: bool = False) -> None:
+def reject_unsupported_extensions(body: dict[str, Any], *, structured: bool = False, biased: bool = False) -> None:
     """Native extensions this engine cannot honour: refuse rather than silently ignore.
-    `structured`: the caller decodes the guided-decoding fields itself (decode_guided)."""
-    if body.get("logit_bias"):
-        raise RequestError("logit_bias is not supported", param="logit_bias")
+    `structured`: the caller decodes the guided-decoding fields itself (decode_guided);
+    `biased`: the caller decodes logit_bias (OpenAI Chat and Completions)."""
+    if not biased and body.get("logit_bias"):
+        raise RequestError("logit_bias is not supported by this endpoint", param="logit_bias")
     min_tokens = opt_int(body, "min_tokens", 0)
     if min_tokens:
         raise RequestError("min_tokens is not supported", param="min_tokens")
@@ -351,11 +352,16 @@ def echo_chars(tokenizer: Tokenizer, prompt_ids: list[int]) -> int:
 
 
 def request_sampling(
-    body: Mapping[str, Any], manifest: Manifest, *, stop_name: str = "stop", logprobs: int | None = None
+    body: Mapping[str, Any],
+    manifest: Manifest,
+    *,
+    stop_name: str = "stop",
+    logprobs: int | None = None,
+    biased: bool = False,
 ) -> SamplingParams:
     """A request body's sampling fields (native extensions included), handed to the neutral layer
     as SamplingFields and resolved against the core's prepared policy; max_tokens and per-choice
-    seeds are set when its engine requests are built."""
+    seeds are set when its engine requests are built. `biased`: the protocol has logit_bias."""
     return resolve_sampling(
         SamplingFields(
             values={name: body.get(name) for name in DISTRIBUTION_FIELDS},
@@ -367,6 +373,7 @@ def request_sampling(
             ignore_eos=body.get("ignore_eos"),
             include_stop_str_in_output=body.get("include_stop_str_in_output"),
             logprobs=logprobs,
+            logit_bias=body.get("logit_bias") if biased else None,
         ),
         manifest.sampling,
         manifest.architecture.vocab_size,

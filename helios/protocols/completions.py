@@ -113,7 +113,7 @@ def decode(ctx: ServerContext, body: dict[str, Any]) -> CompletionRequest:
         raise RequestError("suffix is not supported", param="suffix")
     reject_present(body, ("tools", "tool_choice"), "by raw completions")
     reject_present(body, ("thinking_token_budget",), "by raw completions (no reasoning region)")
-    common.reject_unsupported_extensions(body)
+    common.reject_unsupported_extensions(body, biased=True)
     n = choice_count(body)
     best_of = opt_int(body, "best_of", None)
     if best_of is not None and best_of != n:
@@ -142,7 +142,7 @@ def decode(ctx: ServerContext, body: dict[str, Any]) -> CompletionRequest:
             f"{count} prompt(s) x n={n} needs more admission slots than this server has ({ctx.admission.slots})",
             param="n",
         )
-    sampling = common.request_sampling(body, m, logprobs=k)
+    sampling = common.request_sampling(body, m, logprobs=k, biased=True)
     sampling.logprob_token_ids = explicit
     return CompletionRequest(
         prompts=decode_prompts(raw, ctx.tokenizer, m.architecture.vocab_size),

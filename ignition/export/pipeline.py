@@ -33,7 +33,7 @@ from pathlib import Path
 
 from helios.manifest import Manifest
 from ignition.checkpoints.load import peek_config, peek_family, peek_vocab
-from ignition.export import stages
+from ignition.export import display, stages
 from ignition.export.cache import CachedStages
 from ignition.export.drafter import add_drafter, check_drafter_vocab, describe_drafter
 from ignition.export.manifest import assemble, serving_limits
@@ -45,7 +45,7 @@ from ignition.export.validate import ParityError
 from ignition.models import PLANNED, logit_postprocessing
 
 # The stages as the CLI shows them (trace, score, vision and the torch program report as "export").
-STAGES = ("read", "convert", "export", "quantize", "validate", "write")
+STAGES = display.STAGES
 
 
 def export_core(options: ExportOptions, progress: Progress = lambda stage, detail: None) -> Manifest:

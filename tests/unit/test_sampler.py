@@ -189,3 +189,19 @@ def test_token_logprob_uses_raw_distribution_and_breaks_ties_by_id():
     assert entry.token_id == 3 and entry.logprob == pytest.approx(0.0 - lse)
     assert [t for t, _ in entry.top] == [1, 2]
     assert token_logprob(1, logits, lse, top_lp, top_ids, 0).top == []
+
+
+def test_logit_bias_moves_the_draw_and_bypasses_the_top_ids_fast_path():
+    """A +bias lifts a token the graph's top ids do not hold (the fast path would miss it); a
+    -100 bias removes the best token; neighbours without a bias are untouched."""
+    V = 1000
+    logits = np.linspace(-5, 5, V, dtype=np.float32)[None].repeat(2, axis=0)
+    top_ids = np.argsort(-logits, axis=1)[:, :8]
+    lifted = Row(seed=1, temperature=0.5, top_k=4, logit_bias={3: 100.0})
+    plain = Row(seed=1, temperature=0.5, top_k=4)
+    out = sample(logits, [lifted, plain], top_ids=top_ids)
+    assert out[0] == 3
+    assert out[1] in top_ids[1, :4]
+    greedy = Row(temperature=0.0, logit_bias={V - 1: -100.0})
+    assert sample(logits[:1], [greedy])[0] == V - 2
+    assert logits[0, 3] == np.float32(np.linspace(-5, 5, V, dtype=np.float32)[3])  # input untouched

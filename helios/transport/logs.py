@@ -1,0 +1,112 @@
+"""Server logging: the level and format operators choose, the access log, and the request id.
+
+Every record carries `request_id`: the id of the request whose handler (or engine callback in
+the same task) logged it, "-" outside one. Generation requests bind the id they answer in
+x-request-id (the client's sane X-Request-Id, else the response id) as soon as it is known.
+
+The access log is one record per finished request on the `helios.access` logger: method, path,
+status, bytes sent, latency, request id and client address; text or JSON (`--log-format`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_FORMATS = ("text", "json")
+NO_REQUEST = "-"
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
+ACCESS_FIELDS = ("method", "path", "status", "bytes", "latency_ms", "request_id", "client")
+
+current_request_id: contextvars.ContextVar[str] = contextvars.ContextVar("helios_request_id", default=NO_REQUEST)
+access_log = logging.getLogger("helios.access")
+
+
+def client_request_id(headers: Any) -> str | None:
+    """The client's X-Request-Id when it is a sane one (short, no spaces or controls)."""
+    supplied = headers.get("X-Request-Id", "")
+    if 0 < len(supplied) <= 128 and all(c.isalnum() or c in "-_.:" for c in supplied):
+        return supplied
+    return None
+
+
+def bind_request_id(request_id: str) -> None:
+    """Tag the rest of this request's task (its log records) with `request_id`."""
+    current_request_id.set(request_id)
+
+
+class RequestIdFilter(logging.Filter):
+    """Gives each record the current request id (unless it names one itself)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not hasattr(record, "request_id"):
+            record.request_id = current_request_id.get()
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, request_id, message, then access fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "request_id": getattr(record, "request_id", NO_REQUEST),
+            "message": record.getMessage(),
+        }
+        for name in ACCESS_FIELDS:
+            if name in record.__dict__ and name not in entry:
+                entry[name] = record.__dict__[name]
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def configure(level: str = "info", fmt: str = "text") -> None:
+    """Route every logger through one stderr handler at `level`, in `fmt` (text or json)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(RequestIdFilter())
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    # aiohttp's own access logger would repeat ours; its other loggers stay at the chosen level.
+    logging.getLogger("aiohttp.access").disabled = True
+
+
+class AccessLogger(AbstractAccessLogger):
+    """aiohttp calls `log` once a response is fully sent (streams included)."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        request_id = response.headers.get("x-request-id") or client_request_id(request.headers) or NO_REQUEST
+        fields = {
+            "method": request.method,
+            "path": request.path,
+            "status": response.status,
+            "bytes": response.body_length,
+            "latency_ms": round(time * 1000, 1),
+            "request_id": request_id,
+            "client": request.remote or NO_REQUEST,
+        }
+        self.logger.info(
+            '%s "%s %s" %d %dB %.1fms id=%s',
+            fields["client"],
+            fields["method"],
+            fields["path"],
+            fields["status"],
+            fields["bytes"],
+            fields["latency_ms"],
+            request_id,
+            extra=fields,
+        )

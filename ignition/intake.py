@@ -1,0 +1,209 @@
+"""From whatever model a user names to a compiled core: `helios serve MODEL`'s front half.
+
+MODEL is a core folder (served as is), a `.gguf` file, a Hugging Face model folder (config.json
+and safetensors), a packaged model name (shared/models.md), or an `ORG/NAME` repository id found
+in the local Hugging Face cache through huggingface_hub's own cache lookup (which follows
+refs/main), downloaded by the same library only when asked (`download=True`).
+
+The recipe is inferred from the checkpoint's own metadata (config.json `model_type`, GGUF
+`general.architecture`) against the recipes' families, unless one is named. The core is compiled
+once into `$FLARE_CACHE/cores/auto/`, keyed by the inputs' identity (path, size and mtime of
+every file read: no hashing, so a second start is instant), the recipe, the options and the
+exporter's code version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from helios.cache_dir import cache_root
+from helios.manifest import MANIFEST_NAME
+from ignition.checkpoints.base import CheckpointError
+from ignition.checkpoints.gguf import read_gguf_architecture
+from ignition.checkpoints.packaged import PACKAGED_MODELS, resolve_packaged
+from ignition.checkpoints.safetensors_dir import read_safetensors_config, safetensors_files
+from ignition.checkpoints.shapes import check_family
+from ignition.export.display import StageDisplay
+from ignition.export.toolchain import exporter_version
+from ignition.recipes import HUB_ID, RECIPES_DIR, Recipe, RecipeError, available_recipes, load_recipe
+
+KINDS = ("core", "gguf", "folder", "packaged", "hub")
+
+
+class IntakeError(ValueError):
+    """A model that cannot be served: one line saying what is wrong and what would work."""
+
+
+@dataclass(frozen=True)
+class Located:
+    """A model on disk: what kind, where, and the name it is known by."""
+
+    kind: str  # one of KINDS
+    path: Path | None  # None only for a packaged model not yet installed
+    name: str  # the checkpoint spec export takes (a path, or the packaged name)
+    repo_id: str | None = None  # an ORG/NAME the user named
+
+
+def locate(model: str, download: bool = False) -> Located:
+    """Classify MODEL and find it on disk (IntakeError when it is none of the accepted kinds)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if (path / MANIFEST_NAME).is_file():
+            return Located("core", path, str(path))
+        if (path / "config.json").is_file():
+            if not safetensors_files_or_none(path):
+                raise IntakeError(f"{path} has a config.json but no .safetensors weights")
+            return Located("folder", path, str(path))
+        raise IntakeError(f"{path} is neither a core (no {MANIFEST_NAME}) nor a Hugging Face model folder (no config.json)")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise IntakeError(f"{path} is not a .gguf file, a core folder or a Hugging Face model folder")
+        return Located("gguf", path, str(path))
+    if model in PACKAGED_MODELS:
+        return Located("packaged", None, model)
+    if HUB_ID.fullmatch(model) and not model.startswith((".", "/", "~")):
+        snapshot = hub_snapshot(model, download)
+        return Located("folder", snapshot, str(snapshot), repo_id=model)
+    raise IntakeError(
+        f"{model}: no such file or folder, and not a packaged model ({', '.join(PACKAGED_MODELS)}) "
+        "or an ORG/NAME Hugging Face id"
+    )
+
+
+def safetensors_files_or_none(folder: Path) -> list[Path]:
+    try:
+        return safetensors_files(folder)
+    except (CheckpointError, OSError):
+        return []
+
+
+def hub_snapshot(repo_id: str, download: bool) -> Path:
+    """The snapshot folder of `repo_id` that refs/main names in the local cache (downloaded with
+    the hub library's progress bars when `download`)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=not download))
+    except LocalEntryNotFoundError:
+        raise IntakeError(
+            f"{repo_id} is not in the local Hugging Face cache; pass --download to fetch it "
+            "(or `hf download` it elsewhere and set HF_HUB_CACHE)"
+        ) from None
+    except (HfHubHTTPError, OSError) as exc:
+        raise IntakeError(f"cannot download {repo_id}: {str(exc).splitlines()[0]}") from None
+
+
+def model_type(located: Located) -> str:
+    """The checkpoint's own architecture name: GGUF general.architecture or config.json model_type."""
+    if located.kind == "packaged":
+        return PACKAGED_MODELS[located.name].family
+    assert located.path is not None
+    try:
+        if located.kind == "gguf":
+            return read_gguf_architecture(located.path)
+        return str(read_safetensors_config(located.path).get("model_type"))
+    except CheckpointError as exc:
+        raise IntakeError(str(exc)) from None
+
+
+def infer_recipe(located: Located) -> Recipe:
+    """The recipe for the checkpoint's family: one naming its repository id or packaged name if
+    any does, else the first by name. IntakeError names the supported families otherwise."""
+    kind = model_type(located)
+    try:
+        family = check_family(kind, located.name)
+    except CheckpointError:
+        family = None
+    recipes = [load_recipe(name) for name in available_recipes()]
+    matching = [r for r in recipes if r.family == family]
+    if not matching:
+        supported = sorted({r.family for r in recipes})
+        raise IntakeError(
+            f"{located.name} is a {kind!r} model, which no recipe serves; supported architectures: "
+            f"{', '.join(supported)} (or pass --recipe)"
+        )
+    named = located.repo_id or Path(located.name).name
+    for recipe in matching:
+        if named in recipe.hub_ids or named == recipe.default_checkpoint:
+            return recipe
+    return sorted(matching, key=lambda r: r.name)[0]
+
+
+def resolve_recipe(located: Located, recipe: str | None) -> Recipe:
+    if recipe is None:
+        return infer_recipe(located)
+    try:
+        return load_recipe(recipe)
+    except RecipeError as exc:
+        raise IntakeError(str(exc)) from None
+
+
+def _stat_identity(paths: list[Path]) -> list[tuple[str, int, int]]:
+    out = []
+    for path in sorted(paths):
+        st = path.stat()
+        out.append((str(path.resolve()), st.st_size, st.st_mtime_ns))
+    return out
+
+
+def input_identity(located: Located) -> object:
+    """What names the checkpoint's bytes without reading them: a packaged model's pinned sha256,
+    else each input file's path, size and mtime."""
+    if located.kind == "packaged":
+        return PACKAGED_MODELS[located.name].sha256
+    assert located.path is not None
+    if located.kind == "gguf":
+        return _stat_identity([located.path])
+    files = [p for p in located.path.iterdir() if p.is_file() and (p.suffix in (".json", ".jinja", ".safetensors"))]
+    return _stat_identity(files)
+
+
+def core_folder(located: Located, recipe: Recipe, options: dict[str, object]) -> Path:
+    """Where the auto-compiled core of these inputs lives in the cache."""
+    material = {
+        "input": input_identity(located),
+        "recipe": recipe.name,
+        "recipe_file": _recipe_digest(recipe),
+        "options": options,
+        "exporter": exporter_version(),
+    }
+    key = hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    stem = Path(located.name).stem if located.kind != "packaged" else located.name
+    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in stem)[:48]
+    return cache_root() / "cores" / "auto" / f"{safe}-{recipe.name}-{key}"
+
+
+def _recipe_digest(recipe: Recipe) -> str:
+    path = RECIPES_DIR / f"{recipe.name}.toml"
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else recipe.name
+
+
+def compile_core(located: Located, recipe: Recipe, precision: str, console: Console) -> Path:
+    """The cached core of these inputs, compiled first (with its progress on `console`) unless
+    an earlier start left it there."""
+    folder = core_folder(located, recipe, {"precision": precision})
+    if (folder / MANIFEST_NAME).is_file():
+        return folder
+    from ignition.export.pipeline import ExportError, ExportOptions, export_core
+
+    options = ExportOptions(recipe=recipe, checkpoint=located.name, out=folder, precision=precision, force=True)
+    try:
+        with StageDisplay(console) as display:
+            if located.kind == "packaged":
+                resolve_packaged(PACKAGED_MODELS[located.name], report=lambda line: display.report(_stage(line), line))
+            export_core(options, display.report)
+    except (CheckpointError, ExportError, RecipeError) as exc:
+        raise IntakeError(str(exc)) from None
+    return folder
+
+
+def _stage(line: str) -> str:
+    """A packaged model's report line as a display stage (installing, joining, verifying)."""
+    word = line.split(" ", 1)[0]
+    return {"installing": "install", "joining": "join", "verifying": "verify"}.get(word, "install")
