@@ -18,7 +18,7 @@ from helios.transport.config import ConfigError, ServerConfig, read_api_key_file
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="helios: the Flare serving runtime")
 console = Console(stderr=False)
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)  # one-line errors, however long
 
 
 def _show_version(value: bool) -> None:

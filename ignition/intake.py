@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +34,8 @@ from ignition.export.display import StageDisplay
 from ignition.export.toolchain import exporter_version
 from ignition.recipes import HUB_ID, RECIPES_DIR, Recipe, RecipeError, available_recipes, load_recipe
 
-KINDS = ("core", "gguf", "folder", "packaged", "hub")
+KINDS = ("core", "gguf", "folder", "packaged")  # an ORG/NAME is a folder in the hub cache
+DEFAULT_AUTO_CORES = 4
 
 
 class IntakeError(ValueError):
@@ -189,6 +192,7 @@ def compile_core(located: Located, recipe: Recipe, precision: str, console: Cons
     an earlier start left it there."""
     folder = core_folder(located, recipe, {"precision": precision})
     if (folder / MANIFEST_NAME).is_file():
+        os.utime(folder)  # most recently used: the last to be evicted
         return folder
     from ignition.export.pipeline import ExportError, ExportOptions, export_core
 
@@ -200,7 +204,24 @@ def compile_core(located: Located, recipe: Recipe, precision: str, console: Cons
             export_core(options, display.report)
     except (CheckpointError, ExportError, RecipeError) as exc:
         raise IntakeError(str(exc)) from None
+    evict_auto_cores(folder.parent, keep=folder)
     return folder
+
+
+def evict_auto_cores(root: Path, keep: Path) -> None:
+    """Keep the $FLARE_AUTO_CORES (default 4) most recently used auto-compiled cores: each code
+    or checkpoint change compiles a new one, and the old ones would otherwise pile up."""
+    try:
+        limit = max(1, int(os.environ.get("FLARE_AUTO_CORES", DEFAULT_AUTO_CORES)))
+    except ValueError:
+        limit = DEFAULT_AUTO_CORES
+    cores = sorted(
+        (p for p in root.iterdir() if (p / MANIFEST_NAME).is_file() and p != keep),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
+    for stale in cores[limit - 1 :]:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _stage(line: str) -> str:

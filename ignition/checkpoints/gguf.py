@@ -223,7 +223,7 @@ def read_gguf_architecture(path: Path) -> str:
         return _scan_architecture(path)
     except CheckpointError:
         raise
-    except (struct.error, UnicodeDecodeError, ValueError) as exc:  # truncated or not GGUF at all
+    except (struct.error, UnicodeDecodeError, ValueError, OverflowError) as exc:  # truncated or not GGUF at all
         raise CheckpointError(f"{path} is not a readable GGUF file: {exc}") from None
 
 
@@ -233,8 +233,12 @@ def _scan_architecture(path: Path) -> str:
         if magic != b"GGUF" or version not in (2, 3):
             raise CheckpointError(f"{path} is not a GGUF v2/v3 file")
         _tensor_count, kv_count = struct.unpack("<QQ", f.read(16))
+        size = path.stat().st_size
         for _ in range(kv_count):
-            key = f.read(_read_u64(f)).decode("utf-8")
+            length = _read_u64(f)
+            if length > size:  # garbage where a key's length should be: never read that much
+                raise CheckpointError(f"{path} is not a readable GGUF file: a key length of {length} bytes")
+            key = f.read(length).decode("utf-8")
             (value_type,) = struct.unpack("<I", f.read(4))
             if key == "general.architecture" and value_type == GGUFValueType.STRING:
                 return f.read(_read_u64(f)).decode("utf-8")
