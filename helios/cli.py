@@ -45,23 +45,24 @@ def _split(values: list[str] | None) -> list[str] | None:
     return [part.strip() for value in values for part in value.split(",") if part.strip()]
 
 
-def _resolve_model(model: str, recipe: str | None, precision: str, download: bool) -> Path:
-    """MODEL as a core folder: itself, or the cached core compiled from the checkpoint it names."""
+def _resolve_model(model: str, recipe: str | None, precision: str, download: bool) -> tuple[Path, str | None]:
+    """MODEL as a core folder (itself, or the cached core compiled from the checkpoint it names),
+    and the ORG/NAME it was asked for by, if any (vLLM serves such a model under that id)."""
     path = Path(model).expanduser()
     if recipe is None and (path / MANIFEST_NAME).is_file():
-        return path  # a core: no compiler imported (ignition pulls in torch)
+        return path, None  # a core: no compiler imported (ignition pulls in torch)
     from ignition.intake import IntakeError, compile_core, locate, resolve_recipe
 
     try:
         located = locate(model, download)
         if located.kind == "core":
-            return path
+            return path, None
         chosen = resolve_recipe(located, recipe)
         err_console.print(
             f"[bold]{escape(model)}[/]: recipe [bold]{chosen.name}[/] ({chosen.family})"
             + ("" if recipe else ", inferred from the checkpoint; --recipe NAME picks another")
         )
-        return compile_core(located, chosen, precision, err_console)
+        return compile_core(located, chosen, precision, err_console), located.repo_id
     except IntakeError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -178,7 +179,9 @@ def serve(
                 setattr(settings, name, value)
         settings.validate("options")
         logs.configure(settings.log_level, settings.log_format)
-        core = _resolve_model(model, recipe, precision, download)
+        core, repo_id = _resolve_model(model, recipe, precision, download)
+        if repo_id is not None and not settings.served_model_names:
+            settings.served_model_names = [repo_id]
         manifest = Manifest.load(core)
         check_startup(manifest, settings, Tokenizer.from_core(core, manifest))
         try:

@@ -116,3 +116,23 @@ def test_hugging_face_folder_of_another_family_serves_in_one_command(tmp_path, s
     finally:
         second.stop()
     assert list((Path(scratch_cache["FLARE_CACHE"]) / "cores" / "auto").iterdir()) == cores
+
+
+def test_hub_id_follows_refs_main_in_the_hugging_face_cache(tmp_path, scratch_cache):
+    """ORG/NAME resolves through huggingface_hub's cache lookup: the snapshot refs/main names, not
+    whichever snapshot folder is newest."""
+    repo = tmp_path / "hub" / "models--tinyorg--tiny-llama"
+    current, stale = "a" * 40, "b" * 40
+    write_tiny_checkpoint(repo / "snapshots" / current, "llama")
+    (repo / "snapshots" / stale).mkdir()
+    (repo / "snapshots" / stale / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(current)
+    env = {**scratch_cache, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    server = HeliosProcess("tinyorg/tiny-llama", "--precision", "fp32", env=env, timeout=600)
+    try:
+        assert "recipe smollm2 (llama)" in server.output()
+        card = httpx.get(server.url + "/v1/models").json()["data"][0]
+        assert (card["id"], card["root"]) == ("tinyorg/tiny-llama", current)  # served under the id asked for
+    finally:
+        server.stop()
