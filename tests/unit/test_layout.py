@@ -17,20 +17,21 @@ MAX_LINES = 600
 
 # Lower layers first; a module may import its own layer and any layer before it.
 HELIOS_LAYERS = [
-    ("helios.manifest", "helios.cache_dir", "helios.kernels"),
+    ("helios.manifest", "helios.cache_dir", "helios.kernels", "helios.version"),
     ("helios.engine",),
     ("helios.neutral",),
     ("helios.transport",),  # HTTP transport: below the protocols, never importing them
     ("helios.protocols",),
-    ("helios.app",),
+    ("helios.app", "helios.web"),  # web: the page's static files, served by the app
     ("helios.cluster",),  # scale-out: the app's frontend over engine replicas on Ray Serve
-    ("helios.cli", "helios.dashboard", "helios.client_config", "helios.launcher", "helios.__main__"),
+    ("helios.cli", "helios.dashboard", "helios.client_config", "helios.launcher", "helios.chat", "helios.__main__"),
 ]
 IGNITION_LAYERS = [
     ("ignition.models",),  # torch modules over helios.manifest's Architecture
     ("ignition.recipes", "ignition.checkpoints"),  # readers check families against the registry
     ("ignition.export", "ignition.tiny", "ignition.tiny_text"),  # tiny*: write checkpoints the exporter compiles
-    ("ignition.inspect_core", "ignition.verify_core", "ignition.cli", "ignition.__main__"),
+    # intake: `helios serve MODEL`'s front half (find, infer the recipe, compile into the cache)
+    ("ignition.inspect_core", "ignition.verify_core", "ignition.intake", "ignition.cli", "ignition.__main__"),
 ]
 
 
