@@ -281,20 +281,31 @@ def _cluster_launch():
 
 @cluster_app.command("serve")
 def cluster_serve(
-    core: Path = typer.Argument(..., help="core folder written by `ignition export`"),
-    replicas: int = typer.Option(2, min=1, help="engine replicas"),
-    host: str | None = typer.Option(None, help="bind address [default: 127.0.0.1]"),
-    port: int | None = typer.Option(None, help="TCP port [default: 8000]"),
-    address: str | None = typer.Option(None, help="join this Ray cluster (e.g. auto) instead of starting one"),
-    api_key_file: Path | None = typer.Option(None, help="file holding the serving key (overrides api_key)"),
-    config: Path | None = typer.Option(None, help="TOML file with a [server] table"),
-    threads: int | None = typer.Option(
-        None, min=1, help="engine threads (Ray CPUs) per replica [default: cores / replicas]"
+    core: Path = typer.Argument(..., envvar="FLARE_MODEL", help="core folder written by `ignition export`"),
+    replicas: int = typer.Option(2, min=1, envvar="FLARE_REPLICAS", help="engine replicas"),
+    host: str | None = typer.Option(None, envvar="FLARE_HOST", help="bind address [default: 127.0.0.1]"),
+    port: int | None = typer.Option(None, envvar="FLARE_PORT", help="TCP port [default: 8000]"),
+    address: str | None = typer.Option(
+        None, envvar="FLARE_RAY_ADDRESS", help="join this Ray cluster (e.g. auto) instead of starting one"
     ),
-    kv_pages: int | None = typer.Option(None, min=1, help="KV pool size in pages, per replica"),
-    host_store: Path | None = typer.Option(None, help="host prefix store directory the replicas share"),
+    api_key_file: Path | None = typer.Option(
+        None, envvar="FLARE_API_KEY_FILE", help="file holding the serving key (overrides $FLARE_API_KEY and api_key)"
+    ),
+    config: Path | None = typer.Option(None, envvar="FLARE_CONFIG", help="TOML file with a [server] table"),
+    threads: int | None = typer.Option(
+        None, min=1, envvar="FLARE_THREADS", help="engine threads (Ray CPUs) per replica [default: cores / replicas]"
+    ),
+    kv_pages: int | None = typer.Option(
+        None, min=1, envvar="FLARE_KV_PAGES", help="KV pool size in pages, per replica"
+    ),
+    host_store: Path | None = typer.Option(
+        None, envvar="FLARE_HOST_STORE", help="host prefix store directory the replicas share"
+    ),
+    log_level: str | None = typer.Option(None, envvar="FLARE_LOG_LEVEL", help="as for helios serve [default: info]"),
+    log_format: str | None = typer.Option(None, envvar="FLARE_LOG_FORMAT", help="text or json [default: text]"),
     router: str = typer.Option(
         "affinity",
+        envvar="FLARE_ROUTER",
         help="affinity (prefix affinity) or power-of-two (Ray Serve's default: two random replicas, the shorter queue)",
     ),
 ) -> None:
@@ -313,6 +324,13 @@ def cluster_serve(
                 setattr(settings, name, value)
         if api_key_file is not None:
             settings.api_key = read_api_key_file(api_key_file)
+        elif os.environ.get("FLARE_API_KEY"):
+            settings.api_key = os.environ["FLARE_API_KEY"].strip()
+        if log_level is not None:
+            settings.log_level = log_level.lower()
+        if log_format is not None:
+            settings.log_format = log_format.lower()
+        settings.validate("options")
         if router not in POLICIES:
             raise ConfigError(f"--router must be one of {', '.join(POLICIES)}")
         from helios.app import check_startup
@@ -322,6 +340,9 @@ def cluster_serve(
     except (ManifestError, ConfigError) as exc:
         err_console.print(f"[bold red]error:[/] {escape(str(exc))}")
         raise typer.Exit(2) from None
+    from helios.transport import logs
+
+    logs.configure(settings.log_level, settings.log_format)
     launch = _cluster_launch()
     spec = ClusterSpec(
         core=core.resolve(),

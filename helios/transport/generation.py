@@ -79,6 +79,8 @@ async def serve(request: web.Request, ctx: ServerContext, codec: Codec) -> web.S
         return await _stream(request, ctx, codec, encoder, None, {}) if plan.stream else json_response(encoder.body())
     group = ctx.start_group(plan.requests, ctx.reserve(len(plan.requests)))
     headers = response_headers(request, response_id)
+    # Links the request id (on this record and the access line) to the engine's request ids.
+    log.debug("%s: %d engine request(s) %s-N", codec.name, len(plan.requests), response_id)
     try:
         if plan.stream:
             return await _stream(request, ctx, codec, encoder, group, headers)
