@@ -184,6 +184,7 @@ class FlareCollector:
                 s.grammar_mask_seconds_total,
             ),
             ("flare_cache_reused_tokens_total", "Tokens covered by GPU prefix-cache hits", f["reused_tokens"]),
+            ("flare_cache_hits_total", "Admissions that restored a prefix checkpoint", s.cache_hits_total),
             (
                 "flare_reasoning_budget_cuts_total",
                 "Requests whose reasoning was closed by their token budget",
@@ -392,6 +393,7 @@ def json_snapshot(collector: FlareCollector, extra: tuple[ExtraCollector, ...] =
         # Flare extensions beyond the table (integers, like the table's fields).
         "cancelled": s.cancelled_total,
         "admitted": s.admitted_total,
+        "prefix_cache_hits": s.cache_hits_total,  # admissions that restored a KV checkpoint
         "http_inflight_requests": collector.http.inflight_requests,
         "http_admission_slots": collector.admission.slots,
         "http_admission_slots_used": collector.admission.used,

@@ -480,9 +480,11 @@ def test_checkpoint_metrics(http):
     for reason in ("unknown_cost", "work_budget", "storage", "recurrent_state"):
         assert f'flare_checkpoint_skips_total{{reason="{reason}"}}' in m
     assert m["flare_cached_kv_pages"] > 0 and m["flare_cache_reused_tokens_total"] > 0
+    assert m["flare_cache_hits_total"] >= 1
     assert m["flare_checkpoint_extra_work_nanoseconds_total"] > 0
     snapshot = http.get("/metrics?format=json").json()
     assert snapshot["cached_pages"] > 0 and snapshot["reused_tokens"] > 0
+    assert snapshot["prefix_cache_hits"] == m["flare_cache_hits_total"]
 
 
 # -- randomized invariants on the engine-core test double ------------------------------------------
