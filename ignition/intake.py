@@ -7,9 +7,9 @@ refs/main), downloaded by the same library only when asked (`download=True`).
 
 The recipe is inferred from the checkpoint's own metadata (config.json `model_type`, GGUF
 `general.architecture`) against the recipes' families, unless one is named. The core is compiled
-once into `$FLARE_CACHE/cores/auto/`, keyed by the inputs' identity (path, size and mtime of
-every file read: no hashing, so a second start is instant), the recipe, the options and the
-exporter's code version.
+once into `$FLARE_CACHE/cores/auto/`, keyed by the checkpoint's digest (hashed once and
+remembered by its files' paths, sizes and mtimes, so a second start reads no weights), the
+recipe, the options and the exporter's code version.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 
 from helios.cache_dir import cache_root
-from helios.manifest import MANIFEST_NAME
+from helios.manifest import MANIFEST_NAME, file_sha256
 from ignition.checkpoints.base import CheckpointError
 from ignition.checkpoints.gguf import read_gguf_architecture
 from ignition.checkpoints.packaged import PACKAGED_MODELS, resolve_packaged
@@ -62,7 +63,9 @@ def locate(model: str, download: bool = False) -> Located:
             if not safetensors_files_or_none(path):
                 raise IntakeError(f"{path} has a config.json but no .safetensors weights")
             return Located("folder", path, str(path))
-        raise IntakeError(f"{path} is neither a core (no {MANIFEST_NAME}) nor a Hugging Face model folder (no config.json)")
+        raise IntakeError(
+            f"{path} is neither a core (no {MANIFEST_NAME}) nor a Hugging Face model folder (no config.json)"
+        )
     if path.is_file():
         if path.suffix != ".gguf":
             raise IntakeError(f"{path} is not a .gguf file, a core folder or a Hugging Face model folder")
@@ -147,30 +150,50 @@ def resolve_recipe(located: Located, recipe: str | None) -> Recipe:
         raise IntakeError(str(exc)) from None
 
 
-def _stat_identity(paths: list[Path]) -> list[tuple[str, int, int]]:
-    out = []
-    for path in sorted(paths):
-        st = path.stat()
-        out.append((str(path.resolve()), st.st_size, st.st_mtime_ns))
-    return out
+METADATA_SUFFIXES = (".json", ".jinja")  # a folder's config, tokenizer and template files
 
 
-def input_identity(located: Located) -> object:
-    """What names the checkpoint's bytes without reading them: a packaged model's pinned sha256,
-    else each input file's path, size and mtime."""
-    if located.kind == "packaged":
-        return PACKAGED_MODELS[located.name].sha256
+def input_files(located: Located) -> list[Path]:
+    """The files a checkpoint's core is compiled from (weights, and a folder's metadata)."""
     assert located.path is not None
     if located.kind == "gguf":
-        return _stat_identity([located.path])
-    files = [p for p in located.path.iterdir() if p.is_file() and (p.suffix in (".json", ".jinja", ".safetensors"))]
-    return _stat_identity(files)
+        return [located.path]
+    weights = safetensors_files(located.path)
+    metadata = [p for p in located.path.iterdir() if p.is_file() and p.suffix in METADATA_SUFFIXES]
+    return sorted({*weights, *metadata})
 
 
-def core_folder(located: Located, recipe: Recipe, options: dict[str, object]) -> Path:
-    """Where the auto-compiled core of these inputs lives in the cache."""
+def checkpoint_digest(located: Located, report: Callable[[str], None]) -> str:
+    """The sha256 of the checkpoint's files: a packaged model's pinned one, else computed once
+    and remembered by the files' paths, sizes and mtimes (a stamp in the cache), so a second
+    start does not read gigabytes again."""
+    if located.kind == "packaged":
+        return PACKAGED_MODELS[located.name].sha256
+    files = input_files(located)
+    stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    stamp_key = hashlib.sha256(json.dumps(stats).encode()).hexdigest()
+    stamp = cache_root() / "cores" / "auto" / ".digests" / stamp_key
+    try:
+        return stamp.read_text().strip()
+    except OSError:
+        pass
+    size = sum(p.stat().st_size for p in files)
+    report(f"hashing {located.name} ({size / 1e9:.2f} GB)")
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode() + b"\0" + file_sha256(path).encode())
+    try:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(digest.hexdigest() + "\n")
+    except OSError:
+        pass  # a read-only cache still works; it hashes on every start
+    return digest.hexdigest()
+
+
+def core_folder(located: Located, digest: str, recipe: Recipe, options: dict[str, object]) -> Path:
+    """Where the auto-compiled core of a checkpoint (by digest), recipe and options lives."""
     material = {
-        "input": input_identity(located),
+        "checkpoint": digest,
         "recipe": recipe.name,
         "recipe_file": _recipe_digest(recipe),
         "options": options,
@@ -190,15 +213,16 @@ def _recipe_digest(recipe: Recipe) -> str:
 def compile_core(located: Located, recipe: Recipe, precision: str, console: Console) -> Path:
     """The cached core of these inputs, compiled first (with its progress on `console`) unless
     an earlier start left it there."""
-    folder = core_folder(located, recipe, {"precision": precision})
-    if (folder / MANIFEST_NAME).is_file():
-        os.utime(folder)  # most recently used: the last to be evicted
-        return folder
     from ignition.export.pipeline import ExportError, ExportOptions, export_core
 
-    options = ExportOptions(recipe=recipe, checkpoint=located.name, out=folder, precision=precision, force=True)
     try:
         with StageDisplay(console) as display:
+            digest = checkpoint_digest(located, lambda line: display.report("digest", line))
+            folder = core_folder(located, digest, recipe, {"precision": precision})
+            if (folder / MANIFEST_NAME).is_file():
+                os.utime(folder)  # most recently used: the last to be evicted
+                return folder
+            options = ExportOptions(recipe=recipe, checkpoint=located.name, out=folder, precision=precision, force=True)
             if located.kind == "packaged":
                 resolve_packaged(PACKAGED_MODELS[located.name], report=lambda line: display.report(_stage(line), line))
             export_core(options, display.report)

