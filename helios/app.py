@@ -38,7 +38,7 @@ from helios.protocols import (
     systemone,
     tokenize,
 )
-from helios.transport import cors, metrics
+from helios.transport import cors, logs, metrics
 from helios.transport.admission import RETRY_AFTER_SECONDS, Admission
 from helios.transport.config import ConfigError, ServerConfig
 from helios.transport.context import DRAINING_MESSAGE, ServerContext
@@ -169,11 +169,11 @@ def create_app(
         executor=executor,
     )
     app = web.Application(
-        middlewares=[_error_middleware, _auth_middleware],
+        middlewares=[logs.request_id_middleware, _error_middleware, _auth_middleware],
         # We decode bodies ourselves (bounded); disconnects cancel handlers so engine work is aborted.
         handler_args={"auto_decompress": False, "handler_cancellation": True},
     )
-    cors.install(app, config.allowed_origins)
+    cors.install(app, config.allowed_origins, error_renderer)
     app[CTX_KEY] = ctx
     app[COLLECTOR_KEY] = metrics.FlareCollector(engine, http, admission, manifest.decode_weight_bytes)
     app[EXTRA_COLLECTORS_KEY] = extra_collectors

@@ -83,7 +83,10 @@ class ChatClient:
         except httpx.HTTPError as exc:
             raise ChatError(f"cannot reach helios at {self.url}: {exc}") from None
         _raise_for_error(response)
-        return response.json()["data"][0]["id"]
+        try:
+            return str(response.json()["data"][0]["id"])
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise ChatError(f"{self.url}/v1/models is not a model list; is this a helios server?") from None
 
     def stream(self, model: str, messages: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         """The chat.completion.chunk objects of one streamed reply."""
@@ -106,9 +109,16 @@ class ChatClient:
                     data = line[6:]
                     if data == "[DONE]":
                         return
-                    chunk = json.loads(data)
+                    try:
+                        chunk = json.loads(data)
+                    except ValueError:
+                        raise ChatError(f"the server sent a frame that is not JSON: {data[:80]!r}") from None
+                    if not isinstance(chunk, dict):
+                        raise ChatError(f"the server sent an unexpected frame: {data[:80]!r}")
                     if "error" in chunk:
-                        raise ChatError(chunk["error"].get("message", "the server reported an error"))
+                        error = chunk["error"]
+                        message = error.get("message") if isinstance(error, dict) else str(error)
+                        raise ChatError(message or "the server reported an error")
                     yield chunk
         except httpx.HTTPError as exc:
             raise ChatError(f"the connection to {self.url} failed: {exc}") from None
@@ -153,9 +163,9 @@ class Session:
             self.conversation.turns.append({"role": "user", "content": text})
             try:
                 reply = self.show(self.client.stream(model, self.conversation.messages()))
-            except ChatError as exc:
+            except ChatError as exc:  # the partial reply (if any) stays on screen, not in the history
                 self.conversation.turns.pop()
-                self.write(self.style(RED, f"error: {exc}") + "\n")
+                self.write("\n" + self.style(RED, f"error: {exc}") + "\n")
                 continue
             except KeyboardInterrupt:  # Ctrl-C stops this reply (closing the stream aborts it), not the chat
                 self.conversation.turns.pop()

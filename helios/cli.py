@@ -11,10 +11,13 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from helios.chat import ChatError, run_chat
 from helios.client_config import CLIENTS, ClientConfigError, server_root, usage, write_client_config
 from helios.dashboard import run as run_dashboard
 from helios.manifest import MANIFEST_NAME, Manifest, ManifestError
+from helios.transport import logs
 from helios.transport.config import ConfigError, ServerConfig, read_api_key_file
+from helios.version import flare_version
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="helios: the Flare serving runtime")
 console = Console(stderr=False)
@@ -23,8 +26,6 @@ err_console = Console(stderr=True, soft_wrap=True)  # one-line errors, however l
 
 def _show_version(value: bool) -> None:
     if value:
-        from helios.version import flare_version
-
         console.print(f"helios {flare_version()}")
         raise typer.Exit()
 
@@ -45,6 +46,17 @@ def _split(values: list[str] | None) -> list[str] | None:
     return [part.strip() for value in values for part in value.split(",") if part.strip()]
 
 
+def _env_api_key() -> str | None:
+    """The serving key from $FLARE_API_KEY (None when unset); set but blank is refused, never
+    silently an open server."""
+    raw = os.environ.get("FLARE_API_KEY")
+    if raw is None:
+        return None
+    if not raw.strip():
+        raise ConfigError("FLARE_API_KEY is set but empty; unset it to serve without a key")
+    return raw.strip()
+
+
 def _resolve_model(model: str, recipe: str | None, precision: str, download: bool) -> tuple[Path, str | None]:
     """MODEL as a core folder (itself, or the cached core compiled from the checkpoint it names),
     and the ORG/NAME it was asked for by, if any (vLLM serves such a model under that id)."""
@@ -56,7 +68,7 @@ def _resolve_model(model: str, recipe: str | None, precision: str, download: boo
     try:
         located = locate(model, download)
         if located.kind == "core":
-            return path, None
+            raise IntakeError(f"{model} is a compiled core: --recipe applies to checkpoints only")
         chosen = resolve_recipe(located, recipe)
         err_console.print(
             f"[bold]{escape(model)}[/]: recipe [bold]{chosen.name}[/] ({chosen.family})"
@@ -153,14 +165,14 @@ def serve(
     from helios.engine.assembly import choose_runner, describe_runner
     from helios.engine.engine import Engine
     from helios.neutral.tokenizer import Tokenizer
-    from helios.transport import lifecycle, logs
+    from helios.transport import lifecycle
 
     try:
         settings = ServerConfig.load(config) if config else ServerConfig()
         if api_key_file is not None:
             settings.api_key = read_api_key_file(api_key_file)
-        elif os.environ.get("FLARE_API_KEY"):
-            settings.api_key = os.environ["FLARE_API_KEY"].strip()
+        elif (env_key := _env_api_key()) is not None:
+            settings.api_key = env_key
         for name, value in (
             ("host", host),
             ("port", port),
@@ -301,6 +313,12 @@ def cluster_serve(
     host_store: Path | None = typer.Option(
         None, envvar="FLARE_HOST_STORE", help="host prefix store directory the replicas share"
     ),
+    served_model_name: list[str] | None = typer.Option(
+        None, envvar="FLARE_SERVED_MODEL_NAME", help="as for helios serve (repeatable)"
+    ),
+    allowed_origins: list[str] | None = typer.Option(
+        None, envvar="FLARE_ALLOWED_ORIGINS", help="as for helios serve (repeatable)"
+    ),
     log_level: str | None = typer.Option(None, envvar="FLARE_LOG_LEVEL", help="as for helios serve [default: info]"),
     log_format: str | None = typer.Option(None, envvar="FLARE_LOG_FORMAT", help="text or json [default: text]"),
     router: str = typer.Option(
@@ -324,8 +342,14 @@ def cluster_serve(
                 setattr(settings, name, value)
         if api_key_file is not None:
             settings.api_key = read_api_key_file(api_key_file)
-        elif os.environ.get("FLARE_API_KEY"):
-            settings.api_key = os.environ["FLARE_API_KEY"].strip()
+        elif (env_key := _env_api_key()) is not None:
+            settings.api_key = env_key
+        for name, value in (
+            ("served_model_names", _split(served_model_name)),
+            ("allowed_origins", _split(allowed_origins)),
+        ):
+            if value is not None:
+                setattr(settings, name, value)
         if log_level is not None:
             settings.log_level = log_level.lower()
         if log_format is not None:
@@ -340,8 +364,6 @@ def cluster_serve(
     except (ManifestError, ConfigError) as exc:
         err_console.print(f"[bold red]error:[/] {escape(str(exc))}")
         raise typer.Exit(2) from None
-    from helios.transport import logs
-
     logs.configure(settings.log_level, settings.log_format)
     launch = _cluster_launch()
     spec = ClusterSpec(
@@ -423,8 +445,6 @@ def chat(
     max_tokens: int | None = typer.Option(None, min=1, help="output limit per reply [default: the core's]"),
 ) -> None:
     """Chat in the terminal with a running server or a model it starts (streaming; /help for commands)."""
-    from helios.chat import ChatError, run_chat
-
     name = api_key_env or "FLARE_API_KEY"
     api_key = os.environ.get(name)
     if api_key_env and not api_key:

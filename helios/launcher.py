@@ -73,6 +73,9 @@ class HeliosProcess:
             healthy = wait_healthy(self.process, self.url, timeout, self.ready)
         except RuntimeError as exc:
             raise RuntimeError(f"helios: {exc}:\n{self.output()}") from None
+        except BaseException:  # Ctrl-C while waiting: its own session never saw the signal
+            self.stop()
+            raise
         if not healthy:
             self.stop()
             raise RuntimeError(f"helios did not become healthy in {timeout}s:\n{self.output()}")
@@ -81,10 +84,14 @@ class HeliosProcess:
         """Past a 200 from /health, what else serving needs (a cluster: all its replicas)."""
         return True
 
-    def output(self) -> str:
-        """The last 5000 characters the process printed."""
+    def output(self, keep: int = 5000) -> str:
+        """What the process printed: its first and last `keep` characters (the start-up lines,
+        and the latest ones, between which an access log can write a lot)."""
         self.log.seek(0)
-        return self.log.read()[-5000:]
+        text = self.log.read()
+        if len(text) <= 2 * keep:
+            return text
+        return f"{text[:keep]}\n[...]\n{text[-keep:]}"
 
     def stop(self) -> int | None:
         """SIGTERM (a graceful drain), then SIGKILL to the process group; returns the exit code."""

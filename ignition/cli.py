@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from helios.manifest import Manifest, ManifestError
+from helios.version import flare_version
 from ignition.checkpoints.base import CheckpointError
 from ignition.checkpoints.hub_cache import resolve_recipe_checkpoint
 from ignition.inspect_core import inspect_data, render_inspect
@@ -25,8 +26,6 @@ console = Console(stderr=True)
 
 def _show_version(value: bool) -> None:
     if value:
-        from helios.version import flare_version
-
         console.print(f"ignition {flare_version()}")
         raise typer.Exit()
 

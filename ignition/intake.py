@@ -14,13 +14,16 @@ recipe, the options and the exporter's code version.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from rich.console import Console
 
@@ -37,6 +40,10 @@ from ignition.recipes import HUB_ID, RECIPES_DIR, Recipe, RecipeError, available
 
 KINDS = ("core", "gguf", "folder", "packaged")  # an ORG/NAME is a folder in the hub cache
 DEFAULT_AUTO_CORES = 4
+# What a download fetches: the config, tokenizer, template and safetensors weights, not a repo's
+# other formats (original/*.pth, GGUF variants, ONNX exports) that flare never reads.
+CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 class IntakeError(ValueError):
@@ -91,11 +98,12 @@ def safetensors_files_or_none(folder: Path) -> list[Path]:
 def hub_snapshot(repo_id: str, download: bool) -> Path:
     """The snapshot folder of `repo_id` that refs/main names in the local cache (downloaded with
     the hub library's progress bars when `download`)."""
+    # Imported only for an ORG/NAME: the hub client costs every other start its import time.
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(repo_id, local_files_only=not download))
+        return Path(snapshot_download(repo_id, local_files_only=not download, allow_patterns=CHECKPOINT_PATTERNS))
     except LocalEntryNotFoundError:
         raise IntakeError(
             f"{repo_id} is not in the local Hugging Face cache; pass --download to fetch it "
@@ -174,7 +182,9 @@ def checkpoint_digest(located: Located, report: Callable[[str], None]) -> str:
     stamp_key = hashlib.sha256(json.dumps(stats).encode()).hexdigest()
     stamp = cache_root() / "cores" / "auto" / ".digests" / stamp_key
     try:
-        return stamp.read_text().strip()
+        remembered = stamp.read_text().strip()
+        if SHA256_HEX.fullmatch(remembered):
+            return remembered
     except OSError:
         pass
     size = sum(p.stat().st_size for p in files)
@@ -184,7 +194,9 @@ def checkpoint_digest(located: Located, report: Callable[[str], None]) -> str:
         digest.update(path.name.encode() + b"\0" + file_sha256(path).encode())
     try:
         stamp.parent.mkdir(parents=True, exist_ok=True)
-        stamp.write_text(digest.hexdigest() + "\n")
+        partial = stamp.with_name(f"{stamp.name}.{os.getpid()}.tmp")
+        partial.write_text(digest.hexdigest() + "\n")
+        os.replace(partial, stamp)  # never a half-written stamp
     except OSError:
         pass  # a read-only cache still works; it hashes on every start
     return digest.hexdigest()
@@ -213,12 +225,14 @@ def _recipe_digest(recipe: Recipe) -> str:
 def compile_core(located: Located, recipe: Recipe, precision: str, console: Console) -> Path:
     """The cached core of these inputs, compiled first (with its progress on `console`) unless
     an earlier start left it there."""
+    # The pipeline (onnx, onnxruntime, the exporter) loads only when a core may need compiling.
     from ignition.export.pipeline import ExportError, ExportOptions, export_core
 
     try:
         with StageDisplay(console) as display:
             digest = checkpoint_digest(located, lambda line: display.report("digest", line))
             folder = core_folder(located, digest, recipe, {"precision": precision})
+            hold(folder)
             if (folder / MANIFEST_NAME).is_file():
                 os.utime(folder)  # most recently used: the last to be evicted
                 return folder
@@ -232,9 +246,28 @@ def compile_core(located: Located, recipe: Recipe, precision: str, console: Cons
     return folder
 
 
+# Shared locks on the auto cores this process uses, held until it exits: eviction by another
+# process skips a core someone still serves.
+_held: list[IO[str]] = []
+
+
+def _lock_file(folder: Path) -> Path:
+    return folder.parent / ".locks" / f"{folder.name}.lock"
+
+
+def hold(folder: Path) -> None:
+    """Mark `folder` in use by this process (a shared flock, released when it exits)."""
+    path = _lock_file(folder)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = open(path, "a")  # held open for the life of the process
+    fcntl.flock(lock, fcntl.LOCK_SH)
+    _held.append(lock)
+
+
 def evict_auto_cores(root: Path, keep: Path) -> None:
     """Keep the $FLARE_AUTO_CORES (default 4) most recently used auto-compiled cores: each code
-    or checkpoint change compiles a new one, and the old ones would otherwise pile up."""
+    or checkpoint change compiles a new one, and the old ones would otherwise pile up. A core
+    another process holds (serves) is never removed."""
     try:
         limit = max(1, int(os.environ.get("FLARE_AUTO_CORES", DEFAULT_AUTO_CORES)))
     except ValueError:
@@ -245,7 +278,15 @@ def evict_auto_cores(root: Path, keep: Path) -> None:
         reverse=True,
     )
     for stale in cores[limit - 1 :]:
-        shutil.rmtree(stale, ignore_errors=True)
+        path = _lock_file(stale)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # in use
+            shutil.rmtree(stale, ignore_errors=True)
+            path.unlink(missing_ok=True)
 
 
 def _stage(line: str) -> str:

@@ -19,13 +19,15 @@ from helios.cluster.affinity import DECISIONS
 from helios.cluster.engine import ClusterEngine
 from helios.cluster.spec import ClusterSpec
 from helios.manifest import Manifest
-from helios.transport import lifecycle
+from helios.transport import lifecycle, logs
 
 
 class Frontend:
     async def __init__(self, spec: ClusterSpec, engines: Any):  # engines: DeploymentHandle of EngineReplica
         self.spec = spec
         self.runner: web.AppRunner | None = None
+        # This actor's own process: its records (the access log) go to Ray's log for it.
+        logs.configure(spec.settings.log_level, spec.settings.log_format)
         manifest = Manifest.load(spec.core)
         self.engine = ClusterEngine(engines)
         await self.engine.start()

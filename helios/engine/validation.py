@@ -6,6 +6,7 @@ checks before dispatch and a bad request is a 400, never a failed stream.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,6 +66,11 @@ class RequestCheck:
                 raise ValueError(f"at most {self.max_explicit_token_ids} logprob token ids")
             if min(s.logprob_token_ids) < 0 or max(s.logprob_token_ids) >= self.vocab_size:
                 raise ValueError(f"logprob token ids must be in [0, {self.vocab_size})")
+        if s.logit_bias:
+            if min(s.logit_bias) < 0 or max(s.logit_bias) >= self.vocab_size:
+                raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size})")
+            if not all(math.isfinite(b) for b in s.logit_bias.values()):
+                raise ValueError("logit_bias values must be finite")
         if scoring:
             if not self.can_score_prompts:
                 raise ValueError(

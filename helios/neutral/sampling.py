@@ -19,6 +19,7 @@ clamped request that runs out reports finish_reason "length".
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,7 @@ MAX_STOP_SEQUENCE_IDS = 64
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
 MAX_LOGIT_BIAS = 100.0
+TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,10}")  # ASCII digits only: int() would also take "١" or "1_0"
 SEED_MODULUS = 1 << 64  # seeds are taken modulo 2**64 so the engine always sees a nonnegative int
 
 
@@ -146,8 +148,8 @@ def parse_logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
     biases: dict[int, float] = {}
     for key, raw in value.items():
         text = key.strip() if isinstance(key, str) else ""
-        if not text.isascii() or not text.lstrip("-").isdigit():
-            raise RequestError(f"{name} keys must be token ids, got {key!r}", param=name)
+        if not TOKEN_ID_KEY.fullmatch(text):
+            raise RequestError(f"{name} keys must be token ids, got {key[:32]!r}", param=name)
         token = int(text)
         if not 0 <= token < vocab_size:
             raise RequestError(f"{name} names token id {token}, outside the vocabulary of {vocab_size}", param=name)

@@ -17,8 +17,8 @@ from helios.transport.context import ServerContext
 from helios.transport.errors import json_response, not_found
 
 
-def model_card(ctx: ServerContext, card_name: str | None = None) -> dict[str, Any]:
-    """The card, under `card_name` (a served alias) or the served model id."""
+def model_card(ctx: ServerContext) -> dict[str, Any]:
+    """The one card (api.md): under the first served name, every alias reaching the same card."""
     m = ctx.manifest
     created = ctx.created
     defaults = m.sampling.defaults
@@ -32,7 +32,7 @@ def model_card(ctx: ServerContext, card_name: str | None = None) -> dict[str, An
         else:
             ranges[name] = {"min": bounds.min, "max": bounds.max}
     return {
-        "id": card_name or ctx.model_id,
+        "id": ctx.model_id,
         "object": "model",
         "created": created,
         "owned_by": "local",
@@ -97,8 +97,7 @@ def served_names(ctx: ServerContext) -> set[str]:
 
 
 async def list_models(request: web.Request, ctx: ServerContext) -> web.Response:
-    """One card per served name (vLLM lists each --served-model-name the same way)."""
-    return json_response({"object": "list", "data": [model_card(ctx, name) for name in ctx.model_names]})
+    return json_response({"object": "list", "data": [model_card(ctx)]})
 
 
 async def retrieve_model(request: web.Request, ctx: ServerContext) -> web.Response:
@@ -109,4 +108,4 @@ async def retrieve_model(request: web.Request, ctx: ServerContext) -> web.Respon
         name = unquote(name)
     if name not in names:
         raise not_found(f"the model {name!r} does not exist", code="model_not_found")
-    return json_response(model_card(ctx, name if name in ctx.model_names else None))
+    return json_response(model_card(ctx))

@@ -86,19 +86,15 @@ async def version(request: web.Request, ctx: ServerContext) -> web.Response:
 
 
 async def tags(request: web.Request, ctx: ServerContext) -> web.Response:
-    """One entry per served name (--served-model-name aliases), all the same model."""
-    entries = [
-        {
-            "name": name,
-            "model": name,
-            "modified_at": UNKNOWN_TIME,
-            "size": 0,
-            "digest": digest(ctx),
-            "details": details(ctx),
-        }
-        for name in ctx.model_names
-    ]
-    return json_response({"models": entries})
+    entry = {
+        "name": ctx.model_id,
+        "model": ctx.model_id,
+        "modified_at": UNKNOWN_TIME,
+        "size": 0,
+        "digest": digest(ctx),
+        "details": details(ctx),
+    }
+    return json_response({"models": [entry]})
 
 
 async def show(request: web.Request, ctx: ServerContext) -> web.Response:

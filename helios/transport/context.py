@@ -6,6 +6,8 @@ Built once by `create_app`; protocol modules receive it instead of reaching into
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import time
 import uuid
 from collections.abc import Callable
@@ -76,7 +78,8 @@ class ServerContext:
 
     @property
     def model_names(self) -> list[str]:
-        """Every name the served model is listed under (cards, /api/tags), the first foremost."""
+        """Every name the model answers to on /v1/models/{id} and /api/show (the card and
+        /api/tags list the first, as api.md has one card)."""
         return list(self.config.served_model_names) or [self.manifest.model_id]
 
     @property
@@ -88,8 +91,10 @@ class ServerContext:
 
         RequestError raised there becomes a 400 here.
         """
+        # In this request's context, so records logged there carry its request id.
+        work = functools.partial(contextvars.copy_context().run, fn, *args)
         try:
-            return await asyncio.get_running_loop().run_in_executor(executor or self.executor, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(executor or self.executor, work)
         except RequestError as exc:
             raise ApiError.from_request_error(exc) from None
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from aiohttp import web
 
-from helios.transport.errors import ApiError, openai_error_response
+from helios.transport.errors import ApiError
 
 ANY_ORIGIN = "*"
 ALLOWED_METHODS = "GET, POST, OPTIONS"
@@ -23,10 +23,15 @@ EXPOSED_HEADERS = "x-request-id, retry-after"
 PREFLIGHT_MAX_AGE_S = "600"
 
 
+Renderer = Callable[[str], Callable[[ApiError], web.Response]]  # path -> that route's error shape
+
+
 class Cors:
-    def __init__(self, origins: Sequence[str]):
+    def __init__(self, origins: Sequence[str], renderer: Renderer):
         self.any = ANY_ORIGIN in origins
-        self.origins = frozenset(o.rstrip("/") for o in origins if o != ANY_ORIGIN)
+        # Scheme and host compare case-insensitively (browsers send them lower-case).
+        self.origins = frozenset(o.rstrip("/").lower() for o in origins if o != ANY_ORIGIN)
+        self.renderer = renderer
 
     def allow(self, origin: str | None) -> str | None:
         """The Access-Control-Allow-Origin value for `origin`, None when it is not allowed."""
@@ -34,13 +39,13 @@ class Cors:
             return None
         if self.any:
             return ANY_ORIGIN
-        return origin if origin in self.origins else None
+        return origin if origin.lower() in self.origins else None
 
     def preflight(self, request: web.Request) -> web.Response:
         allowed = self.allow(request.headers.get("Origin"))
         if allowed is None:
-            # Outside the error middleware: rendered here, in the OpenAI shape.
-            return openai_error_response(
+            # Outside the error middleware: rendered here, in the route's own error shape.
+            return self.renderer(request.path)(
                 ApiError(403, "invalid_request_error", "this origin is not allowed (helios --allowed-origins)")
             )
         requested = request.headers.get("Access-Control-Request-Headers")
@@ -66,14 +71,15 @@ class Cors:
         if allowed is not None:
             response.headers["Access-Control-Allow-Origin"] = allowed
             response.headers["Access-Control-Expose-Headers"] = EXPOSED_HEADERS
-            response.headers.add("Vary", "Origin")
+            if "Origin" not in response.headers.getall("Vary", []):
+                response.headers.add("Vary", "Origin")
 
 
-def install(app: web.Application, origins: Sequence[str]) -> None:
-    """CORS on `app` for `origins` (nothing when empty). Call before the app is frozen, and put
-    the middleware first so preflights bypass authentication."""
+def install(app: web.Application, origins: Sequence[str], renderer: Renderer) -> None:
+    """CORS on `app` for `origins` (nothing when empty). Call before the app is frozen; the
+    middleware goes first so preflights bypass authentication."""
     if not origins:
         return
-    cors = Cors(origins)
+    cors = Cors(origins, renderer)
     app.middlewares.insert(0, cors.middleware)
     app.on_response_prepare.append(cors.on_prepare)

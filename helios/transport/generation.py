@@ -70,6 +70,7 @@ async def serve(request: web.Request, ctx: ServerContext, codec: Codec) -> web.S
         codec.check_headers(request)
     body = await ctx.read_json_object(request)
     response_id = codec.new_id()
+    headers = response_headers(request, response_id)  # binds the request id before planning logs anything
     plan = await ctx.in_frontend(codec.plan, ctx, body, response_id)
     hint = session_hint(request.headers, plan.cache_key)
     for child in plan.requests:
@@ -78,7 +79,6 @@ async def serve(request: web.Request, ctx: ServerContext, codec: Codec) -> web.S
     if not plan.requests:  # answered from the prompt alone: it never reached the model
         return await _stream(request, ctx, codec, encoder, None, {}) if plan.stream else json_response(encoder.body())
     group = ctx.start_group(plan.requests, ctx.reserve(len(plan.requests)))
-    headers = response_headers(request, response_id)
     # Links the request id (on this record and the access line) to the engine's request ids.
     log.debug("%s: %d engine request(s) %s-N", codec.name, len(plan.requests), response_id)
     try:

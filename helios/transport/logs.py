@@ -4,17 +4,20 @@ Every record carries `request_id`: the id of the request whose handler (or engin
 the same task) logged it, "-" outside one. Generation requests bind the id they answer in
 x-request-id (the client's sane X-Request-Id, else the response id) as soon as it is known.
 
-The access log is one record per finished request on the `helios.access` logger: method, path,
-status, bytes sent, latency, request id and client address; text or JSON (`--log-format`).
+The access log is one record per request on the `helios.access` logger: method, path, status,
+bytes sent, latency, request id and client address; text or JSON (`--log-format`). A request
+whose client left before the answer is logged with status 499; polled routes log at debug.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -85,28 +88,56 @@ def configure(level: str = "info", fmt: str = "text") -> None:
     logging.getLogger("aiohttp.access").disabled = True
 
 
+# Polled routes (load balancers, Prometheus, the web page) log at debug, not once a second at info.
+QUIET_PATHS = frozenset({"/health", "/metrics"})
+CLIENT_CLOSED = 499  # nginx's status for a request its client abandoned before the answer
+
+
+def write_access(request: web.BaseRequest, status: int, sent: int, seconds: float, request_id: str) -> None:
+    """One access record. The path is the raw (still percent-encoded) one, so a crafted URL
+    cannot write a line break into a text log."""
+    fields = {
+        "method": request.method,
+        "path": request.rel_url.raw_path,
+        "status": status,
+        "bytes": sent,
+        "latency_ms": round(seconds * 1000, 1),
+        "request_id": request_id,
+        "client": request.remote or NO_REQUEST,
+    }
+    level = logging.DEBUG if request.path in QUIET_PATHS and status < 400 else logging.INFO
+    access_log.log(
+        level,
+        '%s "%s %s" %d %dB %.1fms id=%s',
+        fields["client"],
+        fields["method"],
+        fields["path"],
+        status,
+        sent,
+        fields["latency_ms"],
+        request_id,
+        extra=fields,
+    )
+
+
 class AccessLogger(AbstractAccessLogger):
-    """aiohttp calls `log` once a response is fully sent (streams included)."""
+    """aiohttp calls `log` once a response is fully sent (streams included); `sent` counts every
+    byte written, headers and chunk framing included."""
 
     def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
         request_id = response.headers.get("x-request-id") or client_request_id(request.headers) or NO_REQUEST
-        fields = {
-            "method": request.method,
-            "path": request.path,
-            "status": response.status,
-            "bytes": response.body_length,
-            "latency_ms": round(time * 1000, 1),
-            "request_id": request_id,
-            "client": request.remote or NO_REQUEST,
-        }
-        self.logger.info(
-            '%s "%s %s" %d %dB %.1fms id=%s',
-            fields["client"],
-            fields["method"],
-            fields["path"],
-            fields["status"],
-            fields["bytes"],
-            fields["latency_ms"],
-            request_id,
-            extra=fields,
-        )
+        write_access(request, response.status, response.body_length, time, request_id)
+
+
+@web.middleware
+async def request_id_middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
+    """Tags the request's task with the client's id (a generation request rebinds its answered
+    id once it has one) and writes the access record of a request its client abandoned, which
+    aiohttp cancels without calling the access logger."""
+    bind_request_id(client_request_id(request.headers) or NO_REQUEST)
+    started = asyncio.get_running_loop().time()
+    try:
+        return await handler(request)
+    except asyncio.CancelledError:
+        write_access(request, CLIENT_CLOSED, 0, asyncio.get_running_loop().time() - started, current_request_id.get())
+        raise

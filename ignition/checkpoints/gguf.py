@@ -223,7 +223,7 @@ def read_gguf_architecture(path: Path) -> str:
         return _scan_architecture(path)
     except CheckpointError:
         raise
-    except (struct.error, UnicodeDecodeError, ValueError, OverflowError) as exc:  # truncated or not GGUF at all
+    except (struct.error, UnicodeDecodeError, ValueError, OverflowError, OSError) as exc:  # truncated or not GGUF
         raise CheckpointError(f"{path} is not a readable GGUF file: {exc}") from None
 
 

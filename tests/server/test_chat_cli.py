@@ -14,6 +14,9 @@ import time
 
 import httpx
 
+from helios.launcher import HeliosProcess
+from tests.conftest import TINY_API_KEY
+
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 USAGE = re.compile(r"\[(\d+) prompt tokens \((\d+) cached\), (\d+) generated, finish: (\w+)\]")
 
@@ -101,7 +104,7 @@ def test_chat_in_a_terminal(tiny_server):
             term.process.kill()
 
 
-def test_chat_reports_errors_and_keeps_going(tiny_keyed_server):
+def test_chat_without_the_key_is_a_one_line_error(tiny_keyed_server):
     term = Terminal("chat", tiny_keyed_server.url)
     try:
         term.expect(r"error: HTTP 401")
@@ -112,8 +115,6 @@ def test_chat_reports_errors_and_keeps_going(tiny_keyed_server):
 
 
 def test_chat_with_the_key_from_the_environment(tiny_keyed_server):
-    from tests.conftest import TINY_API_KEY
-
     os.environ["FLARE_CHAT_TEST_KEY"] = TINY_API_KEY
     try:
         term = Terminal("chat", tiny_keyed_server.url, "--api-key-env", "FLARE_CHAT_TEST_KEY", "--max-tokens", "2")
@@ -125,3 +126,24 @@ def test_chat_with_the_key_from_the_environment(tiny_keyed_server):
         assert term.close() == 0
     finally:
         os.environ.pop("FLARE_CHAT_TEST_KEY", None)
+
+
+def test_chat_keeps_going_when_the_server_goes_away(tiny_core):
+    """A failed turn is reported on its own line and dropped from the history; the chat goes on."""
+    server = HeliosProcess(tiny_core)
+    term = Terminal("chat", server.url, "--max-tokens", "2")
+    try:
+        term.expect("chatting with")
+        term.type("Hi")
+        term.expect(USAGE.pattern)
+        term.expect(">>> ")
+        server.stop()
+        term.type("Still there?")
+        term.expect(r"\nerror: the connection to http://127\.0\.0\.1:\d+ failed")
+        term.expect(">>> ")
+        term.type("/exit")
+        assert term.close() == 0
+    finally:
+        server.stop()
+        if term.process.poll() is None:
+            term.process.kill()

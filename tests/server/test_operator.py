@@ -73,19 +73,43 @@ def test_json_access_log_and_generated_request_id(json_server):
     assert (entry["method"], entry["path"], entry["status"]) == ("POST", "/v1/chat/completions", 200)
     assert entry["request_id"] == request_id and entry["client"] == "127.0.0.1"
     assert entry["bytes"] >= len(response.content) and entry["latency_ms"] > 0
-    # Every line the server wrote since it started is one JSON object.
-    for line in log_lines(json_server):
-        if line.startswith("{"):
-            json.loads(line)
+    # Every log record is one JSON object: no text-format record among the lines (the rest are
+    # the start-up banner on stdout).
+    records = [line for line in log_lines(json_server) if line.startswith("{")]
+    assert all(json.loads(line)["time"] for line in records)
+    assert not any(" INFO helios" in line or " WARNING " in line for line in log_lines(json_server))
+
+
+def test_polled_routes_log_at_debug_and_paths_stay_encoded(tiny_server):
+    assert httpx.get(tiny_server.url + "/health").status_code == 200
+    httpx.get(tiny_server.url + "/v1/models/no%0Asuch%20model")
+    line = wait_for_line(tiny_server, "no%0Asuch")
+    assert '"GET /v1/models/no%0Asuch%20model" 404' in line  # a crafted URL writes no line break
+    assert not any('"GET /health"' in line for line in log_lines(tiny_server))
+
+
+def test_a_request_its_client_abandons_is_logged_once_as_499(tiny_server):
+    body = {**CHAT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    headers = {"X-Request-Id": "walked-away"}
+    with httpx.stream("POST", tiny_server.url + "/v1/chat/completions", json=body, headers=headers) as stream:
+        for _ in stream.iter_lines():
+            break  # the first frame, then hang up
+    line = wait_for_line(tiny_server, "id=walked-away")
+    assert '"POST /v1/chat/completions" 499' in line
+    time.sleep(1)
+    assert sum("id=walked-away" in line for line in log_lines(tiny_server)) == 1
 
 
 def test_environment_names_and_flag_precedence(json_server):
     """FLARE_SERVED_MODEL_NAME gave two names; --log-level info beat FLARE_LOG_LEVEL=error (the
     access lines above exist only at info)."""
     cards = httpx.get(json_server.url + "/v1/models").json()["data"]
-    assert [card["id"] for card in cards] == ["alpha", "beta"]
-    assert [m["name"] for m in httpx.get(json_server.url + "/api/tags").json()["models"]] == ["alpha", "beta"]
-    assert httpx.get(json_server.url + "/v1/models/beta").json()["id"] == "beta"
+    assert [card["id"] for card in cards] == ["alpha"]  # api.md: one card, under the first name
+    assert [m["name"] for m in httpx.get(json_server.url + "/api/tags").json()["models"]] == ["alpha"]
+    assert httpx.get(json_server.url + "/v1/models/beta").json() == cards[0]  # an alias reaches the card
+    shown = httpx.post(json_server.url + "/api/show", json={"model": "beta"})
+    assert shown.status_code == 200
+    assert httpx.get(json_server.url + "/v1/models/gamma").status_code == 404
     answer = httpx.post(json_server.url + "/v1/chat/completions", json={**CHAT, "model": "beta"}).json()
     assert answer["model"] == "alpha"  # the first name, as vLLM reports it
     messages = httpx.post(
@@ -167,6 +191,16 @@ def test_cors_preflight_and_stream_headers(json_server):
         headers={"Origin": "http://elsewhere.test", "Access-Control-Request-Method": "POST"},
     )
     assert other.status_code == 403 and other.json()["error"]["message"]
+    anthropic = httpx.options(
+        json_server.url + "/v1/messages",
+        headers={"Origin": "http://elsewhere.test", "Access-Control-Request-Method": "POST"},
+    )
+    assert anthropic.status_code == 403 and anthropic.json()["type"] == "error"  # the route's own shape
+    upper = httpx.options(
+        json_server.url + "/v1/models",
+        headers={"Origin": ORIGIN.upper().replace("HTTP://", "http://"), "Access-Control-Request-Method": "GET"},
+    )
+    assert upper.status_code == 204 and upper.headers.get_list("vary") == ["Origin"]
     plain = httpx.get(json_server.url + "/v1/models", headers={"Origin": "http://elsewhere.test"})
     assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
 

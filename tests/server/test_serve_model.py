@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +41,7 @@ def test_missing_path(tmp_path):
 
 def test_corrupt_gguf(tmp_path):
     bad = tmp_path / "broken.gguf"
-    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + os.urandom(64))
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + random.Random(5).randbytes(64))
     assert "broken.gguf" in serve_fails(str(bad))
     text = tmp_path / "notes.gguf"
     text.write_text("not a model")

@@ -121,6 +121,9 @@ def test_logit_bias_steers_the_choice_and_logprobs_stay_raw(tiny_server):
     "bias",
     [
         {"abc": 1},
+        {"--5": 1},
+        {"1_0": 1},
+        {"9" * 5000: 1},
         {"-1": 1},
         {"999999999": 1},
         {"10": 101},

@@ -205,3 +205,23 @@ def test_logit_bias_moves_the_draw_and_bypasses_the_top_ids_fast_path():
     greedy = Row(temperature=0.0, logit_bias={V - 1: -100.0})
     assert sample(logits[:1], [greedy])[0] == V - 2
     assert logits[0, 3] == np.float32(np.linspace(-5, 5, V, dtype=np.float32)[3])  # input untouched
+
+
+def test_engine_refuses_logit_bias_outside_the_vocabulary():
+    """A caller past the HTTP decoders (cluster, scripts) gets the engine's ValueError, not an
+    IndexError inside a batch's sampling."""
+    from helios.engine.api import GenerationRequest
+    from helios.engine.validation import RequestCheck
+
+    check = RequestCheck(
+        context_length=64,
+        vocab_size=100,
+        max_top_logprobs=20,
+        explicit_token_ids=True,
+        max_explicit_token_ids=128,
+        can_score_prompts=False,
+    )
+    check(GenerationRequest("ok", [1, 2], SamplingParams(logit_bias={99: 5.0})))
+    for bias in ({100: 1.0}, {-1: 1.0}, {3: float("nan")}):
+        with pytest.raises(ValueError, match="logit_bias"):
+            check(GenerationRequest("bad", [1, 2], SamplingParams(logit_bias=bias)))
