@@ -54,7 +54,10 @@ from typing import Any, get_type_hints
 #      "float32", "bfloat16", "float16"; `ignition export --kv-dtype`, `helios serve --kv-dtype`
 #      overrides). The step graph still declares a float32 pool: helios retypes it when it opens
 #      the session. An older 1.x helios ignores the field and serves a float32 pool.
-FORMAT_VERSION = "1.12"
+# 1.13: optional `architecture.rope_scaling` (dense families): the checkpoint's RoPE scaling
+#      (linear, dynamic, yarn, llama3, or per-frequency factors from a GGUF's rope_freqs), which
+#      the step graph's rotary tables were computed with. Informational for helios.
+FORMAT_VERSION = "1.13"
 ENGINE_TARGETS = ("cpu", "cuda")
 KV_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 TEMPLATE_REJECTS = ("drop_thinking", "continuation", "add_generation_prompt_false")
@@ -75,6 +78,25 @@ class Identity:
 
 
 @dataclass
+class RopeScaling:
+    """(1.13) A dense checkpoint's RoPE scaling, as transformers' rope utilities read it."""
+
+    kind: str  # ROPE_SCALING_KINDS
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None  # the pretraining context
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    beta_fast: float | None = None  # yarn
+    beta_slow: float | None = None  # yarn
+    attention_factor: float = 1.0  # yarn: the cos/sin scale (resolved from mscale when not given)
+    truncate: bool = True  # yarn: integer correction range
+    freq_factors: list[float] | None = None  # "factors": inv_freq[i] / freq_factors[i] (GGUF rope_freqs)
+
+
+ROPE_SCALING_KINDS = ("linear", "dynamic", "yarn", "llama3", "factors")
+
+
+@dataclass
 class Architecture:
     family: str  # "qwen2" | "llama"
     num_layers: int
@@ -89,6 +111,7 @@ class Architecture:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # qkv projection bias (qwen2)
+    rope_scaling: RopeScaling | None = None  # (1.13) None: plain rotary
 
 
 @dataclass

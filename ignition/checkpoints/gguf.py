@@ -14,6 +14,7 @@ from gguf.quants import dequantize
 
 from helios.manifest import Architecture, file_sha256
 from ignition.checkpoints.base import Checkpoint, CheckpointError
+from ignition.checkpoints.rope import rope_scaling_from_gguf, scaled_context
 from ignition.checkpoints.shapes import check_family, check_tensor_shapes
 from ignition.checkpoints.tokenizer import metadata_value, tokenizer_from_gguf
 
@@ -34,6 +35,9 @@ LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+ROPE_FREQS = "rope_freqs.weight"
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -85,16 +89,22 @@ def _float32_value(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _architecture(reader: gguf.GGUFReader, family: str, vocab_size: int, tied: bool, bias: bool) -> Architecture:
+def _architecture(
+    reader: gguf.GGUFReader, family: str, vocab_size: int, tied: bool, bias: bool, freq_factors: Any
+) -> Architecture:
     def meta(key: str, default: Any = None) -> Any:
         value = metadata_value(reader, f"{family}.{key}", default)
         if value is None:
             raise CheckpointError(f"GGUF metadata {family}.{key} is missing")
         return value
 
-    scaling = metadata_value(reader, f"{family}.rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        raise CheckpointError(f"unsupported rope scaling {scaling!r} ({family}.rope.scaling.type)")
+    original = metadata_value(reader, f"{family}.rope.scaling.original_context_length")
+    scaling = rope_scaling_from_gguf(
+        str(metadata_value(reader, f"{family}.rope.scaling.type", "none") or "none"),
+        _float32_value(metadata_value(reader, f"{family}.rope.scaling.factor", 1.0)),
+        int(original) if original is not None else None,
+        freq_factors,
+    )
     hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
     head_dim = int(meta("attention.key_length", hidden // heads))
     rotary_dims = int(meta("rope.dimension_count", head_dim))
@@ -111,9 +121,10 @@ def _architecture(reader: gguf.GGUFReader, family: str, vocab_size: int, tied: b
         vocab_size=vocab_size,
         rope_theta=_float32_value(meta("rope.freq_base", 10000.0)),
         rms_norm_eps=_float32_value(meta("attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=int(meta("context_length")),
+        max_position_embeddings=scaled_context(int(meta("context_length")), scaling),
         tie_word_embeddings=tied,
         attention_bias=bias,
+        rope_scaling=scaling,
     )
 
 
@@ -139,6 +150,9 @@ def checkpoint_from_reader(reader: gguf.GGUFReader, checkpoint_id: str, sha256: 
             f"{source}: GGUF files of the {family!r} family are not supported; use its safetensors folder"
         )
     by_name = {t.name: t for t in reader.tensors}
+    # Llama 3's per-frequency rope factors: a property of the rotary, not a weight.
+    rope_freqs = by_name.pop(ROPE_FREQS, None)
+    freq_factors = None if rope_freqs is None else dequantize(rope_freqs.data, rope_freqs.tensor_type).ravel()
     unknown = [name for name in by_name if hf_tensor_name(name) is None]
     if unknown:
         raise CheckpointError(f"{source} has tensors flare does not know: {', '.join(unknown[:5])}")
@@ -148,10 +162,10 @@ def checkpoint_from_reader(reader: gguf.GGUFReader, checkpoint_id: str, sha256: 
     tied = "output.weight" not in by_name  # llama.cpp drops output.weight when it equals the embedding
     bias = "blk.0.attn_q.bias" in by_name
     vocab_size = int(by_name["token_embd.weight"].shape[-1])
-    arch = _architecture(reader, family, vocab_size, tied, bias)
+    arch = _architecture(reader, family, vocab_size, tied, bias, freq_factors)
 
     tensors: dict[str, np.ndarray] = {}
-    for tensor in reader.tensors:  # one at a time: only the float32 results are kept
+    for tensor in by_name.values():  # one at a time: only the float32 results are kept
         array = dequantize(tensor.data, tensor.tensor_type)
         if np.may_share_memory(array, tensor.data):  # F32 comes back as a view of the memory map
             array = array.copy()

@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 
 from helios.manifest import Architecture
 from ignition.checkpoints.base import Checkpoint, CheckpointError
+from ignition.checkpoints.rope import rope_scaling_from_config, scaled_context
 from ignition.checkpoints.shapes import SUPPORTED_FAMILIES, check_family, check_tensor_shapes
 from ignition.models import PLANNED, FamilyError, architecture
 
@@ -57,9 +58,7 @@ def _architecture(config: dict[str, Any], source: str) -> Architecture:
         except FamilyError as exc:
             raise CheckpointError(f"{source}: {exc}") from None
     rope = config.get("rope_parameters") or {}  # transformers 5 moves rope_theta/rope_type here
-    for scaling in (config.get("rope_scaling") or {}, rope):
-        if scaling.get("rope_type", scaling.get("type", "default")) != "default":
-            raise CheckpointError(f"{source}: rope scaling {scaling} is not supported")
+    scaling = rope_scaling_from_config(config, source)
     if config.get("hidden_act", "silu") != "silu" or config.get("mlp_bias"):
         raise CheckpointError(f"{source}: only SiLU MLPs without bias are supported")
     if config.get("use_sliding_window"):
@@ -77,10 +76,12 @@ def _architecture(config: dict[str, Any], source: str) -> Architecture:
         vocab_size=int(config["vocab_size"]),
         rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        # The context the scaling reaches (vLLM's max_model_len rule); rotary tables cover it.
+        max_position_embeddings=scaled_context(int(config.get("max_position_embeddings", 2048)), scaling),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases; llama only when its config says so.
         attention_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
+        rope_scaling=scaling,
     )
 
 

@@ -165,7 +165,7 @@ class DecoderLM(StepModel):
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fusable=True)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        self.rotary = Rotary(arch.head_dim, arch.rope_theta, arch.max_position_embeddings)
+        self.rotary = Rotary(arch.head_dim, arch.rope_theta, arch.max_position_embeddings, arch.rope_scaling)
 
     @classmethod
     def build(cls, arch: Architecture, config: dict[str, Any], tensors: dict[str, np.ndarray]) -> DecoderLM:

@@ -9,34 +9,41 @@ import math
 import torch
 from torch import nn
 
+from helios.manifest import RopeScaling
+
 
 class Rotary(nn.Module):
     """Rotate-half rotary as cos/sin tables over positions (what onnxruntime's RotaryEmbedding
     and the fused pool attention take), plus the Hugging Face formulation from inv_freq for the
     reference path: two independent implementations checked against each other."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+    def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None = None) -> None:
         super().__init__()
-        self.head_dim, self.theta, self.max_positions = head_dim, theta, max_positions
+        self.head_dim, self.theta, self.max_positions, self.scaling = head_dim, theta, max_positions, scaling
+        # cos/sin scale (YaRN's attention factor): q.k grows by its square, as in transformers.
+        self.attention_factor = scaling.attention_factor if scaling is not None else 1.0
         self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
         self.register_buffer("cos_cache", torch.empty(max_positions, head_dim // 2), persistent=False)
         self.register_buffer("sin_cache", torch.empty(max_positions, head_dim // 2), persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # In float64 then rounded: the tables are exact to fp32.
-        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
-        inv_freq = 1.0 / (self.theta**exponent)
+        if self.scaling is None:
+            # In float64 then rounded: the tables are exact to fp32.
+            exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
+            inv_freq = 1.0 / (self.theta**exponent)
+        else:  # transformers' float32 frequencies, so scaled positions rotate as its reference does
+            inv_freq = scaled_inv_freq(self.scaling, self.head_dim, self.theta).double()
         angles = torch.arange(self.max_positions, dtype=torch.float64).unsqueeze(1) * inv_freq
         self.inv_freq = inv_freq.float()
-        self.cos_cache = angles.cos().float()
-        self.sin_cache = angles.sin().float()
+        self.cos_cache = (angles.cos() * self.attention_factor).float()
+        self.sin_cache = (angles.sin() * self.attention_factor).float()
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...] -> cos, sin [..., 1, head_dim] (reference path)."""
         freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq
         emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(-2)
-        return emb.cos(), emb.sin()
+        return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -100,6 +107,53 @@ def inv_freq(kind: str, dim: int, theta: float, partial: float = 1.0, yarn: tupl
     if kind == "proportional":
         return proportional_inv_freq(dim, theta, partial)
     return default_inv_freq(dim, theta)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low: float, high: float, original: int) -> torch.Tensor:
+    """transformers' _compute_llama3_parameters: long wavelengths divided by the factor, short ones
+    kept, the band between blended."""
+    low_wavelen, high_wavelen = original / low, original / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def scaled_inv_freq(scaling: RopeScaling, dim: int, theta: float) -> torch.Tensor:
+    """Frequencies [dim/2] of a scaled rotary, as transformers computes them (float32).
+
+    "dynamic" is the plain rotary: transformers rescales it only for a forward pass longer than
+    the original context, by that pass's length, which no fixed table can follow; export keeps
+    such a core's context at the original one (ignition.checkpoints.rope.scaled_context)."""
+    base = default_inv_freq(dim, theta)
+    if scaling.kind == "linear":
+        return base / scaling.factor
+    if scaling.kind == "llama3":
+        assert scaling.low_freq_factor and scaling.high_freq_factor and scaling.original_max_position_embeddings
+        return llama3_inv_freq(
+            base,
+            scaling.factor,
+            scaling.low_freq_factor,
+            scaling.high_freq_factor,
+            scaling.original_max_position_embeddings,
+        )
+    if scaling.kind == "yarn":
+        assert scaling.original_max_position_embeddings is not None
+        return yarn_inv_freq(
+            dim,
+            theta,
+            scaling.factor,
+            scaling.beta_fast or 32.0,
+            scaling.beta_slow or 1.0,
+            scaling.original_max_position_embeddings,
+            scaling.truncate,
+        )
+    if scaling.kind == "factors":
+        assert scaling.freq_factors is not None and len(scaling.freq_factors) == dim // 2
+        return base / torch.tensor(scaling.freq_factors, dtype=torch.float32)
+    return base  # dynamic
 
 
 def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], interleave: bool) -> torch.Tensor:
