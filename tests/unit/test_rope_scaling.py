@@ -144,3 +144,121 @@ def test_llama3_export_validates_against_the_reference(tmp_path):
     assert manifest.architecture.rope_scaling.kind == "llama3"
     assert manifest.limits.context_length == ORIGINAL * 8
     assert manifest.parity is not None and manifest.parity.top1_agreement == 1.0
+
+
+def llama_cpp_rope_factors(config: dict) -> np.ndarray:
+    """What llama.cpp's converter writes as a Llama 3 checkpoint's rope_freqs (its own formula:
+    1 for high frequencies, the factor for low ones, a blend between)."""
+    params = config["rope_scaling"]
+    dim = config["hidden_size"] // config["num_attention_heads"]
+    base = float(config["rope_theta"])
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old = params["original_max_position_embeddings"]
+    factors = []
+    for freq in 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)):
+        wavelen = 2 * np.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def write_llama3_gguf(folder: Path, path: Path) -> None:
+    """A Llama 3 style GGUF of a tiny HF llama folder, written with the gguf library as llama.cpp's
+    converter lays it out: permuted q/k rows, rope_freqs, a llama-bpe byte-level BPE vocabulary."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    config = json.loads((folder / "config.json").read_text())
+    tensors = load_file(folder / "model.safetensors")
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    vocab = dict(tokenizer["model"]["vocab"])
+    added = {t["id"]: t for t in tokenizer["added_tokens"]}
+    for token_id, entry in added.items():
+        vocab[entry["content"]] = token_id
+    tokens = [None] * config["vocab_size"]
+    for text, token_id in vocab.items():
+        tokens[token_id] = text
+    tokens = [t if t is not None else f"[PAD{i}]" for i, t in enumerate(tokens)]
+    types = [3 if i in added and added[i]["special"] else 1 for i in range(len(tokens))]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
+
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+
+    def permute(w: np.ndarray, n_head: int) -> np.ndarray:  # llama.cpp's convert_hf_to_gguf permute
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    writer.add_tensor("token_embd.weight", tensors["model.embed_tokens.weight"])
+    writer.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(config))
+    for i in range(config["num_hidden_layers"]):
+        hf = f"model.layers.{i}."
+        names = {
+            "attn_norm": "input_layernorm",
+            "attn_q": "self_attn.q_proj",
+            "attn_k": "self_attn.k_proj",
+            "attn_v": "self_attn.v_proj",
+            "attn_output": "self_attn.o_proj",
+            "ffn_norm": "post_attention_layernorm",
+            "ffn_gate": "mlp.gate_proj",
+            "ffn_up": "mlp.up_proj",
+            "ffn_down": "mlp.down_proj",
+        }
+        for ours, theirs in names.items():
+            weight = tensors[hf + theirs + ".weight"]
+            if ours == "attn_q":
+                weight = permute(weight, heads)
+            elif ours == "attn_k":
+                weight = permute(weight, kv_heads)
+            writer.add_tensor(f"blk.{i}.{ours}.weight", weight)
+    writer.add_tensor("output_norm.weight", tensors["model.norm.weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_llama3_gguf_with_rope_freqs_reads_back_equal_and_matches_transformers(tmp_path):
+    folder = scaled_folder(tmp_path, "llama3")
+    path = tmp_path / "tiny-llama3.gguf"
+    write_llama3_gguf(folder, path)
+    from_gguf = load_checkpoint(str(path))
+    from_folder = load_checkpoint(str(folder))
+    scaling = from_gguf.architecture.rope_scaling
+    assert scaling is not None and scaling.kind == "factors"
+    assert from_gguf.architecture.max_position_embeddings == from_folder.architecture.max_position_embeddings
+    assert sorted(from_gguf.tensors) == sorted(from_folder.tensors)
+    for name, tensor in from_folder.tensors.items():
+        np.testing.assert_array_equal(from_gguf.tensors[name], tensor, err_msg=name)
+    arch = from_gguf.architecture
+    torch.testing.assert_close(
+        scaled_inv_freq(scaling, arch.head_dim, arch.rope_theta),
+        scaled_inv_freq(from_folder.architecture.rope_scaling, arch.head_dim, arch.rope_theta),
+        rtol=1e-6,
+        atol=0,
+    )
+    ids = torch.from_numpy(np.random.default_rng(4).integers(0, 5000, 3 * ORIGINAL))
+    ours = DecoderLM.build(arch, {}, from_gguf.tensors).reference(ids)
+    with torch.no_grad():
+        theirs = hf_model(folder)(ids.unsqueeze(0)).logits[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=2e-4)
