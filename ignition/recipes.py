@@ -34,6 +34,7 @@ COMPILED_FAMILIES = (
     "qwen3_5",
     "deepseek_v4",
     "nemotron_h",
+    "qwen3",
 )
 PLANNED_FAMILIES: tuple[str, ...] = ()
 KNOWN_FAMILIES = COMPILED_FAMILIES + PLANNED_FAMILIES

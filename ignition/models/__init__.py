@@ -24,6 +24,7 @@ from ignition.models import (
     muse_spark,
     nemotron_h,
     qwen2,
+    qwen3,
     qwen3_5,
     step3p7,
 )
@@ -44,6 +45,7 @@ FAMILIES: dict[str, type[StepModel]] = {
         muse_spark.MuseSparkLM,
         glm_moe_dsa.GlmMoeDsaLM,
         minimax_m3.MiniMaxM3LM,
+        qwen3.Qwen3LM,
         qwen3_5.Qwen35LM,
         qwen3_5.Qwen35MoeLM,
         nemotron_h.NemotronHLM,

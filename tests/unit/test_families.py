@@ -1,4 +1,4 @@
-"""The 13 seed recipes against their architectures' transformers reference implementations.
+"""The 13 seed recipes and the dense families users bring (qwen3) against their architectures' transformers reference implementations.
 
 For every recipe whose family the exporter compiles: a tiny random checkpoint written by
 transformers (tests/unit/family_checkpoints.py), `ignition export --recipe NAME --checkpoint DIR
