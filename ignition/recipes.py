@@ -35,6 +35,7 @@ COMPILED_FAMILIES = (
     "deepseek_v4",
     "nemotron_h",
     "qwen3",
+    "mistral",
 )
 PLANNED_FAMILIES: tuple[str, ...] = ()
 KNOWN_FAMILIES = COMPILED_FAMILIES + PLANNED_FAMILIES

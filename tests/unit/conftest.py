@@ -28,7 +28,9 @@ SEED_RECIPES = [
     "minimax_m3",
     "muse_spark",
     "gemma4",
-    "qwen3",  # beyond the 13 seed recipes: the dense families users bring (issue 40)
+    # Beyond the 13 seed recipes: the dense families users bring (issue 40).
+    "qwen3",
+    "mistral",
 ]
 COMPILED = [name for name in SEED_RECIPES if load_recipe(name).family in COMPILED_FAMILIES]
 # Family cores that also carry an fp32 torch step program (--target cpu,cuda): every compiled one

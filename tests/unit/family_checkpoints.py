@@ -111,6 +111,7 @@ SPECIALS = {
         '<|"|>',
     ],
     "qwen3": QWEN_SPECIALS,
+    "mistral": ["<s>", "</s>", "[INST]", "[/INST]"],
     "qwen3_5": QWEN_SPECIALS,
     "qwen3_5_moe": QWEN_SPECIALS,
     "nemotron_h": [
@@ -138,6 +139,7 @@ SPECIALS = {
 
 EOS = {
     "qwen3": "<|im_end|>",
+    "mistral": "</s>",
     "qwen3_5": "<|im_end|>",
     "qwen3_5_moe": "<|im_end|>",
     "deepseek_v3": "<|im_end|>",
@@ -154,6 +156,19 @@ EOS = {
 # Every MoE family routes 4 of 32 experts (group-limited families: 4 groups, 2 kept), so the parity
 # tests exercise dispatch at realistic sparsity with each family's routing.
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    # Mistral 7B v0.1's shape in miniature: every layer windowed, the window shorter than the
+    # parity test's prompts so keys leave it during prefill and decode.
+    "mistral": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        sliding_window=24,
+        tie_word_embeddings=False,
+    ),
     # Qwen3 dense: GQA with q/k RMSNorms before rotary, untied (as Qwen3-8B and larger).
     "qwen3": dict(
         hidden_size=64,
@@ -484,6 +499,7 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 # family -> (transformers module, config class, causal-LM class); None: the local text-only
 # wrapper defined below (transformers ships those models only with their vision towers).
 _CLASSES: dict[str, tuple[str, str, str | None]] = {
+    "mistral": ("transformers.models.mistral", "MistralConfig", "MistralForCausalLM"),
     "qwen3": ("transformers.models.qwen3", "Qwen3Config", "Qwen3ForCausalLM"),
     "qwen3_5": ("transformers.models.qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
     "qwen3_5_moe": ("transformers.models.qwen3_5_moe", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),

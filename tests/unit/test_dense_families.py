@@ -13,7 +13,7 @@ from ignition.intake import infer_recipe, locate
 from ignition.recipes import load_recipe
 from tests.unit.family_checkpoints import write_quantizable_checkpoint
 
-DENSE = {"qwen3": "qwen3"}  # family -> its recipe
+DENSE = {"qwen3": "qwen3", "mistral": "mistral"}  # family -> its recipe
 
 
 @pytest.mark.parametrize("family", sorted(DENSE))
