@@ -14,9 +14,11 @@ recipe, the options and the exporter's code version.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -28,7 +30,7 @@ from typing import IO
 from rich.console import Console
 
 from helios.cache_dir import cache_root
-from helios.manifest import MANIFEST_NAME, file_sha256
+from helios.manifest import MANIFEST_NAME, Range, file_sha256
 from ignition.checkpoints.base import CheckpointError
 from ignition.checkpoints.gguf import read_gguf_architecture
 from ignition.checkpoints.packaged import PACKAGED_MODELS, resolve_packaged
@@ -40,6 +42,7 @@ from ignition.recipes import HUB_ID, RECIPES_DIR, Recipe, RecipeError, available
 
 KINDS = ("core", "gguf", "folder", "packaged")  # an ORG/NAME is a folder in the hub cache
 DEFAULT_AUTO_CORES = 4
+GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # What a download fetches: the config, tokenizer, template and safetensors weights, not a repo's
 # other formats (original/*.pth, GGUF variants, ONNX exports) that flare never reads.
 CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]
@@ -149,9 +152,40 @@ def infer_recipe(located: Located) -> Recipe:
     return sorted(matching, key=lambda r: r.name)[0]
 
 
+def with_checkpoint_sampling(recipe: Recipe, located: Located) -> Recipe:
+    """An inferred recipe takes the sampling defaults the checkpoint's authors shipped in
+    generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty), each
+    declared range widened to hold its new default. Invalid values are ignored."""
+    if located.kind != "folder" or located.path is None:
+        return recipe
+    try:
+        shipped = json.loads((located.path / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return recipe
+    if not isinstance(shipped, dict) or shipped.get("do_sample") is False:
+        return recipe  # greedy by default: the recipe's sampling stays
+    values: dict[str, float | int] = {}
+    for name in GENERATION_FIELDS:
+        value = shipped.get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            continue
+        if name == "top_k" and (not isinstance(value, int) or value == 0):
+            continue
+        if (name in ("temperature", "top_p", "repetition_penalty") and value <= 0) or (name == "top_p" and value > 1):
+            continue
+        values[name] = value
+    ranges = dict(recipe.sampling_ranges)
+    for name, value in values.items():
+        if name in ranges:
+            ranges[name] = Range(min(ranges[name].min, value), max(ranges[name].max, value))
+    return dataclasses.replace(
+        recipe, sampling_defaults=dataclasses.replace(recipe.sampling_defaults, **values), sampling_ranges=ranges
+    )
+
+
 def resolve_recipe(located: Located, recipe: str | None) -> Recipe:
     if recipe is None:
-        return infer_recipe(located)
+        return with_checkpoint_sampling(infer_recipe(located), located)
     try:
         return load_recipe(recipe)
     except RecipeError as exc:

@@ -102,6 +102,8 @@ def test_hugging_face_folder_of_another_family_serves_in_one_command(tmp_path, s
     """A tiny llama folder: recipe inferred (smollm2, the llama recipe), compiled with its stages
     shown, served; the second start finds the compiled core and shows no stage."""
     folder = write_tiny_checkpoint(tmp_path / "tiny-llama", "llama")
+    # Its authors' sampling: the inferred recipe takes it (top_p beyond the recipe's range widens it).
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.9, "top_p": 0.03}))
     first = HeliosProcess(folder, "--precision", "fp32", env=scratch_cache, timeout=600)
     try:
         output = first.output()
@@ -110,6 +112,9 @@ def test_hugging_face_folder_of_another_family_serves_in_one_command(tmp_path, s
             assert f"✓ {stage}" in output, output
         card = httpx.get(first.url + "/v1/models").json()["data"][0]
         assert card["root"] == folder.name
+        defaults, ranges = card["flare"]["sampling_defaults"], card["flare"]["sampling_ranges"]
+        assert (defaults["temperature"], defaults["top_p"]) == (0.9, 0.03)
+        assert ranges["top_p"]["min"] == 0.03
         assert chat_round_trip(first)["usage"]["completion_tokens"] >= 1
     finally:
         first.stop()
