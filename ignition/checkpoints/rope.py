@@ -32,7 +32,9 @@ def rope_scaling_from_config(config: dict[str, Any], source: str) -> RopeScaling
     if kind == "default" or kind is None:
         return None
     if kind not in CONFIG_KINDS:
-        raise CheckpointError(f"{source}: rope scaling {kind!r} is not supported (flare serves {', '.join(CONFIG_KINDS)})")
+        raise CheckpointError(
+            f"{source}: rope scaling {kind!r} is not supported (flare serves {', '.join(CONFIG_KINDS)})"
+        )
     original = params.get("original_max_position_embeddings")
     factor = params.get("factor")
     try:
