@@ -36,6 +36,8 @@ COMPILED_FAMILIES = (
     "nemotron_h",
     "qwen3",
     "mistral",
+    "gemma3",
+    "smollm3",
 )
 PLANNED_FAMILIES: tuple[str, ...] = ()
 KNOWN_FAMILIES = COMPILED_FAMILIES + PLANNED_FAMILIES

@@ -16,6 +16,7 @@ from helios.manifest import Architecture, StateLayout
 from ignition.models import (
     deepseek_v3,
     deepseek_v4,
+    gemma3,
     gemma4,
     glm_moe_dsa,
     llama,
@@ -27,6 +28,7 @@ from ignition.models import (
     qwen2,
     qwen3,
     qwen3_5,
+    smollm3,
     step3p7,
 )
 from ignition.models.base import TOP_K, FamilyError, StepModel, logprob_stats
@@ -48,6 +50,8 @@ FAMILIES: dict[str, type[StepModel]] = {
         minimax_m3.MiniMaxM3LM,
         qwen3.Qwen3LM,
         mistral.MistralLM,
+        gemma3.Gemma3LM,
+        smollm3.SmolLM3LM,
         qwen3_5.Qwen35LM,
         qwen3_5.Qwen35MoeLM,
         nemotron_h.NemotronHLM,

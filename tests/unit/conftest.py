@@ -31,6 +31,8 @@ SEED_RECIPES = [
     # Beyond the 13 seed recipes: the dense families users bring (issue 40).
     "qwen3",
     "mistral",
+    "gemma3",
+    "smollm3",
 ]
 COMPILED = [name for name in SEED_RECIPES if load_recipe(name).family in COMPILED_FAMILIES]
 # Family cores that also carry an fp32 torch step program (--target cpu,cuda): every compiled one

@@ -112,6 +112,9 @@ SPECIALS = {
     ],
     "qwen3": QWEN_SPECIALS,
     "mistral": ["<s>", "</s>", "[INST]", "[/INST]"],
+    # SmolLM3's vocabulary spells the end of text as Llama 3 does.
+    "smollm3": ["<|end_of_text|>", *QWEN_SPECIALS[1:]],
+    "gemma3": ["<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>"],
     "qwen3_5": QWEN_SPECIALS,
     "qwen3_5_moe": QWEN_SPECIALS,
     "nemotron_h": [
@@ -140,6 +143,8 @@ SPECIALS = {
 EOS = {
     "qwen3": "<|im_end|>",
     "mistral": "</s>",
+    "gemma3": "<end_of_turn>",
+    "smollm3": "<|im_end|>",
     "qwen3_5": "<|im_end|>",
     "qwen3_5_moe": "<|im_end|>",
     "deepseek_v3": "<|im_end|>",
@@ -156,6 +161,31 @@ EOS = {
 # Every MoE family routes 4 of 32 experts (group-limited families: 4 groups, 2 kept), so the parity
 # tests exercise dispatch at realistic sparsity with each family's routing.
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    # SmolLM3: every fourth layer without rotary (NoPE), tied embeddings.
+    "smollm3": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=2000000.0,
+        no_rope_layer_interval=2,
+    ),
+    # Gemma 3 270M's layout in miniature: five sliding layers (a window shorter than the parity
+    # prompts) then a global one, head_dim wider than hidden/heads, query_pre_attn_scalar.
+    "gemma3": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        query_pre_attn_scalar=32,
+        sliding_window=24,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        max_position_embeddings=4096,
+    ),
     # Mistral 7B v0.1's shape in miniature: every layer windowed, the window shorter than the
     # parity test's prompts so keys leave it during prefill and decode.
     "mistral": dict(
@@ -499,6 +529,8 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 # family -> (transformers module, config class, causal-LM class); None: the local text-only
 # wrapper defined below (transformers ships those models only with their vision towers).
 _CLASSES: dict[str, tuple[str, str, str | None]] = {
+    "smollm3": ("transformers.models.smollm3", "SmolLM3Config", "SmolLM3ForCausalLM"),
+    "gemma3": ("transformers.models.gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM"),
     "mistral": ("transformers.models.mistral", "MistralConfig", "MistralForCausalLM"),
     "qwen3": ("transformers.models.qwen3", "Qwen3Config", "Qwen3ForCausalLM"),
     "qwen3_5": ("transformers.models.qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),

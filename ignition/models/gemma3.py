@@ -1,0 +1,119 @@
+"""Gemma 3 (text; Gemma 2's layout without soft-capping): sliding and global GQA layers (a local
+rotary base on sliding ones) with (1 + w) QK norms and a query_pre_attn_scalar softmax scale,
+sandwich norms around attention and the GELU-tanh MLP (every norm of the (1 + w) form), scaled
+embeddings, tied lm_head. Gemma 2's soft-capping and Gemma 3's linear-scaled global rotary (4B and
+larger) are refused until the blocks carry them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ignition.models.base import FamilyError
+from ignition.models.blocks.loading import TensorLoader
+from ignition.models.blocks.mlp import GLU
+from ignition.models.blocks.norms import RMSNorm
+from ignition.models.configured import ConfiguredLM, PreNormLayer
+from ignition.models.plans import LayerPlan, ModelPlan
+
+ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def layer_kinds(cfg: dict[str, Any]) -> list[str]:
+    """Each layer's attention kind: `layer_types`, else every `sliding_window_pattern`-th global."""
+    n = int(cfg["num_hidden_layers"])
+    if cfg.get("layer_types"):
+        kinds = list(cfg["layer_types"])
+    else:
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+    if len(kinds) != n or set(kinds) - {"sliding_attention", "full_attention"}:
+        raise FamilyError(f"gemma3 layer types {kinds} are not supported")
+    return kinds
+
+
+def rope_theta(cfg: dict[str, Any], kind: str) -> float:
+    """The layer kind's rotary base (transformers 5's per-kind rope_parameters, or the older
+    rope_theta / rope_local_base_freq pair); scaled rotary is refused."""
+    params = (cfg.get("rope_parameters") or {}).get(kind) or {}
+    scaling = params
+    if not params and kind == "full_attention":  # older configs scale the global layers only
+        scaling = cfg.get("rope_scaling") or {}
+    if scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        raise FamilyError(f"gemma3 {kind} rope scaling {scaling} is not supported yet")
+    if params.get("rope_theta"):
+        return float(params["rope_theta"])
+    if kind == "sliding_attention":
+        return float(cfg.get("rope_local_base_freq") or 10000.0)
+    return float(cfg.get("rope_theta") or 1000000.0)
+
+
+def plan_gemma3(cfg: dict[str, Any]) -> ModelPlan:
+    act = ACTIVATIONS.get(cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh")
+    if act is None:
+        raise FamilyError(f"activation {cfg.get('hidden_activation')!r} is not supported")
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(cap):
+            raise FamilyError(f"{cap} (Gemma 2) is not supported yet")
+    if cfg.get("use_bidirectional_attention"):
+        raise FamilyError("bidirectional attention is not a causal decoder")
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or 256)
+    eps = float(cfg.get("rms_norm_eps", 1e-6))
+    window = int(cfg["sliding_window"])
+    layers = [
+        LayerPlan(
+            kind="gqa",
+            num_heads=heads,
+            num_kv_heads=int(cfg["num_key_value_heads"]),
+            head_dim=head_dim,
+            v_head_dim=head_dim,
+            rotary_dim=head_dim,
+            rope_theta=rope_theta(cfg, kind),
+            window=window if kind == "sliding_attention" else None,
+            qk_norm=True,
+            scale=float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5,
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            o_bias=False,
+            norm_offset=1.0,
+            intermediate=int(cfg["intermediate_size"]),
+            glu=GLU(act),
+        )
+        for kind in layer_kinds(cfg)
+    ]
+    return ModelPlan(
+        layers=layers,
+        rms_norm_eps=eps,
+        head_norm_eps=eps,
+        embed_scale=float(cfg["hidden_size"]) ** 0.5,
+        final_norm_offset=1.0,
+    )
+
+
+class SandwichLayer(PreNormLayer):
+    """x + post_norm(attn(norm(x))), then + post_ff_norm(mlp(pre_ff_norm(x)))."""
+
+    def __init__(self, plan: LayerPlan, hidden: int, eps: float, head_eps: float, attention) -> None:
+        super().__init__(plan, hidden, eps, head_eps, attention)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps, offset=plan.norm_offset, fusable=True)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps, offset=plan.norm_offset, fusable=True)
+
+    def forward(self, x, step, past_k, past_v, shared=None, per_layer_input=None):
+        attn, k, v = self.self_attn(self.input_layernorm(x), step, past_k, past_v, shared)
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), k, v
+
+    def load(self, loader: TensorLoader, p: str) -> None:
+        super().load(loader, p)
+        loader.norm(self.pre_feedforward_layernorm, p + "pre_feedforward_layernorm")
+        loader.norm(self.post_feedforward_layernorm, p + "post_feedforward_layernorm")
+
+
+class Gemma3LM(ConfiguredLM):
+    family = "gemma3"
+    model_types = ("gemma3", "gemma3_text")
+    planner = staticmethod(plan_gemma3)
+
+    def make_layer(self, plan: LayerPlan) -> SandwichLayer:
+        return SandwichLayer(
+            plan, self.arch.hidden_size, self.plan.rms_norm_eps, self.plan.head_norm_eps, self.attention
+        )
