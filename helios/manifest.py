@@ -17,46 +17,12 @@ from typing import Any, get_type_hints
 
 # major.minor: helios refuses a core whose major version it does not know; a minor version only
 # adds optional fields (an older 1.x helios ignores them, a newer one defaults them for older 1.x).
-# 1.1: `digest` (sha256 of the `files` listing).
-# 1.2: `logprobs.max_explicit_token_ids`; the step graph's `logprob_token_ids` input with its
-#      `token_logprobs` output and the `hidden` output; the optional "score" engine; `parity.mean_kl`.
-# 1.3: optional `state` (per-sequence recurrent state layout); a state-bearing step graph's
-#      `state_pool` / `state_slots` inputs and `new_state` output; `kv.num_layers` counts the
-#      layers with K/V rows (attention layers), which may be fewer than `architecture.num_layers`;
-#      optional `quantization` (bits and block sizes of the quantized weights); optional
-#      `template.numeric_effort` (the integer reasoning_effort range a template takes).
-# 1.4: `quantization.matmul_op`: int4 cores store their matmuls as ai.flare.MatMulInt4 (flare's
-#      tiled int4 layout, run by helios/kernels); qwen2/llama step graphs attend with
-#      ai.flare.PagedAttention. An older helios cannot open such graphs.
-# 1.5: `content_digest` (sha256 of core.json's canonical JSON without that field): a hand-edited
-#      field is refused like an edited file. `digest` keeps covering the listing, so an older
-#      1.x helios still verifies what it knows.
-# 1.6: optional `template.rejects`: request forms the core's native encoder refuses
-#      (drop_thinking, continuation, add_generation_prompt_false), refused by helios with a 400
-#      before rendering; such cores also validate chat_template_kwargs.reasoning_effort.
-# 1.7: the step graph's `logit_rows` / `logit_positions` inputs [N]: outputs at N chosen
-#      positions (a speculative round verifies k drafts of a row at k+1 positions in one step).
-# 1.8: optional `drafter`: a smaller model with the target's tokenizer compiled into the core
-#      (`ignition export --drafter`), its step graph an engine of its own; helios proposes drafts
-#      with it (helios/engine/drafter.py). An older 1.x helios ignores it and serves the target.
-# 1.9: optional `vision`: a prepared vision graph (an engine of its own) with its image profile
-#      and limits; the step graph of such a core also takes `mrope_positions`, `image_embeds`
-#      and `image_slots` (docs/architecture.md, "Images"). An older 1.x helios cannot feed those
-#      inputs: it refuses the step graph's extra inputs when it binds them.
-# 1.10: `quantization.attention`: "bfloat16" where the step graph's PagedAttention nodes carry
-#      precision="bfloat16" (int4 cores: Q, K, P, V rounded to bf16 on AMX tiles, fp32
-#      accumulation). An older 1.x helios's kernel ignores the attribute and attends in fp32.
-# 1.11: an engine's optional `target` ("cpu": an ONNX graph for onnxruntime; "cuda": a torch.export
-#      program of the same step module for helios' torch runner, `ignition export --target cuda`),
-#      with its weights' `dtype`, the `torch_version` that wrote it and its own `parity`. An
-#      older 1.x helios ignores the fields and serves the first "step" engine (the ONNX one).
-# 1.12: `limits.kv_dtype`: the KV pool's element type helios serves with by default ("auto",
-#      "float32", "bfloat16", "float16"; `ignition export --kv-dtype`, `helios serve --kv-dtype`
-#      overrides). The step graph still declares a float32 pool: helios retypes it when it opens
-#      the session. An older 1.x helios ignores the field and serves a float32 pool.
-# 1.13: optional `architecture.rope_scaling` (dense families): the checkpoint's RoPE scaling
-#      (linear, dynamic, yarn, llama3, or per-frequency factors from a GGUF's rope_freqs), which
-#      the step graph's rotary tables were computed with. Informational for helios.
+# docs/cores.md says what each minor version added: 1.1 `digest`; 1.2 explicit-id logprobs, the
+# `hidden` output and the "score" engine; 1.3 `state`, `quantization`, `template.numeric_effort`;
+# 1.4 `quantization.matmul_op` (ai.flare.MatMulInt4 / PagedAttention graphs); 1.5
+# `content_digest`; 1.6 `template.rejects`; 1.7 `logit_rows` / `logit_positions`; 1.8 `drafter`;
+# 1.9 `vision`; 1.10 `quantization.attention`; 1.11 an engine's `target`, `dtype`,
+# `torch_version` and `parity`; 1.12 `limits.kv_dtype`; 1.13 `architecture.rope_scaling`.
 FORMAT_VERSION = "1.13"
 ENGINE_TARGETS = ("cpu", "cuda")
 KV_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
@@ -79,18 +45,21 @@ class Identity:
 
 @dataclass
 class RopeScaling:
-    """(1.13) A dense checkpoint's RoPE scaling, as transformers' rope utilities read it."""
+    """(1.13) A dense checkpoint's RoPE scaling (ROPE_SCALING_KINDS) as transformers reads it:
+    factor and pretraining context; llama3's frequency band; YaRN's betas, correction-range
+    truncation and cos/sin attention factor; per-frequency divisors of the plain rotary
+    (`freq_factors`: a GGUF's rope_freqs, or llama3's band resolved by the reader)."""
 
-    kind: str  # ROPE_SCALING_KINDS
+    kind: str
     factor: float = 1.0
-    original_max_position_embeddings: int | None = None  # the pretraining context
-    low_freq_factor: float | None = None  # llama3
-    high_freq_factor: float | None = None  # llama3
-    beta_fast: float | None = None  # yarn
-    beta_slow: float | None = None  # yarn
-    attention_factor: float = 1.0  # yarn: the cos/sin scale (resolved from mscale when not given)
-    truncate: bool = True  # yarn: integer correction range
-    freq_factors: list[float] | None = None  # "factors": inv_freq[i] / freq_factors[i] (GGUF rope_freqs)
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    attention_factor: float = 1.0
+    truncate: bool = True
+    freq_factors: list[float] | None = None
 
 
 ROPE_SCALING_KINDS = ("linear", "dynamic", "yarn", "llama3", "factors")

@@ -14,9 +14,11 @@ from gguf.quants import dequantize
 
 from helios.manifest import Architecture, file_sha256
 from ignition.checkpoints.base import Checkpoint, CheckpointError
+from ignition.checkpoints.gguf_configured import GGUF_FAMILIES, config_from_gguf, configured_tensors
 from ignition.checkpoints.rope import rope_scaling_from_gguf, scaled_context
 from ignition.checkpoints.shapes import check_family, check_tensor_shapes
 from ignition.checkpoints.tokenizer import metadata_value, tokenizer_from_gguf
+from ignition.models import FAMILIES
 
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -144,7 +146,10 @@ def read_gguf(path: Path, checkpoint_id: str | None = None, sha256: str | None =
 
 
 def checkpoint_from_reader(reader: gguf.GGUFReader, checkpoint_id: str, sha256: str, source: str) -> Checkpoint:
-    family = check_family(str(metadata_value(reader, "general.architecture")), source)
+    gguf_arch = str(metadata_value(reader, "general.architecture"))
+    family = check_family(gguf_arch, source)
+    if gguf_arch in GGUF_FAMILIES:
+        return _configured_checkpoint(reader, gguf_arch, family, checkpoint_id, sha256, source)
     if family not in ("qwen2", "llama"):
         raise CheckpointError(
             f"{source}: GGUF files of the {family!r} family are not supported; use its safetensors folder"
@@ -193,6 +198,38 @@ def checkpoint_from_reader(reader: gguf.GGUFReader, checkpoint_id: str, sha256: 
         special_tokens=tok.special_tokens,
         source_format="gguf",
         source_quantization=_quantization_name(reader),
+    )
+
+
+def _configured_checkpoint(
+    reader: gguf.GGUFReader, gguf_arch: str, family: str, checkpoint_id: str, sha256: str, source: str
+) -> Checkpoint:
+    """A configured dense family's GGUF (ignition.checkpoints.gguf_configured)."""
+    names = {t.name for t in reader.tensors}
+    if "token_embd.weight" not in names:
+        raise CheckpointError(f"{source} has no token_embd.weight")
+    embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    vocab_size = int(embedding.shape[-1])
+    config = config_from_gguf(reader, gguf_arch, vocab_size, tied="output.weight" not in names)
+    tensors = configured_tensors(reader, gguf_arch, family, config, source)
+    tok = tokenizer_from_gguf(reader)
+    if tok.token_count > vocab_size:
+        raise CheckpointError(f"{source}: tokenizer has more tokens than the embedding's {vocab_size} rows")
+    return Checkpoint(
+        checkpoint_id=checkpoint_id,
+        sha256=sha256,
+        architecture=FAMILIES[family].architecture(config),
+        tensors=tensors,
+        tokenizer_json=tok.tokenizer_json,
+        chat_template=tok.chat_template,
+        bos_token_id=tok.bos_token_id,
+        eos_token_ids=tok.eos_token_ids,
+        pad_token_id=tok.pad_token_id,
+        add_bos=tok.add_bos,
+        special_tokens=tok.special_tokens,
+        source_format="gguf",
+        source_quantization=_quantization_name(reader),
+        model_config=config,
     )
 
 

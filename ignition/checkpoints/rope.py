@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
 from helios.manifest import RopeScaling
 from ignition.checkpoints.base import CheckpointError
 
@@ -43,13 +45,15 @@ def rope_scaling_from_config(config: dict[str, Any], source: str) -> RopeScaling
         if factor is None:
             raise KeyError("factor")
         if kind == "llama3":
-            return RopeScaling(
+            scaling = RopeScaling(
                 kind="llama3",
                 factor=float(factor),
                 original_max_position_embeddings=int(params["original_max_position_embeddings"]),
                 low_freq_factor=float(params["low_freq_factor"]),
                 high_freq_factor=float(params["high_freq_factor"]),
             )
+            scaling.freq_factors = llama3_freq_factors(scaling, head_dim(config), rope_theta(config))
+            return scaling
         return RopeScaling(
             kind=kind, factor=float(factor), original_max_position_embeddings=int(original) if original else None
         )
@@ -80,11 +84,36 @@ def _yarn(params: dict[str, Any], config: dict[str, Any], original: Any, factor:
     )
 
 
+def head_dim(config: dict[str, Any]) -> int:
+    return int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
+
+
+def rope_theta(config: dict[str, Any]) -> float:
+    return float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
+
+
+def llama3_freq_factors(scaling: RopeScaling, dim: int, theta: float) -> list[float]:
+    """transformers' _compute_llama3_parameters as per-frequency divisors of the plain rotary
+    (what llama.cpp writes as rope_freqs): long wavelengths divided by the factor, short ones
+    kept, the band between blended; float32 as transformers computes it."""
+    assert scaling.low_freq_factor and scaling.high_freq_factor and scaling.original_max_position_embeddings
+    factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+    original = scaling.original_max_position_embeddings
+    base = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    wavelen = 2 * math.pi / base
+    scaled = torch.where(wavelen > original / low, base / factor, base)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < original / high) * ~(wavelen > original / low)
+    target = torch.where(medium, smoothed, scaled)
+    return (base.double() / target.double()).tolist()
+
+
 def scaled_context(native: int, scaling: RopeScaling | None) -> int:
     """The context a checkpoint reaches with its scaling, as vLLM derives max_model_len: linear
     stretches max_position_embeddings by the factor, YaRN the original context; llama3 and
     per-frequency factors already declare theirs; dynamic NTK stays at its original context."""
-    if scaling is None or scaling.kind in ("llama3", "factors", "dynamic"):
+    if scaling is None or scaling.freq_factors is not None or scaling.kind == "dynamic":
         return native  # dynamic: see ignition.models.blocks.rotary.scaled_inv_freq
     base = scaling.original_max_position_embeddings if scaling.kind == "yarn" else native
     return max(native, int((base or native) * scaling.factor))

@@ -1,8 +1,8 @@
 """Gemma 3 (text; Gemma 2's layout without soft-capping): sliding and global GQA layers (a local
 rotary base on sliding ones) with (1 + w) QK norms and a query_pre_attn_scalar softmax scale,
 sandwich norms around attention and the GELU-tanh MLP (every norm of the (1 + w) form), scaled
-embeddings, tied lm_head. Gemma 2's soft-capping and Gemma 3's linear-scaled global rotary (4B and
-larger) are refused until the blocks carry them."""
+embeddings, tied lm_head; the global layers' linear-scaled rotary of Gemma 3 4B and larger. Gemma
+2's soft-capping is refused until the blocks carry it."""
 
 from __future__ import annotations
 
@@ -31,20 +31,25 @@ def layer_kinds(cfg: dict[str, Any]) -> list[str]:
     return kinds
 
 
-def rope_theta(cfg: dict[str, Any], kind: str) -> float:
-    """The layer kind's rotary base (transformers 5's per-kind rope_parameters, or the older
-    rope_theta / rope_local_base_freq pair); scaled rotary is refused."""
+def rope_of(cfg: dict[str, Any], kind: str) -> tuple[float, str, float]:
+    """(base, rotary kind, linear factor) of a layer kind: transformers 5's per-kind
+    rope_parameters, or the older rope_theta / rope_local_base_freq pair with `rope_scaling` on
+    the global layers (Gemma 3 4B and larger: linear, factor 8)."""
     params = (cfg.get("rope_parameters") or {}).get(kind) or {}
     scaling = params
     if not params and kind == "full_attention":  # older configs scale the global layers only
         scaling = cfg.get("rope_scaling") or {}
-    if scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        raise FamilyError(f"gemma3 {kind} rope scaling {scaling} is not supported yet")
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ("default", "linear"):
+        raise FamilyError(f"gemma3 {kind} rope scaling {scaling} is not supported")
+    factor = float(scaling.get("factor") or 1.0) if rope_type == "linear" else 1.0
     if params.get("rope_theta"):
-        return float(params["rope_theta"])
-    if kind == "sliding_attention":
-        return float(cfg.get("rope_local_base_freq") or 10000.0)
-    return float(cfg.get("rope_theta") or 1000000.0)
+        theta = float(params["rope_theta"])
+    elif kind == "sliding_attention":
+        theta = float(cfg.get("rope_local_base_freq") or 10000.0)
+    else:
+        theta = float(cfg.get("rope_theta") or 1000000.0)
+    return theta, rope_type, factor
 
 
 def plan_gemma3(cfg: dict[str, Any]) -> ModelPlan:
@@ -56,36 +61,44 @@ def plan_gemma3(cfg: dict[str, Any]) -> ModelPlan:
             raise FamilyError(f"{cap} (Gemma 2) is not supported yet")
     if cfg.get("use_bidirectional_attention"):
         raise FamilyError("bidirectional attention is not a causal decoder")
-    heads = int(cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or 256)
     eps = float(cfg.get("rms_norm_eps", 1e-6))
     window = int(cfg["sliding_window"])
-    layers = [
-        LayerPlan(
-            kind="gqa",
-            num_heads=heads,
-            num_kv_heads=int(cfg["num_key_value_heads"]),
-            head_dim=head_dim,
-            v_head_dim=head_dim,
-            rotary_dim=head_dim,
-            rope_theta=rope_theta(cfg, kind),
-            window=window if kind == "sliding_attention" else None,
-            qk_norm=True,
-            scale=float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5,
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            o_bias=False,
-            norm_offset=1.0,
-            intermediate=int(cfg["intermediate_size"]),
-            glu=GLU(act),
-        )
-        for kind in layer_kinds(cfg)
-    ]
+    layers = []
+    for kind in layer_kinds(cfg):
+        theta, rope_kind, factor = rope_of(cfg, kind)
+        layers.append(_layer(cfg, kind, theta, rope_kind, factor, window, act))
     return ModelPlan(
         layers=layers,
         rms_norm_eps=eps,
         head_norm_eps=eps,
         embed_scale=float(cfg["hidden_size"]) ** 0.5,
         final_norm_offset=1.0,
+    )
+
+
+def _layer(
+    cfg: dict[str, Any], kind: str, theta: float, rope_kind: str, factor: float, window: int, act: str
+) -> LayerPlan:
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or 256)
+    return LayerPlan(
+        kind="gqa",
+        num_heads=heads,
+        num_kv_heads=int(cfg["num_key_value_heads"]),
+        head_dim=head_dim,
+        v_head_dim=head_dim,
+        rotary_dim=head_dim,
+        rope_theta=theta,
+        rope_kind=rope_kind,
+        rope_factor=factor,
+        window=window if kind == "sliding_attention" else None,
+        qk_norm=True,
+        scale=float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5,
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        o_bias=False,
+        norm_offset=1.0,
+        intermediate=int(cfg["intermediate_size"]),
+        glu=GLU(act),
     )
 
 

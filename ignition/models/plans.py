@@ -25,8 +25,11 @@ class LayerPlan:
     rotary_dim: int  # dims of each q/k head that rotate (mla: qk_rope_head_dim)
     rope_theta: float
     rope_interleave: bool = False
-    rope_kind: str = "default"  # "default" | "proportional" (zero frequencies past rope_partial) | "yarn"
+    # "default" | "linear" (frequencies divided by rope_factor) | "proportional" (zero frequencies
+    # past rope_partial) | "yarn"
+    rope_kind: str = "default"
     rope_partial: float = 1.0  # proportional rope's rotating fraction
+    rope_factor: float = 1.0  # linear rope's position interpolation factor
     # YaRN: (factor, beta_fast, beta_slow, original_max_positions, truncate) and the cos/sin
     # attention factor it implies.
     rope_yarn: tuple = ()

@@ -172,9 +172,14 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         rope_theta=2000000.0,
         no_rope_layer_interval=2,
     ),
-    # Gemma 3 270M's layout in miniature: five sliding layers (a window shorter than the parity
-    # prompts) then a global one, head_dim wider than hidden/heads, query_pre_attn_scalar.
+    # Gemma 3's layout in miniature: five sliding layers (a window shorter than the parity
+    # prompts) then a global one, head_dim wider than hidden/heads, query_pre_attn_scalar, and the
+    # 4B-and-larger linear-scaled rotary on the global layer.
     "gemma3": dict(
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        },
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=6,

@@ -5,6 +5,8 @@ tests/unit/test_families.py's, where their recipes are listed."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from helios.manifest import Manifest
@@ -28,3 +30,66 @@ def test_int4_export_validates_and_the_recipe_is_inferred(tmp_path, family):
     # Export validation passed (else no core); the int4 distribution stays close to fp32's (a tiny
     # random model's near-ties make top-1 agreement alone a poor measure).
     assert manifest.parity is not None and manifest.parity.mean_kl is not None and manifest.parity.mean_kl < 0.05
+
+
+def test_qwen3_gguf_reads_through_the_name_map_and_exports(tmp_path):
+    """A tiny Qwen3 written as llama.cpp's converter writes it (gguf's TensorNameMap, qwen2 BPE
+    vocabulary): read back equal to its folder, logits equal to transformers', exported."""
+    import gguf
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from ignition.checkpoints.load import load_checkpoint
+    from ignition.models import FAMILIES
+    from tests.unit.gguf_writing import add_bpe_vocabulary, add_named_tensors, finish
+    from tests.unit.tiny_checkpoints import TINY, write_tiny_checkpoint
+
+    folder = write_tiny_checkpoint(tmp_path / "qwen2", "qwen2")  # for its real Qwen tokenizer files
+    base = json.loads((folder / "config.json").read_text())
+    config = Qwen3Config(
+        **{k: base[k] for k in TINY},
+        vocab_size=base["vocab_size"],
+        rope_theta=1000000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=base["bos_token_id"],
+        eos_token_id=base["eos_token_id"],
+    )
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).eval()
+    model.save_pretrained(folder)
+    tensors = {k: v.numpy() for k, v in load_file(folder / "model.safetensors").items()}
+
+    path = tmp_path / "tiny-qwen3.gguf"
+    writer = gguf.GGUFWriter(path, "qwen3")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(1000000.0)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    add_bpe_vocabulary(writer, folder, "qwen2", config.bos_token_id, config.eos_token_id)
+    add_named_tensors(writer, gguf.MODEL_ARCH.QWEN3, config.num_hidden_layers, tensors)
+    finish(writer)
+
+    checkpoint = load_checkpoint(str(path))
+    assert checkpoint.architecture.family == "qwen3" and checkpoint.model_config["model_type"] == "qwen3"
+    assert sorted(checkpoint.tensors) == sorted(tensors)
+    for name, value in tensors.items():
+        np.testing.assert_array_equal(checkpoint.tensors[name], value, err_msg=name)
+    ids = torch.from_numpy(np.random.default_rng(5).integers(0, 5000, 40))
+    family = FAMILIES["qwen3"]
+    ours = family.build(checkpoint.architecture, checkpoint.model_config, checkpoint.tensors).reference(ids)
+    with torch.no_grad():
+        theirs = model(ids.unsqueeze(0)).logits[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=2e-4)
+
+    out = tmp_path / "core"
+    export_core(ExportOptions(recipe=load_recipe("qwen3"), checkpoint=str(path), out=out, precision="fp32"))
+    assert Manifest.load(out).identity.checkpoint_id == "tiny-qwen3"

@@ -143,7 +143,22 @@ def test_no_source_file_outgrows_one_reading():
 
 
 # Model-family brands (a family's registry name starts with one of them); shared model code names none.
-BRANDS = ("qwen", "llama", "deepseek", "glm", "mimo", "gemma", "step3", "muse", "minimax", "nemotron", "kimi")
+BRANDS = (
+    "qwen",
+    "llama",
+    "deepseek",
+    "glm",
+    "mimo",
+    "gemma",
+    "step3",
+    "muse",
+    "minimax",
+    "nemotron",
+    "kimi",
+    "mistral",
+    "ministral",
+    "smollm",
+)
 SHARED_MODEL_CODE = ("blocks", "base.py", "plans.py", "configured.py", "decoder.py", "ops.py")
 
 

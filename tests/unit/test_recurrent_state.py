@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from helios.engine.step_io import step_groups
-from helios.manifest import Manifest, ManifestError, StateLayer, StateLayout
+from helios.manifest import FORMAT_VERSION, Manifest, ManifestError, StateLayer, StateLayout
 
 pytest.importorskip("transformers")
 
@@ -238,9 +238,9 @@ def test_scheduler_slots_and_prefix_cache_skips():
 
 
 def test_manifest_state_layout_is_checked():
-    from helios.manifest import FORMAT_VERSION, _build
+    from helios.manifest import _build
 
-    assert FORMAT_VERSION == "1.12"
+    assert FORMAT_VERSION == "1.13"
     good = {
         "width": 30,
         "dtype": "float32",
@@ -280,7 +280,7 @@ def core(family_env):
     """The tiny Qwen 3.5 checkpoint exported as an fp32 core (qwen38_dense recipe)."""
     core, _ = family_env("qwen38_dense")
     manifest = Manifest.load(core)
-    assert manifest.state is not None and manifest.kv.num_layers == 1 and manifest.format_version == "1.12"
+    assert manifest.state is not None and manifest.kv.num_layers == 1 and manifest.format_version == FORMAT_VERSION
     return core
 
 

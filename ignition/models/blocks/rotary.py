@@ -99,26 +99,19 @@ def yarn_attention_factor(factor: float, mscale: float | None, mscale_all: float
     return yarn_mscale(factor)
 
 
-def inv_freq(kind: str, dim: int, theta: float, partial: float = 1.0, yarn: tuple = ()) -> torch.Tensor:
-    """Frequencies [dim/2] of a rotary kind: "default", "proportional" (zero past `partial`) or
-    "yarn" (yarn = (factor, beta_fast, beta_slow, original_max_positions, truncate))."""
+def inv_freq(
+    kind: str, dim: int, theta: float, partial: float = 1.0, yarn: tuple = (), factor: float = 1.0
+) -> torch.Tensor:
+    """Frequencies [dim/2] of a rotary kind: "default", "linear" (divided by `factor`),
+    "proportional" (zero past `partial`) or "yarn" (yarn = (factor, beta_fast, beta_slow,
+    original_max_positions, truncate))."""
     if kind == "yarn":
         return yarn_inv_freq(dim, theta, *yarn)
     if kind == "proportional":
         return proportional_inv_freq(dim, theta, partial)
+    if kind == "linear":
+        return default_inv_freq(dim, theta) / factor
     return default_inv_freq(dim, theta)
-
-
-def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low: float, high: float, original: int) -> torch.Tensor:
-    """transformers' _compute_llama3_parameters: long wavelengths divided by the factor, short ones
-    kept, the band between blended."""
-    low_wavelen, high_wavelen = original / low, original / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (original / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-    return torch.where(medium, smoothed, scaled)
 
 
 def scaled_inv_freq(scaling: RopeScaling, dim: int, theta: float) -> torch.Tensor:
@@ -128,17 +121,11 @@ def scaled_inv_freq(scaling: RopeScaling, dim: int, theta: float) -> torch.Tenso
     the original context, by that pass's length, which no fixed table can follow; export keeps
     such a core's context at the original one (ignition.checkpoints.rope.scaled_context)."""
     base = default_inv_freq(dim, theta)
+    if scaling.freq_factors is not None:  # per-frequency divisors, computed by the checkpoint reader
+        assert len(scaling.freq_factors) == dim // 2
+        return (base.double() / torch.tensor(scaling.freq_factors, dtype=torch.float64)).float()
     if scaling.kind == "linear":
         return base / scaling.factor
-    if scaling.kind == "llama3":
-        assert scaling.low_freq_factor and scaling.high_freq_factor and scaling.original_max_position_embeddings
-        return llama3_inv_freq(
-            base,
-            scaling.factor,
-            scaling.low_freq_factor,
-            scaling.high_freq_factor,
-            scaling.original_max_position_embeddings,
-        )
     if scaling.kind == "yarn":
         assert scaling.original_max_position_embeddings is not None
         return yarn_inv_freq(
@@ -150,9 +137,6 @@ def scaled_inv_freq(scaling: RopeScaling, dim: int, theta: float) -> torch.Tenso
             scaling.original_max_position_embeddings,
             scaling.truncate,
         )
-    if scaling.kind == "factors":
-        assert scaling.freq_factors is not None and len(scaling.freq_factors) == dim // 2
-        return base / torch.tensor(scaling.freq_factors, dtype=torch.float32)
     return base  # dynamic
 
 
