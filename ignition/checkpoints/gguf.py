@@ -180,10 +180,22 @@ def checkpoint_from_reader(reader: gguf.GGUFReader, checkpoint_id: str, sha256: 
             array = unpermute_rotary(array, n_heads)
         tensors[hf_tensor_name(tensor.name)] = array
     check_tensor_shapes(tensors, arch, source)
+    return _checkpoint(reader, checkpoint_id, sha256, source, arch, tensors)
 
+
+def _checkpoint(
+    reader: gguf.GGUFReader,
+    checkpoint_id: str,
+    sha256: str,
+    source: str,
+    arch: Architecture,
+    tensors: dict[str, np.ndarray],
+    config: dict[str, Any] | None = None,
+) -> Checkpoint:
+    """The Checkpoint of read tensors, with the file's tokenizer, template and special ids."""
     tok = tokenizer_from_gguf(reader)
-    if tok.token_count > vocab_size:
-        raise CheckpointError(f"{source}: tokenizer has more tokens than the embedding's {vocab_size} rows")
+    if tok.token_count > arch.vocab_size:
+        raise CheckpointError(f"{source}: tokenizer has more tokens than the embedding's {arch.vocab_size} rows")
     return Checkpoint(
         checkpoint_id=checkpoint_id,
         sha256=sha256,
@@ -198,6 +210,7 @@ def checkpoint_from_reader(reader: gguf.GGUFReader, checkpoint_id: str, sha256: 
         special_tokens=tok.special_tokens,
         source_format="gguf",
         source_quantization=_quantization_name(reader),
+        model_config=config or {},
     )
 
 
@@ -212,25 +225,7 @@ def _configured_checkpoint(
     vocab_size = int(embedding.shape[-1])
     config = config_from_gguf(reader, gguf_arch, vocab_size, tied="output.weight" not in names)
     tensors = configured_tensors(reader, gguf_arch, family, config, source)
-    tok = tokenizer_from_gguf(reader)
-    if tok.token_count > vocab_size:
-        raise CheckpointError(f"{source}: tokenizer has more tokens than the embedding's {vocab_size} rows")
-    return Checkpoint(
-        checkpoint_id=checkpoint_id,
-        sha256=sha256,
-        architecture=FAMILIES[family].architecture(config),
-        tensors=tensors,
-        tokenizer_json=tok.tokenizer_json,
-        chat_template=tok.chat_template,
-        bos_token_id=tok.bos_token_id,
-        eos_token_ids=tok.eos_token_ids,
-        pad_token_id=tok.pad_token_id,
-        add_bos=tok.add_bos,
-        special_tokens=tok.special_tokens,
-        source_format="gguf",
-        source_quantization=_quantization_name(reader),
-        model_config=config,
-    )
+    return _checkpoint(reader, checkpoint_id, sha256, source, FAMILIES[family].architecture(config), tensors, config)
 
 
 # A header scan for `general.architecture`: GGUFReader parses every field (seconds for a 150k

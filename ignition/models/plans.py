@@ -119,6 +119,28 @@ def default_rope(cfg: dict[str, Any], layer_type: str | None = None) -> tuple[fl
     return theta, float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0)
 
 
+def dense_gqa_layer(cfg: dict[str, Any], **overrides: Any) -> LayerPlan:
+    """A plain dense layer of a config: GQA with plain rotary over its head width (or the
+    config's partial fraction), no output bias, a SwiGLU MLP of `intermediate_size`; `overrides`
+    set whatever else the family's layers carry (QK norms, a window, no rotary)."""
+    theta, partial = default_rope(cfg)
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    fields: dict[str, Any] = dict(
+        kind="gqa",
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        v_head_dim=head_dim,
+        rotary_dim=int(head_dim * partial),
+        rope_theta=theta,
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        o_bias=False,
+        intermediate=int(cfg["intermediate_size"]),
+    )
+    return LayerPlan(**{**fields, **overrides})
+
+
 def per_layer_overrides(cfg: dict[str, Any], i: int) -> dict[str, Any]:
     """Layer i's entry of a config's `per_layer_config` (keys are layer indices), else {}."""
     for key, values in (cfg.get("per_layer_config") or {}).items():

@@ -8,7 +8,7 @@ from typing import Any
 
 from ignition.models.base import FamilyError
 from ignition.models.configured import ConfiguredLM
-from ignition.models.plans import LayerPlan, ModelPlan, default_rope
+from ignition.models.plans import ModelPlan, dense_gqa_layer
 
 
 def plan_qwen3(cfg: dict[str, Any]) -> ModelPlan:
@@ -16,24 +16,9 @@ def plan_qwen3(cfg: dict[str, Any]) -> ModelPlan:
         raise FamilyError("only SiLU MLPs are supported")
     if cfg.get("use_sliding_window"):
         raise FamilyError("Qwen3 sliding-window attention (use_sliding_window) is not supported")
-    theta, partial = default_rope(cfg)
-    heads = int(cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
     eps = float(cfg.get("rms_norm_eps", 1e-6))
-    layer = LayerPlan(
-        kind="gqa",
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
-        v_head_dim=head_dim,
-        rotary_dim=int(head_dim * partial),
-        rope_theta=theta,
-        qk_norm=True,
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        o_bias=False,
-        intermediate=int(cfg["intermediate_size"]),
-    )
-    return ModelPlan(layers=[layer for _ in range(int(cfg["num_hidden_layers"]))], rms_norm_eps=eps, head_norm_eps=eps)
+    layers = [dense_gqa_layer(cfg, qk_norm=True) for _ in range(int(cfg["num_hidden_layers"]))]
+    return ModelPlan(layers=layers, rms_norm_eps=eps, head_norm_eps=eps)
 
 
 class Qwen3LM(ConfiguredLM):

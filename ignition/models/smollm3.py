@@ -7,7 +7,7 @@ from typing import Any
 
 from ignition.models.base import FamilyError
 from ignition.models.configured import ConfiguredLM
-from ignition.models.plans import LayerPlan, ModelPlan, default_rope
+from ignition.models.plans import ModelPlan, dense_gqa_layer
 
 
 def plan_smollm3(cfg: dict[str, Any]) -> ModelPlan:
@@ -20,24 +20,7 @@ def plan_smollm3(cfg: dict[str, Any]) -> ModelPlan:
     uses_rope = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)]
     if len(uses_rope) != n:
         raise FamilyError(f"no_rope_layers lists {len(uses_rope)} layers, the model has {n}")
-    theta, _ = default_rope(cfg)
-    heads = int(cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
-    layers = [
-        LayerPlan(
-            kind="gqa",
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=head_dim,
-            v_head_dim=head_dim,
-            rotary_dim=head_dim if rope else 0,
-            rope_theta=theta,
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            o_bias=False,
-            intermediate=int(cfg["intermediate_size"]),
-        )
-        for rope in uses_rope
-    ]
+    layers = [dense_gqa_layer(cfg) if rope else dense_gqa_layer(cfg, rotary_dim=0) for rope in uses_rope]
     return ModelPlan(layers=layers, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)))
 
 
