@@ -46,15 +46,18 @@ def _split(values: list[str] | None) -> list[str] | None:
     return [part.strip() for value in values for part in value.split(",") if part.strip()]
 
 
-def _env_api_key() -> str | None:
-    """The serving key from $FLARE_API_KEY (None when unset); set but blank is refused, never
-    silently an open server."""
+def _apply_serving_key(settings: ServerConfig, api_key_file: Path | None) -> None:
+    """The serving key: --api-key-file, else $FLARE_API_KEY (set but blank is refused, never
+    silently an open server), else the config file's api_key."""
+    if api_key_file is not None:
+        settings.api_key = read_api_key_file(api_key_file)
+        return
     raw = os.environ.get("FLARE_API_KEY")
     if raw is None:
-        return None
+        return
     if not raw.strip():
         raise ConfigError("FLARE_API_KEY is set but empty; unset it to serve without a key")
-    return raw.strip()
+    settings.api_key = raw.strip()
 
 
 def _resolve_model(model: str, recipe: str | None, precision: str, download: bool) -> tuple[Path, str | None]:
@@ -169,10 +172,7 @@ def serve(
 
     try:
         settings = ServerConfig.load(config) if config else ServerConfig()
-        if api_key_file is not None:
-            settings.api_key = read_api_key_file(api_key_file)
-        elif (env_key := _env_api_key()) is not None:
-            settings.api_key = env_key
+        _apply_serving_key(settings, api_key_file)
         for name, value in (
             ("host", host),
             ("port", port),
@@ -333,27 +333,18 @@ def cluster_serve(
     try:
         manifest = Manifest.load(core)
         settings = ServerConfig.load(config) if config else ServerConfig()
+        _apply_serving_key(settings, api_key_file)
         for name, value in (
             ("host", host),
             ("port", port),
             ("host_store_dir", str(host_store) if host_store else None),
-        ):
-            if value is not None:
-                setattr(settings, name, value)
-        if api_key_file is not None:
-            settings.api_key = read_api_key_file(api_key_file)
-        elif (env_key := _env_api_key()) is not None:
-            settings.api_key = env_key
-        for name, value in (
             ("served_model_names", _split(served_model_name)),
             ("allowed_origins", _split(allowed_origins)),
+            ("log_level", log_level.lower() if log_level else None),
+            ("log_format", log_format.lower() if log_format else None),
         ):
             if value is not None:
                 setattr(settings, name, value)
-        if log_level is not None:
-            settings.log_level = log_level.lower()
-        if log_format is not None:
-            settings.log_format = log_format.lower()
         settings.validate("options")
         if router not in POLICIES:
             raise ConfigError(f"--router must be one of {', '.join(POLICIES)}")

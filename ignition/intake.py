@@ -212,7 +212,7 @@ def checkpoint_digest(located: Located, report: Callable[[str], None]) -> str:
     if located.kind == "packaged":
         return PACKAGED_MODELS[located.name].sha256
     files = input_files(located)
-    stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    stats = [(str(p.resolve()), st.st_size, st.st_mtime_ns) for p in files for st in [p.stat()]]
     stamp_key = hashlib.sha256(json.dumps(stats).encode()).hexdigest()
     stamp = cache_root() / "cores" / "auto" / ".digests" / stamp_key
     try:
@@ -221,7 +221,7 @@ def checkpoint_digest(located: Located, report: Callable[[str], None]) -> str:
             return remembered
     except OSError:
         pass
-    size = sum(p.stat().st_size for p in files)
+    size = sum(size for _, size, _ in stats)
     report(f"hashing {located.name} ({size / 1e9:.2f} GB)")
     digest = hashlib.sha256()
     for path in files:
