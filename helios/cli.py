@@ -60,7 +60,7 @@ def _apply_serving_key(settings: ServerConfig, api_key_file: Path | None) -> Non
     settings.api_key = raw.strip()
 
 
-def _resolve_model(model: str, recipe: str | None, precision: str, download: bool) -> tuple[Path, str | None]:
+def _resolve_model(model: str, recipe: str | None, precision: str | None, download: bool) -> tuple[Path, str | None]:
     """MODEL as a core folder (itself, or the cached core compiled from the checkpoint it names),
     and the ORG/NAME it was asked for by, if any (vLLM serves such a model under that id)."""
     path = Path(model).expanduser()
@@ -77,7 +77,7 @@ def _resolve_model(model: str, recipe: str | None, precision: str, download: boo
             f"[bold]{escape(model)}[/]: recipe [bold]{chosen.name}[/] ({chosen.family})"
             + ("" if recipe else ", inferred from the checkpoint; --recipe NAME picks another")
         )
-        return compile_core(located, chosen, precision, err_console), located.repo_id
+        return compile_core(located, chosen, precision or chosen.precision, err_console), located.repo_id
     except IntakeError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -93,7 +93,9 @@ def serve(
     recipe: str | None = typer.Option(
         None, envvar="FLARE_RECIPE", help="recipe for a checkpoint [default: inferred from its architecture]"
     ),
-    precision: str = typer.Option("int4", envvar="FLARE_PRECISION", help="weights of a compiled checkpoint"),
+    precision: str | None = typer.Option(
+        None, envvar="FLARE_PRECISION", help="weights of a compiled checkpoint [default: the recipe's, int4 for most]"
+    ),
     download: bool = typer.Option(
         False, "--download", envvar="FLARE_DOWNLOAD", help="download an ORG/NAME missing from the Hugging Face cache"
     ),

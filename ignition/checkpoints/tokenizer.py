@@ -1,8 +1,9 @@
 """GGUF tokenizer metadata (`tokenizer.ggml.*`) -> a Hugging Face `tokenizers` JSON document.
 
-Only byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) are supported: that is what
-the qwen2 and llama (SmolLM2) families ship. The pre-tokenizer is chosen by `tokenizer.ggml.pre`
-and reproduces llama.cpp's split for it, which is also the original Hugging Face tokenizer's.
+Byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`: Qwen, Llama 3, SmolLM) get the
+pre-tokenizer `tokenizer.ggml.pre` names, reproducing llama.cpp's split for it (which is also the
+original Hugging Face tokenizer's). SentencePiece vocabularies (`"llama"`: Gemma, Llama 2, Mistral
+v1) are built by ignition.checkpoints.spm_vocab.
 
 The document never adds BOS/EOS by itself (no template post-processor): encode with
 `add_special_tokens=False` and prepend `bos_token_id` when `add_bos` is true.
@@ -18,6 +19,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 from helios.neutral.tokenizer import gpt2_byte_alphabet
 from ignition.checkpoints.base import CheckpointError
+from ignition.checkpoints.spm_vocab import build_sentencepiece_bpe
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 CONTROL = 3
@@ -126,17 +128,26 @@ def metadata_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> An
 def tokenizer_from_gguf(reader: gguf.GGUFReader) -> GGUFTokenizer:
     """The tokenizer, chat template and special ids a GGUF file describes."""
     model = metadata_value(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
+    if model not in ("gpt2", "llama"):
         raise CheckpointError(
-            f"unsupported GGUF tokenizer model {model!r} (tokenizer.ggml.model); flare reads byte-level BPE ('gpt2')"
+            f"unsupported GGUF tokenizer model {model!r} (tokenizer.ggml.model); flare reads byte-level BPE "
+            "('gpt2') and SentencePiece ('llama')"
         )
     tokens: list[str] = metadata_value(reader, "tokenizer.ggml.tokens")
     token_types: list[int] = metadata_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     if len(token_types) != len(tokens):
         raise CheckpointError(f"GGUF has {len(tokens)} tokens but {len(token_types)} token types")
-    merges: list[str] = metadata_value(reader, "tokenizer.ggml.merges") or []
     pre = metadata_value(reader, "tokenizer.ggml.pre", "default")
-    tokenizer = build_byte_level_bpe(tokens, token_types, merges, pre)
+    if model == "llama":
+        scores: list[float] = metadata_value(reader, "tokenizer.ggml.scores") or []
+        if len(scores) != len(tokens):
+            raise CheckpointError(f"GGUF has {len(tokens)} tokens but {len(scores)} scores")
+        # llama.cpp's default for SentencePiece: a space before the text, unless the file says not.
+        prefix = bool(metadata_value(reader, "tokenizer.ggml.add_space_prefix", True))
+        tokenizer = build_sentencepiece_bpe(tokens, token_types, scores, prefix)
+    else:
+        merges: list[str] = metadata_value(reader, "tokenizer.ggml.merges") or []
+        tokenizer = build_byte_level_bpe(tokens, token_types, merges, pre)
 
     eos_ids: list[int] = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
@@ -151,8 +162,8 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> GGUFTokenizer:
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
         pad_token_id=None if pad is None else int(pad),
-        # Without the flag, llama.cpp adds BOS only for Llama 3 style vocabularies.
-        add_bos=bool(metadata_value(reader, "tokenizer.ggml.add_bos_token", pre in LLAMA3_PRES)),
+        # Without the flag, llama.cpp adds BOS to SentencePiece and Llama 3 style vocabularies.
+        add_bos=bool(metadata_value(reader, "tokenizer.ggml.add_bos_token", model == "llama" or pre in LLAMA3_PRES)),
         special_tokens={
             token: i for i, (token, kind) in enumerate(zip(tokens, token_types, strict=True)) if kind == CONTROL
         },

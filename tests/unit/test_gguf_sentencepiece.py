@@ -1,0 +1,178 @@
+"""GGUF SentencePiece vocabularies and Gemma 3 GGUFs (issue 40, item 3).
+
+The `tokenizers` document ignition builds from a "llama" vocabulary must encode exactly as
+llama.cpp's SPM tokenizer does: checked against a plain re-statement of that algorithm (below) on
+a vocabulary built here. A tiny Gemma 3, written as llama.cpp's converter writes it (gguf's
+TensorNameMap, norms stored as 1 + w, the linear global rotary in the metadata), reads back
+equal to its transformers model and exports. The real Gemma 3 270M is tests/e2e/test_gemma3_real.py.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from helios.manifest import Manifest
+from ignition.checkpoints.load import load_checkpoint
+from ignition.checkpoints.spm_vocab import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, build_sentencepiece_bpe
+from ignition.export.pipeline import ExportOptions, export_core
+from ignition.models import FAMILIES
+from ignition.recipes import load_recipe
+from tests.unit.family_checkpoints import SPECIALS, build_reference
+from tests.unit.gguf_writing import add_named_tensors, finish
+
+MARK = "\u2581"
+CORPUS = (Path(__file__).read_text() + Path(gguf.__file__).read_text()[:20000]).replace("\r", "")
+
+
+def llama_cpp_spm(text: str, tokens: list[str], types: list[int], scores: list[float], prefix: bool) -> list[int]:
+    """llama.cpp's SPM tokenizer, restated plainly: cut out control and user-defined tokens
+    (longest first), a space before each text fragment that follows one (when `prefix`), spaces as
+    "▁", then join the best-scoring adjacent pair in the vocabulary (leftmost on a tie) until none
+    is left, and spell pieces outside the vocabulary as byte tokens."""
+    ids = {token: index for index, token in enumerate(tokens)}
+    fragments: list[str | int] = [text]
+    whole = sorted(
+        (t for t, kind in zip(tokens, types) if kind in (CONTROL, USER_DEFINED) and t), key=len, reverse=True
+    )
+    for token in whole:
+        cut: list[str | int] = []
+        for fragment in fragments:
+            if isinstance(fragment, int):
+                cut.append(fragment)
+                continue
+            parts = fragment.split(token)
+            for i, part in enumerate(parts):
+                if i:
+                    cut.append(ids[token])
+                if part:
+                    cut.append(part)
+        fragments = cut
+    out: list[int] = []
+    after_token = True
+    for fragment in fragments:
+        if isinstance(fragment, int):
+            out.append(fragment)
+            after_token = True
+            continue
+        symbols = list(((" " if prefix and after_token else "") + fragment).replace(" ", MARK))
+        while True:
+            best = None
+            for j in range(len(symbols) - 1):
+                joined = symbols[j] + symbols[j + 1]
+                if joined in ids and (best is None or scores[ids[joined]] > best[0]):
+                    best = (scores[ids[joined]], j)
+            if best is None:
+                break
+            j = best[1]
+            symbols[j : j + 2] = [symbols[j] + symbols[j + 1]]
+        for symbol in symbols:
+            out.extend([ids[symbol]] if symbol in ids else [ids[f"<0x{b:02X}>"] for b in symbol.encode()])
+        after_token = False
+    return out
+
+
+def corpus_vocabulary() -> tuple[list[str], list[int], list[float]]:
+    """A SentencePiece-style vocabulary of the corpus: specials, bytes, every character, and the
+    frequent word pieces, scored best-first by frequency (as SentencePiece orders them)."""
+    words = [MARK + w for w in CORPUS.replace("\n", " ").split(" ") if w]
+    counts: Counter[str] = Counter()
+    for word in words:
+        for i in range(len(word)):
+            for j in range(i + 2, min(len(word), i + 7) + 1):
+                counts[word[i:j]] += 1
+    chars = sorted(set(CORPUS.replace(" ", MARK)) - {"\n"})
+    pieces = [piece for piece, n in counts.most_common() if n >= 3][:3000]
+    specials = [("<pad>", CONTROL), ("<eos>", CONTROL), ("<bos>", CONTROL), ("<unk>", UNKNOWN)]
+    specials += [("<start_of_turn>", CONTROL), ("<end_of_turn>", CONTROL), ("\n", USER_DEFINED), ("  ", USER_DEFINED)]
+    tokens = [t for t, _ in specials] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [k for _, k in specials] + [BYTE] * 256
+    scores = [0.0] * len(tokens)
+    for rank, piece in enumerate([*chars, *pieces]):
+        if piece not in tokens:
+            tokens.append(piece)
+            types.append(NORMAL)
+            scores.append(-float(rank) if len(piece) > 1 else -1e6 - rank)
+    return tokens, types, scores
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_sentencepiece_bpe_encodes_as_llama_cpp(prefix):
+    tokens, types, scores = corpus_vocabulary()
+    tokenizer = build_sentencepiece_bpe(tokens, types, scores, add_space_prefix=prefix)
+    rng = random.Random(7)
+    texts = ["", " ", "hello world", "  two  spaces", "a\nb\n\nc", "<start_of_turn>user\nhi<end_of_turn>", "é ☃ 🙂 ü"]
+    texts += [CORPUS[i : i + rng.randrange(1, 200)] for i in (rng.randrange(len(CORPUS) - 200) for _ in range(300))]
+    for text in texts:
+        ours = tokenizer.encode(text, add_special_tokens=False).ids
+        assert ours == llama_cpp_spm(text, tokens, types, scores, prefix), repr(text)
+        if not prefix and MARK not in text:  # a literal "▁" decodes as the space it stands for
+            assert tokenizer.decode(ours, skip_special_tokens=False) == text
+
+
+def write_gemma3_gguf(model, path: Path) -> None:
+    """A tiny Gemma 3 as llama.cpp's converter writes it: byte tokens and the model's specials as a
+    SentencePiece vocabulary, (1 + w) norm weights, the linear global rotary as metadata."""
+    config = model.config
+    specials = SPECIALS["gemma3"]
+    tokens = [f"<0x{b:02X}>" for b in range(256)] + specials
+    writer = gguf.GGUFWriter(path, "gemma3")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["full_attention"]["rope_theta"])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(config.rope_parameters["full_attention"]["factor"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_types([BYTE] * 256 + [CONTROL] * len(specials))
+    writer.add_bos_token_id(256 + specials.index("<bos>"))
+    writer.add_eos_token_id(256 + specials.index("<eos>"))
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(False)
+    tensors = {}
+    for name, value in model.state_dict().items():
+        array = value.numpy()
+        tensors[name] = array + np.float32(1.0) if name.endswith("norm.weight") else array
+    tensors.pop("lm_head.weight", None)  # tied: llama.cpp writes the embedding only
+    add_named_tensors(writer, gguf.MODEL_ARCH.GEMMA3, config.num_hidden_layers, tensors)
+    finish(writer)
+
+
+def test_gemma3_gguf_reads_back_equal_and_matches_transformers(tmp_path):
+    model = build_reference("gemma3", overrides={"query_pre_attn_scalar": 32})
+    path = tmp_path / "tiny-gemma3.gguf"
+    write_gemma3_gguf(model, path)
+
+    checkpoint = load_checkpoint(str(path))
+    assert checkpoint.architecture.family == "gemma3" and checkpoint.model_config["model_type"] == "gemma3_text"
+    expected = {k: v.numpy() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    assert sorted(checkpoint.tensors) == sorted(expected)
+    for name, value in expected.items():
+        # A norm comes back as (1 + w) - 1 in float32: w within one float32 step of 1 + w (2.4e-7).
+        np.testing.assert_allclose(checkpoint.tensors[name], value, rtol=0, atol=2.4e-7, err_msg=name)
+    ids = torch.from_numpy(np.random.default_rng(3).integers(0, 256, 60))  # past the 24-token window
+    ours = FAMILIES["gemma3"].build(checkpoint.architecture, checkpoint.model_config, checkpoint.tensors).reference(ids)
+    with torch.no_grad():
+        theirs = model(ids.unsqueeze(0)).logits[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=2e-4)
+
+    out = tmp_path / "core"
+    export_core(ExportOptions(recipe=load_recipe("gemma3"), checkpoint=str(path), out=out, precision="fp32"))
+    manifest = Manifest.load(out)
+    assert manifest.architecture.family == "gemma3" and manifest.identity.checkpoint_id == "tiny-gemma3"
