@@ -39,6 +39,7 @@ COMPILED_FAMILIES = (
     "mistral",
     "gemma3",
     "smollm3",
+    "phi3",
 )
 PLANNED_FAMILIES: tuple[str, ...] = ()
 KNOWN_FAMILIES = COMPILED_FAMILIES + PLANNED_FAMILIES

@@ -33,6 +33,7 @@ SEED_RECIPES = [
     "mistral",
     "gemma3",
     "smollm3",
+    "phi3",
 ]
 COMPILED = [name for name in SEED_RECIPES if load_recipe(name).family in COMPILED_FAMILIES]
 # Family cores that also carry an fp32 torch step program (--target cpu,cuda): every compiled one

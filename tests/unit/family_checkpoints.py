@@ -115,6 +115,7 @@ SPECIALS = {
     # SmolLM3's vocabulary spells the end of text as Llama 3 does.
     "smollm3": ["<|end_of_text|>", *QWEN_SPECIALS[1:]],
     "gemma3": ["<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>"],
+    "phi3": ["<s>", "</s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
     "qwen3_5": QWEN_SPECIALS,
     "qwen3_5_moe": QWEN_SPECIALS,
     "nemotron_h": [
@@ -144,6 +145,7 @@ EOS = {
     "qwen3": "<|im_end|>",
     "mistral": "</s>",
     "gemma3": "<end_of_turn>",
+    "phi3": "<|end|>",
     "smollm3": "<|im_end|>",
     "qwen3_5": "<|im_end|>",
     "qwen3_5_moe": "<|im_end|>",
@@ -190,6 +192,19 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         sliding_window=24,
         layer_types=["sliding_attention"] * 5 + ["full_attention"],
         max_position_embeddings=4096,
+    ),
+    # Phi-3-mini's shape in miniature (fused qkv and gate_up in the checkpoint), with Phi-4-mini's
+    # partial rotary and a window shorter than the parity prompts.
+    "phi3": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        sliding_window=24,
+        tie_word_embeddings=False,
     ),
     # Mistral 7B v0.1's shape in miniature: every layer windowed, the window shorter than the
     # parity test's prompts so keys leave it during prefill and decode.
@@ -537,6 +552,7 @@ _CLASSES: dict[str, tuple[str, str, str | None]] = {
     "smollm3": ("transformers.models.smollm3", "SmolLM3Config", "SmolLM3ForCausalLM"),
     "gemma3": ("transformers.models.gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM"),
     "mistral": ("transformers.models.mistral", "MistralConfig", "MistralForCausalLM"),
+    "phi3": ("transformers.models.phi3", "Phi3Config", "Phi3ForCausalLM"),
     "qwen3": ("transformers.models.qwen3", "Qwen3Config", "Qwen3ForCausalLM"),
     "qwen3_5": ("transformers.models.qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
     "qwen3_5_moe": ("transformers.models.qwen3_5_moe", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),

@@ -15,7 +15,13 @@ from ignition.intake import infer_recipe, locate
 from ignition.recipes import load_recipe
 from tests.unit.family_checkpoints import write_quantizable_checkpoint
 
-DENSE = {"qwen3": "qwen3", "mistral": "mistral", "gemma3": "gemma3", "smollm3": "smollm3"}  # family -> its recipe
+DENSE = {
+    "qwen3": "qwen3",
+    "mistral": "mistral",
+    "gemma3": "gemma3",
+    "smollm3": "smollm3",
+    "phi3": "phi3",
+}  # family -> its recipe
 
 
 @pytest.mark.parametrize("family", sorted(DENSE))

@@ -158,6 +158,7 @@ BRANDS = (
     "mistral",
     "ministral",
     "smollm",
+    "phi3",
 )
 SHARED_MODEL_CODE = ("blocks", "base.py", "plans.py", "configured.py", "decoder.py", "ops.py")
 
