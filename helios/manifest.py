@@ -22,8 +22,9 @@ from typing import Any, get_type_hints
 # 1.4 `quantization.matmul_op` (ai.flare.MatMulInt4 / PagedAttention graphs); 1.5
 # `content_digest`; 1.6 `template.rejects`; 1.7 `logit_rows` / `logit_positions`; 1.8 `drafter`;
 # 1.9 `vision`; 1.10 `quantization.attention`; 1.11 an engine's `target`, `dtype`,
-# `torch_version` and `parity`; 1.12 `limits.kv_dtype`; 1.13 `architecture.rope_scaling`.
-FORMAT_VERSION = "1.13"
+# `torch_version` and `parity`; 1.12 `limits.kv_dtype`; 1.13 `architecture.rope_scaling`; 1.14
+# `identity.source_format` / `source_quantization`.
+FORMAT_VERSION = "1.14"
 ENGINE_TARGETS = ("cpu", "cuda")
 KV_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 TEMPLATE_REJECTS = ("drop_thinking", "continuation", "add_generation_prompt_false")
@@ -41,6 +42,10 @@ class Identity:
     checkpoint_id: str  # e.g. "qwen2.5-coder-0.5b" or a path's basename
     checkpoint_sha256: str  # of the GGUF file, or of the safetensors files concatenated in name order
     aliases: list[str] = field(default_factory=list)  # served names; the first nonempty is the model id
+    # (1.14) Where the weights came from: "gguf" / "safetensors", and how the source stored them
+    # ("Q4_K_M", "bfloat16", "gptq-int4-g128", "fp8-e4m3"...); empty in older cores.
+    source_format: str = ""
+    source_quantization: str = ""
 
 
 @dataclass

@@ -155,7 +155,9 @@ def _summary(out: Path, manifest: Manifest, seconds: float) -> None:
     table.add_column()
     arch = manifest.architecture
     table.add_row(
-        "model", f"{manifest.model_id}  ({manifest.identity.checkpoint_id}, recipe {manifest.identity.recipe})"
+        "model",
+        f"{manifest.model_id}  ({manifest.identity.checkpoint_id}, recipe {manifest.identity.recipe})"
+        + (f", from {manifest.identity.source_quantization}" if manifest.identity.source_quantization else ""),
     )
     table.add_row(
         "architecture",

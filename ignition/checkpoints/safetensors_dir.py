@@ -13,6 +13,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from helios.manifest import Architecture
+from ignition.checkpoints import prequantized
 from ignition.checkpoints.base import Checkpoint, CheckpointError
 from ignition.checkpoints.rope import rope_scaling_from_config, scaled_context
 from ignition.checkpoints.shapes import SUPPORTED_FAMILIES, check_family, check_tensor_shapes
@@ -110,8 +111,10 @@ def files_sha256(files: list[Path]) -> str:
     return digest.hexdigest()
 
 
-def _load_tensors(files: list[Path]) -> tuple[dict[str, np.ndarray], set[str]]:
+def _load_tensors(files: list[Path], qconfig: dict[str, Any] | None) -> tuple[dict[str, np.ndarray], str]:
+    """float32 tensors by name, and what the source stored (dtypes, or the quantization method)."""
     tensors: dict[str, np.ndarray] = {}
+    raw: dict[str, torch.Tensor] = {}
     dtypes: set[str] = set()
     for path in files:
         # torch, not numpy: numpy has no bfloat16, the usual dtype of these files
@@ -121,8 +124,13 @@ def _load_tensors(files: list[Path]) -> tuple[dict[str, np.ndarray], set[str]]:
                     continue
                 tensor = f.get_tensor(name)
                 dtypes.add(str(tensor.dtype).removeprefix("torch."))
-                tensors[name] = tensor.to(torch.float32).numpy()
-    return tensors, dtypes
+                if qconfig is None:
+                    tensors[name] = tensor.to(torch.float32).numpy()
+                else:
+                    raw[name] = tensor  # packed ints and scales: unpacked together below
+    if qconfig is not None:
+        return prequantized.dequantize(raw, qconfig), prequantized.describe(qconfig)
+    return tensors, "+".join(sorted(dtypes))
 
 
 def _token_content(value: Any) -> str | None:
@@ -210,7 +218,10 @@ def read_safetensors_dir(path: Path, checkpoint_id: str | None = None) -> Checkp
     files = safetensors_files(folder)
     tokenizer_fields = _tokenizer_fields(folder, config, arch.vocab_size)  # cheap checks before the tensors
 
-    tensors, dtypes = _load_tensors(files)
+    qconfig = config.get("quantization_config")
+    if qconfig is not None:
+        prequantized.describe(qconfig)  # an unsupported method is refused before any tensor is read
+    tensors, stored = _load_tensors(files, qconfig)
     if arch.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some exports save the tied copy too
     if arch.family in SUPPORTED_FAMILIES:
@@ -223,7 +234,7 @@ def read_safetensors_dir(path: Path, checkpoint_id: str | None = None) -> Checkp
         tensors=tensors,
         **tokenizer_fields,
         source_format="safetensors",
-        source_quantization="+".join(sorted(dtypes)),
+        source_quantization=stored,
         model_config={} if arch.family in SUPPORTED_FAMILIES else config,
         image_processor=_read_json(folder / "preprocessor_config.json", required=False),
     )

@@ -58,6 +58,8 @@ def assemble(
             checkpoint_id=checkpoint.checkpoint_id,
             checkpoint_sha256=checkpoint.sha256,
             aliases=list(recipe.aliases),
+            source_format=checkpoint.source_format,
+            source_quantization=checkpoint.source_quantization,
         ),
         architecture=checkpoint.architecture,
         precision=options.precision,
