@@ -6,7 +6,9 @@ in the local Hugging Face cache through huggingface_hub's own cache lookup (whic
 refs/main), downloaded by the same library only when asked (`download=True`).
 
 The recipe is inferred from the checkpoint's own metadata (config.json `model_type`, GGUF
-`general.architecture`) against the recipes' families, unless one is named. The core is compiled
+`general.architecture`) against the recipes' families, unless one is named; the checkpoint's own
+chat template then picks among the family's recipes and declares the tool and reasoning syntax
+(ignition/template_syntax.py), and generation_config.json the sampling defaults. The core is compiled
 once into `$FLARE_CACHE/cores/auto/`, keyed by the checkpoint's digest (hashed once and
 remembered by its files' paths, sizes and mtimes, so a second start reads no weights), the
 recipe, the options and the exporter's code version.
@@ -39,6 +41,7 @@ from ignition.checkpoints.shapes import check_family
 from ignition.export.display import StageDisplay
 from ignition.export.toolchain import exporter_version
 from ignition.recipes import HUB_ID, RECIPES_DIR, Recipe, RecipeError, available_recipes, load_recipe
+from ignition.template_syntax import best_for_template, checkpoint_template, with_template_syntax
 
 KINDS = ("core", "gguf", "folder", "packaged")  # an ORG/NAME is a folder in the hub cache
 DEFAULT_AUTO_CORES = 4
@@ -149,7 +152,7 @@ def infer_recipe(located: Located) -> Recipe:
     for recipe in matching:
         if named in recipe.hub_ids or named == recipe.default_checkpoint:
             return recipe
-    return sorted(matching, key=lambda r: r.name)[0]
+    return best_for_template(matching, checkpoint_template(located.kind, located.path))
 
 
 def with_checkpoint_sampling(recipe: Recipe, located: Located) -> Recipe:
@@ -185,7 +188,8 @@ def with_checkpoint_sampling(recipe: Recipe, located: Located) -> Recipe:
 
 def resolve_recipe(located: Located, recipe: str | None) -> Recipe:
     if recipe is None:
-        return with_checkpoint_sampling(infer_recipe(located), located)
+        inferred = with_template_syntax(infer_recipe(located), checkpoint_template(located.kind, located.path))
+        return with_checkpoint_sampling(inferred, located)
     try:
         return load_recipe(recipe)
     except RecipeError as exc:

@@ -265,15 +265,23 @@ def _skip_value(f: BinaryIO, value_type: int) -> None:
 
 def read_gguf_architecture(path: Path) -> str:
     """`general.architecture` of a GGUF file, read from its header only."""
+    found = read_gguf_string(path, "general.architecture")
+    if found is None:
+        raise CheckpointError(f"{path} has no general.architecture")
+    return found
+
+
+def read_gguf_string(path: Path, key: str) -> str | None:
+    """One string value of a GGUF file's metadata (None if absent), read from its header only."""
     try:
-        return _scan_architecture(path)
+        return _scan_string(path, key)
     except CheckpointError:
         raise
     except (struct.error, UnicodeDecodeError, ValueError, OverflowError, OSError) as exc:  # truncated or not GGUF
         raise CheckpointError(f"{path} is not a readable GGUF file: {exc}") from None
 
 
-def _scan_architecture(path: Path) -> str:
+def _scan_string(path: Path, wanted: str) -> str | None:
     with open(path, "rb") as f:
         magic, version = struct.unpack("<4sI", f.read(8))
         if magic != b"GGUF" or version not in (2, 3):
@@ -286,7 +294,7 @@ def _scan_architecture(path: Path) -> str:
                 raise CheckpointError(f"{path} is not a readable GGUF file: a key length of {length} bytes")
             key = f.read(length).decode("utf-8")
             (value_type,) = struct.unpack("<I", f.read(4))
-            if key == "general.architecture" and value_type == GGUFValueType.STRING:
+            if key == wanted and value_type == GGUFValueType.STRING:
                 return f.read(_read_u64(f)).decode("utf-8")
             _skip_value(f, value_type)
-    raise CheckpointError(f"{path} has no general.architecture")
+    return None

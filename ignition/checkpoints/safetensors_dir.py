@@ -146,6 +146,11 @@ def _ids(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
+def folder_chat_template(folder: Path) -> str | None:
+    """A Hugging Face folder's own chat template, if it has one."""
+    return _chat_template(folder, _read_json(folder / "tokenizer_config.json", required=False))
+
+
 def _chat_template(folder: Path, tokenizer_config: dict[str, Any]) -> str | None:
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():

@@ -30,6 +30,7 @@ IGNITION_LAYERS = [
     ("ignition.models",),  # torch modules over helios.manifest's Architecture
     ("ignition.recipes", "ignition.checkpoints"),  # readers check families against the registry
     ("ignition.export", "ignition.tiny", "ignition.tiny_text"),  # tiny*: write checkpoints the exporter compiles
+    ("ignition.template_syntax",),  # what a checkpoint's own template says about an inferred recipe
     # intake: `helios serve MODEL`'s front half (find, infer the recipe, compile into the cache)
     ("ignition.inspect_core", "ignition.verify_core", "ignition.intake", "ignition.cli", "ignition.__main__"),
 ]
