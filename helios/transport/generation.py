@@ -23,6 +23,7 @@ from helios.neutral.errors import OutputFailure
 from helios.transport.admission import GenerationGroup, terminal_failure
 from helios.transport.context import ServerContext, response_headers
 from helios.transport.errors import ApiError, json_response, server_error
+from helios.transport.logs import mark_client_left
 from helios.transport.sse import KEEPALIVE_SECONDS, SSEWriter
 
 log = logging.getLogger("helios.server")
@@ -162,7 +163,7 @@ async def _stream(
         await send(encoder.end())
         await (writer.done() if encoder.done_sentinel else writer.close())
     except ConnectionError:
-        pass  # the client left; serve's finally aborts what is still running
+        mark_client_left(request)  # serve's finally aborts what is still running
     except OutputFailure as exc:
         await _fail(writer, encoder, _output_failure(ctx, exc))
     except ApiError as exc:

@@ -91,6 +91,12 @@ def configure(level: str = "info", fmt: str = "text") -> None:
 # Polled routes (load balancers, Prometheus, the web page) log at debug, not once a second at info.
 QUIET_PATHS = frozenset({"/health", "/metrics"})
 CLIENT_CLOSED = 499  # nginx's status for a request its client abandoned before the answer
+CLIENT_LEFT = "helios.client_left"  # request key: a stream's writes failed because the client left
+
+
+def mark_client_left(request: web.BaseRequest) -> None:
+    """A stream whose client hung up returns normally; its access record still says 499."""
+    request[CLIENT_LEFT] = True
 
 
 def write_access(request: web.BaseRequest, status: int, sent: int, seconds: float, request_id: str) -> None:
@@ -126,7 +132,8 @@ class AccessLogger(AbstractAccessLogger):
 
     def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
         request_id = response.headers.get("x-request-id") or client_request_id(request.headers) or NO_REQUEST
-        write_access(request, response.status, response.body_length, time, request_id)
+        status = CLIENT_CLOSED if request.get(CLIENT_LEFT) else response.status
+        write_access(request, status, response.body_length, time, request_id)
 
 
 @web.middleware
