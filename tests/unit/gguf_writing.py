@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -30,6 +31,18 @@ def add_bpe_vocabulary(writer: gguf.GGUFWriter, folder: Path, pre: str, bos: int
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
     writer.add_bos_token_id(bos)
     writer.add_eos_token_id(eos)
+
+
+def add_dense_hyperparameters(writer: gguf.GGUFWriter, config: Any) -> None:
+    """The `{arch}.*` shape keys of a transformers config (head_dim for keys and values alike)."""
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
 
 
 def add_named_tensors(

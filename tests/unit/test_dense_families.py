@@ -49,7 +49,7 @@ def test_qwen3_gguf_reads_through_the_name_map_and_exports(tmp_path):
 
     from ignition.checkpoints.load import load_checkpoint
     from ignition.models import FAMILIES
-    from tests.unit.gguf_writing import add_bpe_vocabulary, add_named_tensors, finish
+    from tests.unit.gguf_writing import add_bpe_vocabulary, add_dense_hyperparameters, add_named_tensors, finish
     from tests.unit.tiny_checkpoints import TINY, write_tiny_checkpoint
 
     folder = write_tiny_checkpoint(tmp_path / "qwen2", "qwen2")  # for its real Qwen tokenizer files
@@ -70,14 +70,7 @@ def test_qwen3_gguf_reads_through_the_name_map_and_exports(tmp_path):
 
     path = tmp_path / "tiny-qwen3.gguf"
     writer = gguf.GGUFWriter(path, "qwen3")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
+    add_dense_hyperparameters(writer, config)
     writer.add_rope_freq_base(1000000.0)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     add_bpe_vocabulary(writer, folder, "qwen2", config.bos_token_id, config.eos_token_id)

@@ -25,7 +25,7 @@ from ignition.export.pipeline import ExportOptions, export_core
 from ignition.models import FAMILIES
 from ignition.recipes import load_recipe
 from tests.unit.family_checkpoints import SPECIALS, build_reference
-from tests.unit.gguf_writing import add_named_tensors, finish
+from tests.unit.gguf_writing import add_dense_hyperparameters, add_named_tensors, finish
 
 MARK = "\u2581"
 CORPUS = (Path(__file__).read_text() + Path(gguf.__file__).read_text()[:20000]).replace("\r", "")
@@ -123,14 +123,7 @@ def write_gemma3_gguf(model, path: Path) -> None:
     specials = SPECIALS["gemma3"]
     tokens = [f"<0x{b:02X}>" for b in range(256)] + specials
     writer = gguf.GGUFWriter(path, "gemma3")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
+    add_dense_hyperparameters(writer, config)
     writer.add_rope_freq_base(config.rope_parameters["full_attention"]["rope_theta"])
     writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
     writer.add_rope_scaling_factor(config.rope_parameters["full_attention"]["factor"])
