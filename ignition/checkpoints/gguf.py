@@ -15,10 +15,11 @@ from gguf.quants import dequantize
 from helios.manifest import Architecture, file_sha256
 from ignition.checkpoints.base import Checkpoint, CheckpointError
 from ignition.checkpoints.gguf_configured import GGUF_FAMILIES, config_from_gguf, configured_tensors
-from ignition.checkpoints.rope import rope_scaling_from_gguf, scaled_context
+from ignition.checkpoints.rope import rope_scaling_from_gguf
 from ignition.checkpoints.shapes import check_family, check_tensor_shapes
 from ignition.checkpoints.tokenizer import metadata_value, tokenizer_from_gguf
 from ignition.models import FAMILIES
+from ignition.models.rope_config import scaled_context
 
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",

@@ -15,9 +15,10 @@ from tokenizers import Tokenizer
 from helios.manifest import Architecture
 from ignition.checkpoints import prequantized
 from ignition.checkpoints.base import Checkpoint, CheckpointError
-from ignition.checkpoints.rope import rope_scaling_from_config, scaled_context
+from ignition.checkpoints.rope import rope_scaling_from_config
 from ignition.checkpoints.shapes import SUPPORTED_FAMILIES, check_family, check_tensor_shapes
 from ignition.models import PLANNED, FamilyError, architecture
+from ignition.models.rope_config import scaled_context
 
 INDEX_NAME = "model.safetensors.index.json"
 

@@ -35,6 +35,7 @@ from ignition.models.blocks.mlp import MoE, SwiGLU
 from ignition.models.blocks.norms import RMSNorm
 from ignition.models.blocks.recurrent import MIXERS, RecurrentMixer
 from ignition.models.plans import LayerPlan, ModelPlan
+from ignition.models.rope_config import scaled_context
 
 
 def make_mlp(plan: LayerPlan, hidden: int) -> nn.Module:
@@ -151,9 +152,10 @@ class ConfiguredLM(StepModel):
             vocab_size=int(cfg["vocab_size"]),
             rope_theta=first.rope_theta,
             rms_norm_eps=plan.rms_norm_eps,
-            max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+            max_position_embeddings=scaled_context(int(cfg.get("max_position_embeddings") or 4096), plan.rope_scaling),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
             attention_bias=False,
+            rope_scaling=plan.rope_scaling,
         )
 
     @classmethod

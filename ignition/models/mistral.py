@@ -8,7 +8,7 @@ from typing import Any
 
 from ignition.models.base import FamilyError
 from ignition.models.configured import ConfiguredLM
-from ignition.models.plans import ModelPlan, dense_gqa_layer
+from ignition.models.plans import ModelPlan, config_scaling, dense_gqa_layer
 
 
 def plan_mistral(cfg: dict[str, Any]) -> ModelPlan:
@@ -24,6 +24,7 @@ def plan_mistral(cfg: dict[str, Any]) -> ModelPlan:
     return ModelPlan(
         layers=[dense_gqa_layer(cfg, window=window if kind == "sliding_attention" else None) for kind in layer_types],
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        rope_scaling=config_scaling(cfg),
     )
 
 

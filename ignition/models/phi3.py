@@ -12,12 +12,15 @@ import numpy as np
 
 from ignition.models.base import FamilyError
 from ignition.models.configured import ConfiguredLM
-from ignition.models.plans import ModelPlan, dense_gqa_layer
+from ignition.models.plans import ModelPlan, config_scaling, dense_gqa_layer
 
 
 def plan_phi3(cfg: dict[str, Any]) -> ModelPlan:
     if cfg.get("hidden_act", "silu") != "silu":
         raise FamilyError("only SiLU MLPs are supported")
+    scaling = config_scaling(cfg)  # refuses longrope
+    if scaling is not None:  # transformers' Phi3Config itself accepts longrope alone
+        raise FamilyError(f"Phi-3 with {scaling.kind} rope scaling is not a configuration transformers runs")
     window = int(cfg["sliding_window"]) if cfg.get("sliding_window") else None
     return ModelPlan(
         layers=[dense_gqa_layer(cfg, window=window) for _ in range(int(cfg["num_hidden_layers"]))],

@@ -8,9 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from helios.manifest import RopeScaling
 from ignition.models.base import FamilyError
 from ignition.models.blocks.mlp import GLU, MoEPlan
 from ignition.models.blocks.recurrent import MIXERS
+from ignition.models.rope_config import RopeConfigError, rope_scaling_from_config
 
 
 @dataclass
@@ -26,7 +28,7 @@ class LayerPlan:
     rope_theta: float
     rope_interleave: bool = False
     # "default" | "linear" (frequencies divided by rope_factor) | "proportional" (zero frequencies
-    # past rope_partial) | "yarn"
+    # past rope_partial) | "yarn" | "factors" (each frequency divided by its rope_freq_factors entry)
     rope_kind: str = "default"
     rope_partial: float = 1.0  # proportional rope's rotating fraction
     rope_factor: float = 1.0  # linear rope's position interpolation factor
@@ -34,6 +36,7 @@ class LayerPlan:
     # attention factor it implies.
     rope_yarn: tuple = ()
     rope_attention: float = 1.0
+    rope_freq_factors: tuple = ()
     window: int | None = None  # sliding window: query q sees keys k with q - k < window
     sinks: bool = False
     qk_norm: bool = False  # per-head RMSNorm on q and k
@@ -81,6 +84,9 @@ class ModelPlan:
     embed_scale: float = 1.0  # embeddings times this
     final_norm_offset: float = 0.0  # 1.0: the final norm scales by (1 + w)
     logit_multiplier: float = 1.0  # logits times this before the soft-cap
+    # The config's RoPE scaling where the family's rotary follows it (scaled_rope): the manifest
+    # records it and the served context is the one it reaches.
+    rope_scaling: RopeScaling | None = None
 
     def cache_dims(self) -> tuple[int, int]:
         dims = [layer.cache_dims() for layer in self.layers if layer.attends]
@@ -105,6 +111,15 @@ class ModelPlan:
 # -- config helpers the planners share ---------------------------------------------------------------
 
 
+def rotary_base(cfg: dict[str, Any], layer_type: str | None = None) -> tuple[float, float]:
+    """(theta, partial_rotary_factor) of a layer type, whatever its scaling."""
+    rope = cfg.get("rope_parameters") or {}
+    if layer_type is not None and isinstance(rope.get(layer_type), dict):
+        rope = rope[layer_type]
+    theta = float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+    return theta, float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0)
+
+
 def default_rope(cfg: dict[str, Any], layer_type: str | None = None) -> tuple[float, float]:
     """(theta, partial_rotary_factor) for a layer type; non-default rope types are refused."""
     rope = cfg.get("rope_parameters") or {}
@@ -115,15 +130,46 @@ def default_rope(cfg: dict[str, Any], layer_type: str | None = None) -> tuple[fl
         kind = params.get("rope_type", params.get("type", "default"))
         if kind != "default":
             raise FamilyError(f"rope type {kind!r} is not supported yet (only default rotary)")
-    theta = float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
-    return theta, float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0)
+    return rotary_base(cfg, layer_type)
+
+
+def config_scaling(cfg: dict[str, Any]) -> RopeScaling | None:
+    """The RoPE scaling a config declares (None: plain rotary); FamilyError where flare has none."""
+    try:
+        return rope_scaling_from_config(cfg)
+    except RopeConfigError as exc:
+        raise FamilyError(str(exc)) from None
+
+
+def scaled_rope(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The LayerPlan rotary fields of the config's RoPE scaling, as transformers computes it:
+    linear divides the frequencies, YaRN blends them and scales cos/sin by its attention factor,
+    per-frequency scaling divides each by its own factor. Dynamic NTK is the plain rotary up to
+    the original context, which is where export keeps such a core (rope_config.scaled_context)."""
+    scaling = config_scaling(cfg)
+    if scaling is None or scaling.kind == "dynamic":
+        return {}
+    if scaling.kind == "linear":
+        return {"rope_kind": "linear", "rope_factor": scaling.factor}
+    if scaling.kind == "yarn":
+        yarn = (
+            scaling.factor,
+            scaling.beta_fast,
+            scaling.beta_slow,
+            scaling.original_max_position_embeddings,
+            scaling.truncate,
+        )
+        return {"rope_kind": "yarn", "rope_yarn": yarn, "rope_attention": scaling.attention_factor}
+    assert scaling.freq_factors is not None
+    return {"rope_kind": "factors", "rope_freq_factors": tuple(scaling.freq_factors)}
 
 
 def dense_gqa_layer(cfg: dict[str, Any], **overrides: Any) -> LayerPlan:
     """A plain dense layer of a config: GQA with plain rotary over its head width (or the
     config's partial fraction), no output bias, a SwiGLU MLP of `intermediate_size`; `overrides`
-    set whatever else the family's layers carry (QK norms, a window, no rotary)."""
-    theta, partial = default_rope(cfg)
+    set whatever else the family's layers carry (QK norms, a window, no rotary). Its rotary
+    follows the config's RoPE scaling (scaled_rope)."""
+    theta, partial = rotary_base(cfg)
     heads = int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
     fields: dict[str, Any] = dict(
@@ -134,6 +180,7 @@ def dense_gqa_layer(cfg: dict[str, Any], **overrides: Any) -> LayerPlan:
         v_head_dim=head_dim,
         rotary_dim=int(head_dim * partial),
         rope_theta=theta,
+        **scaled_rope(cfg),
         attention_bias=bool(cfg.get("attention_bias", False)),
         o_bias=False,
         intermediate=int(cfg["intermediate_size"]),

@@ -7,7 +7,7 @@ from typing import Any
 
 from ignition.models.base import FamilyError
 from ignition.models.configured import ConfiguredLM
-from ignition.models.plans import ModelPlan, dense_gqa_layer
+from ignition.models.plans import ModelPlan, config_scaling, dense_gqa_layer
 
 
 def plan_smollm3(cfg: dict[str, Any]) -> ModelPlan:
@@ -21,7 +21,7 @@ def plan_smollm3(cfg: dict[str, Any]) -> ModelPlan:
     if len(uses_rope) != n:
         raise FamilyError(f"no_rope_layers lists {len(uses_rope)} layers, the model has {n}")
     layers = [dense_gqa_layer(cfg) if rope else dense_gqa_layer(cfg, rotary_dim=0) for rope in uses_rope]
-    return ModelPlan(layers=layers, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)))
+    return ModelPlan(layers=layers, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_scaling=config_scaling(cfg))
 
 
 class SmolLM3LM(ConfiguredLM):

@@ -14,9 +14,10 @@ import torch
 
 from ignition.checkpoints.base import CheckpointError
 from ignition.checkpoints.load import load_checkpoint
-from ignition.checkpoints.rope import rope_scaling_from_config, rope_scaling_from_gguf, scaled_context
+from ignition.checkpoints.rope import rope_scaling_from_config, rope_scaling_from_gguf
 from ignition.models.blocks.rotary import scaled_inv_freq
 from ignition.models.decoder import DecoderLM
+from ignition.models.rope_config import scaled_context
 from tests.unit.gguf_writing import add_bpe_vocabulary, add_named_tensors, finish
 from tests.unit.tiny_checkpoints import write_tiny_checkpoint
 
@@ -237,3 +238,51 @@ def test_llama3_gguf_with_rope_freqs_reads_back_equal_and_matches_transformers(t
     with torch.no_grad():
         theirs = hf_model(folder)(ids.unsqueeze(0)).logits[0]
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=2e-4)
+
+
+CONFIGURED = ("qwen3", "mistral", "smollm3")  # Phi3Config itself takes longrope alone
+
+
+@pytest.mark.parametrize("name", ["linear", "dynamic", "yarn-mscale", "llama3"])
+@pytest.mark.parametrize("family", CONFIGURED)
+def test_configured_families_follow_the_scaling_past_the_original_context(tmp_path, family, name):
+    """The dense families users bring (Qwen3's documented YaRN included) rotate as transformers'
+    own classes do at positions past the original context (SmolLM3's NoPE layers stay unrotated)."""
+    from ignition.models import FAMILIES
+    from tests.unit.family_checkpoints import write_family_checkpoint
+
+    theta = 1000000.0 if family == "qwen3" else 10000.0
+    rope = {"rope_theta": theta, **SCALINGS[name]}
+    native = ORIGINAL * 8 if name == "llama3" else ORIGINAL
+    overrides = {"rope_parameters": rope, "max_position_embeddings": native, "sliding_window": None}
+    folder, reference = write_family_checkpoint(tmp_path / family, family, overrides=overrides)
+    checkpoint = load_checkpoint(str(folder))
+    arch = checkpoint.architecture
+    assert arch.rope_scaling is not None and arch.rope_scaling.kind == name.split("-")[0]
+    model = FAMILIES[family].build(arch, checkpoint.model_config, checkpoint.tensors)
+    length = min(arch.max_position_embeddings, 3 * ORIGINAL) if name != "dynamic" else ORIGINAL
+    ids = torch.from_numpy(np.random.default_rng(3).integers(0, 250, length))
+    ours = model.reference(ids)
+    with torch.no_grad():
+        theirs = reference(ids.unsqueeze(0)).logits[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=2e-4)
+
+
+def test_qwen3_yarn_export_validates_and_reaches_the_scaled_context(tmp_path):
+    """Qwen3 with YaRN through the whole exporter at fp32: the manifest records the scaling, the
+    served context is the one YaRN reaches, and validation compares the ONNX engine with the
+    torch reference proven above."""
+    from helios.manifest import Manifest
+    from ignition.export.pipeline import ExportOptions, export_core
+    from ignition.recipes import load_recipe
+    from tests.unit.family_checkpoints import write_family_checkpoint
+
+    rope = {"rope_theta": 1000000.0, **SCALINGS["yarn"]}
+    overrides = {"rope_parameters": rope, "max_position_embeddings": ORIGINAL}
+    folder, _ = write_family_checkpoint(tmp_path / "qwen3", "qwen3", overrides=overrides)
+    out = tmp_path / "core"
+    export_core(ExportOptions(recipe=load_recipe("qwen3"), checkpoint=str(folder), out=out, precision="fp32"))
+    manifest = Manifest.load(out)
+    assert manifest.architecture.rope_scaling is not None and manifest.architecture.rope_scaling.kind == "yarn"
+    assert manifest.limits.context_length == ORIGINAL * 4
+    assert manifest.parity is not None and manifest.parity.top1_agreement == 1.0

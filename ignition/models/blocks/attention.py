@@ -30,7 +30,27 @@ from ignition.models.plans import LayerPlan
 def layer_inv_freq(plan: LayerPlan) -> torch.Tensor:
     """Rotary frequencies of a layer (computed, never loaded)."""
     return inv_freq(
-        plan.rope_kind, plan.rotary_dim, plan.rope_theta, plan.rope_partial, plan.rope_yarn, plan.rope_factor
+        plan.rope_kind,
+        plan.rotary_dim,
+        plan.rope_theta,
+        plan.rope_partial,
+        plan.rope_yarn,
+        plan.rope_factor,
+        plan.rope_freq_factors,
+    )
+
+
+def rotary_key(plan: LayerPlan) -> tuple:
+    """What a layer's cos/sin tables depend on: layers that agree share one table per step."""
+    return (
+        plan.rope_kind,
+        plan.rotary_dim,
+        plan.rope_theta,
+        plan.rope_partial,
+        plan.rope_yarn,
+        plan.rope_factor,
+        plan.rope_attention,
+        plan.rope_freq_factors,
     )
 
 
@@ -86,7 +106,7 @@ class StepState:
         return torch.where(axis == 1, per_axis[1], torch.where(axis == 2, per_axis[2], per_axis[0]))
 
     def cos_sin(self, plan: LayerPlan, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (plan.rope_kind, plan.rotary_dim, plan.rope_theta, plan.rope_partial, plan.rope_yarn, plan.rope_factor)
+        key = rotary_key(plan)
         if key not in self._cos_sin:
             freqs = self.frequencies(inv_freq)  # [B, L, rot/2]
             cos, sin = freqs.cos().unsqueeze(2), freqs.sin().unsqueeze(2)
@@ -100,15 +120,7 @@ class StepState:
         the tables, cos, sin [B * L, head_dim / 2]). The kernel looks cos/sin up by position; a
         per-step table indexed by token carries any rotary (multimodal, YaRN-scaled, partial)
         without a max-positions table in the core. Pairs past the rotary dims turn by zero."""
-        key = (
-            plan.rope_kind,
-            plan.rotary_dim,
-            plan.rope_theta,
-            plan.rope_partial,
-            plan.rope_yarn,
-            plan.rope_factor,
-            plan.head_dim,
-        )
+        key = (*rotary_key(plan), plan.head_dim)
         if key not in self._kernel_rotary:
             batch, length = self.positions.shape
             half = plan.head_dim // 2

@@ -100,11 +100,22 @@ def yarn_attention_factor(factor: float, mscale: float | None, mscale_all: float
 
 
 def inv_freq(
-    kind: str, dim: int, theta: float, partial: float = 1.0, yarn: tuple = (), factor: float = 1.0
+    kind: str,
+    dim: int,
+    theta: float,
+    partial: float = 1.0,
+    yarn: tuple = (),
+    factor: float = 1.0,
+    freq_factors: tuple = (),
 ) -> torch.Tensor:
     """Frequencies [dim/2] of a rotary kind: "default", "linear" (divided by `factor`),
-    "proportional" (zero past `partial`) or "yarn" (yarn = (factor, beta_fast, beta_slow,
-    original_max_positions, truncate))."""
+    "proportional" (zero past `partial`), "yarn" (yarn = (factor, beta_fast, beta_slow,
+    original_max_positions, truncate)) or "factors" (each divided by its own factor)."""
+    if not dim:  # a layer without rotary (NoPE)
+        return torch.zeros(0)
+    if kind == "factors":
+        assert len(freq_factors) == dim // 2, f"{len(freq_factors)} rotary factors for {dim} dims"
+        return (default_inv_freq(dim, theta).double() / torch.tensor(freq_factors, dtype=torch.float64)).float()
     if kind == "yarn":
         return yarn_inv_freq(dim, theta, *yarn)
     if kind == "proportional":
