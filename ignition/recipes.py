@@ -38,6 +38,7 @@ COMPILED_FAMILIES = (
     "qwen3",
     "mistral",
     "gemma3",
+    "gemma2",
     "smollm3",
     "phi3",
 )

@@ -1,4 +1,4 @@
-"""GGUF files of the configured dense families (qwen3, gemma3): the Hugging Face config their plan
+"""GGUF files of the configured dense families (qwen3, gemma2, gemma3): the Hugging Face config their plan
 needs, rebuilt from the GGUF metadata, and the tensors named through the gguf library's own
 `TensorNameMap` (the table llama.cpp's converter writes them with), never a hand-kept one.
 
@@ -20,7 +20,7 @@ from ignition.checkpoints.tokenizer import metadata_value
 from ignition.models import FAMILIES
 
 # GGUF architecture -> (Hugging Face model_type, flare family).
-GGUF_FAMILIES = {"qwen3": ("qwen3", "qwen3"), "gemma3": ("gemma3_text", "gemma3")}
+GGUF_FAMILIES = {"qwen3": ("qwen3", "qwen3"), "gemma2": ("gemma2", "gemma2"), "gemma3": ("gemma3_text", "gemma3")}
 # GGUF metadata (after "{arch}.") -> Hugging Face config key.
 CONFIG_KEYS = {
     "block_count": "num_hidden_layers",
@@ -35,7 +35,26 @@ CONFIG_KEYS = {
     "attention.sliding_window": "sliding_window",
 }
 # llama.cpp's converter stores Gemma's (1 + w) norm weights with the one added in.
-NORM_PLUS_ONE = {"gemma3"}
+NORM_PLUS_ONE = {"gemma2", "gemma3"}
+
+
+def _gemma_scale(config: dict[str, Any], layers_of_27b: int) -> None:
+    """llama.cpp's Gemma softmax scale: 1/sqrt(head_dim), but hidden/heads for the 27B models."""
+    head_dim = int(config.get("head_dim") or 256)
+    is_27b = config["num_hidden_layers"] == layers_of_27b
+    config["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"] if is_27b else head_dim
+
+
+def _gemma2_config(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
+    """What llama.cpp's Gemma 2 graph fixes rather than reads: alternating sliding and global
+    layers (the first sliding) and the softmax scale; the soft-caps are the file's."""
+    if metadata_value(reader, "gemma2.rope.scaling.type", "none") not in ("none", None):
+        raise CheckpointError("GGUF gemma2 files with rope scaling are not supported")
+    config.update(sliding_window_pattern=2, hidden_activation="gelu_pytorch_tanh")
+    _gemma_scale(config, layers_of_27b=46)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = metadata_value(reader, f"gemma2.{key}")
+        config[key] = float(np.float32(value)) if value is not None else None
 
 
 def _gemma3_config(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
@@ -43,9 +62,7 @@ def _gemma3_config(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
     sixth layer global, the head_dim softmax scale (27B's hidden/heads is the exception), and
     the global layers' linear rotary scaling where the file has one (4B and larger)."""
     config.update(rope_local_base_freq=10000.0, sliding_window_pattern=6, hidden_activation="gelu_pytorch_tanh")
-    head_dim = int(config.get("head_dim") or 256)
-    is_27b = config["num_hidden_layers"] == 62
-    config["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"] if is_27b else head_dim
+    _gemma_scale(config, layers_of_27b=62)
     kind = metadata_value(reader, "gemma3.rope.scaling.type", "none")
     if kind == "linear":
         config["rope_scaling"] = {
@@ -56,7 +73,7 @@ def _gemma3_config(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
         raise CheckpointError(f"GGUF gemma3 files with {kind!r} rope scaling are not supported")
 
 
-FAMILY_CONFIG = {"gemma3": _gemma3_config}
+FAMILY_CONFIG = {"gemma2": _gemma2_config, "gemma3": _gemma3_config}
 
 
 def config_from_gguf(reader: gguf.GGUFReader, arch: str, vocab_size: int, tied: bool) -> dict[str, Any]:

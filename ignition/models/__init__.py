@@ -16,6 +16,7 @@ from helios.manifest import Architecture, StateLayout
 from ignition.models import (
     deepseek_v3,
     deepseek_v4,
+    gemma2,
     gemma3,
     gemma4,
     glm_moe_dsa,
@@ -51,6 +52,7 @@ FAMILIES: dict[str, type[StepModel]] = {
         minimax_m3.MiniMaxM3LM,
         qwen3.Qwen3LM,
         mistral.MistralLM,
+        gemma2.Gemma2LM,
         gemma3.Gemma3LM,
         smollm3.SmolLM3LM,
         phi3.Phi3LM,

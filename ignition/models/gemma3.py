@@ -1,8 +1,8 @@
-"""Gemma 3 (text; Gemma 2's layout without soft-capping): sliding and global GQA layers (a local
-rotary base on sliding ones) with (1 + w) QK norms and a query_pre_attn_scalar softmax scale,
-sandwich norms around attention and the GELU-tanh MLP (every norm of the (1 + w) form), scaled
-embeddings, tied lm_head; the global layers' linear-scaled rotary of Gemma 3 4B and larger. Gemma
-2's soft-capping is refused until the blocks carry it."""
+"""Gemma 3 (text; Gemma 2's layout without soft-capping, with QK norms): sliding and global GQA
+layers (a local rotary base on sliding ones) with (1 + w) QK norms and a query_pre_attn_scalar
+softmax scale, sandwich norms around attention and the GELU-tanh MLP (every norm of the (1 + w)
+form), scaled embeddings, tied lm_head; the global layers' linear-scaled rotary of Gemma 3 4B and
+larger. The layer and its plan are shared with Gemma 2 (ignition/models/gemma2.py)."""
 
 from __future__ import annotations
 
@@ -18,17 +18,27 @@ from ignition.models.plans import LayerPlan, ModelPlan
 ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
-def layer_kinds(cfg: dict[str, Any]) -> list[str]:
-    """Each layer's attention kind: `layer_types`, else every `sliding_window_pattern`-th global."""
+def layer_kinds(cfg: dict[str, Any], default_pattern: int = 6) -> list[str]:
+    """Each layer's attention kind: `layer_types`, else every `sliding_window_pattern`-th global
+    (Gemma 3: 6; Gemma 2 alternates, 2)."""
     n = int(cfg["num_hidden_layers"])
     if cfg.get("layer_types"):
         kinds = list(cfg["layer_types"])
     else:
-        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        pattern = int(cfg.get("sliding_window_pattern") or default_pattern)
         kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
     if len(kinds) != n or set(kinds) - {"sliding_attention", "full_attention"}:
-        raise FamilyError(f"gemma3 layer types {kinds} are not supported")
+        raise FamilyError(f"Gemma layer types {kinds} are not supported")
     return kinds
+
+
+def gemma_activation(cfg: dict[str, Any]) -> str:
+    act = ACTIVATIONS.get(cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh")
+    if act is None:
+        raise FamilyError(f"activation {cfg.get('hidden_activation')!r} is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise FamilyError("bidirectional attention is not a causal decoder")
+    return act
 
 
 def rope_of(cfg: dict[str, Any], kind: str) -> tuple[float, str, float]:
@@ -53,20 +63,16 @@ def rope_of(cfg: dict[str, Any], kind: str) -> tuple[float, str, float]:
 
 
 def plan_gemma3(cfg: dict[str, Any]) -> ModelPlan:
-    act = ACTIVATIONS.get(cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh")
-    if act is None:
-        raise FamilyError(f"activation {cfg.get('hidden_activation')!r} is not supported")
+    act = gemma_activation(cfg)
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
         if cfg.get(cap):
-            raise FamilyError(f"{cap} (Gemma 2) is not supported yet")
-    if cfg.get("use_bidirectional_attention"):
-        raise FamilyError("bidirectional attention is not a causal decoder")
+            raise FamilyError(f"{cap} is Gemma 2's (model_type gemma2), not Gemma 3's")
     eps = float(cfg.get("rms_norm_eps", 1e-6))
     window = int(cfg["sliding_window"])
     layers = []
     for kind in layer_kinds(cfg):
         theta, rope_kind, factor = rope_of(cfg, kind)
-        layers.append(_layer(cfg, kind, theta, rope_kind, factor, window, act))
+        layers.append(gemma_layer(cfg, kind, window, act, rope_theta=theta, rope_kind=rope_kind, rope_factor=factor))
     return ModelPlan(
         layers=layers,
         rms_norm_eps=eps,
@@ -76,21 +82,20 @@ def plan_gemma3(cfg: dict[str, Any]) -> ModelPlan:
     )
 
 
-def _layer(
-    cfg: dict[str, Any], kind: str, theta: float, rope_kind: str, factor: float, window: int, act: str
-) -> LayerPlan:
+def gemma_layer(cfg: dict[str, Any], kind: str, window: int | None, act: str, **overrides: Any) -> LayerPlan:
+    """A Gemma layer of `kind` (sliding or full attention): (1 + w) norms, the
+    query_pre_attn_scalar softmax scale, the GELU-tanh MLP; `overrides` carry the family's
+    rotary, QK norms and soft-cap."""
     heads = int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or 256)
-    return LayerPlan(
+    fields: dict[str, Any] = dict(
         kind="gqa",
         num_heads=heads,
         num_kv_heads=int(cfg["num_key_value_heads"]),
         head_dim=head_dim,
         v_head_dim=head_dim,
         rotary_dim=head_dim,
-        rope_theta=theta,
-        rope_kind=rope_kind,
-        rope_factor=factor,
+        rope_theta=10000.0,
         window=window if kind == "sliding_attention" else None,
         qk_norm=True,
         scale=float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5,
@@ -100,6 +105,7 @@ def _layer(
         intermediate=int(cfg["intermediate_size"]),
         glu=GLU(act),
     )
+    return LayerPlan(**{**fields, **overrides})
 
 
 class SandwichLayer(PreNormLayer):

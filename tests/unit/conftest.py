@@ -32,6 +32,7 @@ SEED_RECIPES = [
     "qwen3",
     "mistral",
     "gemma3",
+    "gemma2",
     "smollm3",
     "phi3",
 ]

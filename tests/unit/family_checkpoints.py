@@ -115,6 +115,7 @@ SPECIALS = {
     # SmolLM3's vocabulary spells the end of text as Llama 3 does.
     "smollm3": ["<|end_of_text|>", *QWEN_SPECIALS[1:]],
     "gemma3": ["<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>"],
+    "gemma2": ["<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>"],
     "phi3": ["<s>", "</s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
     "qwen3_5": QWEN_SPECIALS,
     "qwen3_5_moe": QWEN_SPECIALS,
@@ -145,6 +146,7 @@ EOS = {
     "qwen3": "<|im_end|>",
     "mistral": "</s>",
     "gemma3": "<end_of_turn>",
+    "gemma2": "<end_of_turn>",
     "phi3": "<|end|>",
     "smollm3": "<|im_end|>",
     "qwen3_5": "<|im_end|>",
@@ -191,6 +193,21 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         query_pre_attn_scalar=32,
         sliding_window=24,
         layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        max_position_embeddings=4096,
+    ),
+    # Gemma 2's layout in miniature: sliding and global layers alternating (the window shorter
+    # than the parity prompts), caps small enough that tanh bends the tiny model's scores and logits.
+    "gemma2": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=32,
+        sliding_window=24,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=5.0,
         max_position_embeddings=4096,
     ),
     # Phi-3-mini's shape in miniature (fused qkv and gate_up in the checkpoint), with Phi-4-mini's
@@ -551,6 +568,7 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 _CLASSES: dict[str, tuple[str, str, str | None]] = {
     "smollm3": ("transformers.models.smollm3", "SmolLM3Config", "SmolLM3ForCausalLM"),
     "gemma3": ("transformers.models.gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "gemma2": ("transformers.models.gemma2", "Gemma2Config", "Gemma2ForCausalLM"),
     "mistral": ("transformers.models.mistral", "MistralConfig", "MistralForCausalLM"),
     "phi3": ("transformers.models.phi3", "Phi3Config", "Phi3ForCausalLM"),
     "qwen3": ("transformers.models.qwen3", "Qwen3Config", "Qwen3ForCausalLM"),

@@ -19,6 +19,7 @@ DENSE = {
     "qwen3": "qwen3",
     "mistral": "mistral",
     "gemma3": "gemma3",
+    "gemma2": "gemma2",
     "smollm3": "smollm3",
     "phi3": "phi3",
 }  # family -> its recipe

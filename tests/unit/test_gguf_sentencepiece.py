@@ -1,10 +1,10 @@
-"""GGUF SentencePiece vocabularies and Gemma 3 GGUFs (issue 40, item 3).
+"""GGUF SentencePiece vocabularies and Gemma 2 / Gemma 3 GGUFs (issue 40, item 3).
 
 The `tokenizers` document ignition builds from a "llama" vocabulary must encode exactly as
 llama.cpp's SPM tokenizer does: checked against a plain re-statement of that algorithm (below) on
-a vocabulary built here. A tiny Gemma 3, written as llama.cpp's converter writes it (gguf's
-TensorNameMap, norms stored as 1 + w, the linear global rotary in the metadata), reads back
-equal to its transformers model and exports. The real Gemma 3 270M is tests/e2e/test_gemma3_real.py.
+a vocabulary built here. A tiny Gemma 3 and Gemma 2, written as llama.cpp's converter writes
+them (gguf's TensorNameMap, norms stored as 1 + w, Gemma 3's linear global rotary and Gemma 2's
+soft-caps in the metadata), read back equal to their transformers models and export. The real Gemma 3 270M is tests/e2e/test_gemma3_real.py.
 """
 
 from __future__ import annotations
@@ -116,17 +116,22 @@ def test_sentencepiece_bpe_encodes_as_llama_cpp(prefix):
             assert tokenizer.decode(ours, skip_special_tokens=False) == text
 
 
-def write_gemma3_gguf(model, path: Path) -> None:
-    """A tiny Gemma 3 as llama.cpp's converter writes it: byte tokens and the model's specials as a
-    SentencePiece vocabulary, (1 + w) norm weights, the linear global rotary as metadata."""
+def write_gemma_gguf(model, family: str, path: Path) -> None:
+    """A tiny Gemma 2 or 3 as llama.cpp's converter writes it: byte tokens and the model's specials
+    as a SentencePiece vocabulary, (1 + w) norm weights; Gemma 3's linear global rotary and
+    Gemma 2's soft-caps as metadata."""
     config = model.config
-    specials = SPECIALS["gemma3"]
+    specials = SPECIALS[family]
     tokens = [f"<0x{b:02X}>" for b in range(256)] + specials
-    writer = gguf.GGUFWriter(path, "gemma3")
+    writer = gguf.GGUFWriter(path, family)
     add_dense_hyperparameters(writer, config)
-    writer.add_rope_freq_base(config.rope_parameters["full_attention"]["rope_theta"])
-    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-    writer.add_rope_scaling_factor(config.rope_parameters["full_attention"]["factor"])
+    if family == "gemma3":
+        writer.add_rope_freq_base(config.rope_parameters["full_attention"]["rope_theta"])
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(config.rope_parameters["full_attention"]["factor"])
+    else:
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_sliding_window(config.sliding_window)
     writer.add_tokenizer_model("llama")
@@ -143,29 +148,31 @@ def write_gemma3_gguf(model, path: Path) -> None:
         array = value.numpy()
         tensors[name] = array + np.float32(1.0) if name.endswith("norm.weight") else array
     tensors.pop("lm_head.weight", None)  # tied: llama.cpp writes the embedding only
-    add_named_tensors(writer, gguf.MODEL_ARCH.GEMMA3, config.num_hidden_layers, tensors)
+    arch = gguf.MODEL_ARCH.GEMMA3 if family == "gemma3" else gguf.MODEL_ARCH.GEMMA2
+    add_named_tensors(writer, arch, config.num_hidden_layers, tensors)
     finish(writer)
 
 
-def test_gemma3_gguf_reads_back_equal_and_matches_transformers(tmp_path):
-    model = build_reference("gemma3", overrides={"query_pre_attn_scalar": 32})
-    path = tmp_path / "tiny-gemma3.gguf"
-    write_gemma3_gguf(model, path)
+@pytest.mark.parametrize("family,model_type", [("gemma3", "gemma3_text"), ("gemma2", "gemma2")])
+def test_gemma_gguf_reads_back_equal_and_matches_transformers(tmp_path, family, model_type):
+    model = build_reference(family, overrides={"query_pre_attn_scalar": 32})
+    path = tmp_path / f"tiny-{family}.gguf"
+    write_gemma_gguf(model, family, path)
 
     checkpoint = load_checkpoint(str(path))
-    assert checkpoint.architecture.family == "gemma3" and checkpoint.model_config["model_type"] == "gemma3_text"
+    assert checkpoint.architecture.family == family and checkpoint.model_config["model_type"] == model_type
     expected = {k: v.numpy() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     assert sorted(checkpoint.tensors) == sorted(expected)
     for name, value in expected.items():
         # A norm comes back as (1 + w) - 1 in float32: w within one float32 step of 1 + w (2.4e-7).
         np.testing.assert_allclose(checkpoint.tensors[name], value, rtol=0, atol=2.4e-7, err_msg=name)
     ids = torch.from_numpy(np.random.default_rng(3).integers(0, 256, 60))  # past the 24-token window
-    ours = FAMILIES["gemma3"].build(checkpoint.architecture, checkpoint.model_config, checkpoint.tensors).reference(ids)
+    ours = FAMILIES[family].build(checkpoint.architecture, checkpoint.model_config, checkpoint.tensors).reference(ids)
     with torch.no_grad():
         theirs = model(ids.unsqueeze(0)).logits[0]
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=2e-4)
 
     out = tmp_path / "core"
-    export_core(ExportOptions(recipe=load_recipe("gemma3"), checkpoint=str(path), out=out, precision="fp32"))
+    export_core(ExportOptions(recipe=load_recipe(family), checkpoint=str(path), out=out, precision="fp32"))
     manifest = Manifest.load(out)
-    assert manifest.architecture.family == "gemma3" and manifest.identity.checkpoint_id == "tiny-gemma3"
+    assert manifest.architecture.family == family and manifest.identity.checkpoint_id == f"tiny-{family}"

@@ -21,7 +21,7 @@ from tests.unit.conftest import COMPILED
 from tests.unit.family_checkpoints import write_quantizable_checkpoint
 
 EXPERTS, TOP_K = 32, 4
-DENSE_RECIPES = ("qwen38_dense", "qwen3", "mistral", "gemma3", "smollm3", "phi3")
+DENSE_RECIPES = ("qwen38_dense", "qwen3", "mistral", "gemma3", "gemma2", "smollm3", "phi3")
 MOE_RECIPES = [r for r in COMPILED if r not in DENSE_RECIPES]
 
 

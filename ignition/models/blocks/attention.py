@@ -161,11 +161,13 @@ def attend(
     visible: torch.Tensor,  # [B, L, S+L] bool (StepState.visible) or [B, G, rep, L, S+L]
     scale: float,
     sinks: torch.Tensor | None = None,  # [H]
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of each row's new tokens over its history and themselves -> [B, L, H, Dv].
 
     Query head h uses KV head h // (H/G) (HF order). Padded query rows see at least new key 0
-    (themselves or earlier), so no row is all-masked."""
+    (themselves or earlier), so no row is all-masked. A soft-cap bounds the scaled scores to
+    (-softcap, softcap) before masking."""
     batch, length, heads, dim = q.shape
     groups = k.shape[2]
     rep = heads // groups
@@ -173,6 +175,8 @@ def attend(
     values = torch.cat([past_v, v.transpose(1, 2)], dim=2)
     qg = q.reshape(batch, length, groups, rep, dim).permute(0, 2, 3, 1, 4)  # [B, G, rep, L, Dk]
     scores = torch.matmul(qg, keys.unsqueeze(2).transpose(-1, -2)) * scale  # [B, G, rep, L, S+L]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     mask = visible[:, None, None] if visible.dim() == 3 else visible
     scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
     if sinks is not None:
@@ -228,7 +232,7 @@ class GQAttention(nn.Module):
 
     def fits_pool_kernel(self, kv_heads: int, head_dim: int) -> bool:
         """Whether this layer can run as one pool-kernel call on a pool of that geometry: plain
-        GQA (no window, sinks or KV sharing, the class's own hooks unchanged, so no family step is
+        GQA (no window, soft-cap, sinks or KV sharing, the class's own hooks unchanged, so no family step is
         skipped), K and V of the pool's width, a head width the kernel takes."""
         p = self.plan
         own_hooks = any(
@@ -239,6 +243,7 @@ class GQAttention(nn.Module):
             not own_hooks
             and p.kind == "gqa"
             and p.window is None
+            and not p.attn_softcap
             and not p.sinks
             and p.kv_source is None
             and p.head_dim == p.v_head_dim == head_dim
@@ -369,7 +374,7 @@ class GQAttention(nn.Module):
         past_k = past_k[:, : p.num_kv_heads, :, : p.head_dim]
         past_v = past_v[:, : p.num_kv_heads, :, : p.v_head_dim]
         scale = p.scale or 1.0 / math.sqrt(p.head_dim)
-        out = attend(q, k, v, past_k, past_v, visible, scale, self.sinks if p.sinks else None)
+        out = attend(q, k, v, past_k, past_v, visible, scale, self.sinks if p.sinks else None, p.attn_softcap)
         return self.o_proj(self.gate_output(out, x, gate)), cached_k, v
 
     def load(self, loader: TensorLoader, prefix: str) -> None:
