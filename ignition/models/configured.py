@@ -217,14 +217,14 @@ class ConfiguredLM(StepModel):
         return x, None
 
     def _history(self, kv_pool, block_tables, layer: int):
-        batch, pages = block_tables.shape
+        """Layer's history keys and values [B, G, pages * page_tokens, D] from the pages the
+        table names (a windowed layer's table: its window's columns, StepState.window_columns)."""
         num_pages = kv_pool.shape[0] // (2 * len(self.kv_layers))
-        _, tokens, heads, dim = kv_pool.shape
         j = self._kv_index[layer]
         out = []
         for kind in (0, 1):
-            rows = (2 * j + kind) * num_pages + block_tables.reshape(-1)
-            kv = torch.index_select(kv_pool, 0, rows).reshape(batch, pages * tokens, heads, dim)
+            rows = (2 * j + kind) * num_pages + block_tables  # [B, pages]
+            kv = kv_pool[rows].flatten(1, 2)  # [B, pages * page_tokens, G, D]
             out.append(kv.transpose(1, 2))
         return out
 
@@ -278,7 +278,11 @@ class ConfiguredLM(StepModel):
             if getattr(getattr(layer, "self_attn", None), "pool_layer", None) is not None:
                 past_k = past_v = None  # the pool kernel reads the pages in place
             else:
-                past_k, past_v = self._history(kv_pool, block_tables, i if source is None else source)
+                window = layer.plan.window
+                table = (
+                    block_tables if window is None else torch.gather(block_tables, 1, step.window_columns(window)[0])
+                )
+                past_k, past_v = self._history(kv_pool, table, i if source is None else source)
             shared = produced[source] if source is not None else None
             ple = per_layer[:, :, i] if per_layer is not None else None
             x, k, v = layer(x, step, past_k, past_v, shared, ple)

@@ -93,3 +93,32 @@ def test_qwen3_gguf_reads_through_the_name_map_and_exports(tmp_path):
     out = tmp_path / "core"
     export_core(ExportOptions(recipe=load_recipe("qwen3"), checkpoint=str(path), out=out, precision="fp32"))
     assert Manifest.load(out).identity.checkpoint_id == "tiny-qwen3"
+
+
+@pytest.mark.families("mistral")
+def test_pages_before_every_window_are_never_read(family_env):
+    """Mistral windows every layer, so a step reads only its window's pages: NaN written into the
+    pages wholly before the window (on a shuffled table) leaves the decode step's logits as they
+    were, bit for bit."""
+    import numpy as np
+
+    from helios.engine.runner import Runner, StepRow
+    from tests.unit.family_checkpoints import TINY_CONFIGS
+
+    core, _ = family_env("mistral")
+    manifest = Manifest.load(core)
+    window, page = TINY_CONFIGS["mistral"]["sliding_window"], manifest.kv.page_tokens
+    rng = np.random.default_rng(11)
+    prompt = rng.integers(0, manifest.architecture.vocab_size, size=4 * window).tolist()
+    runner = Runner(core, manifest, num_pages=2 * len(prompt) // page + 4)
+    table = rng.permutation(runner.num_pages).tolist()[: len(prompt) // page + 1]
+    runner.step([StepRow(prompt, 0, table)])
+    decode = [StepRow([prompt[-1]], len(prompt), table)]
+    before = runner.step(decode).logits[0].copy()
+    stale = (len(prompt) - window + 1) // page  # table columns wholly before the window
+    assert stale >= 2
+    pages = runner.num_pages
+    for row in range(runner.pool.shape[0] // pages):  # every (layer, K or V) block of the pool
+        runner.pool[[row * pages + p for p in table[:stale]]] = np.nan
+    after = runner.step(decode).logits[0]
+    np.testing.assert_array_equal(after, before)

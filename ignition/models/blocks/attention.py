@@ -90,6 +90,7 @@ class StepState:
         self.selection: torch.Tensor | None = None
         self._cos_sin: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._visible: dict[int | None, torch.Tensor] = {}
+        self._window_columns: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._kernel_rotary: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def frequencies(self, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -136,18 +137,38 @@ class StepState:
             self._kernel_rotary[key] = rows, cos, sin
         return self._kernel_rotary[key]
 
+    def window_columns(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block-table columns a layer with this window reads [B, W] and the position of each
+        row's first gathered slot [B]. A row's earliest new token (at history_lens) sees keys from
+        history_lens - window + 1 on, so pages wholly before that are never gathered: W is the
+        most pages window - 1 consecutive slots can touch, at most the table's width (columns past
+        a row's table are clamped to its last and masked as beyond its history)."""
+        if window not in self._window_columns:
+            assert self.pool is not None, "a windowed layer reads its history from the pool"
+            pages = self.pool.block_tables.shape[1]
+            page_tokens = self.pool.kv_pool.shape[1]
+            width = torch.sym_min(pages, (page_tokens + window - 3) // page_tokens + 1)
+            first = torch.clamp(self.history_lens - (window - 1), min=0) // page_tokens  # [B]
+            columns = torch.clamp(first.unsqueeze(1) + torch.arange(width).unsqueeze(0), max=pages - 1)
+            self._window_columns[window] = columns, first * page_tokens
+        return self._window_columns[window]
+
     def visible(self, hist: int, window: int | None) -> torch.Tensor:
-        """[B, L, S+L] bool: history slot j (position j) is visible to new token i iff
-        j < history_lens[b]; new key i' iff i' <= i; and, with a window, q - k < window."""
+        """[B, L, S+L] bool: history slot j is visible to new token i iff its position is below
+        history_lens[b]; new key i' iff i' <= i; and, with a window, q - k < window. Slot j holds
+        position j, or start[b] + j for a windowed layer's history (window_columns)."""
         if window not in self._visible:
             batch, length = self.positions.shape
-            hist_ok = torch.arange(hist).unsqueeze(0) < self.history_lens.unsqueeze(1)  # [B, S]
+            key_pos = torch.arange(hist).unsqueeze(0).expand(batch, hist)
+            if window is not None:
+                key_pos = key_pos + self.window_columns(window)[1].unsqueeze(1)
+            hist_ok = key_pos < self.history_lens.unsqueeze(1)  # [B, S]
             idx = torch.arange(length)
             causal = (idx.unsqueeze(0) <= idx.unsqueeze(1)).unsqueeze(0).expand(batch, length, length)
             visible = torch.cat([hist_ok.unsqueeze(1).expand(batch, length, hist), causal], dim=-1)
             if window is not None:
-                key_pos = torch.cat([torch.arange(hist).unsqueeze(0).expand(batch, hist), self.positions], dim=1)
-                visible = visible & ((self.positions.unsqueeze(2) - key_pos.unsqueeze(1)) < window)
+                all_pos = torch.cat([key_pos, self.positions], dim=1)
+                visible = visible & ((self.positions.unsqueeze(2) - all_pos.unsqueeze(1)) < window)
             self._visible[window] = visible
         return self._visible[window]
 
