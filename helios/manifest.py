@@ -23,8 +23,8 @@ from typing import Any, get_type_hints
 # `content_digest`; 1.6 `template.rejects`; 1.7 `logit_rows` / `logit_positions`; 1.8 `drafter`;
 # 1.9 `vision`; 1.10 `quantization.attention`; 1.11 an engine's `target`, `dtype`,
 # `torch_version` and `parity`; 1.12 `limits.kv_dtype`; 1.13 `architecture.rope_scaling`; 1.14
-# `identity.source_format` / `source_quantization`.
-FORMAT_VERSION = "1.14"
+# `identity.source_format` / `source_quantization`; 1.15 `kv.window`.
+FORMAT_VERSION = "1.15"
 ENGINE_TARGETS = ("cpu", "cuda")
 KV_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 TEMPLATE_REJECTS = ("drop_thinking", "continuation", "add_generation_prompt_false")
@@ -112,6 +112,10 @@ class KVLayout:
     kv_heads: int
     head_dim: int
     dtype: str = "float32"
+    # (1.15) Every layer attends at most this many positions back (a sliding window on all of
+    # them; None: some layer sees the whole history). The graph never reads a sequence's pages
+    # wholly before its window, so helios gives them back.
+    window: int | None = None
 
 
 @dataclass

@@ -111,6 +111,8 @@ class Engine:
             prefix_cache=self.prefix_cache,
             state_slots=runner.num_state_slots,
             speculator=speculator,
+            # A learned drafter reads the same page ids through its own (unwindowed) attention.
+            window=manifest.kv.window if manifest.drafter is None else None,
         )
         self.context_length = limits.context_length
         self.vocab_size = manifest.architecture.vocab_size

@@ -87,7 +87,11 @@ class Scheduler:
         prefix_cache: PrefixCache | None = None,
         state_slots: int = 0,
         speculator: Speculator | None = None,
+        window: int | None = None,
     ):
+        """window: the core's kv.window (every layer attends at most that far back): a sequence
+        gives back the pages wholly before the next step's window once no prefix checkpoint
+        still has to be captured from its table."""
         if min(max_concurrency, max_batch_tokens, prefill_chunk_size) < 1:
             raise ValueError("max_concurrency, max_batch_tokens and prefill_chunk_size must be >= 1")
         self.bm = block_manager
@@ -98,6 +102,7 @@ class Scheduler:
         self.prefill_chunk_size = prefill_chunk_size
         self.cache = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
         self.speculator = speculator
+        self.window = window
         self.waiting: deque[Sequence] = deque()  # arrival order
         self.running: list[Sequence] = []  # arrival order; the last one is preempted first
         self.num_preemptions = 0
@@ -140,8 +145,8 @@ class Scheduler:
         self.waiting.insert(i, seq)
 
     def _release(self, seq: Sequence) -> None:
-        self.bm.release(seq.page_table)
-        seq.page_table = []
+        self.bm.release(seq.page_table[seq.released_pages :])
+        seq.page_table, seq.released_pages = [], 0
         seq.num_computed_tokens = 0
         seq.drafter_len, seq.drafter_pending, seq.shared_checkpoints = 0, [], []
         if seq.state_slot is not None and self.free_state_slots is not None:
@@ -157,7 +162,8 @@ class Scheduler:
         self._enqueue(seq)
 
     def _fits_alone(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.bm.pages_for(num_tokens) <= self.bm.num_pages
+        """Its live pages (those not given back before a window) fit the pool."""
+        return self.bm.pages_for(num_tokens) - seq.released_pages <= self.bm.num_pages
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -332,6 +338,21 @@ class Scheduler:
                 if reserve is None:
                     reserve = self._promised_pages()
                 self.cache.capture_reached(seq, reserve)
+            if self.window is not None and not seq.checkpoint_plan:
+                self._release_before_window(seq, self.window)
+
+    def _release_before_window(self, seq: Sequence, window: int) -> None:
+        """Give back the pages wholly before the window of the sequence's next token (position
+        num_computed_tokens sees keys from num_computed_tokens - window + 1 on; positions never
+        go back, drafts included, since only committed tokens count). Their columns then name
+        the first kept page, which no step reads through them."""
+        dead = max(0, seq.num_computed_tokens - window + 1) // self.bm.page_tokens
+        dead = min(dead, len(seq.page_table) - 1)
+        if dead <= seq.released_pages:
+            return
+        self.bm.release(seq.page_table[seq.released_pages : dead])
+        seq.page_table[seq.released_pages : dead] = [seq.page_table[dead]] * (dead - seq.released_pages)
+        seq.released_pages = dead
 
 
 def step_rows(batch: Batch) -> list[StepRow]:

@@ -42,6 +42,9 @@ class Sequence:
         self.prompt_len = len(self.token_ids)
         self.num_computed_tokens = 0
         self.page_table: list[int] = []
+        # Leading page_table columns whose pages went back (before every layer's window); the
+        # columns stay, naming a live page of the table, so positions keep their columns.
+        self.released_pages = 0
         self.state_slot: int | None = None  # recurrent-state slot while running (cores with state)
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None

@@ -31,7 +31,7 @@ from ignition.checkpoints.base import Checkpoint
 from ignition.export.options import ExportError, ExportOptions
 from ignition.export.quantize import manifest_quantization
 from ignition.export.toolchain import toolchain
-from ignition.models import cache_layout
+from ignition.models import attention_window, cache_layout
 from ignition.recipes import Recipe
 
 TOP_LOGPROBS = 20
@@ -90,7 +90,11 @@ def cache_layouts(recipe: Recipe, checkpoint: Checkpoint) -> tuple[KVLayout, Sta
     arch = checkpoint.architecture
     kv_layers, state = cache_layout(arch.family, checkpoint.model_config, arch.num_layers)
     kv = KVLayout(
-        page_tokens=recipe.limits.page_tokens, num_layers=kv_layers, kv_heads=arch.num_kv_heads, head_dim=arch.head_dim
+        page_tokens=recipe.limits.page_tokens,
+        num_layers=kv_layers,
+        kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        window=attention_window(arch.family, checkpoint.model_config),
     )
     return kv, state
 

@@ -86,6 +86,14 @@ def cache_layout(family: str, config: dict[str, Any], num_layers: int) -> tuple[
     return FAMILIES[family].cache_layout(config, num_layers)
 
 
+def attention_window(family: str, config: dict[str, Any]) -> int | None:
+    """The window every attending layer of the checkpoint keeps to (None: some layer reads the
+    whole history, or the family is not a registered model class)."""
+    if family not in FAMILIES:
+        return None
+    return FAMILIES[family].attention_window(config)
+
+
 def logit_postprocessing(family: str, config: dict[str, Any]) -> str | None:
     """What a family does to its logits after the lm_head, from the config alone (None: nothing).
 

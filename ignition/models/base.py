@@ -64,6 +64,11 @@ class StepModel(nn.Module):
         return None
 
     @classmethod
+    def attention_window(cls, config: dict[str, Any]) -> int | None:
+        """The window every attending layer keeps to (None: some layer reads all history)."""
+        return None
+
+    @classmethod
     def build(cls, arch: Architecture, config: dict[str, Any], tensors: dict[str, np.ndarray]) -> StepModel:
         """A float32 eval-mode model holding the checkpoint's weights."""
         raise NotImplementedError

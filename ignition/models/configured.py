@@ -169,6 +169,15 @@ class ConfiguredLM(StepModel):
         return len(plan.kv_layers()), StateLayout(width=sum(s.size for s in layers), layers=layers)
 
     @classmethod
+    def attention_window(cls, config: dict[str, Any]) -> int | None:
+        """The widest window when every attending layer has one (their history is gathered from
+        the window's pages only, StepState.window_columns), else None."""
+        windows = [layer.window for layer in cls.planner(text_config(config)).layers if layer.attends]
+        if not windows or None in windows:
+            return None
+        return max(w for w in windows if w is not None)
+
+    @classmethod
     def logit_postprocessing(cls, config: dict[str, Any]) -> str | None:
         """The prompt-scoring graph is the bare lm_head, so such a family cannot score prompts:
         export refuses --prompt-logprobs before any tensor is read."""

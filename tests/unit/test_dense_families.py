@@ -122,3 +122,34 @@ def test_pages_before_every_window_are_never_read(family_env):
         runner.pool[[row * pages + p for p in table[:stale]]] = np.nan
     after = runner.step(decode).logits[0]
     np.testing.assert_array_equal(after, before)
+
+
+@pytest.mark.families("mistral")
+def test_pages_before_every_window_go_back_to_the_pool(family_env):
+    """A windowed core's sequence holds only its window's pages: on a pool far smaller than the
+    sequence, greedy tokens equal those of a pool that keeps every page."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from helios.engine.api import GenerationRequest, SamplingParams
+    from helios.engine.engine import Engine
+    from tests.unit.family_checkpoints import TINY_CONFIGS
+
+    core, _ = family_env("mistral")
+    manifest = Manifest.load(core)
+    window, page = TINY_CONFIGS["mistral"]["sliding_window"], manifest.kv.page_tokens
+    assert manifest.kv.window == window
+    prompt = np.random.default_rng(5).integers(0, manifest.architecture.vocab_size, size=40).tolist()
+    params = SamplingParams(max_tokens=200, top_k=1, ignore_eos=True)
+    pool = -(-window // page) + 2  # the window's pages, a partial one and the next token's
+    kept = replace(manifest, kv=replace(manifest.kv, window=None))
+    runs = {}
+    for name, spec, pages in (("windowed", manifest, pool), ("kept", kept, 64)):
+        engine = Engine(core, spec, kv_pages=pages, threads=1)
+        events = engine.generate(GenerationRequest(name, list(prompt), params))
+        assert events[-1].finished and events[-1].error is None, events[-1].error
+        runs[name] = [t for ev in events for t in ev.token_ids]
+        assert engine.block_manager.num_free == pages  # everything went back at the end
+    assert len(runs["windowed"]) == 200 and (len(prompt) + 200) // page > pool
+    assert runs["windowed"] == runs["kept"]
