@@ -111,8 +111,7 @@ class Engine:
             prefix_cache=self.prefix_cache,
             state_slots=runner.num_state_slots,
             speculator=speculator,
-            # A learned drafter reads the same page ids through its own (unwindowed) attention.
-            window=manifest.kv.window if manifest.drafter is None else None,
+            window=manifest.kv.window if manifest.drafter is None else None,  # a drafter reads every page
         )
         self.context_length = limits.context_length
         self.vocab_size = manifest.architecture.vocab_size
@@ -132,9 +131,7 @@ class Engine:
 
         self._prefill_tokens = 0
         self._generated_tokens = 0
-        self._completed = 0
-        self._cancelled = 0
-        self._failed = 0
+        self._completed = self._cancelled = self._failed = 0  # requests by how they ended
         self._steps = 0
         self._rounds = RoundCounts()  # speculative rounds (api.md)
         self._step_seconds = 0.0
