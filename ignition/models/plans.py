@@ -38,7 +38,7 @@ class LayerPlan:
     rope_attention: float = 1.0
     rope_freq_factors: tuple = ()
     window: int | None = None  # sliding window: query q sees keys k with q - k < window
-    attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) before the mask (Gemma 2); 0: none
+    attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) before the mask; 0: none
     sinks: bool = False
     qk_norm: bool = False  # per-head RMSNorm on q and k
     scale: float = 0.0  # softmax scale; 0: 1/sqrt(head_dim)
