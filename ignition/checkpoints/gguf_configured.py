@@ -1,4 +1,4 @@
-"""GGUF files of the configured dense families (qwen3, gemma2, gemma3): the Hugging Face config their plan
+"""GGUF files of the configured dense families (qwen3, gemma2, gemma3, phi3): the Hugging Face config their plan
 needs, rebuilt from the GGUF metadata, and the tensors named through the gguf library's own
 `TensorNameMap` (the table llama.cpp's converter writes them with), never a hand-kept one.
 
@@ -20,7 +20,12 @@ from ignition.checkpoints.tokenizer import metadata_value
 from ignition.models import FAMILIES
 
 # GGUF architecture -> (Hugging Face model_type, flare family).
-GGUF_FAMILIES = {"qwen3": ("qwen3", "qwen3"), "gemma2": ("gemma2", "gemma2"), "gemma3": ("gemma3_text", "gemma3")}
+GGUF_FAMILIES = {
+    "qwen3": ("qwen3", "qwen3"),
+    "gemma2": ("gemma2", "gemma2"),
+    "gemma3": ("gemma3_text", "gemma3"),
+    "phi3": ("phi3", "phi3"),
+}
 # GGUF metadata (after "{arch}.") -> Hugging Face config key.
 CONFIG_KEYS = {
     "block_count": "num_hidden_layers",
@@ -36,6 +41,17 @@ CONFIG_KEYS = {
 }
 # llama.cpp's converter stores Gemma's (1 + w) norm weights with the one added in.
 NORM_PLUS_ONE = {"gemma2", "gemma3"}
+# Projections a family's files fuse (GGUF as its Hugging Face checkpoints) and its model splits on
+# load: the name the model loads -> the fused tensor's.
+FUSED = {
+    "phi3": {
+        "self_attn.q_proj": "self_attn.qkv_proj",
+        "self_attn.k_proj": "self_attn.qkv_proj",
+        "self_attn.v_proj": "self_attn.qkv_proj",
+        "mlp.gate_proj": "mlp.gate_up_proj",
+        "mlp.up_proj": "mlp.gate_up_proj",
+    }
+}
 
 
 def _gemma_scale(config: dict[str, Any], layers_of_27b: int) -> None:
@@ -73,7 +89,19 @@ def _gemma3_config(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
         raise CheckpointError(f"GGUF gemma3 files with {kind!r} rope scaling are not supported")
 
 
-FAMILY_CONFIG = {"gemma2": _gemma2_config, "gemma3": _gemma3_config}
+def _phi3_config(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
+    """Partial rotary from the rotary width, no window where the file writes 0; longrope files
+    (their rope_factors_long/short tensors) are refused when those tensors are met."""
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    rotary = metadata_value(reader, "phi3.rope.dimension_count")
+    if rotary is not None and int(rotary) != head_dim:
+        config["partial_rotary_factor"] = int(rotary) / head_dim
+    if not config.get("sliding_window"):
+        config.pop("sliding_window", None)
+    config["hidden_act"] = "silu"
+
+
+FAMILY_CONFIG = {"gemma2": _gemma2_config, "gemma3": _gemma3_config, "phi3": _phi3_config}
 
 
 def config_from_gguf(reader: gguf.GGUFReader, arch: str, vocab_size: int, tied: bool) -> dict[str, Any]:
@@ -98,14 +126,19 @@ def config_from_gguf(reader: gguf.GGUFReader, arch: str, vocab_size: int, tied: 
 
 
 def loaded_names(family: str, config: dict[str, Any]) -> set[str]:
-    """The Hugging Face tensor names (without .weight/.bias) the family's model loads for `config`."""
+    """The Hugging Face tensor names (without .weight/.bias) the family's model loads for `config`
+    (a fused projection's name where the family's files fuse it)."""
     model_class = FAMILIES[family]
     arch = model_class.architecture(config)
     with torch.device("meta"):
         model = model_class(arch, model_class.planner(config))
+    fused = FUSED.get(family, {})
     names = set()
     for name, _ in model.named_parameters():
         stem = name.rsplit(".", 1)[0]
+        part = next((p for p in fused if stem.endswith("." + p)), None)
+        if part is not None:
+            stem = stem[: -len(part)] + fused[part]
         names.add(stem if stem.startswith("lm_head") else f"model.{stem}")
     return names
 
@@ -126,6 +159,8 @@ def configured_tensors(reader: gguf.GGUFReader, arch: str, family: str, config: 
     tensors: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
         stem, _, suffix = tensor.name.rpartition(".")
+        if stem.startswith("rope_factors_"):
+            raise CheckpointError(f"{source}: longrope scaling ({tensor.name}) is not supported yet")
         if stem not in names:
             raise CheckpointError(f"{source} has a tensor flare does not know: {tensor.name}")
         array = dequantize(tensor.data, tensor.tensor_type)

@@ -34,15 +34,18 @@ def add_bpe_vocabulary(writer: gguf.GGUFWriter, folder: Path, pre: str, bos: int
 
 
 def add_dense_hyperparameters(writer: gguf.GGUFWriter, config: Any) -> None:
-    """The `{arch}.*` shape keys of a transformers config (head_dim for keys and values alike)."""
+    """The `{arch}.*` shape keys of a transformers config (head_dim for keys and values alike;
+    a config without one, as llama.cpp's Phi-3 converter writes it: none)."""
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
 
 
 def add_named_tensors(

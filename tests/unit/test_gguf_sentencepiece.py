@@ -176,3 +176,49 @@ def test_gemma_gguf_reads_back_equal_and_matches_transformers(tmp_path, family, 
     export_core(ExportOptions(recipe=load_recipe(family), checkpoint=str(path), out=out, precision="fp32"))
     manifest = Manifest.load(out)
     assert manifest.architecture.family == family and manifest.identity.checkpoint_id == f"tiny-{family}"
+
+
+def test_phi3_gguf_reads_its_fused_tensors_and_matches_transformers(tmp_path):
+    """A tiny Phi-3 as llama.cpp's converter writes it: fused attn_qkv and ffn_up (gate and up)
+    as the Hugging Face checkpoint stores them, partial rotary as the rotary width, the window as
+    metadata, a SentencePiece vocabulary; read back equal, logits equal to transformers', exported."""
+    model = build_reference("phi3")
+    config = model.config
+    specials = SPECIALS["phi3"]
+    tokens = [f"<0x{b:02X}>" for b in range(256)] + specials
+    path = tmp_path / "tiny-phi3.gguf"
+    writer = gguf.GGUFWriter(path, "phi3")
+    add_dense_hyperparameters(writer, config)
+    head_dim = config.hidden_size // config.num_attention_heads
+    writer.add_rope_dimension_count(int(head_dim * config.rope_parameters["partial_rotary_factor"]))
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_types([BYTE] * 256 + [CONTROL] * len(specials))
+    writer.add_bos_token_id(256 + specials.index("<s>"))
+    writer.add_eos_token_id(256 + specials.index("<|end|>"))
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(False)
+    tensors = {name: value.numpy() for name, value in model.state_dict().items()}
+    add_named_tensors(writer, gguf.MODEL_ARCH.PHI3, config.num_hidden_layers, tensors)
+    finish(writer)
+
+    checkpoint = load_checkpoint(str(path))
+    assert checkpoint.architecture.family == "phi3" and checkpoint.model_config["partial_rotary_factor"] == 0.5
+    assert sorted(checkpoint.tensors) == sorted(tensors)
+    for name, value in tensors.items():
+        np.testing.assert_array_equal(checkpoint.tensors[name], value, err_msg=name)
+    ids = torch.from_numpy(np.random.default_rng(3).integers(0, 256, 60))  # past the 24-token window
+    ours = FAMILIES["phi3"].build(checkpoint.architecture, checkpoint.model_config, checkpoint.tensors).reference(ids)
+    with torch.no_grad():
+        theirs = model(ids.unsqueeze(0)).logits[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=2e-4)
+
+    out = tmp_path / "core"
+    export_core(ExportOptions(recipe=load_recipe("phi3"), checkpoint=str(path), out=out, precision="fp32"))
+    manifest = Manifest.load(out)
+    assert manifest.architecture.family == "phi3" and manifest.kv.window == config.sliding_window
