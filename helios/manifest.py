@@ -53,7 +53,8 @@ class RopeScaling:
     """(1.13) A dense checkpoint's RoPE scaling (ROPE_SCALING_KINDS) as transformers reads it:
     factor and pretraining context; llama3's frequency band; YaRN's betas, correction-range
     truncation and cos/sin attention factor; per-frequency divisors of the plain rotary
-    (`freq_factors`: a GGUF's rope_freqs, or llama3's band resolved by the reader)."""
+    (`freq_factors`: a GGUF's rope_freqs, llama3's band resolved by the reader, or longrope's
+    long factors with its attention factor)."""
 
     kind: str
     factor: float = 1.0
@@ -67,7 +68,7 @@ class RopeScaling:
     freq_factors: list[float] | None = None
 
 
-ROPE_SCALING_KINDS = ("linear", "dynamic", "yarn", "llama3", "factors")
+ROPE_SCALING_KINDS = ("linear", "dynamic", "yarn", "llama3", "longrope", "factors")
 
 
 @dataclass

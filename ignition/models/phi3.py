@@ -1,8 +1,8 @@
 """Phi-3 and Phi-4 (model_type "phi3"): Llama-style GQA and SwiGLU layers whose checkpoints fuse
 the q/k/v projections into one `qkv_proj` and gate/up into one `gate_up_proj` (split here on
 load), partial rotary where the config has it (Phi-4-mini), and a sliding window on every layer
-where the config sets one (Phi-3-mini: 2047). `longrope` scaling (Phi-3.5, Phi-4-mini, the 128k
-releases) is refused until the rotary carries its short/long factor switch."""
+where the config sets one (Phi-3-mini: 2047), and `longrope` scaling (Phi-3.5, Phi-4-mini, the
+128k releases) with its long factors (ignition/models/rope_config.py)."""
 
 from __future__ import annotations
 
@@ -18,13 +18,14 @@ from ignition.models.plans import ModelPlan, config_scaling, dense_gqa_layer
 def plan_phi3(cfg: dict[str, Any]) -> ModelPlan:
     if cfg.get("hidden_act", "silu") != "silu":
         raise FamilyError("only SiLU MLPs are supported")
-    scaling = config_scaling(cfg)  # refuses longrope
-    if scaling is not None:  # transformers' Phi3Config itself accepts longrope alone
+    scaling = config_scaling(cfg)
+    if scaling is not None and scaling.kind != "longrope":  # what transformers' Phi3Config accepts
         raise FamilyError(f"Phi-3 with {scaling.kind} rope scaling is not a configuration transformers runs")
     window = int(cfg["sliding_window"]) if cfg.get("sliding_window") else None
     return ModelPlan(
         layers=[dense_gqa_layer(cfg, window=window) for _ in range(int(cfg["num_hidden_layers"]))],
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        rope_scaling=scaling,
     )
 
 

@@ -161,8 +161,12 @@ def scaled_rope(cfg: dict[str, Any]) -> dict[str, Any]:
             scaling.truncate,
         )
         return {"rope_kind": "yarn", "rope_yarn": yarn, "rope_attention": scaling.attention_factor}
-    assert scaling.freq_factors is not None
-    return {"rope_kind": "factors", "rope_freq_factors": tuple(scaling.freq_factors)}
+    assert scaling.freq_factors is not None  # llama3's band, longrope's factors
+    return {
+        "rope_kind": "factors",
+        "rope_freq_factors": tuple(scaling.freq_factors),
+        "rope_attention": scaling.attention_factor,
+    }
 
 
 def dense_gqa_layer(cfg: dict[str, Any], **overrides: Any) -> LayerPlan:

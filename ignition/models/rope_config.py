@@ -18,8 +18,8 @@ class RopeConfigError(ValueError):
     pass
 
 
-# Kinds served; transformers' others (longrope, su) are refused with this list.
-CONFIG_KINDS = ("linear", "dynamic", "yarn", "llama3")
+# Kinds served; transformers' others are refused with this list.
+CONFIG_KINDS = ("linear", "dynamic", "yarn", "llama3", "longrope")
 
 
 def rope_scaling_from_config(config: dict[str, Any]) -> RopeScaling | None:
@@ -37,6 +37,8 @@ def rope_scaling_from_config(config: dict[str, Any]) -> RopeScaling | None:
     try:
         if kind == "yarn":
             return _yarn(params, config, original, factor)
+        if kind == "longrope":
+            return _longrope(params, config)
         if factor is None:
             raise KeyError("factor")
         if kind == "llama3":
@@ -72,6 +74,27 @@ def _yarn(params: dict[str, Any], config: dict[str, Any], original: Any, factor:
         beta_slow=float(params.get("beta_slow") or 1),
         attention_factor=float(attention),
         truncate=bool(params.get("truncate", True)),
+    )
+
+
+def _longrope(params: dict[str, Any], config: dict[str, Any]) -> RopeScaling:
+    """transformers' _compute_longrope_parameters with its long factors: a checkpoint whose
+    context exceeds the original one is served past it, and transformers switches to the long
+    factors as soon as a sequence does (llama.cpp takes them whenever its context is longer than
+    the original, as a core's is). The attention factor follows from the context ratio."""
+    original = int(params.get("original_max_position_embeddings") or config["original_max_position_embeddings"])
+    native = int(config["max_position_embeddings"])
+    factor = float(params.get("factor") or native / original)
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    chosen = params["long_factor"] if native > original else params["short_factor"]
+    return RopeScaling(
+        kind="longrope",
+        factor=factor,
+        original_max_position_embeddings=original,
+        attention_factor=float(attention),
+        freq_factors=[float(x) for x in chosen],
     )
 
 

@@ -286,3 +286,47 @@ def test_qwen3_yarn_export_validates_and_reaches_the_scaled_context(tmp_path):
     assert manifest.architecture.rope_scaling is not None and manifest.architecture.rope_scaling.kind == "yarn"
     assert manifest.limits.context_length == ORIGINAL * 4
     assert manifest.parity is not None and manifest.parity.top1_agreement == 1.0
+
+
+def test_phi3_longrope_follows_transformers_past_the_original_context(tmp_path):
+    """Phi-3.5 / Phi-4-mini's longrope (partial rotary here, as Phi-4-mini's): past the original
+    context transformers rotates with the long factors and scales cos/sin by its attention
+    factor; the core always does (it is served past the original context)."""
+    from ignition.models import FAMILIES
+    from tests.unit.family_checkpoints import TINY_CONFIGS, write_family_checkpoint
+
+    rotary = int(16 * 0.5) // 2  # head_dim 16, partial_rotary_factor 0.5: 4 frequencies
+    rope = {
+        **TINY_CONFIGS["phi3"]["rope_parameters"],
+        "rope_type": "longrope",
+        "short_factor": [1.0, 1.1, 1.3, 1.6],
+        "long_factor": [1.0, 2.5, 6.0, 11.0][:rotary],
+        "original_max_position_embeddings": ORIGINAL,
+    }
+    overrides = {
+        "rope_parameters": rope,
+        "max_position_embeddings": 4 * ORIGINAL,
+        "original_max_position_embeddings": ORIGINAL,  # Phi3Config copies it into rope_parameters
+        "sliding_window": None,
+    }
+    folder, reference = write_family_checkpoint(tmp_path / "phi3", "phi3", overrides=overrides)
+    checkpoint = load_checkpoint(str(folder))
+    arch = checkpoint.architecture
+    assert arch.rope_scaling is not None and arch.rope_scaling.kind == "longrope"
+    assert arch.rope_scaling.freq_factors == rope["long_factor"] and arch.max_position_embeddings == 4 * ORIGINAL
+    model = FAMILIES["phi3"].build(arch, checkpoint.model_config, checkpoint.tensors)
+    ids = torch.from_numpy(np.random.default_rng(3).integers(0, 250, 3 * ORIGINAL))
+    ours = model.reference(ids)
+    with torch.no_grad():
+        theirs = reference(ids.unsqueeze(0)).logits[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=2e-4)
+    # And through the exporter (the pool kernel's cos/sin carry the attention factor).
+    from helios.manifest import Manifest
+    from ignition.export.pipeline import ExportOptions, export_core
+    from ignition.recipes import load_recipe
+
+    out = tmp_path / "core"
+    export_core(ExportOptions(recipe=load_recipe("phi3"), checkpoint=str(folder), out=out, precision="fp32"))
+    manifest = Manifest.load(out)
+    assert manifest.architecture.rope_scaling is not None and manifest.architecture.rope_scaling.kind == "longrope"
+    assert manifest.parity is not None and manifest.parity.top1_agreement == 1.0
