@@ -124,6 +124,17 @@ def test_qwen25_coder_several_calls_and_arrays():
     )
 
 
+def test_llama3_json_answers_are_calls_and_prose_stays_text():
+    """Llama 3.1+ answer a tool call with the bare object their template asks for (`parameters`
+    for the arguments), streamed token by token; prose and other JSON answers stay text."""
+    llama = '{"name": "lookup", "parameters": {"query": "alpha"}}'
+    assert merged(run(llama, spec("llama3_json"))) == [LOOKUP]
+    second = '{"name": "lookup", "parameters": {"query": "beta"}}'
+    assert merged(run(llama + "\n" + second, spec("llama3_json"))) == [LOOKUP, ("call", "lookup", {"query": "beta"})]
+    for text in ("The answer is 42.", '{"value": 7391}'):
+        assert merged(run(text, spec("llama3_json"))) == [("text", text)]
+
+
 def test_qwen25_coder_template_doubled_braces():
     # Recorded from Qwen2.5-Coder-1.5B under tool_choice "required" (docs/conformance.md): the
     # template's instructions show `{{"name": <function-name>, ...}}` and the model copies it.
@@ -389,6 +400,7 @@ def test_markers_whose_text_is_held_or_skipped():
 CALL_BLOCKS = {
     "hermes": "<tool_call>\n" + CALL + "\n</tool_call>",
     "qwen25_coder_json": "<tool_call>\n" + CALL + "\n</tool_call>",
+    "llama3_json": "<tool_call>\n" + CALL + "\n</tool_call>",
     "qwen3_xml": QWEN_XML.replace("<parameter=limit>\n3\n</parameter>\n", ""),
     "qwen3_coder": QWEN_XML.replace("<parameter=limit>\n3\n</parameter>\n", ""),
     "mimo": "<tool_call>\n<function=lookup>\n<parameter=query>alpha</parameter>\n</function>\n</tool_call>",

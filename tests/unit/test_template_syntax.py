@@ -17,6 +17,13 @@ LLAMA3_TEMPLATE = (
     "{{- bos_token }}{%- for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
     "{{ m.content }}<|eot_id|>{%- endfor %}<|start_header_id|>assistant<|end_header_id|>\n\n"
 )
+# Llama 3.1's tool instructions in brief: the tools as JSON in the user turn, calls as bare objects.
+LLAMA31_TEMPLATE_WITH_TOOLS = (
+    "{{- bos_token }}{%- for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+    '{%- if tools and loop.last %}Respond in the format {"name": function name, "parameters": '
+    "dictionary of argument name and its value}.{{ tools | tojson }}{%- endif %}"
+    "{{ m.content }}<|eot_id|>{%- endfor %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+)
 CHATML_WITH_TOOLS_AND_THINKING = (
     "{%- if tools %}{{ tools | tojson }} Call one inside <tool_call></tool_call>.{%- endif %}"
     "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
@@ -35,6 +42,9 @@ def test_the_template_picks_the_llama_recipe_and_its_syntax(tmp_path):
     llama3 = with_template(write_tiny_checkpoint(tmp_path / "l3", "llama"), LLAMA3_TEMPLATE)
     recipe = resolve_recipe(locate(str(llama3)), None)
     assert recipe.name == "llama3" and not recipe.supports_tools and recipe.reasoning_parser is None
+    llama31 = with_template(write_tiny_checkpoint(tmp_path / "l31", "llama"), LLAMA31_TEMPLATE_WITH_TOOLS)
+    recipe = resolve_recipe(locate(str(llama31)), None)
+    assert (recipe.name, recipe.supports_tools, recipe.tool_parser) == ("llama3", True, "llama3_json")
 
     chatml = with_template(write_tiny_checkpoint(tmp_path / "chatml", "llama"), CHATML_WITH_TOOLS_AND_THINKING)
     recipe = resolve_recipe(locate(str(chatml)), None)

@@ -3,8 +3,8 @@
 The core's manifest names its syntaxes (`parsers.tool`, `parsers.reasoning`, set by the recipe);
 they are looked up here by that name, never guessed from the model's name.
 
-    tool syntaxes       hermes, qwen25_coder_json, qwen3_xml, mimo, glm45, minimax, gemma4,
-                        deepseek_dsml, deepseek_xtml, kimi_k2
+    tool syntaxes       hermes, qwen25_coder_json, llama3_json, qwen3_xml, mimo, glm45, minimax,
+                        gemma4, deepseek_dsml, deepseek_xtml, kimi_k2
     reasoning syntaxes  see parsers.reasoning.REASONING_SYNTAXES
 """
 
@@ -36,6 +36,7 @@ from helios.neutral.parsers.xml_calls import GlmParser, MiMoFunctionTagParser, M
 TOOL_SYNTAXES: dict[str, Callable[[ToolSchemas], ToolParser]] = {
     "hermes": HermesParser,
     "qwen25_coder_json": Qwen25CoderJsonParser,
+    "llama3_json": Qwen25CoderJsonParser,  # bare {"name", "parameters"} answers (json_calls.py)
     "qwen3_xml": QwenFunctionTagParser,
     "qwen3_coder": QwenFunctionTagParser,
     "mimo": MiMoFunctionTagParser,
@@ -73,6 +74,7 @@ _QWEN_BLOCKS = (  # Qwen's parser also reads a bare function block without <tool
 TOOL_ENVELOPES: dict[str, tuple[ToolEnvelope, ...]] = {
     "hermes": (ToolEnvelope(HermesParser.openers[0], HermesParser.trailing_closers),),
     "qwen25_coder_json": (ToolEnvelope(HermesParser.openers[0], HermesParser.trailing_closers),),
+    "llama3_json": (ToolEnvelope(HermesParser.openers[0], HermesParser.trailing_closers),),
     "qwen3_xml": _QWEN_BLOCKS,
     "qwen3_coder": _QWEN_BLOCKS,
     "mimo": _QWEN_BLOCKS,
@@ -95,7 +97,7 @@ TOOL_ENVELOPES: dict[str, tuple[ToolEnvelope, ...]] = {
         ),
     ),
 }
-JSON_CALL_SYNTAXES = frozenset({"hermes", "qwen25_coder_json"})  # one JSON call object per envelope
+JSON_CALL_SYNTAXES = frozenset({"hermes", "qwen25_coder_json", "llama3_json"})  # one JSON call object per envelope
 
 # Single-token tool openers that end reasoning for the engine's budget (Qwen's implicit close).
 TOOL_OPENER_TEXT: dict[str, tuple[str, ...]] = {

@@ -17,6 +17,11 @@ object may also be spelled as OpenAI's tool-call object or `{"function": NAME, "
 answer is only known to be calls when it ends, so it is held until then; an answer that turns
 out to be anything else (a structured JSON answer, prose) is released unchanged as text.
 
+llama3_json (Llama 3.1 / 3.2 / 3.3 instruct templates): the model answers a tool call with the
+bare object its template asks for, `{"name": NAME, "parameters": {...}}`, which the
+qwen25_coder_json reading already takes (`parameters` for `arguments`, several objects in a row);
+the syntax is the same parser under the name the Llama recipes declare.
+
 Both accept a call object in doubled braces, `{{"name": ..., "arguments": {...}}}`: the Qwen2.5
 chat template's tool instructions literally show `{{"name": <function-name>, "arguments":
 <args-json-object>}}`, and the models copy it (docs/conformance.md). That spelling is not JSON,
