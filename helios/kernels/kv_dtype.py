@@ -94,8 +94,8 @@ def ort_value(pool: np.ndarray) -> ort.OrtValue:
 
 
 def retype_pool(model: onnx.ModelProto, name: str) -> int:
-    """Declare `model`'s kv_pool input as `name`; a Gather of pool rows gets a Cast of its output to
-    float32. Returns the number of Casts added; any other reader is refused (ValueError)."""
+    """Declare `model`'s kv_pool input as `name`; a Gather (or a windowed layer's GatherND) of pool
+    rows gets a Cast of its output to float32. Returns the number of Casts added; any other reader is refused (ValueError)."""
     name = canonical(name)
     pool = next((i for i in model.graph.input if i.name == "kv_pool"), None)
     if pool is None:
@@ -109,7 +109,7 @@ def retype_pool(model: onnx.ModelProto, name: str) -> int:
         nodes.append(node)
         if "kv_pool" not in node.input or (node.domain, node.op_type) in _TYPE_AGNOSTIC:
             continue
-        if node.op_type != "Gather" or list(node.input).index("kv_pool") != 0:
+        if node.op_type not in ("Gather", "GatherND") or list(node.input).index("kv_pool") != 0:
             raise ValueError(f"{node.op_type} node {node.name!r} reads kv_pool: only gathers of its rows can widen it")
         wide = node.output[0]
         node.output[0] = f"{wide}.{name}"

@@ -27,7 +27,13 @@ import numpy as np
 
 from helios.engine.constraints import first_line, llg_tokenizer, parser_limits
 from helios.neutral.errors import RequestError
-from helios.neutral.parsers import JSON_CALL_SYNTAXES, TOOL_ENVELOPES, ToolEnvelope
+from helios.neutral.parsers import (
+    BARE_CALL_SYNTAXES,
+    JSON_ARRAY_SYNTAXES,
+    JSON_CALL_SYNTAXES,
+    TOOL_ENVELOPES,
+    ToolEnvelope,
+)
 
 MAX_SOURCE_BYTES = 1 << 20
 # The admission probe: this many tokens deep, along at most this many paths.
@@ -114,6 +120,7 @@ class Envelope:
     special: dict[str, int]
     json_calls: bool  # one JSON call object inside, its arguments checked by the tool's schema
     bare: bool  # the whole answer may be bare or ```json-fenced call objects (qwen25_coder_json)
+    json_array: bool = False  # the opener, then a JSON array of call objects, no closer (Mistral)
 
     def ref(self, text: str) -> str:
         return f"<[{self.special[text]}]>" if text in self.special else json.dumps(text)
@@ -162,7 +169,13 @@ def envelope_for(tool_syntax: str | None, special_id: Callable[[str], int | None
         return None
     tags = {tag for form in forms for tag in (form.opener, *form.closers, *form.inner)}
     special = {tag: token for tag in tags if (token := special_id(tag)) is not None}
-    return Envelope(forms, special, tool_syntax in JSON_CALL_SYNTAXES, tool_syntax == "qwen25_coder_json")
+    return Envelope(
+        forms,
+        special,
+        tool_syntax in JSON_CALL_SYNTAXES,
+        tool_syntax in BARE_CALL_SYNTAXES,
+        tool_syntax in JSON_ARRAY_SYNTAXES,
+    )
 
 
 def call_schema(tools: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -203,7 +216,11 @@ def structured_grammar(
     if envelope is None or not tools:
         top = "start: @answer"
         return json.dumps({"grammars": [{"lark_grammar": top}, answer]})
-    if envelope.json_calls:
+    if envelope.json_array:  # nothing closes the block: the array's end is the block's
+        array = json.dumps(_styled({"type": "array", "items": call_schema(tools), "minItems": 1}))
+        opener = envelope.ref(envelope.forms[0].opener)
+        rules = [f'tagged: {opener} " "? %json {array}', 'calls: tagged ("\\n"? tagged)*']
+    elif envelope.json_calls:
         call = json.dumps(_styled(call_schema(tools)))
         form = envelope.forms[0]
         opener, closer = envelope.ref(form.opener), envelope.ref(form.closers[0])

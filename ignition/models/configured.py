@@ -225,15 +225,20 @@ class ConfiguredLM(StepModel):
             x = x * torch.tensor(self.plan.embed_scale, dtype=torch.float32)
         return x, None
 
-    def _history(self, kv_pool, block_tables, layer: int):
+    def _history(self, kv_pool, block_tables, layer: int, windowed: bool = False):
         """Layer's history keys and values [B, G, pages * page_tokens, D] from the pages the
         table names (a windowed layer's table: its window's columns, StepState.window_columns)."""
+        batch, pages = block_tables.shape
         num_pages = kv_pool.shape[0] // (2 * len(self.kv_layers))
+        _, tokens, heads, dim = kv_pool.shape
         j = self._kv_index[layer]
         out = []
         for kind in (0, 1):
             rows = (2 * j + kind) * num_pages + block_tables  # [B, pages]
-            kv = kv_pool[rows].flatten(1, 2)  # [B, pages * page_tokens, G, D]
+            if windowed:  # a reshape to B * (the window's width) makes torch.export guard on it
+                kv = kv_pool[rows].flatten(1, 2)  # a GatherND of pool rows
+            else:
+                kv = torch.index_select(kv_pool, 0, rows.reshape(-1)).reshape(batch, pages * tokens, heads, dim)
             out.append(kv.transpose(1, 2))
         return out
 
@@ -291,7 +296,7 @@ class ConfiguredLM(StepModel):
                 table = (
                     block_tables if window is None else torch.gather(block_tables, 1, step.window_columns(window)[0])
                 )
-                past_k, past_v = self._history(kv_pool, table, i if source is None else source)
+                past_k, past_v = self._history(kv_pool, table, i if source is None else source, window is not None)
             shared = produced[source] if source is not None else None
             ple = per_layer[:, :, i] if per_layer is not None else None
             x, k, v = layer(x, step, past_k, past_v, shared, ple)

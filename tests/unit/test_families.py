@@ -199,7 +199,7 @@ def test_helios_serves_a_chat_round_trip(family_env, recipe):
     manifest = Manifest.load(core)
     loaded = load_recipe(recipe)
     assert (manifest.parsers.tool, manifest.parsers.reasoning) == (loaded.tool_parser, loaded.reasoning_parser)
-    # A recipe without tool syntax (mistral) gets the conversation without its tool turns.
+    # A recipe without tool syntax (gemma2, gemma3, phi3) gets the conversation without its tool turns.
     tools = manifest.template.supports_tools
     chat = CHAT if tools else PLAIN_CHAT
     server = HeliosProcess(core)

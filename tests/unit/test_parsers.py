@@ -135,6 +135,18 @@ def test_llama3_json_answers_are_calls_and_prose_stays_text():
         assert merged(run(text, spec("llama3_json"))) == [("text", text)]
 
 
+def test_mistral_tool_calls_in_both_spellings():
+    """[TOOL_CALLS] then a JSON array of calls (v3 tokenizers), or NAME[ARGS]{...} per call
+    (v11), streamed token by token; text before the calls stays text."""
+    beta = ("call", "lookup", {"query": "beta"})
+    two = "[TOOL_CALLS] [" + CALL + ', {"name": "lookup", "arguments": {"query": "beta"}}]'
+    assert merged(run(two, spec("mistral"))) == [LOOKUP, beta]
+    named = '[TOOL_CALLS]lookup[ARGS]{"query": "alpha"}[TOOL_CALLS]lookup[ARGS]{"query": "beta"}'
+    assert merged(run("Checking. " + named, spec("mistral"))) == [("text", "Checking. "), LOOKUP, beta]
+    with pytest.raises(ToolParseError):
+        run("[TOOL_CALLS] [{]", spec("mistral"))
+
+
 def test_qwen25_coder_template_doubled_braces():
     # Recorded from Qwen2.5-Coder-1.5B under tool_choice "required" (docs/conformance.md): the
     # template's instructions show `{{"name": <function-name>, ...}}` and the model copies it.
@@ -401,6 +413,7 @@ CALL_BLOCKS = {
     "hermes": "<tool_call>\n" + CALL + "\n</tool_call>",
     "qwen25_coder_json": "<tool_call>\n" + CALL + "\n</tool_call>",
     "llama3_json": "<tool_call>\n" + CALL + "\n</tool_call>",
+    "mistral": "[TOOL_CALLS] [" + CALL + "]",
     "qwen3_xml": QWEN_XML.replace("<parameter=limit>\n3\n</parameter>\n", ""),
     "qwen3_coder": QWEN_XML.replace("<parameter=limit>\n3\n</parameter>\n", ""),
     "mimo": "<tool_call>\n<function=lookup>\n<parameter=query>alpha</parameter>\n</function>\n</tool_call>",

@@ -4,7 +4,7 @@ The core's manifest names its syntaxes (`parsers.tool`, `parsers.reasoning`, set
 they are looked up here by that name, never guessed from the model's name.
 
     tool syntaxes       hermes, qwen25_coder_json, llama3_json, qwen3_xml, mimo, glm45, minimax,
-                        gemma4, deepseek_dsml, deepseek_xtml, kimi_k2
+                        gemma4, deepseek_dsml, deepseek_xtml, kimi_k2, mistral
     reasoning syntaxes  see parsers.reasoning.REASONING_SYNTAXES
 """
 
@@ -20,7 +20,7 @@ from helios.neutral.parsers.gemma import CLOSE as GEMMA_CLOSE
 from helios.neutral.parsers.gemma import OPEN as GEMMA_OPEN
 from helios.neutral.parsers.gemma import QUOTE as GEMMA_QUOTE
 from helios.neutral.parsers.gemma import Gemma4Parser
-from helios.neutral.parsers.json_calls import HermesParser, KimiK2Parser, Qwen25CoderJsonParser
+from helios.neutral.parsers.json_calls import HermesParser, KimiK2Parser, MistralParser, Qwen25CoderJsonParser
 from helios.neutral.parsers.reasoning import (
     ANSWER,
     REASONING,
@@ -46,13 +46,15 @@ TOOL_SYNTAXES: dict[str, Callable[[ToolSchemas], ToolParser]] = {
     "deepseek_dsml": lambda schemas: DeepSeekMarkupParser("DSML", schemas),
     "deepseek_xtml": lambda schemas: DeepSeekMarkupParser("XTML", schemas),
     "kimi_k2": KimiK2Parser,
+    "mistral": MistralParser,
 }
 
 
 @dataclass(frozen=True)
 class ToolEnvelope:
-    """A whole tool-call block of one syntax: it runs from `opener` to the first of `closers`;
-    `inner` are the tags inside it (a tokenizer may hold any of these as one special token)."""
+    """A whole tool-call block of one syntax: it runs from `opener` to the first of `closers`
+    (none: the block is a JSON array, JSON_ARRAY_SYNTAXES); `inner` are the tags inside it (a
+    tokenizer may hold any of these as one special token)."""
 
     opener: str
     closers: tuple[str, ...]
@@ -89,6 +91,7 @@ TOOL_ENVELOPES: dict[str, tuple[ToolEnvelope, ...]] = {
     "gemma4": (ToolEnvelope(GEMMA_OPEN, (GEMMA_CLOSE,), (GEMMA_QUOTE,)),),
     "deepseek_dsml": (ToolEnvelope(*DeepSeekMarkupParser.region_tags("DSML")),),
     "deepseek_xtml": (ToolEnvelope(*DeepSeekMarkupParser.region_tags("XTML")),),
+    "mistral": (ToolEnvelope(MistralParser.OPEN, ()),),
     "kimi_k2": (
         ToolEnvelope(
             KimiK2Parser.SECTION_OPEN,
@@ -98,6 +101,8 @@ TOOL_ENVELOPES: dict[str, tuple[ToolEnvelope, ...]] = {
     ),
 }
 JSON_CALL_SYNTAXES = frozenset({"hermes", "qwen25_coder_json", "llama3_json"})  # one JSON call object per envelope
+BARE_CALL_SYNTAXES = frozenset({"qwen25_coder_json", "llama3_json"})  # whole answers of bare call objects
+JSON_ARRAY_SYNTAXES = frozenset({"mistral"})  # the opener, then a JSON array of calls (no closer)
 
 # Single-token tool openers that end reasoning for the engine's budget (Qwen's implicit close).
 TOOL_OPENER_TEXT: dict[str, tuple[str, ...]] = {

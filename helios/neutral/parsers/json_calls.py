@@ -389,3 +389,49 @@ class KimiK2Parser(TaggedParser):
                 raise ToolParseError("a Kimi tool call needs a function name and a JSON object of arguments")
             calls.append((name, arguments))
             pos = end_at + len(self.CALL_CLOSE)
+
+
+class MistralParser(TaggedParser):
+    """mistral (Mistral 7B v0.3, Ministral, Mistral Small/Nemo templates): calls after the
+    `[TOOL_CALLS]` control token, with no closing tag (the turn ends with the calls)::
+
+        [TOOL_CALLS] [{"name": "lookup", "arguments": {"query": "alpha"}}]      (v3 tokenizers)
+        [TOOL_CALLS]lookup[ARGS]{"query": "alpha"}                            (v11 and later)
+
+    A JSON array (or one object) of calls completes when it closes; the named form when its
+    arguments object does, and each further call has its own [TOOL_CALLS]."""
+
+    OPEN, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    openers = (OPEN,)
+
+    def decide(self, buf: str, final: bool) -> Decision:
+        i = _skip_space(buf, len(self.OPEN))
+        if i == len(buf):
+            return MORE
+        if buf[i] in "[{":
+            end = json_end(buf, i)
+            if end is None:
+                return MORE
+            try:
+                pairs = call_objects(loads_strict(buf[i:end]))
+            except ValueError as exc:
+                raise ToolParseError(f"the model's [TOOL_CALLS] holds invalid JSON: {exc}") from None
+            if pairs is None:
+                raise ToolParseError('[TOOL_CALLS] must hold call objects with "name" and "arguments"')
+            return Complete(pairs, end)
+        args_at = buf.find(self.ARGS, i)
+        if args_at < 0:
+            return MORE
+        name, j = buf[i:args_at].strip(), _skip_space(buf, args_at + len(self.ARGS))
+        if j == len(buf):
+            return MORE
+        end = json_end(buf, j) if buf[j] == "{" else None
+        if end is None:
+            if buf[j] != "{":
+                raise ToolParseError(f"[TOOL_CALLS]{name}[ARGS] must be followed by a JSON object")
+            return MORE
+        try:
+            arguments = loads_strict(buf[j:end])
+        except ValueError as exc:
+            raise ToolParseError(f"the model's [ARGS] holds invalid JSON: {exc}") from None
+        return Complete([(name, arguments)], end)
