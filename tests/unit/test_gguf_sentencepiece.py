@@ -116,13 +116,27 @@ def test_sentencepiece_bpe_encodes_as_llama_cpp(prefix):
             assert tokenizer.decode(ours, skip_special_tokens=False) == text
 
 
+def add_byte_sentencepiece(writer: gguf.GGUFWriter, specials: list[str], bos: str, eos: str) -> None:
+    """A SentencePiece ("llama") vocabulary of the 256 byte tokens and the family's specials, as
+    the tiny checkpoints' byte tokenizer has them."""
+    tokens = [f"<0x{b:02X}>" for b in range(256)] + specials
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_types([BYTE] * 256 + [CONTROL] * len(specials))
+    writer.add_bos_token_id(256 + specials.index(bos))
+    writer.add_eos_token_id(256 + specials.index(eos))
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(False)
+
+
 def write_gemma_gguf(model, family: str, path: Path) -> None:
     """A tiny Gemma 2 or 3 as llama.cpp's converter writes it: byte tokens and the model's specials
     as a SentencePiece vocabulary, (1 + w) norm weights; Gemma 3's linear global rotary and
     Gemma 2's soft-caps as metadata."""
     config = model.config
     specials = SPECIALS[family]
-    tokens = [f"<0x{b:02X}>" for b in range(256)] + specials
     writer = gguf.GGUFWriter(path, family)
     add_dense_hyperparameters(writer, config)
     if family == "gemma3":
@@ -134,15 +148,7 @@ def write_gemma_gguf(model, family: str, path: Path) -> None:
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_sliding_window(config.sliding_window)
-    writer.add_tokenizer_model("llama")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_scores([0.0] * len(tokens))
-    writer.add_token_types([BYTE] * 256 + [CONTROL] * len(specials))
-    writer.add_bos_token_id(256 + specials.index("<bos>"))
-    writer.add_eos_token_id(256 + specials.index("<eos>"))
-    writer.add_add_bos_token(True)
-    writer.add_add_space_prefix(False)
+    add_byte_sentencepiece(writer, specials, "<bos>", "<eos>")
     tensors = {}
     for name, value in model.state_dict().items():
         array = value.numpy()
@@ -185,7 +191,6 @@ def test_phi3_gguf_reads_its_fused_tensors_and_matches_transformers(tmp_path):
     model = build_reference("phi3")
     config = model.config
     specials = SPECIALS["phi3"]
-    tokens = [f"<0x{b:02X}>" for b in range(256)] + specials
     path = tmp_path / "tiny-phi3.gguf"
     writer = gguf.GGUFWriter(path, "phi3")
     add_dense_hyperparameters(writer, config)
@@ -194,15 +199,7 @@ def test_phi3_gguf_reads_its_fused_tensors_and_matches_transformers(tmp_path):
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_sliding_window(config.sliding_window)
-    writer.add_tokenizer_model("llama")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_scores([0.0] * len(tokens))
-    writer.add_token_types([BYTE] * 256 + [CONTROL] * len(specials))
-    writer.add_bos_token_id(256 + specials.index("<s>"))
-    writer.add_eos_token_id(256 + specials.index("<|end|>"))
-    writer.add_add_bos_token(True)
-    writer.add_add_space_prefix(False)
+    add_byte_sentencepiece(writer, specials, "<s>", "<|end|>")
     tensors = {name: value.numpy() for name, value in model.state_dict().items()}
     add_named_tensors(writer, gguf.MODEL_ARCH.PHI3, config.num_hidden_layers, tensors)
     finish(writer)

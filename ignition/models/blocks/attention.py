@@ -27,21 +27,8 @@ from ignition.models.blocks.rotary import inv_freq, rotate, rotate_leading
 from ignition.models.plans import LayerPlan
 
 
-def layer_inv_freq(plan: LayerPlan) -> torch.Tensor:
-    """Rotary frequencies of a layer (computed, never loaded)."""
-    return inv_freq(
-        plan.rope_kind,
-        plan.rotary_dim,
-        plan.rope_theta,
-        plan.rope_partial,
-        plan.rope_yarn,
-        plan.rope_factor,
-        plan.rope_freq_factors,
-    )
-
-
-def rotary_key(plan: LayerPlan) -> tuple:
-    """What a layer's cos/sin tables depend on: layers that agree share one table per step."""
+def frequency_args(plan: LayerPlan) -> tuple:
+    """A layer's rotary frequencies as rotary.inv_freq's arguments."""
     return (
         plan.rope_kind,
         plan.rotary_dim,
@@ -49,9 +36,18 @@ def rotary_key(plan: LayerPlan) -> tuple:
         plan.rope_partial,
         plan.rope_yarn,
         plan.rope_factor,
-        plan.rope_attention,
         plan.rope_freq_factors,
     )
+
+
+def layer_inv_freq(plan: LayerPlan) -> torch.Tensor:
+    """Rotary frequencies of a layer (computed, never loaded)."""
+    return inv_freq(*frequency_args(plan))
+
+
+def rotary_key(plan: LayerPlan) -> tuple:
+    """What a layer's cos/sin tables depend on: layers that agree share one table per step."""
+    return (*frequency_args(plan), plan.rope_attention)
 
 
 class PagedPool:
