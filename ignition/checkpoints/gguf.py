@@ -14,7 +14,7 @@ from gguf.quants import dequantize
 
 from helios.manifest import Architecture, file_sha256
 from ignition.checkpoints.base import Checkpoint, CheckpointError
-from ignition.checkpoints.gguf_configured import GGUF_FAMILIES, config_from_gguf, configured_tensors
+from ignition.checkpoints.gguf_configured import GGUF_FAMILIES, config_from_gguf, configured_tensors, unpermute_rotary
 from ignition.checkpoints.rope import rope_scaling_from_gguf
 from ignition.checkpoints.shapes import check_family, check_tensor_shapes
 from ignition.checkpoints.tokenizer import metadata_value, tokenizer_from_gguf
@@ -51,16 +51,6 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     if match and match.group(2) in LAYER_NAMES:
         return f"model.layers.{match.group(1)}.{LAYER_NAMES[match.group(2)]}.{match.group(3)}"
     return None
-
-
-def unpermute_rotary(weight: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation for llama models (its converter's `permute`).
-
-    llama.cpp interleaves each head's two rotary halves; Hugging Face keeps them as halves.
-    Same as transformers' `_reverse_permute_weights`; works for weights and biases.
-    """
-    half = weight.shape[0] // n_heads // 2
-    return weight.reshape(n_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 class _PlainArrayReader(gguf.GGUFReader):

@@ -1,4 +1,4 @@
-"""GGUF files of the configured dense families (qwen3, gemma2, gemma3, phi3): the Hugging Face config their plan
+"""GGUF files of the configured dense families (qwen3, gemma2, gemma3, phi3, smollm3): the Hugging Face config their plan
 needs, rebuilt from the GGUF metadata, and the tensors named through the gguf library's own
 `TensorNameMap` (the table llama.cpp's converter writes them with), never a hand-kept one.
 
@@ -25,6 +25,7 @@ GGUF_FAMILIES = {
     "gemma2": ("gemma2", "gemma2"),
     "gemma3": ("gemma3_text", "gemma3"),
     "phi3": ("phi3", "phi3"),
+    "smollm3": ("smollm3", "smollm3"),
 }
 # GGUF metadata (after "{arch}.") -> Hugging Face config key.
 CONFIG_KEYS = {
@@ -41,6 +42,8 @@ CONFIG_KEYS = {
 }
 # llama.cpp's converter stores Gemma's (1 + w) norm weights with the one added in.
 NORM_PLUS_ONE = {"gemma2", "gemma3"}
+# Families whose q/k rows llama.cpp's converter permutes (its llama-style rotary layout).
+PERMUTED = {"smollm3"}
 # Projections a family's files fuse (GGUF as its Hugging Face checkpoints) and its model splits on
 # load: the name the model loads -> the fused tensor's.
 FUSED = {
@@ -101,7 +104,27 @@ def _phi3_config(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
     config["hidden_act"] = "silu"
 
 
-FAMILY_CONFIG = {"gemma2": _gemma2_config, "gemma3": _gemma3_config, "phi3": _phi3_config}
+def _smollm3_config(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
+    """llama.cpp's SmolLM3 graph fixes its NoPE step (every fourth layer unrotated); no key says it."""
+    config.update(no_rope_layer_interval=4, hidden_act="silu")
+
+
+FAMILY_CONFIG = {
+    "gemma2": _gemma2_config,
+    "gemma3": _gemma3_config,
+    "phi3": _phi3_config,
+    "smollm3": _smollm3_config,
+}
+
+
+def unpermute_rotary(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation for llama-style models (its converter's `permute`).
+
+    llama.cpp interleaves each head's two rotary halves; Hugging Face keeps them as halves.
+    Same as transformers' `_reverse_permute_weights`; works for weights and biases.
+    """
+    half = weight.shape[0] // n_heads // 2
+    return weight.reshape(n_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def config_from_gguf(reader: gguf.GGUFReader, arch: str, vocab_size: int, tied: bool) -> dict[str, Any]:
@@ -169,5 +192,8 @@ def configured_tensors(reader: gguf.GGUFReader, arch: str, family: str, config: 
         array = array.astype(np.float32, copy=False).reshape([int(n) for n in reversed(tensor.shape)])
         if arch in NORM_PLUS_ONE and stem.endswith("norm"):
             array = array - np.float32(1.0)
+        if arch in PERMUTED and stem.endswith(("attn_q", "attn_k")):
+            heads = config["num_attention_heads"] if stem.endswith("attn_q") else config["num_key_value_heads"]
+            array = unpermute_rotary(array, int(heads))
         tensors[f"{names[stem]}.{suffix}"] = array
     return tensors

@@ -39,60 +39,79 @@ def test_int4_export_validates_and_the_recipe_is_inferred(tmp_path, family):
     assert manifest.parity is not None and manifest.parity.mean_kl is not None and manifest.parity.mean_kl < 0.05
 
 
-def test_qwen3_gguf_reads_through_the_name_map_and_exports(tmp_path):
-    """A tiny Qwen3 written as llama.cpp's converter writes it (gguf's TensorNameMap, qwen2 BPE
-    vocabulary): read back equal to its folder, logits equal to transformers', exported."""
+# family -> (GGUF architecture's gguf.MODEL_ARCH, its BPE pre-tokenizer, config class, model class,
+# what the config adds). SmolLM3: every fourth layer without rotary, as llama.cpp hardcodes it.
+GGUF_DENSE = {
+    "qwen3": ("QWEN3", "qwen2", "Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": False}),
+    "smollm3": ("SMOLLM3", "smaug-bpe", "SmolLM3Config", "SmolLM3ForCausalLM", {"no_rope_layer_interval": 4}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(GGUF_DENSE))
+def test_dense_gguf_reads_through_the_name_map_and_exports(tmp_path, family):
+    """A tiny Qwen3 / SmolLM3 written as llama.cpp's converter writes it (gguf's TensorNameMap,
+    SmolLM3's q/k rows permuted as for llama, a BPE vocabulary): read back equal to its folder,
+    logits equal to transformers', and the Qwen3 one exported."""
     import gguf
     import numpy as np
     import torch
+    import transformers
     from safetensors.torch import load_file
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from ignition.checkpoints.load import load_checkpoint
     from ignition.models import FAMILIES
     from tests.unit.gguf_writing import add_bpe_vocabulary, add_dense_hyperparameters, add_named_tensors, finish
     from tests.unit.tiny_checkpoints import TINY, write_tiny_checkpoint
 
+    arch, pre, config_class, model_class, extra = GGUF_DENSE[family]
     folder = write_tiny_checkpoint(tmp_path / "qwen2", "qwen2")  # for its real Qwen tokenizer files
     base = json.loads((folder / "config.json").read_text())
-    config = Qwen3Config(
+    config = getattr(transformers, config_class)(
         **{k: base[k] for k in TINY},
         vocab_size=base["vocab_size"],
         rope_theta=1000000.0,
         max_position_embeddings=4096,
-        tie_word_embeddings=False,
         bos_token_id=base["bos_token_id"],
         eos_token_id=base["eos_token_id"],
+        **extra,
     )
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).eval()
+    model = getattr(transformers, model_class)(config).eval()
     model.save_pretrained(folder)
     tensors = {k: v.numpy() for k, v in load_file(folder / "model.safetensors").items()}
+    written = dict(tensors)
+    if family == "smollm3":  # llama.cpp's convert_hf_to_gguf permute of q/k rows
+        for name, value in tensors.items():
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                written[name] = value.reshape(heads, 2, -1, value.shape[1]).swapaxes(1, 2).reshape(value.shape)
+        written.pop("lm_head.weight", None)  # tied: llama.cpp writes the embedding only
 
-    path = tmp_path / "tiny-qwen3.gguf"
-    writer = gguf.GGUFWriter(path, "qwen3")
+    path = tmp_path / f"tiny-{family}.gguf"
+    writer = gguf.GGUFWriter(path, family)
     add_dense_hyperparameters(writer, config)
     writer.add_rope_freq_base(1000000.0)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    add_bpe_vocabulary(writer, folder, "qwen2", config.bos_token_id, config.eos_token_id)
-    add_named_tensors(writer, gguf.MODEL_ARCH.QWEN3, config.num_hidden_layers, tensors)
+    add_bpe_vocabulary(writer, folder, pre, config.bos_token_id, config.eos_token_id)
+    add_named_tensors(writer, getattr(gguf.MODEL_ARCH, arch), config.num_hidden_layers, written)
     finish(writer)
 
     checkpoint = load_checkpoint(str(path))
-    assert checkpoint.architecture.family == "qwen3" and checkpoint.model_config["model_type"] == "qwen3"
-    assert sorted(checkpoint.tensors) == sorted(tensors)
-    for name, value in tensors.items():
+    assert checkpoint.architecture.family == family and checkpoint.model_config["model_type"] == family
+    expected = {k: v for k, v in tensors.items() if k in written}
+    assert sorted(checkpoint.tensors) == sorted(expected)
+    for name, value in expected.items():
         np.testing.assert_array_equal(checkpoint.tensors[name], value, err_msg=name)
     ids = torch.from_numpy(np.random.default_rng(5).integers(0, 5000, 40))
-    family = FAMILIES["qwen3"]
-    ours = family.build(checkpoint.architecture, checkpoint.model_config, checkpoint.tensors).reference(ids)
+    ours = FAMILIES[family].build(checkpoint.architecture, checkpoint.model_config, checkpoint.tensors).reference(ids)
     with torch.no_grad():
         theirs = model(ids.unsqueeze(0)).logits[0]
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=2e-4)
 
-    out = tmp_path / "core"
-    export_core(ExportOptions(recipe=load_recipe("qwen3"), checkpoint=str(path), out=out, precision="fp32"))
-    assert Manifest.load(out).identity.checkpoint_id == "tiny-qwen3"
+    if family == "qwen3":  # (the Qwen vocabulary lacks SmolLM3's stop token <|end_of_text|>)
+        out = tmp_path / "core"
+        export_core(ExportOptions(recipe=load_recipe(family), checkpoint=str(path), out=out, precision="fp32"))
+        assert Manifest.load(out).identity.checkpoint_id == f"tiny-{family}"
 
 
 @pytest.mark.families("mistral")
