@@ -60,7 +60,8 @@ def export_core(options: ExportOptions, progress: Progress = lambda stage, detai
         reference = cache.reference(model)
         # Before quantization and validation: a --context-length past the native context stops here.
         limits = serving_limits(recipe, checkpoint, options.context_length, options.kv_dtype)
-        engines = [stages.quantize_step_graph(traced, precision, core, progress)]
+        prequantized = (checkpoint.source_quantization or "").startswith(("gptq-int4", "awq-int4"))
+        engines = [stages.quantize_step_graph(traced, precision, core, progress, source_grid=prequantized)]
         if options.prompt_logprobs:
             engines.append(stages.add_score_graph(traced, checkpoint, precision, work, core, progress))
         vision = stages.add_vision_graph(traced, checkpoint, limits, core, progress)

@@ -22,6 +22,7 @@ from helios.kernels.int4_layout import OP, to_int4_tiles
 from helios.kernels.moe import quantize_experts
 from helios.manifest import Quantization
 from ignition.export.graph import save_with_external_data
+from ignition.export.source_grid import matmul_weights, snap_to_source_grid
 
 PRECISIONS = ("int4", "int8", "fp32")
 
@@ -127,22 +128,34 @@ def manifest_quantization(precision: str) -> Quantization | None:
 LM_HEAD_OUTPUT = "logits"  # the contract's output: the lm_head matmul is the node producing it
 
 
-def quantize(onnx_in: Path, onnx_out: Path, precision: str, settings: QuantSettings | None = None) -> None:
-    """Write onnx_out (+ onnx_out.data) from the fp32 step graph onnx_in at `precision`."""
+def quantize(
+    onnx_in: Path,
+    onnx_out: Path,
+    precision: str,
+    settings: QuantSettings | None = None,
+    source_grid: bool = False,
+) -> None:
+    """Write onnx_out (+ onnx_out.data) from the fp32 step graph onnx_in at `precision`.
+    source_grid: the weights came from a pre-quantized checkpoint, so int4 blocks that lie on
+    one symmetric grid keep it exactly (ignition.export.source_grid)."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r} (choose {', '.join(PRECISIONS)})")
     model = onnx.load(str(onnx_in))  # with its external data
     if precision != "fp32":
         gemm_to_matmul(model)
-        quantize_weights(model, settings or SETTINGS[precision])
+        quantize_weights(model, settings or SETTINGS[precision], source_grid)
     out = Path(onnx_out)
     save_with_external_data(model, out, out.name + ".data")
 
 
-def quantize_weights(model: onnx.ModelProto, s: QuantSettings) -> None:
+def quantize_weights(model: onnx.ModelProto, s: QuantSettings, source_grid: bool = False) -> None:
     _name_nodes(model)
     lm_head = [n.name for n in model.graph.node if LM_HEAD_OUTPUT in n.output and n.op_type == "MatMul"]
+    originals = matmul_weights(model) if source_grid and s.bits == 4 else {}
     _matmul_nbits(model, s, s.bits, None, lm_head, ("MatMul",), s.block_size)
+    if originals:
+        snap_to_source_grid(model, originals, s.block_size)
+        originals.clear()
     if s.lm_head_bits is not None and lm_head:
         _matmul_nbits(model, s, s.lm_head_bits, lm_head, [], ("MatMul",), s.lm_head_block_size)
     if s.embedding_bits is not None:

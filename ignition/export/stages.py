@@ -116,11 +116,14 @@ def trace_step_graph(
     return Traced(folder / engine.file, engine, kv, state)
 
 
-def quantize_step_graph(traced: Traced, precision: str, core: Path, progress: Progress) -> Engine:
-    """The core's step engine: the fp32 step graph at `precision`, written into the new core folder."""
+def quantize_step_graph(
+    traced: Traced, precision: str, core: Path, progress: Progress, source_grid: bool = False
+) -> Engine:
+    """The core's step engine: the fp32 step graph at `precision`, written into the new core folder
+    (source_grid: a pre-quantized checkpoint's grid blocks kept exactly, ignition.export.source_grid)."""
     progress("quantize", f"quantizing to {precision}")
     core.mkdir()
-    quantize(traced.graph, core / traced.engine.file, precision)
+    quantize(traced.graph, core / traced.engine.file, precision, source_grid=source_grid)
     canonicalize_graph(core / traced.engine.file)
     data_files = sorted(p.name for p in core.iterdir() if p.name != traced.engine.file)
     return dataclasses.replace(traced.engine, data_files=data_files)

@@ -170,3 +170,50 @@ def test_unsupported_quantization_is_refused_by_name(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="'bitsandbytes' is not supported"):
         load_checkpoint(str(folder))
+
+
+def _dequantized_matmul(model) -> np.ndarray:
+    """The [K, N] weight the graph's one MatMulNBits stands for (symmetric 4-bit)."""
+    from onnx import helper as onnx_helper
+    from onnx import numpy_helper
+
+    node = next(n for n in model.graph.node if n.op_type == "MatMulNBits")
+    attrs = {a.name: onnx_helper.get_attribute_value(a) for a in node.attribute}
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    packed, scales = inits[node.input[1]], inits[node.input[2]].reshape(attrs["N"], -1)
+    codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(attrs["N"], scales.shape[1], -1).astype(np.int64)
+    return ((codes - 8) * scales[..., None]).reshape(attrs["N"], attrs["K"]).T
+
+
+@pytest.mark.parametrize("source_grid", [False, True])
+def test_symmetric_groups_stay_exact_at_int4(source_grid):
+    """A symmetric GPTQ weight (groups of 128 along K, fp16 scales, codes -8..7) through the int4
+    quantizer: with the source grid kept every weight dequantizes to itself bit for bit; without
+    it onnxruntime's absmax / -8 scale rounds most groups a second time."""
+    import onnx
+    from onnx import TensorProto, numpy_helper
+    from onnx import helper as onnx_helper
+
+    from ignition.export.quantize import QuantSettings, quantize_weights
+
+    rng = np.random.default_rng(2)
+    k, n = 256, 8
+    codes = rng.integers(-8, 8, size=(k, n))
+    scales = (rng.uniform(0.001, 0.02, size=(k // 128, n))).astype(np.float16).astype(np.float32)
+    weight = (codes * np.repeat(scales, 128, axis=0)).astype(np.float32)
+    graph = onnx_helper.make_graph(
+        [onnx_helper.make_node("MatMul", ["x", "w"], ["y"], name="proj")],
+        "g",
+        [onnx_helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
+        [onnx_helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])],
+        [numpy_helper.from_array(weight, "w")],
+    )
+    model = onnx_helper.make_model(graph, opset_imports=[onnx_helper.make_opsetid("", 17)])
+    settings = QuantSettings(bits=4, block_size=64, accuracy_level=4, lm_head_bits=None, embedding_bits=None)
+    quantize_weights(model, settings, source_grid=source_grid)
+    onnx.checker.check_model(model)
+    exact = _dequantized_matmul(model) == weight
+    if source_grid:
+        assert exact.all()
+    else:
+        assert not exact.all()
