@@ -161,7 +161,7 @@ def scaled_rope(cfg: dict[str, Any]) -> dict[str, Any]:
             scaling.truncate,
         )
         return {"rope_kind": "yarn", "rope_yarn": yarn, "rope_attention": scaling.attention_factor}
-    assert scaling.freq_factors is not None  # llama3's band, longrope's factors
+    assert scaling.freq_factors is not None  # per-frequency divisors
     return {
         "rope_kind": "factors",
         "rope_freq_factors": tuple(scaling.freq_factors),
