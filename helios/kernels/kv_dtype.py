@@ -95,7 +95,8 @@ def ort_value(pool: np.ndarray) -> ort.OrtValue:
 
 def retype_pool(model: onnx.ModelProto, name: str) -> int:
     """Declare `model`'s kv_pool input as `name`; a Gather (or a windowed layer's GatherND) of pool
-    rows gets a Cast of its output to float32. Returns the number of Casts added; any other reader is refused (ValueError)."""
+    rows gets a Cast of its output to float32. Returns the number of Casts added; any other
+    reader is refused (ValueError)."""
     name = canonical(name)
     pool = next((i for i in model.graph.input if i.name == "kv_pool"), None)
     if pool is None:

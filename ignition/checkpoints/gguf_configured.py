@@ -1,6 +1,7 @@
-"""GGUF files of the configured dense families (qwen3, gemma2, gemma3, phi3, smollm3): the Hugging Face config their plan
-needs, rebuilt from the GGUF metadata, and the tensors named through the gguf library's own
-`TensorNameMap` (the table llama.cpp's converter writes them with), never a hand-kept one.
+"""GGUF files of the configured dense families (qwen3, gemma2, gemma3, phi3, smollm3): the
+Hugging Face config their plan needs, rebuilt from the GGUF metadata, and the tensors named
+through the gguf library's own `TensorNameMap` (the table llama.cpp's converter writes them
+with), never a hand-kept one.
 
 A GGUF tensor name maps to several Hugging Face spellings (one per upstream code base); the one
 kept is the name the family's model actually loads, read off the model built on the meta device.
@@ -67,8 +68,6 @@ def _gemma_scale(config: dict[str, Any], layers_of_27b: int) -> None:
 def _gemma2_config(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
     """What llama.cpp's Gemma 2 graph fixes rather than reads: alternating sliding and global
     layers (the first sliding) and the softmax scale; the soft-caps are the file's."""
-    if metadata_value(reader, "gemma2.rope.scaling.type", "none") not in ("none", None):
-        raise CheckpointError("GGUF gemma2 files with rope scaling are not supported")
     config.update(sliding_window_pattern=2, hidden_activation="gelu_pytorch_tanh")
     _gemma_scale(config, layers_of_27b=46)
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -115,6 +114,8 @@ FAMILY_CONFIG = {
     "phi3": _phi3_config,
     "smollm3": _smollm3_config,
 }
+# The architectures whose FAMILY_CONFIG reads the file's rope scaling; any other refuses it.
+READS_SCALING = {"gemma3"}
 
 
 def unpermute_rotary(weight: np.ndarray, n_heads: int) -> np.ndarray:
@@ -129,7 +130,8 @@ def unpermute_rotary(weight: np.ndarray, n_heads: int) -> np.ndarray:
 
 def config_from_gguf(reader: gguf.GGUFReader, arch: str, vocab_size: int, tied: bool) -> dict[str, Any]:
     """The config.json a family planner reads, from the file's `{arch}.*` metadata."""
-    if arch not in FAMILY_CONFIG and metadata_value(reader, f"{arch}.rope.scaling.type", "none") not in ("none", None):
+    scaled = metadata_value(reader, f"{arch}.rope.scaling.type", "none") not in ("none", None)
+    if scaled and arch not in READS_SCALING:
         raise CheckpointError(f"GGUF {arch} files with rope scaling are not supported yet")
     config: dict[str, Any] = {
         "model_type": GGUF_FAMILIES[arch][0],

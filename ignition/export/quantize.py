@@ -155,7 +155,6 @@ def quantize_weights(model: onnx.ModelProto, s: QuantSettings, source_grid: bool
     _matmul_nbits(model, s, s.bits, None, lm_head, ("MatMul",), s.block_size)
     if originals:
         snap_to_source_grid(model, originals, s.block_size)
-        originals.clear()
     if s.lm_head_bits is not None and lm_head:
         _matmul_nbits(model, s, s.lm_head_bits, lm_head, [], ("MatMul",), s.lm_head_block_size)
     if s.embedding_bits is not None:

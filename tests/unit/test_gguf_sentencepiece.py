@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from helios.manifest import Manifest
+from ignition.checkpoints.base import CheckpointError
 from ignition.checkpoints.load import load_checkpoint
 from ignition.checkpoints.spm_vocab import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, build_sentencepiece_bpe
 from ignition.export.pipeline import ExportOptions, export_core
@@ -219,3 +220,20 @@ def test_phi3_gguf_reads_its_fused_tensors_and_matches_transformers(tmp_path):
     export_core(ExportOptions(recipe=load_recipe("phi3"), checkpoint=str(path), out=out, precision="fp32"))
     manifest = Manifest.load(out)
     assert manifest.architecture.family == "phi3" and manifest.kv.window == config.sliding_window
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "phi3", "smollm3"])
+def test_gguf_rope_scaling_is_refused_where_the_family_does_not_read_it(tmp_path, arch):
+    """Only Gemma 3's GGUF config reads the file's rope scaling; a scaled file of another
+    configured family is refused rather than served with the plain rotary."""
+    path = tmp_path / f"scaled-{arch}.gguf"
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(1)
+    writer.add_embedding_length(8)
+    writer.add_head_count(2)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(4.0)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    finish(writer)
+    with pytest.raises(CheckpointError, match="rope scaling"):
+        load_checkpoint(str(path))

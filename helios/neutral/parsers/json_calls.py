@@ -425,10 +425,10 @@ class MistralParser(TaggedParser):
         name, j = buf[i:args_at].strip(), _skip_space(buf, args_at + len(self.ARGS))
         if j == len(buf):
             return MORE
-        end = json_end(buf, j) if buf[j] == "{" else None
+        if buf[j] != "{":
+            raise ToolParseError(f"[TOOL_CALLS]{name}[ARGS] must be followed by a JSON object")
+        end = json_end(buf, j)
         if end is None:
-            if buf[j] != "{":
-                raise ToolParseError(f"[TOOL_CALLS]{name}[ARGS] must be followed by a JSON object")
             return MORE
         try:
             arguments = loads_strict(buf[j:end])

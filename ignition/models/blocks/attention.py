@@ -249,8 +249,8 @@ class GQAttention(nn.Module):
 
     def fits_pool_kernel(self, kv_heads: int, head_dim: int) -> bool:
         """Whether this layer can run as one pool-kernel call on a pool of that geometry: plain
-        GQA (no window, soft-cap, sinks or KV sharing, the class's own hooks unchanged, so no family step is
-        skipped), K and V of the pool's width, a head width the kernel takes."""
+        GQA (no window, soft-cap, sinks or KV sharing, the class's own hooks unchanged, so no
+        family step is skipped), K and V of the pool's width, a head width the kernel takes."""
         p = self.plan
         own_hooks = any(
             getattr(type(self), n) is not getattr(GQAttention, n)
