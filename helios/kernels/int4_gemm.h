@@ -48,6 +48,14 @@ inline void Dot4(__m512i& acc, __m512i u8, __m512i s8) {
   asm("vpdpbusd %[s8], %[u8], %[acc]" : [acc] "+v"(acc) : [u8] "v"(u8), [s8] "v"(s8));
 }
 
+// Each tile stream asks for its line 1 KB ahead. The hardware prefetchers alone left a pass's
+// concurrent tile streams waiting on memory: with it, on a 2-core Xeon (AVX512-VNNI, no AMX) a
+// decode step's matmuls took 10.5 ms instead of 13.1 at one row, 14.9 instead of 18.5 at eight
+// (scripts/int4_stream.py, in turns; 2 KB and 4 KB ahead measured the same).
+inline void Prefetch(const uint8_t* line) {
+  _mm_prefetch(reinterpret_cast<const char*>(line + 1024), _MM_HINT_T0);
+}
+
 inline __m512i Broadcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -104,6 +112,7 @@ void Pass(const Problem& p, int tile, int row, float* dst, size_t ld) {
     for (int k = 0; k < p.block; k += 8) {
       __m512i lo[NT], hi[NT];
       for (int t = 0; t < NT; ++t) {
+        Prefetch(w + t * tile_bytes);
         const __m512i v = _mm512_loadu_si512(w + t * tile_bytes);
         lo[t] = _mm512_and_si512(v, low4);
         hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
@@ -131,7 +140,6 @@ void Pass(const Problem& p, int tile, int row, float* dst, size_t ld) {
   Store<MR, NT>(p, tile, out, dst, ld);
 }
 
-// Few rows: several tiles per pass for independent chains; many rows: one tile, 8 rows.
 // The 8-bit tiles (MoEInt4 with bits = 8, int8 cores): one 64-byte vector holds [16 columns x 4 k]
 // as q + 128, so it multiplies the activations without unpacking; the zero point is 128 * sum(a)
 // = 16 * zsum. Two accumulator chains (even and odd vectors) hide vpdpbusd's latency.
@@ -155,7 +163,10 @@ void Pass8(const Problem& p, int tile, int row, float* dst, size_t ld) {
     for (int k = 0; k < p.block; k += 8) {
       for (int h = 0; h < 2; ++h) {
         __m512i v[NT];
-        for (int t = 0; t < NT; ++t) v[t] = _mm512_loadu_si512(w + t * tile_bytes);
+        for (int t = 0; t < NT; ++t) {
+          Prefetch(w + t * tile_bytes);
+          v[t] = _mm512_loadu_si512(w + t * tile_bytes);
+        }
         w += 64;
         for (int m = 0; m < MR; ++m) {
           const __m512i a = Broadcast4(ak + m * p.K + k + 4 * h);
@@ -185,6 +196,9 @@ void PassOf(const Problem& p, int tile, int row, float* dst, size_t ld) {
   }
 }
 
+// One row: four tiles per pass for independent chains; more rows: two tiles per pass, which
+// halves the activation broadcasts per dot product (8 rows: 22.5 -> 17.8 ms a step's matmuls
+// against one tile per pass, the same Xeon).
 template <int Bits = 4>
 void RunRows(const Problem& p, int tile, int tiles, int row, int rows, float* dst, size_t ld) {
   int t = 0;
@@ -193,7 +207,10 @@ void RunRows(const Problem& p, int tile, int tiles, int row, int rows, float* ds
     case 2: for (; t + 2 <= tiles; t += 2) PassOf<2, 2, Bits>(p, tile + t, row, dst + t * kTileN, ld); break;
     case 3: for (; t + 2 <= tiles; t += 2) PassOf<3, 2, Bits>(p, tile + t, row, dst + t * kTileN, ld); break;
     case 4: for (; t + 2 <= tiles; t += 2) PassOf<4, 2, Bits>(p, tile + t, row, dst + t * kTileN, ld); break;
-    default: break;
+    case 5: for (; t + 2 <= tiles; t += 2) PassOf<5, 2, Bits>(p, tile + t, row, dst + t * kTileN, ld); break;
+    case 6: for (; t + 2 <= tiles; t += 2) PassOf<6, 2, Bits>(p, tile + t, row, dst + t * kTileN, ld); break;
+    case 7: for (; t + 2 <= tiles; t += 2) PassOf<7, 2, Bits>(p, tile + t, row, dst + t * kTileN, ld); break;
+    default: for (; t + 2 <= tiles; t += 2) PassOf<8, 2, Bits>(p, tile + t, row, dst + t * kTileN, ld); break;
   }
   for (; t < tiles; ++t) {
     switch (rows) {

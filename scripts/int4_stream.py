@@ -1,0 +1,139 @@
+"""How fast ai.flare.MatMulInt4 streams a decode step's weights, against the bandwidth probe.
+
+python scripts/int4_stream.py [--rows 1 8] [--layers 24] [--repeats 20] [--threads 2] [--library A.so B.so]
+
+One ONNX graph holds the default core's int4 matmuls for a whole decode step (per layer: qkv
+896x1152, o 896x896, gate_up 896x9728 with swiglu, down 4864x896, all block 64; then lm_head
+896x151936 at block 128), each its own random weights, so every run streams ~280 MB cache-cold,
+as a step does. Reported per row count: ms per step of matmuls alone, the GB/s that is, and its
+ratio to scripts/bandwidth.py's probe read in the same minutes. The A/B tool for the kernel's
+streaming (prefetch, blocking, work split): it times the kernel without the rest of the graph.
+`--library` times several builds of the kernel library (default: helios.kernels' own), in turns,
+in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bandwidth import read_bandwidth
+
+from helios import kernels
+
+TILE = 16
+HIDDEN = 896
+# (name, K, N, block, activation) of one layer, then the lm_head.
+LAYER = (
+    ("qkv", 896, 1152, 64, ""),
+    ("o", 896, 896, 64, ""),
+    ("gate_up", 896, 9728, 64, "swiglu"),
+    ("down", 4864, 896, 64, ""),
+)
+LM_HEAD = ("lm_head", 896, 151936, 128, "")
+
+
+def _matmul(name: str, k: int, n: int, block: int, activation: str, rng: np.random.Generator):
+    tiles = (n + TILE - 1) // TILE
+    w = rng.integers(0, 256, tiles * k * 8, dtype=np.uint8)
+    scales = (rng.random((tiles, k // block, TILE), dtype=np.float32) * 0.01).astype(np.float32)
+    attrs = {"K": k, "N": n, "block_size": block}
+    if activation:
+        attrs["activation"] = activation
+    node = helper.make_node(
+        "MatMulInt4", [f"a{k}", f"{name}.w", f"{name}.s"], [f"{name}.y"], name=name, domain=kernels.DOMAIN, **attrs
+    )
+    out_n = n // 2 if activation == "swiglu" else n
+    inits = [numpy_helper.from_array(w, f"{name}.w"), numpy_helper.from_array(scales, f"{name}.s")]
+    return node, inits, helper.make_tensor_value_info(f"{name}.y", TensorProto.FLOAT, ["M", out_n])
+
+
+def step_model(layers: int, seed: int = 0) -> tuple[onnx.ModelProto, int]:
+    """(model, weight bytes it reads per run)."""
+    rng = np.random.default_rng(seed)
+    nodes, inits, outputs = [], [], []
+    shapes = [(f"l{i}.{name}", *rest) for i in range(layers) for name, *rest in LAYER] + [LM_HEAD]
+    for name, k, n, block, activation in shapes:
+        node, weights, output = _matmul(name, k, n, block, activation, rng)
+        nodes.append(node)
+        inits += weights
+        outputs.append(output)
+    weight_bytes = sum(int(t.raw_data.__len__()) for t in inits)
+    inputs = [
+        helper.make_tensor_value_info(f"a{k}", TensorProto.FLOAT, ["M", k]) for k in sorted({s[1] for s in shapes})
+    ]
+    graph = helper.make_graph(nodes, "int4_step", inputs, outputs, inits)
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(kernels.DOMAIN, 1)]
+    )
+    return model, weight_bytes
+
+
+def session(model: onnx.ModelProto, threads: int, library: str) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.register_custom_ops_library(str(library))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def time_rows(sess: ort.InferenceSession, rows: int, repeats: int) -> float:
+    """Median ms of one run over `repeats` runs after two warm-ups."""
+    rng = np.random.default_rng(rows)
+    feeds = {i.name: rng.standard_normal((rows, int(i.name[1:])), dtype=np.float32) for i in sess.get_inputs()}
+    for _ in range(2):
+        sess.run(None, feeds)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        sess.run(None, feeds)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--library", nargs="+", help="kernel library builds to compare (default: helios')")
+    parser.add_argument("--turns", type=int, default=2, help="alternations of the libraries")
+    args = parser.parse_args()
+    libraries = args.library
+    if not libraries:
+        library, why = kernels.available()
+        if library is None:
+            raise SystemExit(f"flare's kernels cannot run here: {why}")
+        libraries = [str(library)]
+    model, weight_bytes = step_model(args.layers)
+    sessions = {lib: session(model, args.threads, lib) for lib in libraries}
+    probe = read_bandwidth(args.threads)["gbs"]
+    result = {"weight_mb": round(weight_bytes / 1e6, 1), "probe_gbs": probe, "libraries": {}}
+    for _turn in range(args.turns):
+        for lib, sess in sessions.items():
+            for rows in args.rows:
+                ms = time_rows(sess, rows, args.repeats)
+                best = result["libraries"].setdefault(Path(lib).name, {}).get(rows)
+                if best is None or ms < best["ms"]:
+                    gbs = weight_bytes / ms / 1e6
+                    best = {"ms": round(ms, 3), "gbs": round(gbs, 2), "vs_probe": round(gbs / probe, 3)}
+                result["libraries"][Path(lib).name][rows] = best
+    result["probe_after_gbs"] = read_bandwidth(args.threads)["gbs"]
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
