@@ -1,6 +1,6 @@
 // Flare's CPU kernels for x86-64 with AVX512-VNNI, as onnxruntime custom operators (domain
-// "ai.flare"): MatMulInt4 here; PagedAttention (attention_kernels.cc) and MoE (moe_kernels.cc)
-// are compiled into the same library and registered here.
+// "ai.flare"): MatMulInt4 here; PagedAttention (attention_kernels.cc), MoE (moe_kernels.cc) and
+// LogSoftmaxTopK (head_kernels.cc) are compiled into the same library and registered here.
 //
 // MatMulInt4: an int4 x int8 matmul.
 //
@@ -186,6 +186,7 @@ const MatMulInt4Op matmul_int4_op;
 namespace flare {
 void AddMoEOps(Ort::CustomOpDomain& domain);  // moe_kernels.cc
 void AddAttentionOps(Ort::CustomOpDomain& domain);  // attention_kernels.cc
+void AddHeadOps(Ort::CustomOpDomain& domain);  // head_kernels.cc
 }  // namespace flare
 
 extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
@@ -201,6 +202,7 @@ extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
     domain->Add(&matmul_int4_op);
     flare::AddAttentionOps(*domain);
     flare::AddMoEOps(*domain);
+    flare::AddHeadOps(*domain);
     Ort::UnownedSessionOptions(options).Add(*domain);
     std::lock_guard<std::mutex> lock(domains_mutex);
     domains.push_back(std::move(domain));

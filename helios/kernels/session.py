@@ -12,6 +12,7 @@ import onnxruntime as ort
 
 from helios.kernels import DOMAIN, available
 from helios.kernels.attention import to_group_query_attention
+from helios.kernels.head import fuse_logprob_head
 from helios.kernels.int4_layout import to_matmul_nbits
 from helios.kernels.kv_dtype import retype_pool
 from helios.kernels.moe import to_dense_experts
@@ -30,17 +31,15 @@ def open_session(
     graph's; helios.kernels.kv_dtype); `kernels` says what runs its ai.flare operators: "flare"
     (flare's kernel library), "onnxruntime" (rewritten to onnxruntime's MatMulNBits and
     GroupQueryAttention, and routed experts to dense Einsums, because the library cannot run here:
-    the reason is logged) or "" (the graph has none)."""
+    the reason is logged) or "" (the graph has none). Where the library runs, a graph's logprob
+    head runs fused whatever else it holds (helios.kernels.head)."""
     header = onnx.load(str(path), load_external_data=False)
     retype = kv_dtype != "float32"
-    if not uses_flare_ops(header):
-        if retype:
-            retype_pool(header, kv_dtype)
-            return _open_header(header, path, options, providers), ""
-        return ort.InferenceSession(str(path), options, providers=providers), ""
+    flare_ops = uses_flare_ops(header)
     library, why = available()
     if library is not None and providers == ["CPUExecutionProvider"]:
         options.register_custom_ops_library(str(library))
+        kernels = "flare" if flare_ops else ""
         if os.environ.get("FLARE_EXPERTS", "").lower() == "dense" and any(
             n.op_type in ("MoE", "MoEInt4") and n.domain == DOMAIN for n in header.graph.node
         ):
@@ -48,13 +47,23 @@ def open_session(
             # ignition's graphs did before ai.flare.MoE.
             model = onnx.load(str(path))
             to_dense_experts(model)
+            fuse_logprob_head(model)
             if retype:
                 retype_pool(model, kv_dtype)
-            return _open_rewritten(model, path, options, providers), "flare"
+            return _open_rewritten(model, path, options, providers), kernels
+        # Every graph with a logprob head (step and score graphs alike) runs it fused, so both
+        # report the same numbers.
+        fused = fuse_logprob_head(header)
         if retype:
             retype_pool(header, kv_dtype)
-            return _open_header(header, path, options, providers), "flare"
-        return ort.InferenceSession(str(path), options, providers=providers), "flare"
+        if retype or fused:
+            return _open_header(header, path, options, providers), kernels
+        return ort.InferenceSession(str(path), options, providers=providers), kernels
+    if not flare_ops:
+        if retype:
+            retype_pool(header, kv_dtype)
+            return _open_header(header, path, options, providers), ""
+        return ort.InferenceSession(str(path), options, providers=providers), ""
     why = why or f"providers {providers} are not the CPU's"
     log.warning("%s: running flare's operators as onnxruntime kernels (%s)", path.name, why)
     model = onnx.load(str(path))

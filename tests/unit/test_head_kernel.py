@@ -1,0 +1,105 @@
+"""ai.flare.LogSoftmaxTopK (helios/kernels/head_kernels.cc) against onnxruntime's LogSoftmax and
+TopK, and the load-time rewrite that fuses them (helios.kernels.head)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from helios import kernels
+from helios.kernels import DOMAIN
+from helios.kernels.head import OP, fuse_logprob_head
+
+pytestmark = pytest.mark.skipif(kernels.available()[0] is None, reason="flare's kernel library cannot run here")
+
+
+def _head_model(k: int) -> onnx.ModelProto:
+    """logits -> LogSoftmax -> TopK(k), plus a GatherElements reader of the log-softmax (the step
+    graph's explicit logprob ids), as ignition's logprob_stats exports it."""
+    nodes = [
+        helper.make_node("LogSoftmax", ["logits"], ["log_softmax"], name="soft", axis=-1),
+        helper.make_node("TopK", ["log_softmax", "k"], ["top_logprobs", "top_ids"], name="top", axis=-1),
+        helper.make_node("GatherElements", ["log_softmax", "ids"], ["token_logprobs"], name="gather", axis=1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "head",
+        [
+            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", "V"]),
+            helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", "E"]),
+        ],
+        [
+            helper.make_tensor_value_info("top_logprobs", TensorProto.FLOAT, ["N", k]),
+            helper.make_tensor_value_info("top_ids", TensorProto.INT64, ["N", k]),
+            helper.make_tensor_value_info("token_logprobs", TensorProto.FLOAT, ["N", "E"]),
+            helper.make_tensor_value_info("log_softmax", TensorProto.FLOAT, ["N", "V"]),
+        ],
+        [numpy_helper.from_array(np.array([k], dtype=np.int64), "k")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _run(model: onnx.ModelProto, logits: np.ndarray, ids: np.ndarray) -> list[np.ndarray]:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    options.register_custom_ops_library(str(kernels.available()[0]))
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, {"logits": logits, "ids": ids})
+
+
+def _logits(rows: int, vocab: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    logits = (rng.standard_normal((rows, vocab)) * 4).astype(np.float32)
+    # Ties across chunks and within a vector, at and around the top: equal values must come out
+    # by lower id first, as onnxruntime's TopK orders them.
+    for row in range(rows):
+        top = float(logits[row].max()) + 1.0
+        for at in rng.choice(vocab, size=min(vocab, 6), replace=False):
+            logits[row, at] = top
+        logits[row, rng.integers(0, vocab)] = -np.inf
+    return logits
+
+
+@pytest.mark.parametrize(("rows", "vocab", "k"), [(1, 151936, 20), (8, 151936, 20), (3, 8193, 20), (2, 37, 5), (1, 20, 20)])
+def test_fused_head_matches_log_softmax_and_top_k(rows, vocab, k):
+    reference = _head_model(k)
+    fused = _head_model(k)
+    assert fuse_logprob_head(fused) == 1
+    assert [n.op_type for n in fused.graph.node] == [OP, "GatherElements"]
+    assert fused.graph.node[0].domain == DOMAIN
+    logits = _logits(rows, vocab, seed=rows * vocab)
+    ids = np.random.default_rng(1).integers(0, vocab, (rows, 3)).astype(np.int64)
+    want_values, want_ids, want_tokens, want_soft = _run(reference, logits, ids)
+    values, top_ids, tokens, soft = _run(fused, logits, ids)
+    finite = np.isfinite(want_soft)
+    np.testing.assert_array_equal(np.isfinite(soft), finite)
+    # Against float64: the fused sum is the closer one (onnxruntime's float sum over a 152k row
+    # drifts ~1.4e-5; the fused chunks, summed in double, ~2.6e-6).
+    wide = logits.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        peak = np.nanmax(np.where(np.isfinite(wide), wide, np.nan), axis=1, keepdims=True)
+        exact = wide - (peak + np.log(np.exp(wide - peak).sum(axis=1, keepdims=True)))
+    np.testing.assert_allclose(soft[finite], exact[finite], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(soft[finite], want_soft[finite], rtol=0, atol=5e-5)
+    # TopK's order on the fused log-softmax: larger first, equal values by lower id.
+    order = np.lexsort((np.broadcast_to(np.arange(vocab), soft.shape), -soft), axis=1)[:, :k]
+    np.testing.assert_array_equal(top_ids, order)
+    np.testing.assert_array_equal(values, np.take_along_axis(soft, top_ids, axis=1))  # Y's own elements
+    np.testing.assert_allclose(values, want_values, rtol=0, atol=5e-5)
+    np.testing.assert_array_equal(np.sort(top_ids[:, :5], axis=1), np.sort(want_ids[:, :5], axis=1))  # the tied top
+    np.testing.assert_array_equal(tokens, np.take_along_axis(soft, ids, axis=1))
+
+
+def test_only_a_last_axis_top_k_of_a_two_dimensional_log_softmax_is_fused():
+    model = _head_model(20)
+    model.graph.node[1].attribute.append(helper.make_attribute("largest", 0))
+    assert fuse_logprob_head(model) == 0
+    model = _head_model(20)
+    del model.graph.input[0].type.tensor_type.shape.dim[:]  # rank unknown: left alone
+    assert fuse_logprob_head(model) == 0
+    model = _head_model(20)
+    model.graph.node[1].input[1] = "k_input"  # k computed at run time: left alone
+    assert fuse_logprob_head(model) == 0
