@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 DOMAIN = "ai.flare"  # the ONNX domain of flare's operators
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.cc", "attention_kernels.cc", "moe_kernels.cc", "head_kernels.cc")
+SOURCES = tuple(
+    Path(__file__).with_name(n) for n in ("cpu_kernels.cc", "attention_kernels.cc", "moe_kernels.cc", "head_kernels.cc")
 )
 LOCAL_HEADERS = tuple(
     Path(__file__).with_name(n) for n in ("int4_gemm.h", "simd_math.h", "attention_amx.h", "attention_dpbf16.h")

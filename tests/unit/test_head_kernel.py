@@ -63,7 +63,9 @@ def _logits(rows: int, vocab: int, seed: int) -> np.ndarray:
     return logits
 
 
-@pytest.mark.parametrize(("rows", "vocab", "k"), [(1, 151936, 20), (8, 151936, 20), (3, 8193, 20), (2, 37, 5), (1, 20, 20)])
+@pytest.mark.parametrize(
+    ("rows", "vocab", "k"), [(1, 151936, 20), (8, 151936, 20), (3, 8193, 20), (2, 37, 5), (1, 20, 20)]
+)
 def test_fused_head_matches_log_softmax_and_top_k(rows, vocab, k):
     reference = _head_model(k)
     fused = _head_model(k)
