@@ -421,7 +421,7 @@ class Engine:
         try:
             # The step graph's top ids let top-k rows sample without a vocabulary pass (sampler).
             at = [out.index(i) for i, _, _ in todo]
-            tokens = sample(out.logits[at], seqs, row_masks, top_ids=out.top_ids[at], logsumexp=out.logsumexp[at])
+            tokens = sample(out.logits, seqs, row_masks, top_ids=out.top_ids, logsumexp=out.logsumexp, at=at)
         except Exception as exc:
             log.exception("sampling failed")
             for seq in seqs:
@@ -468,7 +468,7 @@ class Engine:
             seqs = [r.seq for _, r in active]
             at = [out.index(i, position) for i, _ in active]
             try:
-                tokens = sample(out.logits[at], seqs, None, top_ids=out.top_ids[at], logsumexp=out.logsumexp[at])
+                tokens = sample(out.logits, seqs, None, top_ids=out.top_ids, logsumexp=out.logsumexp, at=at)
             except Exception as exc:
                 log.exception("sampling failed")
                 emitted.extend((seq, self._fail(seq, f"sampling failed: {exc}")) for seq in seqs)

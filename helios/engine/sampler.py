@@ -63,8 +63,12 @@ def sample(
     masks: list[TokenMask | None] | None = None,
     top_ids: np.ndarray | None = None,
     logsumexp: np.ndarray | None = None,
+    at: list[int] | None = None,
 ) -> np.ndarray:
     """Sample one token per row of `logits` [B, V]; returns int64 [B]. `logits` is not modified.
+    `at`: the rows of `logits`, `top_ids` and `logsumexp` to sample, in order (None: all): a
+    step's outputs are passed whole, and copied only when some rows do not sample (a copy of a
+    [8, 151936] block cost ~0.5 ms a step).
 
     Penalties are applied to the whole batch at once; the filters then run per row on that row's
     small candidate set, so a row's result is bit-identical whatever its neighbours are. A row
@@ -84,6 +88,10 @@ def sample(
     NaN or +inf logit makes the in-graph log-softmax NaN, so a finite value certifies the row's
     logits are finite and the fast path skips its own scan of the vocabulary.
     """
+    if at is not None and not (len(at) == len(logits) and all(i == j for j, i in enumerate(at))):
+        logits = logits[at]
+        top_ids = None if top_ids is None else top_ids[at]
+        logsumexp = None if logsumexp is None else logsumexp[at]
     B, V = logits.shape
     # One uniform per row, always drawn, so a generator's stream advances by exactly one per token.
     u = [row.rng.random() for row in rows]
