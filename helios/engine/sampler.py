@@ -232,21 +232,24 @@ def _top_k_fast(
     if not finite and not np.isfinite(logits.max()):  # NaN/inf anywhere: the full path reports the row
         return None
     ids = np.sort(np.asarray(top_ids, dtype=np.int64))
-    vals = _penalized(logits, ids, row)
+    outputs = np.unique(np.asarray(row.output_ids, dtype=np.int64), return_counts=True)
+    vals = _penalized(logits, ids, row, outputs)
     floor = logits[ids].min()  # the K-th raw logit: bounds every raw logit outside `ids`
     kth = np.partition(vals, vals.size - k)[vals.size - k]
     if kth > floor:
         return ids, vals
     ids = np.flatnonzero(logits >= kth)
-    return ids, _penalized(logits, ids, row)
+    return ids, _penalized(logits, ids, row, outputs)
 
 
-def _penalized(logits: np.ndarray, ids: np.ndarray, row: SampleRow) -> np.ndarray:
+def _penalized(
+    logits: np.ndarray, ids: np.ndarray, row: SampleRow, outputs: tuple[np.ndarray, np.ndarray]
+) -> np.ndarray:
     """float32 logits of `ids` (increasing) with the row's penalties, as `apply_penalties` would
-    leave them."""
+    leave them. outputs: the row's distinct output ids (increasing) and their counts."""
     s = row.sampling
     vals = logits[ids].astype(np.float32)
-    out_ids, counts = np.unique(np.asarray(row.output_ids, dtype=np.int64), return_counts=True)
+    out_ids, counts = outputs
     if s.repetition_penalty != 1.0:
         seen = _members(ids, row.prompt_unique_ids) | _members(ids, out_ids)
         if seen.any():
