@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bandwidth import read_bandwidth
 
 from helios import kernels
+from helios.engine.runner import session_options
 
 TILE = 16
-HIDDEN = 896
 # (name, K, N, block, activation) of one layer, then the lm_head.
 LAYER = (
     ("qkv", 896, 1152, 64, ""),
@@ -69,7 +69,7 @@ def step_model(layers: int, seed: int = 0) -> tuple[onnx.ModelProto, int]:
         nodes.append(node)
         inits += weights
         outputs.append(output)
-    weight_bytes = sum(int(t.raw_data.__len__()) for t in inits)
+    weight_bytes = sum(len(t.raw_data) for t in inits)
     inputs = [
         helper.make_tensor_value_info(f"a{k}", TensorProto.FLOAT, ["M", k]) for k in sorted({s[1] for s in shapes})
     ]
@@ -81,10 +81,8 @@ def step_model(layers: int, seed: int = 0) -> tuple[onnx.ModelProto, int]:
 
 
 def session(model: onnx.ModelProto, threads: int, library: str) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    """The model under the step graph's own session settings, with `library`'s kernels."""
+    options = session_options(threads)
     options.register_custom_ops_library(str(library))
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
