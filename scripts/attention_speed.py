@@ -1,0 +1,146 @@
+"""How fast ai.flare.PagedAttention attends over a long history, against the bandwidth probe.
+
+python scripts/attention_speed.py [--history 16384] [--queries 1 512] [--kv-dtype bf16] [--layers 24]
+                                  [--repeats 10] [--threads 2] [--library A.so B.so]
+
+One ONNX graph holds `--layers` PagedAttention nodes with the default core's geometry (14 query
+heads, 2 KV heads, head dim 64, 16-token pages), each reading its own layer of one pool whose
+pages are shuffled, as a served row's are: one run is the attention of one step of `--queries`
+new tokens over `--history` pool tokens. Reported per query count: ms per layer, and for decode
+(one query) the K/V GB/s that is and its ratio to scripts/bandwidth.py's probe read in the same
+minutes. The A/B tool for the attention chunks (`--library`: several kernel builds in turns).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bandwidth import read_bandwidth
+
+from helios import kernels
+from helios.engine.runner import session_options
+from helios.kernels import kv_dtype as kv_types
+
+HEADS, KV_HEADS, DIM, PAGE = 14, 2, 64, 16
+INPUTS = ["qkv", "positions", "cos_cache", "sin_cache", "kv_pool", "block_tables", "history_lens", "query_lens"]
+
+
+def attention_model(layers: int, positions: int, pool_type: int) -> onnx.ModelProto:
+    angles = np.arange(positions)[:, None] * (1.0 / 1e6 ** (np.arange(0, DIM, 2) / DIM))[None]
+    inits = [
+        numpy_helper.from_array(np.cos(angles).astype(np.float32), "cos_cache"),
+        numpy_helper.from_array(np.sin(angles).astype(np.float32), "sin_cache"),
+    ]
+    nodes = [
+        helper.make_node(
+            "PagedAttention",
+            INPUTS,
+            [f"out{layer}", f"k{layer}", f"v{layer}"],
+            domain=kernels.DOMAIN,
+            name=f"attn{layer}",
+            num_heads=HEADS,
+            kv_heads=KV_HEADS,
+            layer=layer,
+            num_layers=layers,
+            scale=1.0 / math.sqrt(DIM),
+        )
+        for layer in range(layers)
+    ]
+    f, i = TensorProto.FLOAT, TensorProto.INT64
+    inputs = [
+        helper.make_tensor_value_info("qkv", f, ["B", "L", (HEADS + 2 * KV_HEADS) * DIM]),
+        helper.make_tensor_value_info("positions", i, ["B", "L"]),
+        helper.make_tensor_value_info("kv_pool", pool_type, ["R", PAGE, KV_HEADS, DIM]),
+        helper.make_tensor_value_info("block_tables", i, ["B", "M"]),
+        helper.make_tensor_value_info("history_lens", i, ["B"]),
+        helper.make_tensor_value_info("query_lens", i, ["B"]),
+    ]
+    outputs = [helper.make_tensor_value_info(f"out{layer}", f, None) for layer in range(layers)]
+    graph = helper.make_graph(nodes, "attention_step", inputs, outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(kernels.DOMAIN, 1)])
+
+
+def feeds_for(history: int, queries: int, layers: int, dtype: np.dtype) -> dict:
+    rng = np.random.default_rng(0)
+    pages = -(-(history + queries) // PAGE)
+    pool = rng.standard_normal((layers * 2 * pages, PAGE, KV_HEADS, DIM), dtype=np.float32).astype(dtype)
+    return {
+        "qkv": rng.standard_normal((1, queries, (HEADS + 2 * KV_HEADS) * DIM), dtype=np.float32),
+        "positions": np.arange(history, history + queries, dtype=np.int64)[None],
+        "kv_pool": kv_types.ort_value(pool),
+        "block_tables": rng.permutation(pages).astype(np.int64)[None],
+        "history_lens": np.array([history], np.int64),
+        "query_lens": np.array([queries], np.int64),
+    }
+
+
+def time_run(sess: ort.InferenceSession, feeds: dict, repeats: int) -> float:
+    """Median ms of one run over `repeats` runs after one warm-up."""
+    sess.run(None, feeds)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        sess.run(None, feeds)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--history", type=int, default=16384)
+    parser.add_argument("--queries", type=int, nargs="+", default=[1, 512])
+    parser.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--library", nargs="+", help="kernel library builds to compare (default: helios')")
+    parser.add_argument("--turns", type=int, default=2, help="alternations of the libraries")
+    args = parser.parse_args()
+    libraries = args.library
+    if not libraries:
+        library, why = kernels.available()
+        if library is None:
+            raise SystemExit(f"flare's kernels cannot run here: {why}")
+        libraries = [str(library)]
+    dtype = kv_types.numpy_dtype(args.kv_dtype)
+    pool_type = {"bf16": TensorProto.BFLOAT16, "fp16": TensorProto.FLOAT16, "fp32": TensorProto.FLOAT}[args.kv_dtype]
+    model = attention_model(args.layers, args.history + max(args.queries) + 1, pool_type).SerializeToString()
+    sessions = {}
+    for lib in libraries:
+        options = session_options(args.threads)
+        options.register_custom_ops_library(str(lib))
+        sessions[lib] = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    feeds = {q: feeds_for(args.history, q, args.layers, dtype) for q in args.queries}
+    kv_bytes = args.history * KV_HEADS * DIM * 2 * dtype.itemsize  # one layer's K and V
+    probe = read_bandwidth(args.threads)["gbs"]
+    result = {"history": args.history, "kv_dtype": args.kv_dtype, "probe_gbs": probe, "libraries": {}}
+    for _turn in range(args.turns):
+        for lib, sess in sessions.items():
+            for queries in args.queries:
+                ms = time_run(sess, feeds[queries], args.repeats) / args.layers
+                best = result["libraries"].setdefault(Path(lib).name, {}).get(queries)
+                if best is None or ms < best["ms_per_layer"]:
+                    best = {"ms_per_layer": round(ms, 4)}
+                    if queries == 1:
+                        gbs = kv_bytes / ms / 1e6
+                        best |= {"gbs": round(gbs, 2), "vs_probe": round(gbs / probe, 3)}
+                result["libraries"][Path(lib).name][queries] = best
+    result["probe_after_gbs"] = read_bandwidth(args.threads)["gbs"]
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
