@@ -16,22 +16,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import kernel_ab
 from bandwidth import read_bandwidth
 
 from helios import kernels
-from helios.engine.runner import session_options
 from helios.kernels import kv_dtype as kv_types
 
 HEADS, KV_HEADS, DIM, PAGE = 14, 2, 64, 16
@@ -87,42 +84,18 @@ def feeds_for(history: int, queries: int, layers: int, dtype: np.dtype) -> dict:
     }
 
 
-def time_run(sess: ort.InferenceSession, feeds: dict, repeats: int) -> float:
-    """Median ms of one run over `repeats` runs after one warm-up."""
-    sess.run(None, feeds)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        sess.run(None, feeds)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--history", type=int, default=16384)
     parser.add_argument("--queries", type=int, nargs="+", default=[1, 512])
     parser.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--library", nargs="+", help="kernel library builds to compare (default: helios')")
-    parser.add_argument("--turns", type=int, default=2, help="alternations of the libraries")
+    kernel_ab.add_options(parser, repeats=10)
     args = parser.parse_args()
-    libraries = args.library
-    if not libraries:
-        library, why = kernels.available()
-        if library is None:
-            raise SystemExit(f"flare's kernels cannot run here: {why}")
-        libraries = [str(library)]
     dtype = kv_types.numpy_dtype(args.kv_dtype)
     pool_type = {"bf16": TensorProto.BFLOAT16, "fp16": TensorProto.FLOAT16, "fp32": TensorProto.FLOAT}[args.kv_dtype]
     model = attention_model(args.layers, args.history + max(args.queries) + 1, pool_type).SerializeToString()
-    sessions = {}
-    for lib in libraries:
-        options = session_options(args.threads)
-        options.register_custom_ops_library(str(lib))
-        sessions[lib] = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    sessions = {lib: kernel_ab.session(model, args.threads, lib) for lib in kernel_ab.libraries(args)}
     feeds = {q: feeds_for(args.history, q, args.layers, dtype) for q in args.queries}
     kv_bytes = args.history * KV_HEADS * DIM * 2 * dtype.itemsize  # one layer's K and V
     probe = read_bandwidth(args.threads)["gbs"]
@@ -130,7 +103,7 @@ def main() -> None:
     for _turn in range(args.turns):
         for lib, sess in sessions.items():
             for queries in args.queries:
-                ms = time_run(sess, feeds[queries], args.repeats) / args.layers
+                ms = kernel_ab.median_ms(sess, feeds[queries], args.repeats) / args.layers
                 best = result["libraries"].setdefault(Path(lib).name, {}).get(queries)
                 if best is None or ms < best["ms_per_layer"]:
                     best = {"ms_per_layer": round(ms, 4)}

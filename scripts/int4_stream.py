@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,10 +26,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import kernel_ab
 from bandwidth import read_bandwidth
 
 from helios import kernels
-from helios.engine.runner import session_options
 
 TILE = 16
 # (name, K, N, block, activation) of one layer, then the lm_head.
@@ -80,50 +78,27 @@ def step_model(layers: int, seed: int = 0) -> tuple[onnx.ModelProto, int]:
     return model, weight_bytes
 
 
-def session(model: onnx.ModelProto, threads: int, library: str) -> ort.InferenceSession:
-    """The model under the step graph's own session settings, with `library`'s kernels."""
-    options = session_options(threads)
-    options.register_custom_ops_library(str(library))
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
-def time_rows(sess: ort.InferenceSession, rows: int, repeats: int) -> float:
-    """Median ms of one run over `repeats` runs after two warm-ups."""
+def row_feeds(sess: ort.InferenceSession, rows: int) -> dict:
     rng = np.random.default_rng(rows)
-    feeds = {i.name: rng.standard_normal((rows, int(i.name[1:])), dtype=np.float32) for i in sess.get_inputs()}
-    for _ in range(2):
-        sess.run(None, feeds)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        sess.run(None, feeds)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return {i.name: rng.standard_normal((rows, int(i.name[1:])), dtype=np.float32) for i in sess.get_inputs()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--library", nargs="+", help="kernel library builds to compare (default: helios')")
-    parser.add_argument("--turns", type=int, default=2, help="alternations of the libraries")
+    kernel_ab.add_options(parser, repeats=20)
     args = parser.parse_args()
-    libraries = args.library
-    if not libraries:
-        library, why = kernels.available()
-        if library is None:
-            raise SystemExit(f"flare's kernels cannot run here: {why}")
-        libraries = [str(library)]
     model, weight_bytes = step_model(args.layers)
-    sessions = {lib: session(model, args.threads, lib) for lib in libraries}
+    sessions = {
+        lib: kernel_ab.session(model.SerializeToString(), args.threads, lib) for lib in kernel_ab.libraries(args)
+    }
     probe = read_bandwidth(args.threads)["gbs"]
     result = {"weight_mb": round(weight_bytes / 1e6, 1), "probe_gbs": probe, "libraries": {}}
     for _turn in range(args.turns):
         for lib, sess in sessions.items():
             for rows in args.rows:
-                ms = time_rows(sess, rows, args.repeats)
+                ms = kernel_ab.median_ms(sess, row_feeds(sess, rows), args.repeats, warmups=2)
                 best = result["libraries"].setdefault(Path(lib).name, {}).get(rows)
                 if best is None or ms < best["ms"]:
                     gbs = weight_bytes / ms / 1e6
