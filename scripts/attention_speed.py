@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -70,15 +71,23 @@ def attention_model(layers: int, positions: int, pool_type: int) -> onnx.ModelPr
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(kernels.DOMAIN, 1)])
 
 
-def feeds_for(history: int, queries: int, layers: int, dtype: np.dtype) -> dict:
+def pool_value(tokens: int, layers: int, dtype: np.dtype) -> ort.OrtValue:
+    """A pool of random K/V with the pages `tokens` need in every layer."""
+    pages = -(-tokens // PAGE)
     rng = np.random.default_rng(0)
+    return kv_types.ort_value(
+        rng.standard_normal((layers * 2 * pages, PAGE, KV_HEADS, DIM), dtype=np.float32).astype(dtype)
+    )
+
+
+def feeds_for(history: int, queries: int, pool: ort.OrtValue) -> dict:
+    rng = np.random.default_rng(queries)
     pages = -(-(history + queries) // PAGE)
-    pool = rng.standard_normal((layers * 2 * pages, PAGE, KV_HEADS, DIM), dtype=np.float32).astype(dtype)
     return {
         "qkv": rng.standard_normal((1, queries, (HEADS + 2 * KV_HEADS) * DIM), dtype=np.float32),
         "positions": np.arange(history, history + queries, dtype=np.int64)[None],
-        "kv_pool": kv_types.ort_value(pool),
-        "block_tables": rng.permutation(pages).astype(np.int64)[None],
+        "kv_pool": pool,
+        "block_tables": rng.permutation(pages).astype(np.int64)[None],  # shuffled, as a served row's
         "history_lens": np.array([history], np.int64),
         "query_lens": np.array([queries], np.int64),
     }
@@ -96,7 +105,8 @@ def main() -> None:
     pool_type = {"bf16": TensorProto.BFLOAT16, "fp16": TensorProto.FLOAT16, "fp32": TensorProto.FLOAT}[args.kv_dtype]
     model = attention_model(args.layers, args.history + max(args.queries) + 1, pool_type).SerializeToString()
     sessions = {lib: kernel_ab.session(model, args.threads, lib) for lib in kernel_ab.libraries(args)}
-    feeds = {q: feeds_for(args.history, q, args.layers, dtype) for q in args.queries}
+    pool = pool_value(args.history + max(args.queries), args.layers, dtype)
+    feeds = {q: feeds_for(args.history, q, pool) for q in args.queries}
     kv_bytes = args.history * KV_HEADS * DIM * 2 * dtype.itemsize  # one layer's K and V
     probe = read_bandwidth(args.threads)["gbs"]
     result = {"history": args.history, "kv_dtype": args.kv_dtype, "probe_gbs": probe, "libraries": {}}
