@@ -36,7 +36,8 @@ HEADS, KV_HEADS, DIM, PAGE = 14, 2, 64, 16
 INPUTS = ["qkv", "positions", "cos_cache", "sin_cache", "kv_pool", "block_tables", "history_lens", "query_lens"]
 
 
-def attention_model(layers: int, positions: int, pool_type: int) -> onnx.ModelProto:
+def attention_model(layers: int, positions: int, kv_dtype: str) -> onnx.ModelProto:
+    """The attention graph with its pool declared `kv_dtype`, as the runner declares a step graph's."""
     angles = np.arange(positions)[:, None] * (1.0 / 1e6 ** (np.arange(0, DIM, 2) / DIM))[None]
     inits = [
         numpy_helper.from_array(np.cos(angles).astype(np.float32), "cos_cache"),
@@ -61,14 +62,18 @@ def attention_model(layers: int, positions: int, pool_type: int) -> onnx.ModelPr
     inputs = [
         helper.make_tensor_value_info("qkv", f, ["B", "L", (HEADS + 2 * KV_HEADS) * DIM]),
         helper.make_tensor_value_info("positions", i, ["B", "L"]),
-        helper.make_tensor_value_info("kv_pool", pool_type, ["R", PAGE, KV_HEADS, DIM]),
+        helper.make_tensor_value_info("kv_pool", f, ["R", PAGE, KV_HEADS, DIM]),
         helper.make_tensor_value_info("block_tables", i, ["B", "M"]),
         helper.make_tensor_value_info("history_lens", i, ["B"]),
         helper.make_tensor_value_info("query_lens", i, ["B"]),
     ]
     outputs = [helper.make_tensor_value_info(f"out{layer}", f, None) for layer in range(layers)]
     graph = helper.make_graph(nodes, "attention_step", inputs, outputs, inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(kernels.DOMAIN, 1)])
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(kernels.DOMAIN, 1)]
+    )
+    kv_types.retype_pool(model, kv_dtype)
+    return model
 
 
 def pool_value(tokens: int, layers: int, dtype: np.dtype) -> ort.OrtValue:
@@ -102,8 +107,7 @@ def main() -> None:
     kernel_ab.add_options(parser, repeats=10)
     args = parser.parse_args()
     dtype = kv_types.numpy_dtype(args.kv_dtype)
-    pool_type = {"bf16": TensorProto.BFLOAT16, "fp16": TensorProto.FLOAT16, "fp32": TensorProto.FLOAT}[args.kv_dtype]
-    model = attention_model(args.layers, args.history + max(args.queries) + 1, pool_type).SerializeToString()
+    model = attention_model(args.layers, args.history + max(args.queries) + 1, args.kv_dtype).SerializeToString()
     sessions = {lib: kernel_ab.session(model, args.threads, lib) for lib in kernel_ab.libraries(args)}
     pool = pool_value(args.history + max(args.queries), args.layers, dtype)
     feeds = {q: feeds_for(args.history, q, pool) for q in args.queries}
