@@ -11,11 +11,13 @@ raw full-vocabulary logsumexp and top-k (see `token_logprob`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Set
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from helios.engine.api import PromptLogprob, SamplingParams, TokenLogprob
+from helios.engine.top_ids_draw import CANDIDATE_CUTOFF, SMALL_SET, draw_rows
 
 if TYPE_CHECKING:
     from helios.engine.runner import PromptScores
@@ -23,18 +25,19 @@ if TYPE_CHECKING:
 # Temperatures below this are greedy (argmax); the frontend clamps to a positive minimum, but a
 # core may allow tiny values and 1/T would then only amplify float noise.
 GREEDY_TEMPERATURE = 1e-5
-# Tokens more than this many nats below the best (after temperature) are never candidates: their
-# total probability is below V * e^-35 < 1e-10, under float32 resolution of the distribution (and
-# -inf logits drop out here too).
-CANDIDATE_CUTOFF = 35.0
+# CANDIDATE_CUTOFF (helios.engine.top_ids_draw): tokens more than this many nats below the best
+# (after temperature) are never candidates: their total probability is below V * e^-35 < 1e-10,
+# under float32 resolution of the distribution (and -inf logits drop out here too).
 # Top-k and top-p avoid sorting the vocabulary: candidates are bucketed by distance to the best
 # logit into this many equal-width bins spanning the candidates' range (one bincount), whole bins
 # are kept or dropped by their counts or mass, and only the bin where the cut falls is
 # partitioned or sorted. Spanning the actual range keeps that bin small even when the logits are
 # nearly flat (an untrained or very uncertain model).
 NUM_BINS = 2048
-# The inverse CDF finds the block of this many candidates holding the draw, then scans inside it.
-CDF_BLOCK = 1024
+# The inverse CDF finds the block of this many candidates holding the draw, then scans inside it;
+# a set of at most this many is one block, and top-p sorts it instead of binning it. Both are
+# what helios.engine.top_ids_draw computes for many rows at once, so its draws equal these.
+CDF_BLOCK = SMALL_SET
 
 
 class SampleRow(Protocol):
@@ -48,6 +51,12 @@ class SampleRow(Protocol):
 
     @property
     def output_ids(self) -> list[int]: ...
+
+    @property
+    def seen_ids(self) -> Set[int]: ...  # prompt and generated ids (the repetition penalty's)
+
+    @property
+    def output_counts(self) -> Mapping[int, int]: ...  # generated id -> occurrences
 
 
 class TokenMask(Protocol):
@@ -97,7 +106,10 @@ def sample(
     u = [row.rng.random() for row in rows]
     z: np.ndarray | None = None  # the penalized full-vocabulary copy, made only when a row needs it
     out = np.empty(B, dtype=np.int64)
+    drawn = _draw_top_k_rows(logits, rows, masks, top_ids, logsumexp, u, out)
     for b, row in enumerate(rows):
+        if drawn[b]:
+            continue
         s = row.sampling
         mask = masks[b] if masks is not None else None
         if mask is not None and mask.forced is not None:
@@ -125,6 +137,53 @@ def sample(
         ids, vals = candidates(z[b], s)
         out[b] = ids[_inverse_cdf(vals, u[b])]
     return out
+
+
+def _draw_top_k_rows(
+    logits: np.ndarray,
+    rows: list[SampleRow],
+    masks: list[TokenMask | None] | None,
+    top_ids: np.ndarray | None,
+    logsumexp: np.ndarray | None,
+    u: list[float],
+    out: np.ndarray,
+) -> list[bool]:
+    """Draw every row that can sample from the graph's top ids, all at once (top_ids_draw), into
+    `out`; returns which rows were drawn. A row qualifies with finite logits certified by the
+    graph's logsumexp, no mask or logit_bias, 0 < top_k <= K, a positive temperature and
+    penalties that can only lower a logit."""
+    drawn = [False] * len(rows)
+    if top_ids is None or logsumexp is None:
+        return drawn
+    finite = np.isfinite(logsumexp).tolist()
+    picked = [
+        b
+        for b, row in enumerate(rows)
+        if finite[b] and (masks is None or masks[b] is None) and _top_ids_suffice(row.sampling, top_ids.shape[1])
+    ]
+    if not picked:
+        return drawn
+    params = [rows[b].sampling for b in picked]
+    seen = [rows[b].seen_ids for b in picked]
+    counts = [rows[b].output_counts for b in picked]
+    tokens, done = draw_rows(logits, top_ids, picked, params, seen, counts, [u[b] for b in picked])
+    for b, token, ok in zip(picked, tokens.tolist(), done.tolist()):
+        if ok:
+            out[b] = token
+            drawn[b] = True
+    return drawn
+
+
+def _top_ids_suffice(s: SamplingParams, k_ids: int) -> bool:
+    """Whether a row's top-k survivors can be found among the graph's K top ids at all."""
+    return (
+        0 < s.top_k <= k_ids
+        and s.temperature >= GREEDY_TEMPERATURE
+        and not s.logit_bias
+        and s.repetition_penalty >= 1.0
+        and s.presence_penalty >= 0.0
+        and s.frequency_penalty >= 0.0
+    )
 
 
 def apply_mask(z: np.ndarray, allowed: np.ndarray) -> None:
@@ -198,7 +257,7 @@ def candidates(z: np.ndarray, s: SamplingParams, ids: np.ndarray | None = None) 
         keep = _top_k(vals, mx, s.top_k)
         ids, vals = ids[keep], vals[keep]
     if s.top_p < 1.0:
-        keep = _top_p(ids, vals, mx, s.top_p)
+        keep = _top_p_small(ids, vals, mx, s.top_p) if ids.size <= CDF_BLOCK else _top_p(ids, vals, mx, s.top_p)
         ids, vals = ids[keep], vals[keep]
     if s.min_p > 0.0:
         # p_i >= min_p * p_max  <=>  z_i >= z_max + log(min_p): no softmax needed.
@@ -328,10 +387,23 @@ def _top_p(ids: np.ndarray, vals: np.ndarray, mx: np.float32, top_p: float) -> n
     return np.concatenate([np.flatnonzero(bins < b), band[:n]])
 
 
+def _top_p_small(ids: np.ndarray, vals: np.ndarray, mx: np.float32, top_p: float) -> np.ndarray:
+    """`_top_p` for a set of at most CDF_BLOCK tokens: sorted best-first (decreasing logit, then
+    increasing id), a token is kept while the float64 mass before it is below top_p of the total."""
+    order = np.lexsort((ids, -vals))
+    mass = np.exp(vals - mx)[order].astype(np.float64)
+    running = np.cumsum(mass)
+    before = np.concatenate([np.zeros(1), running[:-1]])
+    return np.sort(order[before < top_p * running[-1]])
+
+
 def _inverse_cdf(vals: np.ndarray, u: float) -> int:
     """Index into `vals` sampled from softmax(vals) with the uniform u in [0, 1)."""
     p = np.exp(vals - vals.max())
     n = p.size
+    if n <= CDF_BLOCK:  # one block: the first running sum above u of the total
+        running = np.cumsum(p, dtype=np.float64)
+        return min(int(np.searchsorted(running, u * running[-1], side="right")), n - 1)
     # Two levels (block sums, then one block) keep this O(n) with cheap float64 accumulation.
     pad = -n % CDF_BLOCK
     blocks = np.cumsum(np.pad(p, (0, pad)).reshape(-1, CDF_BLOCK).sum(axis=1, dtype=np.float64))

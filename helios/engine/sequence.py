@@ -55,6 +55,8 @@ class Sequence:
         self.rng = np.random.default_rng(self.sampling.seed)
         self.num_preemptions = 0
         self._prompt_unique: np.ndarray | None = None
+        self._seen: set[int] | None = None  # prompt and generated ids, made at the first draw
+        self._output_counts: dict[int, int] = {}
         # Prefix checkpoints (helios.engine.prefix_cache): prompt tokens restored at the first
         # admission (what usage reports as cached), and the boundaries still to capture (None
         # until the first admission selects them).
@@ -132,8 +134,24 @@ class Sequence:
             self._prompt_unique = unique[unique >= 0]  # image tokens carry negative identity ids
         return self._prompt_unique
 
+    @property
+    def seen_ids(self) -> set[int]:
+        """Prompt and generated ids (what the repetition penalty lowers), kept as tokens come."""
+        if self._seen is None:
+            self._seen = {t for t in self.token_ids if t >= 0}  # image tokens carry negative ids
+        return self._seen
+
+    @property
+    def output_counts(self) -> dict[int, int]:
+        """Generated id -> how often it was generated (presence and frequency penalties)."""
+        return self._output_counts
+
     def append_token(self, token_id: int) -> None:
-        self.token_ids.append(int(token_id))
+        token_id = int(token_id)
+        self.token_ids.append(token_id)
+        self._output_counts[token_id] = self._output_counts.get(token_id, 0) + 1
+        if self._seen is not None:
+            self._seen.add(token_id)
 
     def __repr__(self) -> str:
         return (

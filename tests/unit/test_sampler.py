@@ -4,6 +4,8 @@ token logprobs."""
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import pytest
 
@@ -17,6 +19,8 @@ class Row:
         self.rng = np.random.default_rng(seed)
         self.prompt_unique_ids = np.unique(np.asarray(prompt, dtype=np.int64))
         self.output_ids = list(output)
+        self.seen_ids = set(prompt) | set(self.output_ids)
+        self.output_counts = collections.Counter(self.output_ids)
 
 
 def _draws(logits_row: np.ndarray, n: int, **params) -> np.ndarray:

@@ -4,6 +4,8 @@ every top-k survivor."""
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import pytest
 
@@ -20,6 +22,8 @@ class Row:
         self.rng = np.random.default_rng(seed)
         self.prompt_unique_ids = np.unique(np.asarray(prompt, dtype=np.int64))
         self.output_ids = list(output)
+        self.seen_ids = set(prompt) | set(self.output_ids)
+        self.output_counts = collections.Counter(self.output_ids)
 
 
 def top_ids(logits: np.ndarray) -> np.ndarray:
@@ -92,6 +96,74 @@ def test_fast_path_is_taken_for_eligible_rows_and_skipped_otherwise(monkeypatch)
     assert taken == [True, True, True, True, False, False, False, False]
 
 
+def test_certified_rows_are_drawn_together_from_the_top_ids(monkeypatch):
+    # With the graph's finite logsumexp the eligible rows are drawn at once (top_ids_draw); only
+    # the others take the one-row paths.
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((8, 3000)) * 3).astype(np.float32)
+    top = top_ids(logits)
+    together, alone = [], []
+    original_draw, original_fast = sampler.draw_rows, sampler._top_k_fast
+
+    def spy_draw(*args):
+        tokens, drawn = original_draw(*args)
+        together.append((list(args[2]), drawn.tolist()))
+        return tokens, drawn
+
+    def spy_fast(row_logits, row_top, row, finite=False):
+        alone.append(row.sampling.seed)
+        return original_fast(row_logits, row_top, row, finite)
+
+    monkeypatch.setattr(sampler, "draw_rows", spy_draw)
+    monkeypatch.setattr(sampler, "_top_k_fast", spy_fast)
+    sample(logits, batch_rows(top), top_ids=top, logsumexp=logsumexp(logits))
+    assert together == [([0, 1, 2, 3], [True, True, True, True])]
+    assert alone == [5, 6, 7, 8]  # the rows that do not qualify, which it turns down
+
+
+def test_a_rows_draw_does_not_depend_on_its_batch_neighbours():
+    rng = np.random.default_rng(11)
+    logits = (rng.standard_normal((8, 3000)) * 3).astype(np.float32)
+    top, lse = top_ids(logits), logsumexp(logits)
+    rows = batch_rows(top)
+    together = [sample(logits, rows, top_ids=top, logsumexp=lse).tolist() for _ in range(20)]
+    for b in range(4):
+        row = batch_rows(top)[b]
+        alone = [
+            int(sample(logits[b : b + 1], [row], top_ids=top[b : b + 1], logsumexp=lse[b : b + 1])[0])
+            for _ in range(20)
+        ]
+        assert alone == [draw[b] for draw in together]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_drawing_together_equals_the_full_path_on_peaked_and_flat_rows(seed):
+    # Rows from nearly flat to sharply peaked, every filter combination, top_k == K included (it
+    # needs the one-pass tie check) and repeated tokens among the candidates.
+    rng = np.random.default_rng(100 + seed)
+    scales = np.array([0.05, 0.5, 2.0, 8.0, 30.0, 1.0, 4.0, 0.2], dtype=np.float32)[:, None]
+    logits = (rng.standard_normal((8, 4000)).astype(np.float32) * scales).astype(np.float32)
+    top = top_ids(logits)
+
+    def rows():
+        params = [
+            dict(top_k=K, temperature=0.7, top_p=0.8, repetition_penalty=1.05),
+            dict(top_k=K, temperature=1.0),
+            dict(top_k=7, temperature=0.3, min_p=0.2),
+            dict(top_k=12, temperature=1.5, top_p=0.5, frequency_penalty=0.5, presence_penalty=0.2),
+            dict(top_k=1, temperature=1.0),
+            dict(top_k=K, temperature=0.9, top_p=0.95, min_p=0.01, repetition_penalty=1.3),
+            dict(top_k=3, temperature=2.0, top_p=0.3),
+            dict(top_k=19, temperature=0.05, repetition_penalty=1.1),
+        ]
+        return [
+            Row(seed * 10 + b, prompt=top[b][::3], output=[int(top[b][1])] * 3 + [int(top[b][4])], **p)
+            for b, p in enumerate(params)
+        ]
+
+    assert draws(logits, rows, use_top_ids=True, steps=40, certify=True) == draws(logits, rows, False, steps=40)
+
+
 def test_heavily_penalized_candidates_widen_the_candidate_set():
     # The 20 best tokens are all repeated with a huge penalty: the survivors lie outside them,
     # so the set widens to every token whose raw logit reaches the k-th penalized value.
@@ -107,6 +179,7 @@ def test_heavily_penalized_candidates_widen_the_candidate_set():
     assert ids.size > K and set(range(K)) <= set(ids.tolist())
     fast = draws(logits, rows, use_top_ids=True)
     assert fast == draws(logits, rows, use_top_ids=False)
+    assert fast == draws(logits, rows, use_top_ids=True, certify=True)  # drawn together, widened
     assert all(token[0] >= K for token in fast)
 
 
@@ -119,9 +192,10 @@ def test_ties_with_the_kth_logit_outside_the_candidates_are_kept():
     assert 500 not in top[0]
     ids, _ = sampler._top_k_fast(logits[0], top[0], Row(3, top_k=K, temperature=1.0))
     assert 500 in ids
-    assert draws(logits, lambda: [Row(3, top_k=K, temperature=1.0)], True, 200) == draws(
-        logits, lambda: [Row(3, top_k=K, temperature=1.0)], False, 200
-    )
+    full = draws(logits, lambda: [Row(3, top_k=K, temperature=1.0)], False, 200)
+    assert draws(logits, lambda: [Row(3, top_k=K, temperature=1.0)], True, 200) == full
+    assert draws(logits, lambda: [Row(3, top_k=K, temperature=1.0)], True, 200, certify=True) == full
+    assert 500 in {token[0] for token in full}
 
 
 def test_non_finite_logits_still_fail_the_row():
