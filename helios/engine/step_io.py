@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from helios.kernels import kv_dtype as kv_types
 from helios.manifest import KVLayout
 
 
@@ -271,14 +272,12 @@ def new_token_slots(rows: list[StepRow], page_tokens: int) -> tuple[np.ndarray, 
     """Where each row's valid new tokens go: (page, offset) in the pool, (row, token) in new_kv."""
     pages, offsets, row_index, token_index = [], [], [], []
     for b, row in enumerate(rows):
-        n = len(row.token_ids)
-        pos = np.arange(row.history_len, row.history_len + n)
-        table = np.asarray(row.block_table, dtype=np.int64)
-        pages.append(table[pos // page_tokens])
-        offsets.append(pos % page_tokens)
-        row_index.append(np.full(n, b, dtype=np.int64))
-        token_index.append(np.arange(n, dtype=np.int64))
-    return tuple(np.concatenate(parts).astype(np.int64) for parts in (pages, offsets, row_index, token_index))
+        positions = range(row.history_len, row.history_len + len(row.token_ids))
+        pages += [row.block_table[p // page_tokens] for p in positions]
+        offsets += [p % page_tokens for p in positions]
+        row_index += [b] * len(positions)
+        token_index += range(len(positions))
+    return tuple(np.array(column, dtype=np.int64) for column in (pages, offsets, row_index, token_index))
 
 
 def scatter_new_kv(pages: np.ndarray, rows: list[StepRow], new_kv: np.ndarray) -> None:
@@ -287,6 +286,8 @@ def scatter_new_kv(pages: np.ndarray, rows: list[StepRow], new_kv: np.ndarray) -
     pages: the pool viewed as [layers, 2, num_pages, page_tokens, kvh, D]. One fancy-indexed
     assignment for the whole step."""
     slot_page, slot_offset, row_index, token_index = new_token_slots(rows, pages.shape[3])
+    if pages.dtype == kv_types.numpy_dtype("bfloat16"):
+        new_kv = kv_types.to_bfloat16(new_kv)
     pages[:, :, slot_page, slot_offset] = new_kv[:, :, row_index, token_index]
 
 

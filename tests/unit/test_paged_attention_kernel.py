@@ -207,6 +207,20 @@ def test_a_bfloat16_pool_attends_as_a_float32_pool_of_the_same_values(case, tmp_
     np.testing.assert_array_equal(got[0], wide[0])
 
 
+def test_bfloat16_rounding_for_the_pool_matches_ml_dtypes():
+    # What the runner scatters into a bf16 pool: every float32 bit pattern rounds as ml_dtypes
+    # rounds it (nearest even, overflow to infinity), NaN stays NaN whatever its payload.
+    bits = np.random.default_rng(0).integers(0, 2**32, 1 << 20, dtype=np.uint64).astype(np.uint32)
+    edges = np.array([0x7F7FFFFF, 0x7F7F8000, 0x3F808000, 0x3F818000, 0x00008000, 0x7F800001, 0xFFC00001], np.uint32)
+    values = np.concatenate([bits, edges]).view(np.float32)
+    got = kv_dtype.to_bfloat16(values)
+    finite = ~np.isnan(values)
+    with np.errstate(invalid="ignore"):
+        want = values[finite].astype(kv_dtype.numpy_dtype("bfloat16"))
+    np.testing.assert_array_equal(got[finite].view(np.uint16), want.view(np.uint16))
+    assert np.isnan(got[~finite].astype(np.float32)).all()
+
+
 def test_a_pool_of_another_type_is_refused(tmp_path):
     if kernels.cpu_missing_flags():
         pytest.skip("no AVX512-VNNI")
