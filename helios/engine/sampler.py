@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from helios.engine.api import PromptLogprob, SamplingParams, TokenLogprob
-from helios.engine.top_ids_draw import CANDIDATE_CUTOFF, SMALL_SET, draw_rows
+from helios.engine.top_ids_draw import CANDIDATE_CUTOFF, SMALL_SET, draw_rows, penalized_row
 
 if TYPE_CHECKING:
     from helios.engine.runner import PromptScores
@@ -271,8 +271,7 @@ def _top_k_fast(
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """(ids, penalized logits) of a small token set that holds every top-k survivor of the row,
     found without a full-vocabulary pass when possible; None when the row is not eligible (the
-    caller takes the full path): top_k outside 1..K, greedy, non-finite logits, or a penalty that
-    can raise a logit (repetition < 1, presence or frequency < 0).
+    caller takes the full path): not `_top_ids_suffice`, or non-finite logits.
 
     Every token's penalized logit is at most its raw logit. Let kth be the k-th largest penalized
     value among the K raw-best tokens: a token outside them survives top-k only if its raw logit
@@ -280,56 +279,21 @@ def _top_k_fast(
     the K ids are the set). Otherwise (a penalized token fell below it, or ties) the set is every
     token whose raw logit is >= kth: one comparison over the vocabulary, and the k-th largest over
     that superset is >= kth, so every token left out is strictly below it. Penalties use the same
-    float32 operations as `apply_penalties`, so values and draws are bit-identical to the full
-    path's."""
+    float32 operations as `apply_penalties` (top_ids_draw.penalized_row), so values and draws are
+    bit-identical to the full path's."""
     s = row.sampling
-    k = s.top_k
-    if not (0 < k <= top_ids.size) or s.temperature < GREEDY_TEMPERATURE:
-        return None
-    if s.repetition_penalty < 1.0 or s.presence_penalty < 0.0 or s.frequency_penalty < 0.0:
+    if not _top_ids_suffice(s, top_ids.size):
         return None
     if not finite and not np.isfinite(logits.max()):  # NaN/inf anywhere: the full path reports the row
         return None
     ids = np.sort(np.asarray(top_ids, dtype=np.int64))
-    outputs = np.unique(np.asarray(row.output_ids, dtype=np.int64), return_counts=True)
-    vals = _penalized(logits, ids, row, outputs)
+    vals = penalized_row(logits, ids, s, row.seen_ids, row.output_counts)
     floor = logits[ids].min()  # the K-th raw logit: bounds every raw logit outside `ids`
-    kth = np.partition(vals, vals.size - k)[vals.size - k]
+    kth = np.partition(vals, vals.size - s.top_k)[vals.size - s.top_k]
     if kth > floor:
         return ids, vals
     ids = np.flatnonzero(logits >= kth)
-    return ids, _penalized(logits, ids, row, outputs)
-
-
-def _penalized(
-    logits: np.ndarray, ids: np.ndarray, row: SampleRow, outputs: tuple[np.ndarray, np.ndarray]
-) -> np.ndarray:
-    """float32 logits of `ids` (increasing) with the row's penalties, as `apply_penalties` would
-    leave them. outputs: the row's distinct output ids (increasing) and their counts."""
-    s = row.sampling
-    vals = logits[ids].astype(np.float32)
-    out_ids, counts = outputs
-    if s.repetition_penalty != 1.0:
-        seen = _members(ids, row.prompt_unique_ids) | _members(ids, out_ids)
-        if seen.any():
-            pen = np.float32(s.repetition_penalty)
-            v = vals[seen]
-            vals[seen] = np.where(v > 0, v / pen, v * pen)
-    if (s.presence_penalty != 0.0 or s.frequency_penalty != 0.0) and out_ids.size:
-        hit = _members(ids, out_ids)
-        if hit.any():
-            c = counts[np.searchsorted(out_ids, ids[hit])].astype(np.float32)
-            vals[hit] -= np.float32(s.frequency_penalty) * c + np.float32(s.presence_penalty)
-    return vals
-
-
-def _members(ids: np.ndarray, sorted_unique: np.ndarray) -> np.ndarray:
-    """Whether each of `ids` is in `sorted_unique` (increasing, as np.unique returns): a binary
-    search per id instead of np.isin's sort of both arrays."""
-    if sorted_unique.size == 0:
-        return np.zeros(ids.size, dtype=bool)
-    at = np.minimum(np.searchsorted(sorted_unique, ids), sorted_unique.size - 1)
-    return sorted_unique[at] == ids
+    return ids, penalized_row(logits, ids, s, row.seen_ids, row.output_counts)
 
 
 _ARANGE = np.arange(0, dtype=np.int64)

@@ -107,12 +107,18 @@ def _widened(
     padded_ids[:, : ids.shape[1]] = ids
     padded_vals[:, : ids.shape[1]] = vals
     for f, w in wide.items():
-        one = [w.tolist()]
         padded_ids[f, : w.size] = w
-        padded_vals[f, : w.size] = _penalized(
-            logits[rows[f], w][None], [params[f]], _hits(one, [seen[f]]), _counts(one, [counts[f]])
-        )[0]
+        padded_vals[f, : w.size] = penalized_row(logits[rows[f]], w, params[f], seen[f], counts[f])
     return padded_ids, padded_vals
+
+
+def penalized_row(
+    logits: np.ndarray, ids: np.ndarray, params: SamplingParams, seen: Set[int], counts: Mapping[int, int]
+) -> np.ndarray:
+    """One row's float32 logits at `ids` after its penalties (the sampler's one-row path uses it
+    too, so both paths penalize in the same operations)."""
+    one = [ids.tolist()]
+    return _penalized(logits[ids].astype(np.float32)[None], [params], _hits(one, [seen]), _counts(one, [counts]))[0]
 
 
 def _hits(id_lists: list[list[int]], seen: list[Set[int]]) -> list[list[bool]]:
