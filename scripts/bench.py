@@ -48,9 +48,9 @@ JSON: {"helios": {decode_b1_tps, decode_b8_tps, prefill_tps, ttft_ms, prefix_hit
 rss_mb, decode_b1_bound_tps and decode_b1_bound_ratio (the probe over the core's
 decode_weight_bytes; target >= 0.8), + extras}, "peers": {NAME: {decode_b1_tps, decode_b8_tps?,
 prefill_tps, prefill_16k_tps?, decode_16k_tps?}}, "long_context": {RUNTIME: {prefill_16k_tps,
-decode_16k_tps}} with RUNTIME "helios" and each peer's NAME (a failed peer: {"error"}; a skipped section: {"skipped": why}),
-"machine": {..., read_bandwidth_gbs, read_bandwidth: {gbs, threads, buffer_mb, passes,
-samples}}}. long_context.helios also holds second_turn_ttft_ms (+ second_turn_prompt_tokens,
+decode_16k_tps}} with RUNTIME "helios" and each peer's NAME (a failed peer: {"error"}; a
+skipped section: {"skipped": why}), "machine": {..., read_bandwidth_gbs, read_bandwidth: {gbs,
+threads, buffer_mb, passes, samples}}}. long_context.helios also holds second_turn_ttft_ms (+ second_turn_prompt_tokens,
 second_turn_cached_tokens), prefill_16k_ms, tokens (the prompt length the _16k keys measured),
 prefill_16k_vs_512 (16k prefill / helios's own 512-token prefill; target >= 0.5),
 decode_16k_bound_tps and decode_16k_bound_ratio (decode / the bandwidth bound; target >= 0.8),
