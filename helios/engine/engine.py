@@ -421,7 +421,10 @@ class Engine:
         try:
             # The step graph's top ids let top-k rows sample without a vocabulary pass (sampler).
             at = [out.index(i) for i, _, _ in todo]
-            tokens = sample(out.logits, seqs, row_masks, top_ids=out.top_ids, logsumexp=out.logsumexp, at=at)
+            ids, outside = out.sampling_candidates()
+            tokens = sample(
+                out.logits, seqs, row_masks, top_ids=ids, logsumexp=out.logsumexp, outside_logit=outside, at=at
+            )
         except Exception as exc:
             log.exception("sampling failed")
             for seq in seqs:
@@ -468,7 +471,10 @@ class Engine:
             seqs = [r.seq for _, r in active]
             at = [out.index(i, position) for i, _ in active]
             try:
-                tokens = sample(out.logits, seqs, None, top_ids=out.top_ids, logsumexp=out.logsumexp, at=at)
+                ids, outside = out.sampling_candidates()
+                tokens = sample(
+                    out.logits, seqs, None, top_ids=ids, logsumexp=out.logsumexp, outside_logit=outside, at=at
+                )
             except Exception as exc:
                 log.exception("sampling failed")
                 emitted.extend((seq, self._fail(seq, f"sampling failed: {exc}")) for seq in seqs)

@@ -35,6 +35,7 @@ from helios.engine.step_io import (
     scatter_new_kv,
 )
 from helios.kernels import kv_dtype as kv_types
+from helios.kernels.head import candidate_ids_name, outside_logit_name
 from helios.kernels.session import open_session
 from helios.manifest import KVLayout, Manifest, StateLayout
 
@@ -232,6 +233,11 @@ class Runner:
         # OrtValues stay in onnxruntime's memory; only the outputs used are turned into arrays.
         values = dict(zip(self._output_names, binding.get_outputs()))
         out = {name: values[name].numpy() for name in ("logits", "logsumexp", "top_logprobs", "top_ids")}
+        for field, name in (
+            ("candidate_ids", candidate_ids_name("top_ids")),
+            ("outside_logit", outside_logit_name("top_ids")),
+        ):
+            out[field] = values[name].numpy() if name in values else None  # where the head runs fused
         scatter_new_kv(self._pages, rows, values["new_kv"].numpy())
         if slots is not None:  # the state after each row's last new token
             self.state_pool[slots] = values["new_state"].numpy()
@@ -249,6 +255,10 @@ class Runner:
         if any(r.output_positions is not None for r in rows):
             first = np.cumsum([0] + [r.num_outputs for r in rows])[:-1].tolist()
         return StepOutput(**out, token_logprobs=explicit, prompt_scores=scores, first=first)
+
+
+# The score graph's outputs, by name (a fused head adds more), in PromptScores' field order.
+SCORE_OUTPUTS = ["target_logprobs", "target_ranks", "top_logprobs", "top_ids"]
 
 
 class PromptScorer:
@@ -278,7 +288,8 @@ class PromptScorer:
         results = []
         for lo in range(0, len(flat_targets), SCORE_POSITIONS_PER_CALL):
             hi = lo + SCORE_POSITIONS_PER_CALL
-            results.append(self.session.run(None, {"hidden": flat_hidden[lo:hi], "targets": flat_targets[lo:hi]}))
+            feeds = {"hidden": flat_hidden[lo:hi], "targets": flat_targets[lo:hi]}
+            results.append(self.session.run(SCORE_OUTPUTS, feeds))
         if results:
             merged = [np.concatenate(parts) for parts in zip(*results)]
         else:

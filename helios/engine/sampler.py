@@ -72,6 +72,7 @@ def sample(
     masks: list[TokenMask | None] | None = None,
     top_ids: np.ndarray | None = None,
     logsumexp: np.ndarray | None = None,
+    outside_logit: np.ndarray | None = None,
     at: list[int] | None = None,
 ) -> np.ndarray:
     """Sample one token per row of `logits` [B, V]; returns int64 [B]. `logits` is not modified.
@@ -87,8 +88,8 @@ def sample(
     outside `allowed` get -inf before temperature and the filters (a grammar decides what may
     follow, the distribution only ranks what it allows).
 
-    `top_ids` [B, K], when given, are the ids of each row's K largest raw logits (the step graph's
-    top_ids). A row with 0 < top_k <= K, no grammar mask and penalties that can only lower logits
+    `top_ids` [B, K], when given, are the ids of each row's K largest raw logits (the fused head's
+    candidates, else the step graph's top_ids: StepOutput.sampling_candidates). A row with 0 < top_k <= K, no grammar mask and penalties that can only lower logits
     then samples from those K candidates without touching the vocabulary, whenever its top_k
     survivors provably lie among them (see `_top_k_fast`); the result is bit-identical to the
     full path, which every other row takes.
@@ -96,17 +97,22 @@ def sample(
     `logsumexp` [B], when given, is the step graph's fp32 logsumexp of each row's raw logits. A
     NaN or +inf logit makes the in-graph log-softmax NaN, so a finite value certifies the row's
     logits are finite and the fast path skips its own scan of the vocabulary.
+
+    `outside_logit` [B], when given, is each row's largest raw logit outside its top_ids (the
+    fused head's): with it, a row whose k-th candidate is above it needs no vocabulary pass even
+    when top_k == K.
     """
     if at is not None and not (len(at) == len(logits) and all(i == j for j, i in enumerate(at))):
         logits = logits[at]
         top_ids = None if top_ids is None else top_ids[at]
         logsumexp = None if logsumexp is None else logsumexp[at]
+        outside_logit = None if outside_logit is None else outside_logit[at]
     B, V = logits.shape
     # One uniform per row, always drawn, so a generator's stream advances by exactly one per token.
     u = [row.rng.random() for row in rows]
     z: np.ndarray | None = None  # the penalized full-vocabulary copy, made only when a row needs it
     out = np.empty(B, dtype=np.int64)
-    drawn = _draw_top_k_rows(logits, rows, masks, top_ids, logsumexp, u, out)
+    drawn = _draw_top_k_rows(logits, rows, masks, top_ids, logsumexp, outside_logit, u, out)
     for b, row in enumerate(rows):
         if drawn[b]:
             continue
@@ -118,7 +124,8 @@ def sample(
         # A bias can lift a token outside the graph's top ids, so biased rows take the full path.
         if top_ids is not None and not s.logit_bias and (mask is None or mask.allowed is None):
             certified = logsumexp is not None and bool(np.isfinite(logsumexp[b]))
-            fast = _top_k_fast(logits[b], top_ids[b], row, certified)
+            bound = None if outside_logit is None else outside_logit[b]
+            fast = _top_k_fast(logits[b], top_ids[b], row, certified, bound)
             if fast is not None:
                 ids, vals = candidates(fast[1], s, fast[0])
                 out[b] = ids[_inverse_cdf(vals, u[b])]
@@ -145,6 +152,7 @@ def _draw_top_k_rows(
     masks: list[TokenMask | None] | None,
     top_ids: np.ndarray | None,
     logsumexp: np.ndarray | None,
+    outside_logit: np.ndarray | None,
     u: list[float],
     out: np.ndarray,
 ) -> list[bool]:
@@ -166,7 +174,8 @@ def _draw_top_k_rows(
     params = [rows[b].sampling for b in picked]
     seen = [rows[b].seen_ids for b in picked]
     counts = [rows[b].output_counts for b in picked]
-    tokens, done = draw_rows(logits, top_ids, picked, params, seen, counts, [u[b] for b in picked])
+    bounds = None if outside_logit is None else outside_logit[picked]
+    tokens, done = draw_rows(logits, top_ids, picked, params, seen, counts, [u[b] for b in picked], bounds)
     for b, token, ok in zip(picked, tokens.tolist(), done.tolist()):
         if ok:
             out[b] = token
@@ -267,7 +276,11 @@ def candidates(z: np.ndarray, s: SamplingParams, ids: np.ndarray | None = None) 
 
 
 def _top_k_fast(
-    logits: np.ndarray, top_ids: np.ndarray, row: SampleRow, finite: bool = False
+    logits: np.ndarray,
+    top_ids: np.ndarray,
+    row: SampleRow,
+    finite: bool = False,
+    outside_logit: np.float32 | None = None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """(ids, penalized logits) of a small token set that holds every top-k survivor of the row,
     found without a full-vocabulary pass when possible; None when the row is not eligible (the
@@ -275,8 +288,9 @@ def _top_k_fast(
 
     Every token's penalized logit is at most its raw logit. Let kth be the k-th largest penalized
     value among the K raw-best tokens: a token outside them survives top-k only if its raw logit
-    reaches kth, and that cannot happen when kth is above the K-th raw logit (the usual case:
-    the K ids are the set). Otherwise (a penalized token fell below it, or ties) the set is every
+    reaches kth, and that cannot happen when kth is above the largest raw logit outside them
+    (`outside_logit`, the fused head's; else the K-th raw logit bounds it) (the usual case: the
+    K ids are the set). Otherwise (a penalized token fell below it, or ties) the set is every
     token whose raw logit is >= kth: one comparison over the vocabulary, and the k-th largest over
     that superset is >= kth, so every token left out is strictly below it. Penalties use the same
     float32 operations as `apply_penalties` (top_ids_draw.penalized_row), so values and draws are
@@ -288,7 +302,8 @@ def _top_k_fast(
         return None
     ids = np.sort(np.asarray(top_ids, dtype=np.int64))
     vals = penalized_row(logits, ids, s, row.seen_ids, row.output_counts)
-    floor = logits[ids].min()  # the K-th raw logit: bounds every raw logit outside `ids`
+    # Bounds every raw logit outside `ids`: the head's exact figure, else the K-th raw logit.
+    floor = logits[ids].min() if outside_logit is None else outside_logit
     kth = np.partition(vals, vals.size - s.top_k)[vals.size - s.top_k]
     if kth > floor:
         return ids, vals

@@ -64,10 +64,22 @@ class StepOutput:
     logsumexp: np.ndarray  # [N] float32
     top_logprobs: np.ndarray  # [N, K] float32, decreasing
     top_ids: np.ndarray  # [N, K] int64
+    # The fused head's sampling candidates (None where the graph does not report them): the ids
+    # of each row's C >= K largest raw logits, best first [N, C] int64, and the largest raw
+    # logit outside them [N] float32, the sampler's proof that no other token survives top-k.
+    candidate_ids: np.ndarray | None = None
+    outside_logit: np.ndarray | None = None
     # [N, E] float32: logprobs of the row's logprob_ids (padded columns are meaningless).
     token_logprobs: np.ndarray | None = None
     prompt_scores: list[PromptScores | None] | None = None  # per row, for rows with score_targets
     first: list[int] | None = None  # None: first[b] == b
+
+    def sampling_candidates(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """(ids [N, C] of each row's largest raw logits, the largest raw logit outside them or
+        None): the head's candidates where it reports them, else the top ids alone."""
+        if self.candidate_ids is None:
+            return self.top_ids, None
+        return self.candidate_ids, self.outside_logit
 
     def index(self, row: int, position: int = 0) -> int:
         """The output row of `row`'s `position`-th requested output."""
@@ -170,6 +182,9 @@ def run_in_groups(rows: list[StepRow], run: Callable[[list[StepRow]], StepOutput
         for g, out in parts:
             for i, score in zip(g, out.prompt_scores or [None] * len(g)):
                 scores[i] = score
+    if all(out.candidate_ids is not None and out.outside_logit is not None for _, out in parts):
+        arrays["candidate_ids"] = np.concatenate([out.candidate_ids for _, out in parts])[take]
+        arrays["outside_logit"] = np.concatenate([out.outside_logit for _, out in parts])[take]
     return StepOutput(**arrays, token_logprobs=explicit, prompt_scores=scores, first=first)
 
 

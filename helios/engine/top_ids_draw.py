@@ -38,11 +38,14 @@ def draw_rows(
     seen: list[Set[int]],
     counts: list[Mapping[int, int]],
     uniforms: list[float],
+    outside: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """One token for each batch row of `rows` (indices into logits [B, V], whose rows are finite,
     and top_ids [B, K]), from its sampling `params`, the ids it has seen (prompt and output: the
     repetition penalty's), how often it generated each id (presence and frequency penalties) and
-    its uniform. Returns (tokens [F], drawn [F]): a row is not drawn when so many tokens tie at
+    its uniform. `outside` [F], when given, is each of those rows' largest raw logit outside its
+    top ids (else the K-th raw logit stands in for it, which ties with the k-th candidate
+    whenever top_k == K and nothing is penalized, so such rows cost a vocabulary pass). Returns (tokens [F], drawn [F]): a row is not drawn when so many tokens tie at
     its k-th value that its set exceeds SMALL_SET (the caller's one-row path takes it)."""
     n, k_ids = len(rows), top_ids.shape[1]
     span = np.arange(n)
@@ -52,12 +55,13 @@ def draw_rows(
     vals = _penalized(raw, params, _hits(id_lists, seen), _counts(id_lists, counts))
     top_k = np.array([s.top_k for s in params], dtype=np.int64)
     # Every top-k survivor is among the K ids unless a token outside them reaches the k-th
-    # penalized value: it cannot when that value is above the K-th raw logit, which bounds every
-    # raw logit outside. Otherwise (a penalized token fell that low, or top_k == K and a tie may
-    # sit outside) the row's set is every token whose raw logit reaches it: one pass, and it is
-    # the K ids themselves unless something outside does reach it.
+    # penalized value: it cannot when that value is above every raw logit outside. Otherwise (a
+    # penalized token fell that low, or a tie may sit outside) the row's set is every token whose
+    # raw logit reaches it: one pass, and it is the K ids themselves unless something outside
+    # does reach it.
     kth = np.sort(vals, axis=1)[span, k_ids - top_k]
-    wide = {f: np.flatnonzero(logits[rows[f]] >= kth[f]) for f in np.flatnonzero(kth <= raw.min(axis=1)).tolist()}
+    bound = raw.min(axis=1) if outside is None else outside
+    wide = {f: np.flatnonzero(logits[rows[f]] >= kth[f]) for f in np.flatnonzero(kth <= bound).tolist()}
     wide = {f: w for f, w in wide.items() if w.size > k_ids}
     drawn = np.ones(n, dtype=bool)
     for f in [f for f, w in wide.items() if w.size > SMALL_SET]:

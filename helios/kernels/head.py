@@ -11,6 +11,21 @@ from onnx import helper, numpy_helper
 from helios.kernels import DOMAIN
 
 OP = "LogSoftmaxTopK"
+# Sampling candidates a fused head reports per row: top_k up to this many samples without a
+# vocabulary pass, and a repetition penalty must push this many tokens under the k-th before
+# one is needed (onnxruntime-genai and llama.cpp default to top_k 40-50).
+CANDIDATES = 64
+
+
+def candidate_ids_name(top_ids: str) -> str:
+    """The graph output a fused head adds beside a TopK indices output that is a graph output:
+    int64 [N, CANDIDATES], each row's largest logits' ids, best first (the operator's fourth)."""
+    return f"{top_ids}_candidates"
+
+
+def outside_logit_name(top_ids: str) -> str:
+    """The fifth: float [N], each row's largest logit outside its candidates."""
+    return f"{top_ids}_outside_logit"
 
 
 def _attribute(node: onnx.NodeProto, name: str, default: int) -> int:
@@ -30,13 +45,24 @@ def _constant_k(model: onnx.ModelProto, name: str) -> int | None:
     return int(array[0]) if array.size == 1 else None
 
 
+def _vocabulary(graph: onnx.GraphProto, name: str) -> int:
+    """The last dimension of a declared 2-D tensor when the graph states it, else 0."""
+    value = next((v for v in (*graph.input, *graph.output, *graph.value_info) if v.name == name), None)
+    dims = value.type.tensor_type.shape.dim if value is not None else []
+    return dims[-1].dim_value if len(dims) == 2 else 0
+
+
 def fuse_logprob_head(model: onnx.ModelProto) -> int:
     """Replace each LogSoftmax over the last axis of a 2-D tensor the graph declares (an input,
     output or value_info) whose output feeds a TopK (last axis, largest, sorted, constant k) by
     one LogSoftmaxTopK, placed where the LogSoftmax was, writing the LogSoftmax's output and the
-    TopK's two; other readers of the log-softmax keep reading it. Returns the pairs fused."""
+    TopK's two; other readers of the log-softmax keep reading it. Where the TopK's indices are a
+    graph output, the fused node's candidate outputs become graph outputs too (where the
+    vocabulary holds CANDIDATES: `candidate_ids_name`, `outside_logit_name`). Returns the pairs
+    fused."""
     graph = model.graph
     ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in (*graph.input, *graph.output, *graph.value_info)}
+    declared = {o.name: o for o in graph.output}
     # By position: names may be empty or repeated.
     replaced: dict[int, onnx.NodeProto] = {}  # LogSoftmax position -> the fused node
     dropped: set[int] = set()  # positions of the TopKs it replaces
@@ -54,8 +80,20 @@ def fuse_logprob_head(model: onnx.ModelProto) -> int:
             k = _constant_k(model, top.input[1])
             if k is None or k < 1:
                 continue
+            outputs, extra = [soft.output[0], *top.output], {}
+            ids = declared.get(top.output[1])
+            if ids is not None and CANDIDATES >= k and _vocabulary(graph, soft.input[0]) >= CANDIDATES:
+                rows = [d.dim_param or d.dim_value or None for d in ids.type.tensor_type.shape.dim[:1]] or [None]
+                outputs += [candidate_ids_name(ids.name), outside_logit_name(ids.name)]
+                graph.output.extend(
+                    [
+                        helper.make_tensor_value_info(outputs[-2], onnx.TensorProto.INT64, [*rows, CANDIDATES]),
+                        helper.make_tensor_value_info(outputs[-1], onnx.TensorProto.FLOAT, rows),
+                    ]
+                )
+                extra["candidates"] = CANDIDATES
             replaced[at] = helper.make_node(
-                OP, [soft.input[0]], [soft.output[0], *top.output], name=f"{soft.name}.topk", domain=DOMAIN, k=k
+                OP, [soft.input[0]], outputs, name=f"{soft.name}.topk", domain=DOMAIN, k=k, **extra
             )
             dropped.add(top_at)
             break

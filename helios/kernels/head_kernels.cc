@@ -3,20 +3,29 @@
 //
 // Why: onnxruntime runs the two on one thread each, over a 152k-wide vocabulary: at 8 rows
 // they took ~2 ms of a ~20 ms decode step, as much as a third of the attention. Here both
-// threads share each row in chunks, and TopK is a threshold filter over the logprobs as they are
-// written (a lane enters the candidates only when it beats the chunk's k-th best so far).
+// threads share each row in chunks. The first pass also keeps the max of every 128 logits; the
+// (c+1)-th largest of those maxima is a floor the c+1 best logits all reach, so the second pass
+// (writing Y) sends only lanes at or above it to the candidates, a few hundred a row.
 //
 // Input:   X float [N, V] (logits).
 // Outputs: Y float [N, V] = (x - max) - log(sum(exp(x - max))), onnxruntime's LogSoftmax
 //          formula; values float [N, k], indices int64 [N, k]: the k largest of each row of Y,
-//          decreasing, equal values by lower index first (onnxruntime's TopK, largest and
-//          sorted). The values are Y's own elements, so a later gather from Y agrees with them.
-// Attribute: k.
+//          decreasing (onnxruntime's TopK, largest and sorted). The values are Y's own elements,
+//          so a later gather from Y agrees with them. The indices are the k largest of x, equal
+//          logits by lower index: Y is non-decreasing in x, so they are Y's k largest too, but Y
+//          rounds logits a few ulps apart to one value, where onnxruntime's TopK would then take
+//          the lower index whichever logit is larger.
+//          Optional, for a sampler: candidates int64 [N, c], the c largest of x in the same
+//          order (the first k are the indices), and outside float [N], the largest x among the
+//          indices not in candidates (-inf when there are none): together they let a sampler
+//          rule out every other token without reading the row again.
+// Attributes: k; candidates (c >= k, default k).
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -29,39 +38,53 @@
 namespace {
 
 constexpr int64_t kChunk = 8192;  // vocabulary entries per work item
+constexpr int64_t kBlock = 128;   // entries per block maximum (the candidates' floor)
+constexpr int64_t kBlocksPerChunk = kChunk / kBlock;
 
 struct Candidate {
-  float value;
+  float raw;  // x
   int64_t index;
 };
 
-// Orders candidates as onnxruntime's TopK does: larger first, equal values by lower index.
-bool Before(const Candidate& a, const Candidate& b) { return a.value > b.value || (a.value == b.value && a.index < b.index); }
+// Larger x first, equal x by lower index.
+inline bool Before(const Candidate& a, const Candidate& b) { return a.raw > b.raw || (a.raw == b.raw && a.index < b.index); }
 
 struct Head {
   const float* x;
   float* y;
-  int64_t V, k, chunks;
+  int64_t V, keep, chunks;  // keep: the best a row keeps (c + 1: the first outside too)
   std::vector<float> chunk_max, chunk_sum;  // [N * chunks]
-  std::vector<float> row_max, row_log_sum;  // [N]
-  std::vector<Candidate> candidates;                      // [N * chunks * k]
-  std::vector<int64_t> counts;                             // [N * chunks]
+  std::vector<float> block_max;             // [N * chunks * kBlocksPerChunk], -inf past the row
+  std::vector<float> row_max, row_log_sum, row_floor;  // [N]
+  std::vector<Candidate> candidates;        // [N * chunks * 2 * keep]
+  std::vector<int64_t> counts;              // [N * chunks]
 };
 
-// Phase 1, per (row, chunk): the chunk's max and sum(exp(x - its max)).
+// Phase 1, per (row, chunk): the chunk's max and sum(exp(x - its max)), and its blocks' maxima
+// (NaN skipped: _mm512_max_ps returns its second operand when either is NaN).
 void ChunkSums(void* data, size_t item) {
   Head& h = *static_cast<Head*>(data);
   const int64_t row = static_cast<int64_t>(item) / h.chunks, chunk = static_cast<int64_t>(item) % h.chunks;
   const int64_t begin = chunk * kChunk, end = std::min(h.V, begin + kChunk);
   const float* x = h.x + row * h.V;
-  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  int64_t i = begin;
-  for (; i + 16 <= end; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(x + i));
-  float m = _mm512_reduce_max_ps(vmax);
-  for (int64_t j = i; j < end; ++j) m = std::max(m, x[j]);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  float* blocks = h.block_max.data() + item * kBlocksPerChunk;
+  __m512 vmax = neg_inf;
+  for (int64_t b = 0; b < kBlocksPerChunk; ++b) {
+    __m512 block = neg_inf;
+    for (int64_t i = begin + b * kBlock; i < std::min(end, begin + (b + 1) * kBlock); i += 16) {
+      const __mmask16 lanes = end - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (end - i)) - 1u);
+      const __m512 v = _mm512_mask_loadu_ps(neg_inf, lanes, x + i);
+      block = _mm512_max_ps(v, block);
+      vmax = _mm512_max_ps(vmax, v);
+    }
+    blocks[b] = _mm512_reduce_max_ps(block);
+  }
+  const float m = _mm512_reduce_max_ps(vmax);
   const __m512 neg = _mm512_set1_ps(-m);
   __m512 vsum = _mm512_setzero_ps();
-  for (i = begin; i + 16 <= end; i += 16) vsum = _mm512_add_ps(vsum, Exp(_mm512_add_ps(_mm512_loadu_ps(x + i), neg)));
+  int64_t i = begin;
+  for (; i + 16 <= end; i += 16) vsum = _mm512_add_ps(vsum, Exp(_mm512_add_ps(_mm512_loadu_ps(x + i), neg)));
   if (i < end) {
     const __mmask16 tail = static_cast<__mmask16>((1u << (end - i)) - 1u);
     vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(tail, Exp(_mm512_add_ps(_mm512_maskz_loadu_ps(tail, x + i), neg))));
@@ -70,54 +93,80 @@ void ChunkSums(void* data, size_t item) {
   h.chunk_sum[item] = m == -std::numeric_limits<float>::infinity() ? 0.f : _mm512_reduce_add_ps(vsum);
 }
 
-// Inserts (value, index) into a chunk's sorted candidates (indices arrive ascending, so an equal
-// value goes after those already there), keeping at most k.
-void Insert(Candidate* list, int64_t& count, int64_t k, float value, int64_t index) {
-  int64_t at = count;
-  while (at > 0 && list[at - 1].value < value) --at;
-  if (at >= k) return;
-  const int64_t last = std::min(count, k - 1);
-  for (int64_t j = last; j > at; --j) list[j] = list[j - 1];
-  list[at] = {value, index};
-  count = std::min(count + 1, k);
+// Per row: the max, log(sum(exp(x - max))) and the candidates' floor, the keep-th largest block
+// maximum (keep blocks hold a logit at least that large, so the keep best all reach it).
+void RowStatistics(void* data, size_t item) {
+  Head& h = *static_cast<Head*>(data);
+  const int64_t row = static_cast<int64_t>(item);
+  const float* maxes = h.chunk_max.data() + row * h.chunks;
+  const float max = *std::max_element(maxes, maxes + h.chunks);
+  double sum = 0.0;
+  for (int64_t c = 0; c < h.chunks; ++c)
+    if (h.chunk_sum[row * h.chunks + c] > 0.f) sum += h.chunk_sum[row * h.chunks + c] * std::exp(maxes[c] - max);
+  h.row_max[row] = max;
+  h.row_log_sum[row] = std::log(static_cast<float>(sum));
+  float* blocks = h.block_max.data() + row * h.chunks * kBlocksPerChunk;
+  const int64_t count = (h.V + kBlock - 1) / kBlock;  // the rest of the row's slots are -inf
+  float floor = -std::numeric_limits<float>::infinity();
+  if (count >= h.keep) {
+    std::nth_element(blocks, blocks + h.keep - 1, blocks + count, std::greater<float>());
+    floor = blocks[h.keep - 1];
+  }
+  h.row_floor[row] = floor;
 }
 
-// Phase 2, per (row, chunk): Y = (x - max) - log(sum), and the chunk's k best of Y.
+// Phase 2, per (row, chunk): Y = (x - max) - log(sum), and the chunk's `keep` best logits at or
+// above the row's floor, in order. Entrants go unsorted into a buffer of 2 * keep; a full
+// buffer is cut to its best `keep` (nth_element), whose last becomes a higher bar.
 void ChunkOutputs(void* data, size_t item) {
   Head& h = *static_cast<Head*>(data);
   const int64_t row = static_cast<int64_t>(item) / h.chunks, chunk = static_cast<int64_t>(item) % h.chunks;
   const int64_t begin = chunk * kChunk, end = std::min(h.V, begin + kChunk);
   const float* x = h.x + row * h.V;
   float* y = h.y + row * h.V;
-  const float max = h.row_max[row], log_sum = h.row_log_sum[row];
-  Candidate* list = h.candidates.data() + item * h.k;
+  const int64_t keep = h.keep;
+  Candidate* list = h.candidates.data() + item * 2 * keep;
   int64_t count = 0;
-  const __m512 vmax = _mm512_set1_ps(max), vlog = _mm512_set1_ps(log_sum);
+  const __m512 vmax = _mm512_set1_ps(h.row_max[row]), vlog = _mm512_set1_ps(h.row_log_sum[row]);
+  const __m512 floor = _mm512_set1_ps(h.row_floor[row]);
+  bool cut = false;  // the buffer has been cut: `bar` holds its last kept logit
+  __m512 bar = floor;
   for (int64_t i = begin; i < end; i += 16) {
     const __mmask16 lanes = end - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (end - i)) - 1u);
-    const __m512 v = _mm512_sub_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, x + i), vmax), vlog);
-    _mm512_mask_storeu_ps(y + i, lanes, v);
-    // Lanes that could enter: all while the list is short, then those above its k-th value.
-    __mmask16 enter = lanes;
-    if (count == h.k) enter &= _mm512_cmp_ps_mask(v, _mm512_set1_ps(list[h.k - 1].value), _CMP_GT_OQ);
+    const __m512 raw = _mm512_maskz_loadu_ps(lanes, x + i);
+    _mm512_mask_storeu_ps(y + i, lanes, _mm512_sub_ps(_mm512_sub_ps(raw, vmax), vlog));
+    // Ordered compares: NaN never enters. A lane equal to the bar ranks after it (higher index).
+    __mmask16 enter = _mm512_mask_cmp_ps_mask(lanes, raw, floor, _CMP_GE_OQ);
+    if (cut) enter = _mm512_mask_cmp_ps_mask(enter, raw, bar, _CMP_GT_OQ);
     while (enter) {
       const int lane = __builtin_ctz(enter);
       enter &= enter - 1;
-      const float value = y[i + lane];
-      if (count == h.k && !(value > list[h.k - 1].value)) continue;  // the bar rose within this vector
-      if (value != value) continue;                                    // NaN never ranks
-      Insert(list, count, h.k, value, i + lane);
+      list[count++] = {x[i + lane], i + lane};
+      if (count == 2 * keep) {
+        std::nth_element(list, list + keep - 1, list + count, Before);
+        count = keep;
+        bar = _mm512_set1_ps(list[keep - 1].raw);
+        cut = true;
+      }
     }
   }
-  h.counts[item] = count;
+  const int64_t kept = std::min(count, keep);
+  std::partial_sort(list, list + kept, list + count, Before);
+  h.counts[item] = kept;
 }
 
 struct LogSoftmaxTopKKernel {
-  int64_t k;
+  int64_t k, c;
 
-  LogSoftmaxTopKKernel(const OrtApi&, const OrtKernelInfo* info) {
+  LogSoftmaxTopKKernel(const OrtApi& api, const OrtKernelInfo* info) {
     k = Ort::ConstKernelInfo(info).GetAttribute<int64_t>("k");
     if (k < 1) ORT_CXX_API_THROW("LogSoftmaxTopK: k must be >= 1", ORT_INVALID_ARGUMENT);
+    // candidates is optional: the C API says so by a status, where the C++ one would throw.
+    if (OrtStatus* missing = api.KernelInfoGetAttribute_int64(info, "candidates", &c)) {
+      api.ReleaseStatus(missing);
+      c = k;
+    }
+    if (c < k) ORT_CXX_API_THROW("LogSoftmaxTopK: candidates must be >= k", ORT_INVALID_ARGUMENT);
   }
 
   void Compute(OrtKernelContext* context) {
@@ -126,49 +175,57 @@ struct LogSoftmaxTopKKernel {
     const std::vector<int64_t> shape = input.GetTensorTypeAndShapeInfo().GetShape();
     if (shape.size() != 2) ORT_CXX_API_THROW("LogSoftmaxTopK: X must be [N, V]", ORT_INVALID_ARGUMENT);
     const int64_t N = shape[0], V = shape[1];
-    if (V < k) ORT_CXX_API_THROW("LogSoftmaxTopK: k is larger than the vocabulary", ORT_INVALID_ARGUMENT);
+    if (V < c) ORT_CXX_API_THROW("LogSoftmaxTopK: k or candidates is larger than the vocabulary", ORT_INVALID_ARGUMENT);
     auto output = ctx.GetOutput(0, shape);
     auto values = ctx.GetOutput(1, {N, k});
     auto indices = ctx.GetOutput(2, {N, k});
+    // Optional outputs may be absent or named "" (onnxruntime gives no tensor then).
+    int64_t* candidates = nullptr;
+    float* outside = nullptr;
+    if (ctx.GetOutputCount() > 3) {
+      auto value = ctx.GetOutput(3, {N, c});
+      if (value) candidates = value.GetTensorMutableData<int64_t>();
+    }
+    if (ctx.GetOutputCount() > 4) {
+      auto value = ctx.GetOutput(4, {N});
+      if (value) outside = value.GetTensorMutableData<float>();
+    }
     if (N == 0) return;
     thread_local Head h;
     h.x = input.GetTensorData<float>();
     h.y = output.GetTensorMutableData<float>();
     h.V = V;
-    h.k = k;
+    h.keep = c + 1;
     h.chunks = (V + kChunk - 1) / kChunk;
     const size_t items = static_cast<size_t>(N * h.chunks);
     h.chunk_max.resize(items);
     h.chunk_sum.resize(items);
+    h.block_max.resize(items * kBlocksPerChunk);
     h.row_max.resize(N);
     h.row_log_sum.resize(N);
-    h.candidates.resize(items * k);
+    h.row_floor.resize(N);
+    h.candidates.resize(items * 2 * h.keep);
     h.counts.resize(items);
     ctx.ParallelFor(ChunkSums, items, 0, &h);
-    for (int64_t row = 0; row < N; ++row) {  // the row's max and log(sum(exp(x - max)))
-      const float* maxes = h.chunk_max.data() + row * h.chunks;
-      const float max = *std::max_element(maxes, maxes + h.chunks);
-      double sum = 0.0;
-      for (int64_t c = 0; c < h.chunks; ++c)
-        if (h.chunk_sum[row * h.chunks + c] > 0.f) sum += h.chunk_sum[row * h.chunks + c] * std::exp(maxes[c] - max);
-      h.row_max[row] = max;
-      h.row_log_sum[row] = std::log(static_cast<float>(sum));
-    }
+    ctx.ParallelFor(RowStatistics, static_cast<size_t>(N), 0, &h);
     ctx.ParallelFor(ChunkOutputs, items, 0, &h);
     float* top_values = values.GetTensorMutableData<float>();
     int64_t* top_indices = indices.GetTensorMutableData<int64_t>();
     std::vector<Candidate> merged;
     for (int64_t row = 0; row < N; ++row) {
       merged.clear();
-      for (int64_t c = 0; c < h.chunks; ++c) {
-        const Candidate* list = h.candidates.data() + (row * h.chunks + c) * k;
-        merged.insert(merged.end(), list, list + h.counts[row * h.chunks + c]);
+      for (int64_t chunk = 0; chunk < h.chunks; ++chunk) {
+        const Candidate* list = h.candidates.data() + (row * h.chunks + chunk) * 2 * h.keep;
+        merged.insert(merged.end(), list, list + h.counts[row * h.chunks + chunk]);
       }
-      std::partial_sort(merged.begin(), merged.begin() + std::min<int64_t>(k, merged.size()), merged.end(), Before);
+      const int64_t ranked = std::min<int64_t>(h.keep, merged.size());
+      std::partial_sort(merged.begin(), merged.begin() + ranked, merged.end(), Before);
+      if (outside != nullptr) outside[row] = ranked > c ? merged[c].raw : -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; candidates != nullptr && j < c; ++j) candidates[row * c + j] = j < ranked ? merged[j].index : 0;
       for (int64_t j = 0; j < k; ++j) {
         // Fewer than k ranked (NaN rows): onnxruntime would return something; say NaN, id 0.
-        const bool have = j < static_cast<int64_t>(merged.size());
-        top_values[row * k + j] = have ? merged[j].value : std::numeric_limits<float>::quiet_NaN();
+        const bool have = j < ranked;
+        top_values[row * k + j] = have ? h.y[row * V + merged[j].index] : std::numeric_limits<float>::quiet_NaN();
         top_indices[row * k + j] = have ? merged[j].index : 0;
       }
     }
@@ -181,9 +238,13 @@ struct LogSoftmaxTopKOp : Ort::CustomOpBase<LogSoftmaxTopKOp, LogSoftmaxTopKKern
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
   size_t GetInputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
-  size_t GetOutputTypeCount() const { return 3; }
+  size_t GetOutputTypeCount() const { return 5; }
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const {
+    return i >= 3 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
+                  : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
+  }
   ONNXTensorElementDataType GetOutputType(size_t i) const {
-    return i == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    return i == 2 || i == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
 };
 

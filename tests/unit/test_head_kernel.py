@@ -11,12 +11,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from helios import kernels
 from helios.kernels import DOMAIN
-from helios.kernels.head import OP, fuse_logprob_head
+from helios.kernels.head import CANDIDATES, OP, candidate_ids_name, fuse_logprob_head, outside_logit_name
 
 pytestmark = pytest.mark.skipif(kernels.available()[0] is None, reason="flare's kernel library cannot run here")
 
 
-def _head_model(k: int) -> onnx.ModelProto:
+def _head_model(k: int, vocab: int | str = "V") -> onnx.ModelProto:
     """logits -> LogSoftmax -> TopK(k), plus a GatherElements reader of the log-softmax (the step
     graph's explicit logprob ids), as ignition's logprob_stats exports it."""
     nodes = [
@@ -28,7 +28,7 @@ def _head_model(k: int) -> onnx.ModelProto:
         nodes,
         "head",
         [
-            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", "V"]),
+            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", vocab]),
             helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", "E"]),
         ],
         [
@@ -42,12 +42,13 @@ def _head_model(k: int) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def _run(model: onnx.ModelProto, logits: np.ndarray, ids: np.ndarray) -> list[np.ndarray]:
+def _run(model: onnx.ModelProto, logits: np.ndarray, ids: np.ndarray) -> dict[str, np.ndarray]:
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2
     options.register_custom_ops_library(str(kernels.available()[0]))
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return session.run(None, {"logits": logits, "ids": ids})
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(None, {"logits": logits, "ids": ids})))
 
 
 def _logits(rows: int, vocab: int, seed: int) -> np.ndarray:
@@ -68,14 +69,16 @@ def _logits(rows: int, vocab: int, seed: int) -> np.ndarray:
 )
 def test_fused_head_matches_log_softmax_and_top_k(rows, vocab, k):
     reference = _head_model(k)
-    fused = _head_model(k)
+    fused = _head_model(k, vocab)
     assert fuse_logprob_head(fused) == 1
     assert [n.op_type for n in fused.graph.node] == [OP, "GatherElements"]
     assert fused.graph.node[0].domain == DOMAIN
     logits = _logits(rows, vocab, seed=rows * vocab)
     ids = np.random.default_rng(1).integers(0, vocab, (rows, 3)).astype(np.int64)
-    want_values, want_ids, want_tokens, want_soft = _run(reference, logits, ids)
-    values, top_ids, tokens, soft = _run(fused, logits, ids)
+    want = _run(reference, logits, ids)
+    want_values, want_ids, want_soft = want["top_logprobs"], want["top_ids"], want["log_softmax"]
+    got = _run(fused, logits, ids)
+    values, top_ids, tokens, soft = (got[n] for n in ("top_logprobs", "top_ids", "token_logprobs", "log_softmax"))
     finite = np.isfinite(want_soft)
     np.testing.assert_array_equal(np.isfinite(soft), finite)
     # Against float64: the fused sum is the closer one (onnxruntime's float sum over a 152k row
@@ -86,9 +89,18 @@ def test_fused_head_matches_log_softmax_and_top_k(rows, vocab, k):
         exact = wide - (peak + np.log(np.exp(wide - peak).sum(axis=1, keepdims=True)))
     np.testing.assert_allclose(soft[finite], exact[finite], rtol=0, atol=1e-5)
     np.testing.assert_allclose(soft[finite], want_soft[finite], rtol=0, atol=5e-5)
-    # TopK's order on the fused log-softmax: larger first, equal values by lower id.
-    order = np.lexsort((np.broadcast_to(np.arange(vocab), soft.shape), -soft), axis=1)[:, :k]
-    np.testing.assert_array_equal(top_ids, order)
+    # TopK's order on the fused log-softmax: larger first, equal values by larger logit, then
+    # lower id: the ids are the k largest logits.
+    order = np.lexsort((np.broadcast_to(np.arange(vocab), soft.shape), -logits, -soft), axis=1)
+    np.testing.assert_array_equal(top_ids, order[:, :k])
+    # The sampler's candidates: the CANDIDATES largest logits in the same order, and the largest
+    # logit left out, exactly. A vocabulary smaller than that gets neither.
+    if vocab >= CANDIDATES:
+        np.testing.assert_array_equal(got[candidate_ids_name("top_ids")], order[:, :CANDIDATES])
+        rest = np.take_along_axis(logits, order[:, CANDIDATES:], axis=1)
+        np.testing.assert_array_equal(got[outside_logit_name("top_ids")], rest.max(axis=1, initial=-np.inf))
+    else:
+        assert candidate_ids_name("top_ids") not in got and outside_logit_name("top_ids") not in got
     np.testing.assert_array_equal(values, np.take_along_axis(soft, top_ids, axis=1))  # Y's own elements
     np.testing.assert_allclose(values, want_values, rtol=0, atol=5e-5)
     np.testing.assert_array_equal(np.sort(top_ids[:, :5], axis=1), np.sort(want_ids[:, :5], axis=1))  # the tied top
@@ -105,3 +117,27 @@ def test_only_a_last_axis_top_k_of_a_two_dimensional_log_softmax_is_fused():
     model = _head_model(20)
     model.graph.node[1].input[1] = "k_input"  # k computed at run time: left alone
     assert fuse_logprob_head(model) == 0
+    model = _head_model(20)  # a vocabulary the graph does not state: fused, without candidates
+    assert fuse_logprob_head(model) == 1
+    assert [o.name for o in model.graph.output] == ["top_logprobs", "top_ids", "token_logprobs", "log_softmax"]
+
+
+@pytest.mark.parametrize("vocab", [151936, 1000])
+def test_logits_the_log_softmax_rounds_together_rank_by_logit(vocab):
+    """Logits in [0, 1e-5) land on a few dozen log-softmax values (its ulp near -log(V) is
+    ~5e-7 to 1e-6, theirs ~1e-11): the fused head's ids and candidates are still the largest
+    logits, and its outside figure the largest logit left out, where onnxruntime's TopK would
+    take lower ids."""
+    k = 20
+    model = _head_model(k, vocab)
+    assert fuse_logprob_head(model) == 1
+    logits = (np.random.default_rng(vocab).random((2, vocab)) * 1e-5).astype(np.float32)
+    got = _run(model, logits, np.zeros((2, 1), dtype=np.int64))
+    soft, top_ids = got["log_softmax"], got["top_ids"]
+    assert (soft[:, :1] == soft).sum(axis=1).min() > k  # the top value alone is > k logits wide
+    by_logit = np.argsort(-logits, axis=1, kind="stable")
+    np.testing.assert_array_equal(top_ids, by_logit[:, :k])
+    np.testing.assert_array_equal(got["top_logprobs"], np.take_along_axis(soft, top_ids, axis=1))
+    np.testing.assert_array_equal(got[candidate_ids_name("top_ids")], by_logit[:, :CANDIDATES])
+    outside = np.take_along_axis(logits, by_logit[:, CANDIDATES : CANDIDATES + 1], axis=1)[:, 0]
+    np.testing.assert_array_equal(got[outside_logit_name("top_ids")], outside)

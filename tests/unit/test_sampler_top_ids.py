@@ -9,7 +9,7 @@ import collections
 import numpy as np
 import pytest
 
-from helios.engine import sampler
+from helios.engine import sampler, top_ids_draw
 from helios.engine.api import SamplingParams
 from helios.engine.sampler import sample
 
@@ -38,11 +38,26 @@ def logsumexp(logits: np.ndarray) -> np.ndarray:
         return (top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))).astype(np.float32)
 
 
-def draws(logits: np.ndarray, make_rows, use_top_ids: bool, steps: int = 30, certify: bool = False) -> list[list[int]]:
+def outside_logit(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """As the fused head reports it: each row's largest logit outside its top ids."""
+    rest = logits.copy()
+    np.put_along_axis(rest, ids, -np.inf, axis=1)
+    return rest.max(axis=1)
+
+
+def draws(
+    logits: np.ndarray,
+    make_rows,
+    use_top_ids: bool,
+    steps: int = 30,
+    certify: bool = False,
+    outside: bool = False,
+) -> list[list[int]]:
     rows = make_rows()
     ids = top_ids(logits) if use_top_ids else None
     lse = logsumexp(logits) if certify else None
-    return [sample(logits, rows, top_ids=ids, logsumexp=lse).tolist() for _ in range(steps)]
+    bound = outside_logit(logits, ids) if outside else None
+    return [sample(logits, rows, top_ids=ids, logsumexp=lse, outside_logit=bound).tolist() for _ in range(steps)]
 
 
 def batch_rows(top):
@@ -86,8 +101,8 @@ def test_fast_path_is_taken_for_eligible_rows_and_skipped_otherwise(monkeypatch)
     taken = []
     original = sampler._top_k_fast
 
-    def spy(row_logits, row_top, row, finite=False):
-        result = original(row_logits, row_top, row, finite)
+    def spy(row_logits, row_top, row, *rest):
+        result = original(row_logits, row_top, row, *rest)
         taken.append(result is not None)
         return result
 
@@ -110,9 +125,9 @@ def test_certified_rows_are_drawn_together_from_the_top_ids(monkeypatch):
         together.append((list(args[2]), drawn.tolist()))
         return tokens, drawn
 
-    def spy_fast(row_logits, row_top, row, finite=False):
+    def spy_fast(row_logits, row_top, row, *rest):
         alone.append(row.sampling.seed)
-        return original_fast(row_logits, row_top, row, finite)
+        return original_fast(row_logits, row_top, row, *rest)
 
     monkeypatch.setattr(sampler, "draw_rows", spy_draw)
     monkeypatch.setattr(sampler, "_top_k_fast", spy_fast)
@@ -161,7 +176,52 @@ def test_drawing_together_equals_the_full_path_on_peaked_and_flat_rows(seed):
             for b, p in enumerate(params)
         ]
 
-    assert draws(logits, rows, use_top_ids=True, steps=40, certify=True) == draws(logits, rows, False, steps=40)
+    full = draws(logits, rows, False, steps=40)
+    assert draws(logits, rows, use_top_ids=True, steps=40, certify=True) == full
+    assert draws(logits, rows, use_top_ids=True, steps=40, certify=True, outside=True) == full
+    assert draws(logits, rows, use_top_ids=True, steps=40, outside=True) == full  # one row at a time
+
+
+@pytest.mark.parametrize("width", [K, 64])
+def test_the_heads_outside_logit_spares_rows_the_vocabulary_pass(monkeypatch, width):
+    # With only K ids, top_k == K and nothing penalized makes the k-th candidate the K-th raw
+    # logit, which only the largest logit outside can prove strictly ahead of everything else.
+    # With the head's 64 candidates, a top_k of 40 and repeated tokens among the best qualify too.
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal((4, 5000)) * 2).astype(np.float32)
+    ids = np.stack([np.lexsort((np.arange(row.size), -row))[:width] for row in logits])
+    bound = outside_logit(logits, ids)
+
+    def rows():
+        if width == K:
+            return [Row(b, top_k=K, temperature=1.0, top_p=0.9) for b in range(4)]
+        seen = [int(t) for t in ids[0][:12:3]]
+        return [Row(b, prompt=seen, top_k=40, temperature=0.8, repetition_penalty=1.1) for b in range(4)]
+
+    full = draws(logits, rows, False, steps=10)
+    passes, together = [], []
+    original_flatnonzero, original_draw = np.flatnonzero, sampler.draw_rows
+    monkeypatch.setattr(top_ids_draw.np, "flatnonzero", lambda a: passes.append(a.size) or original_flatnonzero(a))
+
+    def spy_draw(*args):
+        tokens, done = original_draw(*args)
+        together.extend(done.tolist())
+        return tokens, done
+
+    monkeypatch.setattr(sampler, "draw_rows", spy_draw)
+
+    def drawn(bounds):
+        made = rows()
+        return [
+            sample(logits, made, top_ids=ids, logsumexp=logsumexp(logits), outside_logit=bounds).tolist()
+            for _ in range(10)
+        ]
+
+    assert drawn(bound) == full
+    assert 5000 not in passes and together == [True] * 40  # every row drawn together, every step
+    if width == K:
+        assert drawn(None) == full
+        assert 5000 in passes  # without the head's figure: one vocabulary pass a row
 
 
 def test_heavily_penalized_candidates_widen_the_candidate_set():
@@ -180,6 +240,7 @@ def test_heavily_penalized_candidates_widen_the_candidate_set():
     fast = draws(logits, rows, use_top_ids=True)
     assert fast == draws(logits, rows, use_top_ids=False)
     assert fast == draws(logits, rows, use_top_ids=True, certify=True)  # drawn together, widened
+    assert fast == draws(logits, rows, use_top_ids=True, certify=True, outside=True)
     assert all(token[0] >= K for token in fast)
 
 
@@ -195,6 +256,8 @@ def test_ties_with_the_kth_logit_outside_the_candidates_are_kept():
     full = draws(logits, lambda: [Row(3, top_k=K, temperature=1.0)], False, 200)
     assert draws(logits, lambda: [Row(3, top_k=K, temperature=1.0)], True, 200) == full
     assert draws(logits, lambda: [Row(3, top_k=K, temperature=1.0)], True, 200, certify=True) == full
+    # The head's figure equals the tie: the row still widens.
+    assert draws(logits, lambda: [Row(3, top_k=K, temperature=1.0)], True, 200, certify=True, outside=True) == full
     assert 500 in {token[0] for token in full}
 
 

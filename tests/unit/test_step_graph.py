@@ -13,6 +13,7 @@ import torch
 from onnx import numpy_helper
 
 from helios.engine.runner import Runner, StepRow, pack_rows, scatter_new_kv
+from helios.kernels.head import CANDIDATES
 from helios.manifest import Architecture, KVLayout
 from ignition.checkpoints.base import Checkpoint
 from ignition.export.graph import INPUT_NAMES, export_step_graph
@@ -225,6 +226,8 @@ def test_mixed_batch_equals_separate_steps(fp32_graph, split_mixed):
         want = np.concatenate([getattr(s, field) for s in separate])
         np.testing.assert_allclose(getattr(together, field), want, rtol=1e-5, atol=1e-5, err_msg=field)
     np.testing.assert_array_equal(together.top_ids, np.concatenate([s.top_ids for s in separate]))
+    np.testing.assert_array_equal(together.candidate_ids, np.concatenate([s.candidate_ids for s in separate]))
+    np.testing.assert_allclose(together.outside_logit, np.concatenate([s.outside_logit for s in separate]), atol=1e-5)
     np.testing.assert_allclose(mixed.pool, alone.pool, rtol=1e-5, atol=1e-5)  # same K/V, same slots
 
 
@@ -238,6 +241,13 @@ def test_logprob_outputs_consistent_with_logits(fp32_graph):
     np.testing.assert_array_equal(out.top_ids, np.argsort(-out.logits, axis=-1, kind="stable")[:, :20])
     np.testing.assert_allclose(out.top_logprobs, np.take_along_axis(logits, out.top_ids, -1) - lse[:, None], atol=1e-4)
     assert (np.diff(out.top_logprobs, axis=-1) <= 0).all()
+    # The fused head's sampling candidates: the CANDIDATES largest logits, and the largest left out.
+    ids, outside = out.sampling_candidates()
+    order = np.argsort(-out.logits, axis=-1, kind="stable")
+    np.testing.assert_array_equal(ids, order[:, :CANDIDATES])
+    np.testing.assert_array_equal(
+        outside, np.take_along_axis(out.logits, order[:, CANDIDATES : CANDIDATES + 1], -1)[:, 0]
+    )
 
 
 def test_copy_page(fp32_graph):
