@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from helios.kernels import host
 from helios.kernels import kv_dtype as kv_types
 from helios.manifest import KVLayout
 
@@ -298,9 +299,12 @@ def new_token_slots(rows: list[StepRow], page_tokens: int) -> tuple[np.ndarray, 
 def scatter_new_kv(pages: np.ndarray, rows: list[StepRow], new_kv: np.ndarray) -> None:
     """Write new_kv [layers, 2, B, L, kvh, D] of each row's valid tokens into its pool slots.
 
-    pages: the pool viewed as [layers, 2, num_pages, page_tokens, kvh, D]. One fancy-indexed
-    assignment for the whole step."""
-    slot_page, slot_offset, row_index, token_index = new_token_slots(rows, pages.shape[3])
+    pages: the pool viewed as [layers, 2, num_pages, page_tokens, kvh, D]. One call of the kernel
+    library's scatter where it runs, else one fancy-indexed assignment: the same bits."""
+    slots = new_token_slots(rows, pages.shape[3])
+    if host.scatter_kv(pages, new_kv, slots):
+        return
+    slot_page, slot_offset, row_index, token_index = slots
     if pages.dtype == kv_types.numpy_dtype("bfloat16"):
         new_kv = kv_types.to_bfloat16(new_kv)
     pages[:, :, slot_page, slot_offset] = new_kv[:, :, row_index, token_index]

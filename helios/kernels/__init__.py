@@ -1,5 +1,6 @@
 """Flare's own CPU kernels: an onnxruntime custom-operator library built from
-`cpu_kernels.cc`, `attention_kernels.cc`, `moe_kernels.cc` and `head_kernels.cc` on first use and cached by source
+`cpu_kernels.cc`, `attention_kernels.cc`, `moe_kernels.cc` and `head_kernels.cc` (and the runner's host
+helpers, `host_kernels.cc`: helios.kernels.host) on first use and cached by source
 digest under `$FLARE_KERNEL_CACHE` (default `$FLARE_CACHE/kernels`).
 
 Building needs g++ and onnxruntime's C/C++ API headers, which no onnxruntime wheel ships: they
@@ -32,7 +33,8 @@ log = logging.getLogger(__name__)
 DOMAIN = "ai.flare"  # the ONNX domain of flare's operators
 
 SOURCES = tuple(
-    Path(__file__).with_name(n) for n in ("cpu_kernels.cc", "attention_kernels.cc", "moe_kernels.cc", "head_kernels.cc")
+    Path(__file__).with_name(n)
+    for n in ("cpu_kernels.cc", "attention_kernels.cc", "moe_kernels.cc", "head_kernels.cc", "host_kernels.cc")
 )
 LOCAL_HEADERS = tuple(
     Path(__file__).with_name(n) for n in ("int4_gemm.h", "simd_math.h", "attention_amx.h", "attention_dpbf16.h")
