@@ -52,7 +52,7 @@ def draw_rows(
     ids = np.sort(top_ids[rows], axis=1)
     id_lists = ids.tolist()
     raw = logits[np.asarray(rows)[:, None], ids]
-    vals = _penalized(raw, params, _hits(id_lists, seen), _counts(id_lists, counts))
+    vals = _penalized(raw, params, id_lists, seen, counts)
     top_k = np.array([s.top_k for s in params], dtype=np.int64)
     # Every top-k survivor is among the K ids unless a token outside them reaches the k-th
     # penalized value: it cannot when that value is above every raw logit outside. Otherwise (a
@@ -122,33 +122,33 @@ def penalized_row(
     """One row's float32 logits at `ids` after its penalties (the sampler's one-row path uses it
     too, so both paths penalize in the same operations)."""
     one = [ids.tolist()]
-    return _penalized(logits[ids].astype(np.float32)[None], [params], _hits(one, [seen]), _counts(one, [counts]))[0]
-
-
-def _hits(id_lists: list[list[int]], seen: list[Set[int]]) -> list[list[bool]]:
-    return [[t in s for t in ids] for ids, s in zip(id_lists, seen)]
-
-
-def _counts(id_lists: list[list[int]], counts: list[Mapping[int, int]]) -> list[list[int]]:
-    return [[c.get(t, 0) for t in ids] for ids, c in zip(id_lists, counts)]
+    return _penalized(logits[ids].astype(np.float32)[None], [params], one, [seen], [counts])[0]
 
 
 def _penalized(
-    raw: np.ndarray, params: list[SamplingParams], seen: list[list[bool]], counts: list[list[int]]
+    raw: np.ndarray,
+    params: list[SamplingParams],
+    id_lists: list[list[int]],
+    seen: list[Set[int]],
+    counts: list[Mapping[int, int]],
 ) -> np.ndarray:
-    """The candidates' logits after repetition, presence and frequency penalties, in the float32
-    operations of sampler.apply_penalties."""
-    vals = raw.copy()
-    repetition = np.array([[s.repetition_penalty] for s in params], dtype=np.float32)
-    if (repetition != 1.0).any():
-        hit = np.array(seen, dtype=bool) & (repetition != 1.0)
+    """The candidates' logits (raw [F, W] at the ids of id_lists) after repetition, presence and
+    frequency penalties, in the float32 operations of sampler.apply_penalties. Only the rows a
+    penalty applies to look their ids up."""
+    vals = raw
+    repeat = [f for f, s in enumerate(params) if s.repetition_penalty != 1.0]
+    if repeat:
+        hit = np.zeros(raw.shape, dtype=bool)
+        hit[repeat] = [[t in seen[f] for t in id_lists[f]] for f in repeat]
+        repetition = np.array([[s.repetition_penalty] for s in params], dtype=np.float32)
         vals = np.where(hit, np.where(vals > 0, vals / repetition, vals * repetition), vals)
-    presence = np.array([[s.presence_penalty] for s in params], dtype=np.float32)
-    frequency = np.array([[s.frequency_penalty] for s in params], dtype=np.float32)
-    if (presence != 0.0).any() or (frequency != 0.0).any():
-        c = np.array(counts, dtype=np.float32)
-        hit = (c > 0) & ((presence != 0.0) | (frequency != 0.0))
-        vals = np.where(hit, vals - (frequency * c + presence), vals)
+    counted = [f for f, s in enumerate(params) if s.presence_penalty != 0.0 or s.frequency_penalty != 0.0]
+    if counted:
+        c = np.zeros(raw.shape, dtype=np.float32)
+        c[counted] = [[counts[f].get(t, 0) for t in id_lists[f]] for f in counted]
+        presence = np.array([[s.presence_penalty] for s in params], dtype=np.float32)
+        frequency = np.array([[s.frequency_penalty] for s in params], dtype=np.float32)
+        vals = np.where(c > 0, vals - (frequency * c + presence), vals)
     return vals
 
 
