@@ -55,23 +55,25 @@ def _vocabulary(graph: onnx.GraphProto, name: str) -> int:
 def fuse_logprob_head(model: onnx.ModelProto) -> int:
     """Replace each LogSoftmax over the last axis of a 2-D tensor the graph declares (an input,
     output or value_info) whose output feeds a TopK (last axis, largest, sorted, constant k) by
-    one LogSoftmaxTopK, placed where the LogSoftmax was, writing the LogSoftmax's output and the
-    TopK's two; other readers of the log-softmax keep reading it. Where the TopK's indices are a
-    graph output, the fused node's candidate outputs become graph outputs too (where the
-    vocabulary holds CANDIDATES: `candidate_ids_name`, `outside_logit_name`). Returns the pairs
-    fused."""
+    one LogSoftmaxTopK writing the TopK's two outputs, and the log-softmax itself where something
+    else reads it. A GatherElements along its last axis that is the only other reader is folded
+    in (the operator gathers; the [N, V] log-softmax is then never written). Where the TopK's
+    indices are a graph output, the fused node's candidate outputs become graph outputs too
+    (where the vocabulary holds CANDIDATES: `candidate_ids_name`, `outside_logit_name`). Returns
+    the pairs fused."""
     graph = model.graph
     ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in (*graph.input, *graph.output, *graph.value_info)}
     declared = {o.name: o for o in graph.output}
     # By position: names may be empty or repeated.
     replaced: dict[int, onnx.NodeProto] = {}  # LogSoftmax position -> the fused node
-    dropped: set[int] = set()  # positions of the TopKs it replaces
+    dropped: set[int] = set()  # positions of the TopKs (and gathers) it replaces
     for at, soft in enumerate(graph.node):
         if soft.op_type != "LogSoftmax" or soft.domain not in ("", "ai.onnx") or ranks.get(soft.input[0]) != 2:
             continue
         if _attribute(soft, "axis", -1) not in (-1, 1):
             continue
-        for top_at, top in enumerate(graph.node):
+        readers = [(i, n) for i, n in enumerate(graph.node) if soft.output[0] in n.input]
+        for top_at, top in readers:
             if top.op_type != "TopK" or top.input[0] != soft.output[0] or len(top.output) != 2:
                 continue
             last_axis = _attribute(top, "axis", -1) in (-1, 1)
@@ -80,27 +82,34 @@ def fuse_logprob_head(model: onnx.ModelProto) -> int:
             k = _constant_k(model, top.input[1])
             if k is None or k < 1:
                 continue
-            outputs, extra = [soft.output[0], *top.output], {}
+            inputs, outputs, extra = [soft.input[0]], [soft.output[0], *top.output, "", ""], {}
             ids = declared.get(top.output[1])
             if ids is not None and CANDIDATES >= k and _vocabulary(graph, soft.input[0]) >= CANDIDATES:
                 rows = [d.dim_param or d.dim_value or None for d in ids.type.tensor_type.shape.dim[:1]] or [None]
-                outputs += [candidate_ids_name(ids.name), outside_logit_name(ids.name)]
+                outputs[3:5] = [candidate_ids_name(ids.name), outside_logit_name(ids.name)]
                 graph.output.extend(
                     [
-                        helper.make_tensor_value_info(outputs[-2], onnx.TensorProto.INT64, [*rows, CANDIDATES]),
-                        helper.make_tensor_value_info(outputs[-1], onnx.TensorProto.FLOAT, rows),
+                        helper.make_tensor_value_info(outputs[3], onnx.TensorProto.INT64, [*rows, CANDIDATES]),
+                        helper.make_tensor_value_info(outputs[4], onnx.TensorProto.FLOAT, rows),
                     ]
                 )
                 extra["candidates"] = CANDIDATES
-            replaced[at] = helper.make_node(
-                OP, [soft.input[0]], outputs, name=f"{soft.name}.topk", domain=DOMAIN, k=k, **extra
-            )
+            others = [(i, n) for i, n in readers if i != top_at]
+            if len(others) == 1 and soft.output[0] not in declared and _gathers_last_axis(others[0][1], soft.output[0]):
+                gather_at, gather = others[0]
+                inputs.append(gather.input[1])
+                outputs[0] = ""
+                outputs.append(gather.output[0])
+                dropped.add(gather_at)
+            while outputs[-1] == "":
+                outputs.pop()
+            replaced[at] = helper.make_node(OP, inputs, outputs, name=f"{soft.name}.topk", domain=DOMAIN, k=k, **extra)
             dropped.add(top_at)
             break
     if not replaced:
         return 0
-    ks = {graph.node[i].input[1] for i in dropped}
-    nodes = [replaced.get(i, node) for i, node in enumerate(graph.node) if i not in dropped]
+    ks = {graph.node[i].input[1] for i in dropped if graph.node[i].op_type == "TopK"}
+    nodes = _topologically_sorted([replaced.get(i, node) for i, node in enumerate(graph.node) if i not in dropped])
     del graph.node[:]
     graph.node.extend(nodes)
     read = {name for node in graph.node for name in node.input}
@@ -110,3 +119,33 @@ def fuse_logprob_head(model: onnx.ModelProto) -> int:
     if not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return len(replaced)
+
+
+def _gathers_last_axis(node: onnx.NodeProto, data: str) -> bool:
+    """Whether `node` is a GatherElements of the 2-D `data` along its last axis (and reads it
+    only as its data)."""
+    return (
+        node.op_type == "GatherElements"
+        and node.domain in ("", "ai.onnx")
+        and node.input[0] == data
+        and node.input[1] != data
+        and _attribute(node, "axis", 0) in (-1, 1)
+    )
+
+
+def _topologically_sorted(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """`nodes` with each after the producers of its inputs, otherwise in their order (a fused
+    node placed where the LogSoftmax was may read an input produced after it)."""
+    produced = {name for node in nodes for name in node.output if name}
+    written: set[str] = set()
+    pending, ordered = list(nodes), []
+    while pending:
+        at = next(
+            (i for i, n in enumerate(pending) if all(x in written or x not in produced for x in n.input if x)), None
+        )
+        if at is None:
+            raise ValueError("the graph has a cycle")
+        node = pending.pop(at)
+        ordered.append(node)
+        written.update(node.output)
+    return ordered

@@ -7,9 +7,11 @@
 // (c+1)-th largest of those maxima is a floor the c+1 best logits all reach, so the second pass
 // (writing Y) sends only lanes at or above it to the candidates, a few hundred a row.
 //
-// Input:   X float [N, V] (logits).
+// Inputs:  X float [N, V] (logits); optional ids int64 [M <= N, E] (a GatherElements of Y along
+//          its last axis, folded in: negative ids count from the end, as ONNX's do).
 // Outputs: Y float [N, V] = (x - max) - log(sum(exp(x - max))), onnxruntime's LogSoftmax
-//          formula; values float [N, k], indices int64 [N, k]: the k largest of each row of Y,
+//          formula, optional: without it the second pass reads only the blocks that hold a
+//          candidate; values float [N, k], indices int64 [N, k]: the k largest of each row of Y,
 //          decreasing (onnxruntime's TopK, largest and sorted). The values are Y's own elements,
 //          so a later gather from Y agrees with them. The indices are the k largest of x, equal
 //          logits by lower index: Y is non-decreasing in x, so they are Y's k largest too, but Y
@@ -18,7 +20,8 @@
 //          Optional, for a sampler: candidates int64 [N, c], the c largest of x in the same
 //          order (the first k are the indices), and outside float [N], the largest x among the
 //          indices not in candidates (-inf when there are none): together they let a sampler
-//          rule out every other token without reading the row again.
+//          rule out every other token without reading the row again. Optional gathered float
+//          [M, E]: Y at ids, the same bits Y holds there.
 // Attributes: k; candidates (c >= k, default k).
 #include <immintrin.h>
 
@@ -55,6 +58,7 @@ struct Head {
   int64_t V, keep, chunks;  // keep: the best a row keeps (c + 1: the first outside too)
   std::vector<float> chunk_max, chunk_sum;  // [N * chunks]
   std::vector<float> block_max;             // [N * chunks * kBlocksPerChunk], -inf past the row
+  std::vector<std::vector<float>> ranked_blocks;  // per row: its block maxima, reordered
   std::vector<float> row_max, row_log_sum, row_floor;  // [N]
   std::vector<Candidate> candidates;        // [N * chunks * 2 * keep]
   std::vector<int64_t> counts;              // [N * chunks]
@@ -105,25 +109,36 @@ void RowStatistics(void* data, size_t item) {
     if (h.chunk_sum[row * h.chunks + c] > 0.f) sum += h.chunk_sum[row * h.chunks + c] * std::exp(maxes[c] - max);
   h.row_max[row] = max;
   h.row_log_sum[row] = std::log(static_cast<float>(sum));
-  float* blocks = h.block_max.data() + row * h.chunks * kBlocksPerChunk;
+  const float* blocks = h.block_max.data() + row * h.chunks * kBlocksPerChunk;
   const int64_t count = (h.V + kBlock - 1) / kBlock;  // the rest of the row's slots are -inf
   float floor = -std::numeric_limits<float>::infinity();
-  if (count >= h.keep) {
-    std::nth_element(blocks, blocks + h.keep - 1, blocks + count, std::greater<float>());
-    floor = blocks[h.keep - 1];
+  if (count >= h.keep) {  // on a copy: the second pass reads the blocks' own maxima
+    std::vector<float>& ranked = h.ranked_blocks[row];
+    ranked.assign(blocks, blocks + count);
+    std::nth_element(ranked.begin(), ranked.begin() + h.keep - 1, ranked.end(), std::greater<float>());
+    floor = ranked[h.keep - 1];
   }
   h.row_floor[row] = floor;
 }
 
-// Phase 2, per (row, chunk): Y = (x - max) - log(sum), and the chunk's `keep` best logits at or
-// above the row's floor, in order. Entrants go unsorted into a buffer of 2 * keep; a full
-// buffer is cut to its best `keep` (nth_element), whose last becomes a higher bar.
+// Y at one index: the same two float subtractions the second pass writes into Y.
+inline float LogProb(const Head& h, int64_t row, int64_t index) {
+  const float shifted = h.x[row * h.V + index] - h.row_max[row];
+  return shifted - h.row_log_sum[row];
+}
+
+// Phase 2, per (row, chunk): Y = (x - max) - log(sum) where Y is wanted, and the chunk's `keep`
+// best logits at or above the row's floor, in order (without Y, only blocks whose maximum
+// reaches the floor are read). Entrants go unsorted into a buffer of 2 * keep; a full buffer is
+// cut to its best `keep` (nth_element), whose last becomes a higher bar.
 void ChunkOutputs(void* data, size_t item) {
   Head& h = *static_cast<Head*>(data);
   const int64_t row = static_cast<int64_t>(item) / h.chunks, chunk = static_cast<int64_t>(item) % h.chunks;
   const int64_t begin = chunk * kChunk, end = std::min(h.V, begin + kChunk);
   const float* x = h.x + row * h.V;
-  float* y = h.y + row * h.V;
+  float* y = h.y == nullptr ? nullptr : h.y + row * h.V;
+  const float* blocks = h.block_max.data() + item * kBlocksPerChunk;
+  const float row_floor = h.row_floor[row];
   const int64_t keep = h.keep;
   Candidate* list = h.candidates.data() + item * 2 * keep;
   int64_t count = 0;
@@ -132,9 +147,13 @@ void ChunkOutputs(void* data, size_t item) {
   bool cut = false;  // the buffer has been cut: `bar` holds its last kept logit
   __m512 bar = floor;
   for (int64_t i = begin; i < end; i += 16) {
+    if (y == nullptr && (i - begin) % kBlock == 0 && !(blocks[(i - begin) / kBlock] >= row_floor)) {
+      i += kBlock - 16;  // no logit of this block reaches the floor
+      continue;
+    }
     const __mmask16 lanes = end - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (end - i)) - 1u);
     const __m512 raw = _mm512_maskz_loadu_ps(lanes, x + i);
-    _mm512_mask_storeu_ps(y + i, lanes, _mm512_sub_ps(_mm512_sub_ps(raw, vmax), vlog));
+    if (y != nullptr) _mm512_mask_storeu_ps(y + i, lanes, _mm512_sub_ps(_mm512_sub_ps(raw, vmax), vlog));
     // Ordered compares: NaN never enters. A lane equal to the bar ranks after it (higher index).
     __mmask16 enter = _mm512_mask_cmp_ps_mask(lanes, raw, floor, _CMP_GE_OQ);
     if (cut) enter = _mm512_mask_cmp_ps_mask(enter, raw, bar, _CMP_GT_OQ);
@@ -176,7 +195,7 @@ struct LogSoftmaxTopKKernel {
     if (shape.size() != 2) ORT_CXX_API_THROW("LogSoftmaxTopK: X must be [N, V]", ORT_INVALID_ARGUMENT);
     const int64_t N = shape[0], V = shape[1];
     if (V < c) ORT_CXX_API_THROW("LogSoftmaxTopK: k or candidates is larger than the vocabulary", ORT_INVALID_ARGUMENT);
-    auto output = ctx.GetOutput(0, shape);
+    auto output = ctx.GetOutput(0, shape);  // null where the node names no Y
     auto values = ctx.GetOutput(1, {N, k});
     auto indices = ctx.GetOutput(2, {N, k});
     // Optional outputs may be absent or named "" (onnxruntime gives no tensor then).
@@ -190,10 +209,28 @@ struct LogSoftmaxTopKKernel {
       auto value = ctx.GetOutput(4, {N});
       if (value) outside = value.GetTensorMutableData<float>();
     }
+    const int64_t* gather_ids = nullptr;
+    float* gathered = nullptr;
+    int64_t gather_rows = 0, gather_width = 0;
+    if (ctx.GetInputCount() > 1 && ctx.GetOutputCount() > 5) {
+      auto ids = ctx.GetInput(1);
+      if (ids) {
+        const std::vector<int64_t> ids_shape = ids.GetTensorTypeAndShapeInfo().GetShape();
+        if (ids_shape.size() != 2 || ids_shape[0] > N)
+          ORT_CXX_API_THROW("LogSoftmaxTopK: ids must be [M <= N, E]", ORT_INVALID_ARGUMENT);
+        gather_rows = ids_shape[0];
+        gather_width = ids_shape[1];
+        gather_ids = ids.GetTensorData<int64_t>();
+        for (int64_t i = 0; i < gather_rows * gather_width; ++i)
+          if (gather_ids[i] < -V || gather_ids[i] >= V)
+            ORT_CXX_API_THROW("LogSoftmaxTopK: an id lies outside the vocabulary", ORT_INVALID_ARGUMENT);
+        gathered = ctx.GetOutput(5, {gather_rows, gather_width}).GetTensorMutableData<float>();
+      }
+    }
     if (N == 0) return;
     thread_local Head h;
     h.x = input.GetTensorData<float>();
-    h.y = output.GetTensorMutableData<float>();
+    h.y = output ? output.GetTensorMutableData<float>() : nullptr;
     h.V = V;
     h.keep = c + 1;
     h.chunks = (V + kChunk - 1) / kChunk;
@@ -204,6 +241,7 @@ struct LogSoftmaxTopKKernel {
     h.row_max.resize(N);
     h.row_log_sum.resize(N);
     h.row_floor.resize(N);
+    h.ranked_blocks.resize(N);
     h.candidates.resize(items * 2 * h.keep);
     h.counts.resize(items);
     ctx.ParallelFor(ChunkSums, items, 0, &h);
@@ -225,9 +263,13 @@ struct LogSoftmaxTopKKernel {
       for (int64_t j = 0; j < k; ++j) {
         // Fewer than k ranked (NaN rows): onnxruntime would return something; say NaN, id 0.
         const bool have = j < ranked;
-        top_values[row * k + j] = have ? h.y[row * V + merged[j].index] : std::numeric_limits<float>::quiet_NaN();
+        top_values[row * k + j] = have ? LogProb(h, row, merged[j].index) : std::numeric_limits<float>::quiet_NaN();
         top_indices[row * k + j] = have ? merged[j].index : 0;
       }
+    }
+    for (int64_t i = 0; i < gather_rows * gather_width; ++i) {
+      const int64_t id = gather_ids[i] < 0 ? gather_ids[i] + V : gather_ids[i];
+      gathered[i] = LogProb(h, i / gather_width, id);
     }
   }
 };
@@ -236,12 +278,18 @@ struct LogSoftmaxTopKOp : Ort::CustomOpBase<LogSoftmaxTopKOp, LogSoftmaxTopKKern
   void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new LogSoftmaxTopKKernel(api, info); }
   const char* GetName() const { return "LogSoftmaxTopK"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 1; }
-  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
-  size_t GetOutputTypeCount() const { return 5; }
-  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const {
-    return i >= 3 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
+  size_t GetInputTypeCount() const { return 2; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return i == 1 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
                   : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
+  }
+  size_t GetOutputTypeCount() const { return 6; }
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const {
+    return i == 1 || i == 2 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED
+                            : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL;
   }
   ONNXTensorElementDataType GetOutputType(size_t i) const {
     return i == 2 || i == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;

@@ -141,3 +141,25 @@ def test_logits_the_log_softmax_rounds_together_rank_by_logit(vocab):
     np.testing.assert_array_equal(got[candidate_ids_name("top_ids")], by_logit[:, :CANDIDATES])
     outside = np.take_along_axis(logits, by_logit[:, CANDIDATES : CANDIDATES + 1], axis=1)[:, 0]
     np.testing.assert_array_equal(got[outside_logit_name("top_ids")], outside)
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(8, 151936), (3, 8193), (2, 37)])
+def test_a_gather_that_only_reads_the_log_softmax_is_folded_and_it_is_never_written(rows, vocab):
+    """The step graph's head: the log-softmax feeds only TopK and the explicit-ids gather. Fused
+    with the gather, the operator writes no [N, V] log-softmax and reads only the blocks holding a
+    candidate; every output keeps the bits of the fused head that writes it."""
+    k = 20
+    writing = _head_model(k, vocab)  # log_softmax is a graph output: written, the gather kept
+    folded = _head_model(k, vocab)
+    del folded.graph.output[3]  # nothing but TopK and the gather reads log_softmax now
+    assert fuse_logprob_head(writing) == 1 and fuse_logprob_head(folded) == 1
+    assert [n.op_type for n in folded.graph.node] == [OP]
+    assert folded.graph.node[0].output[0] == "" and list(folded.graph.node[0].input) == ["logits", "ids"]
+    logits = _logits(rows, vocab, seed=vocab + rows)
+    ids = np.random.default_rng(2).integers(-vocab, vocab, (rows, 5)).astype(np.int64)  # negatives count from the end
+    want, got = _run(writing, logits, ids), _run(folded, logits, ids)
+    assert set(got) == set(want) - {"log_softmax"}
+    for name, value in got.items():
+        assert value.tobytes() == want[name].tobytes(), name
+    with pytest.raises(Exception, match="outside the vocabulary"):
+        _run(folded, logits, np.full((rows, 1), vocab, dtype=np.int64))
