@@ -1,7 +1,7 @@
 // PagedAttention's bfloat16 chunk on AVX512-BF16 (VDPBF16PS), for CPUs with a bf16 dot product
 // but no AMX tiles (AMD Zen 4); included by attention_kernels.cc after attention_amx.h, whose
 // operands it takes: Q rounded to bf16 and pre-scaled (QueriesToBf16), the chunk's K and V in
-// ChunkToTiles' layouts, P from ChunkSoftmax. Each 32-bit lane of VDPBF16PS adds the two products
+// BlockToTiles' layouts, P from ChunkSoftmax. Each 32-bit lane of VDPBF16PS adds the two products
 // of a bf16 pair in fp32, so:
 // - scores: a query's dim pair, broadcast, against a K tile row (16 keys' values of that pair);
 // - P V: a query's key pair of P, broadcast, against a V tile row (16 dims' values of that pair).

@@ -400,6 +400,7 @@ struct HeadQueries {
   int b, kv, i0, last, nq;
   std::vector<float>& q;  // rotated queries [nq, D]
   std::vector<uint16_t>& q_bf16;  // the same in bf16, padded (bf16 steps)
+  const uint16_t* heads_tiles;  // a split bf16 step: this chunk's tiles of every head
 
   void Load() {
     constexpr int D = DV * 16;
@@ -419,15 +420,12 @@ struct HeadQueries {
     const int begin = chunk * kChunkKeys, end = ChunkEnd(p, b, last, chunk);
     if constexpr (DV % 2 == 0) {  // bf16 chunks take 32 dims at a time: Compute sets bf16 only then
       if (p.bf16) {
-        const uint16_t* k_tiles;
-        thread_local std::vector<uint16_t> own;
-        if (p.chunk_tiles != nullptr) {  // converted by ConvertItemOf for every query block of the step
-          k_tiles = p.chunk_tiles + ((static_cast<size_t>(b) * p.KVH + kv) * p.row_chunks + chunk) * 2 * ChunkTileElems<DV>();
-        } else {  // a split step reads each chunk once: convert it here, into cache-sized tiles
-          own.resize(2 * ChunkTileElems<DV>());
-          ConvertChunk<DV, E>(p, b, kv, chunk, own.data());
-          k_tiles = own.data();
-        }
+        // Converted by ConvertItemOf for every query block of the step, or (a split step reads
+        // each chunk once) by AttendHeads for the item, into cache-sized tiles.
+        const uint16_t* k_tiles =
+            p.chunk_tiles != nullptr
+                ? p.chunk_tiles + ((static_cast<size_t>(b) * p.KVH + kv) * p.row_chunks + chunk) * 2 * ChunkTileElems<DV>()
+                : heads_tiles + static_cast<size_t>(kv) * 2 * ChunkTileElems<DV>();
         const uint16_t* v_tiles = k_tiles + ChunkTileElems<DV>();
         if (p.amx) return AmxChunk<DV>(p, b, i0, last, q_bf16.data(), begin, end, k_tiles, v_tiles, acc, states);
         return Dpbf16Chunk<DV>(p, b, i0, last, q_bf16.data(), begin, end, k_tiles, v_tiles, acc, states);
@@ -467,8 +465,17 @@ void AttendHeads(const AttentionProblem& p, size_t item) {
   thread_local std::vector<uint16_t> q_bf16;
   thread_local std::vector<QueryState> chunk_state, run_state;
   if (p.amx) ConfigureTiles();
+  const uint16_t* heads_tiles = nullptr;
+  if constexpr (DV % 2 == 0) {
+    if (p.bf16 && p.split && p.chunk_tiles == nullptr) {
+      thread_local std::vector<uint16_t> converted;
+      converted.resize(static_cast<size_t>(p.KVH) * 2 * ChunkTileElems<DV>());
+      ConvertChunkHeads<DV, E>(p, s.b, s.chunk, converted.data(), 2 * ChunkTileElems<DV>());
+      heads_tiles = converted.data();
+    }
+  }
   for (int kv = 0; kv < p.KVH; ++kv) {
-    HeadQueries<DV, E> queries{p, s.b, kv, s.i0, s.last, nq, q_buf, q_bf16};
+    HeadQueries<DV, E> queries{p, s.b, kv, s.i0, s.last, nq, q_buf, q_bf16, heads_tiles};
     queries.Load();
     if (p.split) {
       const size_t slot = item * p.KVH + kv;
@@ -681,8 +688,8 @@ struct PagedAttentionKernel {
     thread_local std::vector<uint16_t> chunk_tiles;
     p.chunk_tiles = nullptr;
     if (p.bf16 && !p.split) {  // every chunk's K and V in tile layouts, once per step
-      const size_t chunks = static_cast<size_t>(B) * KVH * p.row_chunks;
-      chunk_tiles.resize(chunks * 2 * kChunkKeys * D);
+      const size_t chunks = static_cast<size_t>(B) * p.row_chunks;  // each converts every head
+      chunk_tiles.resize(chunks * KVH * 2 * kChunkKeys * D);
       p.chunk_tiles = chunk_tiles.data();
       ctx.ParallelFor(ForHeadDim<Convert>, chunks, 0, &p);
     }
