@@ -422,32 +422,45 @@ void AmxChunk(const AttentionProblem& p, int b, int i0, int last, const uint16_t
 // Every KV head's K and V tiles of one (row, chunk) of a bf16 step, head by head within each
 // 16-key block: a block's keys are one page's rows, read whole (heads lie side by side in a row)
 // where a pass per head read half of every row twice over (~9% of a 16k decode's attention on
-// Zen 4). Head kv's K tiles go to tiles + kv * head_stride, its V tiles right after them.
+// Zen 4). Heads [kv0, kv1): head kv's K tiles go to tiles + (kv - kv0) * head_stride, its V
+// tiles right after them.
 template <int DV, class E>
-void ConvertChunkHeads(const AttentionProblem& p, int b, int chunk, uint16_t* tiles, size_t head_stride) {
+void ConvertChunkHeads(const AttentionProblem& p, int b, int chunk, int kv0, int kv1, uint16_t* tiles,
+                       size_t head_stride) {
   const int begin = chunk * kChunkKeys;
   const int keys = std::min(kChunkKeys, static_cast<int>(p.history_lens[b] + p.query_lens[b]) - begin);
   if (keys <= 0) return;  // past the row's keys: no query reads it
   constexpr size_t kElems = ChunkTileElems<DV>();
-  for (int kv = 0; kv < p.KVH; ++kv) ZeroTileTails<DV>(keys, tiles + kv * head_stride, tiles + kv * head_stride + kElems);
-  for (int kv = 0; kv < p.KVH; ++kv) KeyRows<E>(p, b, kv).Prefetch(begin, begin + keys);
+  for (int kv = kv0; kv < kv1; ++kv) {
+    uint16_t* k_tiles = tiles + (kv - kv0) * head_stride;
+    ZeroTileTails<DV>(keys, k_tiles, k_tiles + kElems);
+    KeyRows<E>(p, b, kv).Prefetch(begin, begin + keys);
+  }
   for (int blk = 0; blk * 16 < keys; ++blk)
-    for (int kv = 0; kv < p.KVH; ++kv) {
+    for (int kv = kv0; kv < kv1; ++kv) {
       const KeyRows<E> rows(p, b, kv);
       rows.Prefetch(begin + 16 * (blk + 1), begin + keys);
-      BlockToTiles<DV, E>(rows, begin, keys, blk, tiles + kv * head_stride, tiles + kv * head_stride + kElems);
+      uint16_t* k_tiles = tiles + (kv - kv0) * head_stride;
+      BlockToTiles<DV, E>(rows, begin, keys, blk, k_tiles, k_tiles + kElems);
     }
 }
 
-// One item per (row, chunk) of a bf16 step that is not split: the chunk's tiles of every head,
-// shared by every query block of the row (chunk_tiles: [B, KVH, row_chunks] chunks).
+// One item per (row, chunk) of a bf16 step that is not split, or per (row, KV head, chunk) when
+// its heads go apart: the chunk's tiles, shared by every query block of the row (chunk_tiles:
+// [B, KVH, row_chunks] chunks).
 template <int DV, class E>
 void ConvertItemOf(const AttentionProblem& p, size_t item) {
   if constexpr (DV % 2 == 0) {
-    const int chunk = static_cast<int>(item % p.row_chunks), b = static_cast<int>(item / p.row_chunks);
     const size_t chunk_elems = 2 * ChunkTileElems<DV>();
+    const int chunk = static_cast<int>(item % p.row_chunks);
+    if (p.heads_apart) {
+      const int kv = static_cast<int>(item / p.row_chunks % p.KVH), b = static_cast<int>(item / p.row_chunks / p.KVH);
+      ConvertChunkHeads<DV, E>(p, b, chunk, kv, kv + 1, p.chunk_tiles + item * chunk_elems, chunk_elems);
+      return;
+    }
+    const int b = static_cast<int>(item / p.row_chunks);
     uint16_t* first = p.chunk_tiles + (static_cast<size_t>(b) * p.KVH * p.row_chunks + chunk) * chunk_elems;
-    ConvertChunkHeads<DV, E>(p, b, chunk, first, p.row_chunks * chunk_elems);
+    ConvertChunkHeads<DV, E>(p, b, chunk, 0, p.KVH, first, p.row_chunks * chunk_elems);
   }
 }
 

@@ -113,6 +113,9 @@ struct AttentionProblem {
   bool bf16;  // the chunks run in bf16: on AMX tiles (attention_amx.h) or with AVX512-BF16 (attention_dpbf16.h)
   bool amx;  // bf16 on AMX tiles
   uint16_t* chunk_tiles;  // bf16: [B, KVH, row_chunks] chunks of K tiles then V tiles
+  // Fewer (row, chunk) or (row, query block) pairs than threads would keep busy (a short decode
+  // of one row): conversion and attention items take one KV head each, not every head.
+  bool heads_apart;
 };
 
 constexpr int kMaxHeadDim = 256;
@@ -438,10 +441,14 @@ struct HeadQueries {
 // Item coordinates: row b, query block qb, chunk (split) and the block's real queries [i0, last).
 struct ItemSpan {
   int b, qb, chunk, i0, last;
+  int kv0, kv1;  // the KV heads of the item
 };
 
-ItemSpan Span(const AttentionProblem& p, size_t item, int chunks) {
+ItemSpan Span(const AttentionProblem& p, size_t item, int chunks, bool heads_apart = false) {
   ItemSpan s;
+  s.kv0 = heads_apart ? static_cast<int>(item % p.KVH) : 0;
+  s.kv1 = heads_apart ? s.kv0 + 1 : p.KVH;
+  if (heads_apart) item /= p.KVH;
   s.chunk = static_cast<int>(item % chunks);
   s.qb = static_cast<int>(item / chunks % p.query_blocks);
   s.b = static_cast<int>(item / chunks / p.query_blocks);
@@ -454,9 +461,9 @@ ItemSpan Span(const AttentionProblem& p, size_t item, int chunks) {
 template <int DV, class E>
 void AttendHeads(const AttentionProblem& p, size_t item) {
   constexpr int D = DV * 16;
-  const ItemSpan s = Span(p, item, p.split ? p.row_chunks : 1);
+  const ItemSpan s = Span(p, item, p.split ? p.row_chunks : 1, p.heads_apart && !p.split);
   const int group = p.H / p.KVH;
-  if (s.chunk == 0)
+  if (s.chunk == 0 && s.kv0 == 0)
     for (int i = s.last; i < std::min(p.L, s.i0 + kQueryBlock); ++i)  // padded queries: zeros
       std::memset(p.out + (static_cast<size_t>(s.b) * p.L + i) * p.H * D, 0, sizeof(float) * p.H * D);
   if (s.last == s.i0) return;
@@ -470,11 +477,11 @@ void AttendHeads(const AttentionProblem& p, size_t item) {
     if (p.bf16 && p.split && p.chunk_tiles == nullptr) {
       thread_local std::vector<uint16_t> converted;
       converted.resize(static_cast<size_t>(p.KVH) * 2 * ChunkTileElems<DV>());
-      ConvertChunkHeads<DV, E>(p, s.b, s.chunk, converted.data(), 2 * ChunkTileElems<DV>());
+      ConvertChunkHeads<DV, E>(p, s.b, s.chunk, 0, p.KVH, converted.data(), 2 * ChunkTileElems<DV>());
       heads_tiles = converted.data();
     }
   }
-  for (int kv = 0; kv < p.KVH; ++kv) {
+  for (int kv = s.kv0; kv < s.kv1; ++kv) {
     HeadQueries<DV, E> queries{p, s.b, kv, s.i0, s.last, nq, q_buf, q_bf16, heads_tiles};
     queries.Load();
     if (p.split) {
@@ -684,14 +691,15 @@ struct PagedAttentionKernel {
       p.part_acc = part_acc.data();
       p.part_state = part_state.data();
     }
-    const size_t items = p.split ? split_items : static_cast<size_t>(B) * p.query_blocks;
+    p.heads_apart = !p.split && static_cast<size_t>(B) * p.query_blocks < kMinItems;
+    const size_t items = p.split ? split_items : static_cast<size_t>(B) * p.query_blocks * (p.heads_apart ? KVH : 1);
     thread_local std::vector<uint16_t> chunk_tiles;
     p.chunk_tiles = nullptr;
     if (p.bf16 && !p.split) {  // every chunk's K and V in tile layouts, once per step
-      const size_t chunks = static_cast<size_t>(B) * p.row_chunks;  // each converts every head
+      const size_t chunks = static_cast<size_t>(B) * p.row_chunks;
       chunk_tiles.resize(chunks * KVH * 2 * kChunkKeys * D);
       p.chunk_tiles = chunk_tiles.data();
-      ctx.ParallelFor(ForHeadDim<Convert>, chunks, 0, &p);
+      ctx.ParallelFor(ForHeadDim<Convert>, chunks * (p.heads_apart ? KVH : 1), 0, &p);
     }
     ctx.ParallelFor(ForHeadDim<Attend>, items, 0, &p);
     if (p.split) ctx.ParallelFor(ForHeadDim<Merge>, static_cast<size_t>(B) * p.query_blocks * KVH, 0, &p);
