@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tokenizers import Tokenizer
 
 from helios.engine.api import (
@@ -419,12 +420,7 @@ class Engine:
         seqs = [seq for _, seq, _ in todo]
         row_masks = [mask for _, _, mask in todo] if masks else None
         try:
-            # The step graph's top ids let top-k rows sample without a vocabulary pass (sampler).
-            at = [out.index(i) for i, _, _ in todo]
-            ids, outside = out.sampling_candidates()
-            tokens = sample(
-                out.logits, seqs, row_masks, top_ids=ids, logsumexp=out.logsumexp, outside_logit=outside, at=at
-            )
+            tokens = _sample_at(out, seqs, row_masks, [out.index(i) for i, _, _ in todo])
         except Exception as exc:
             log.exception("sampling failed")
             for seq in seqs:
@@ -471,10 +467,7 @@ class Engine:
             seqs = [r.seq for _, r in active]
             at = [out.index(i, position) for i, _ in active]
             try:
-                ids, outside = out.sampling_candidates()
-                tokens = sample(
-                    out.logits, seqs, None, top_ids=ids, logsumexp=out.logsumexp, outside_logit=outside, at=at
-                )
+                tokens = _sample_at(out, seqs, None, at)
             except Exception as exc:
                 log.exception("sampling failed")
                 emitted.extend((seq, self._fail(seq, f"sampling failed: {exc}")) for seq in seqs)
@@ -603,3 +596,10 @@ class Engine:
                 log.exception("event sink failed for %s; aborting it", seq.request_id)
                 if not event.finished:
                     self.abort(seq.request_id)
+
+
+def _sample_at(out: StepOutput, seqs: list[Sequence], masks: list[RowMask | None] | None, at: list[int]) -> np.ndarray:
+    """One token for each of `seqs` from output rows `at` of a step: the head's candidates let
+    top-k rows sample without a vocabulary pass (helios.engine.sampler)."""
+    ids, outside = out.sampling_candidates()
+    return sample(out.logits, seqs, masks, top_ids=ids, logsumexp=out.logsumexp, outside_logit=outside, at=at)

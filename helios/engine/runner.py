@@ -120,7 +120,7 @@ class Runner:
         self.graph_seconds = 0.0  # time inside the step graph's runs (EngineStats.graph_seconds_total)
         # kernels: what runs the graph's ai.flare operators ("flare", "onnxruntime" or "").
         self.session, self.kernels = open_session(
-            graph_path, self._session_options(), ["CPUExecutionProvider"], kv_dtype
+            graph_path, self._session_options(), ["CPUExecutionProvider"], kv_dtype, candidates=True
         )
         self.pool = np.zeros(
             (kv.num_layers * 2 * num_pages, kv.page_tokens, kv.kv_heads, kv.head_dim),

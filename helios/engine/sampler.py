@@ -76,9 +76,9 @@ def sample(
     at: list[int] | None = None,
 ) -> np.ndarray:
     """Sample one token per row of `logits` [B, V]; returns int64 [B]. `logits` is not modified.
-    `at`: the rows of `logits`, `top_ids` and `logsumexp` to sample, in order (None: all): a
-    step's outputs are passed whole, and copied only when some rows do not sample (a copy of a
-    [8, 151936] block cost ~0.5 ms a step).
+    `at`: the rows of `logits`, `top_ids`, `logsumexp` and `outside_logit` to sample, in order
+    (None: all): a step's outputs are passed whole, and copied only when some rows do not sample
+    (a copy of a [8, 151936] block cost ~0.5 ms a step).
 
     Penalties are applied to the whole batch at once; the filters then run per row on that row's
     small candidate set, so a row's result is bit-identical whatever its neighbours are. A row
@@ -88,11 +88,12 @@ def sample(
     outside `allowed` get -inf before temperature and the filters (a grammar decides what may
     follow, the distribution only ranks what it allows).
 
-    `top_ids` [B, K], when given, are the ids of each row's K largest raw logits (the fused head's
-    candidates, else the step graph's top_ids: StepOutput.sampling_candidates). A row with 0 < top_k <= K, no grammar mask and penalties that can only lower logits
-    then samples from those K candidates without touching the vocabulary, whenever its top_k
-    survivors provably lie among them (see `_top_k_fast`); the result is bit-identical to the
-    full path, which every other row takes.
+    `top_ids` [B, K], when given, are the ids of each row's K largest raw logits (the fused
+    head's candidates, else the step graph's top_ids: StepOutput.sampling_candidates). A row
+    with 0 < top_k <= K, no grammar mask and penalties that can only lower logits then samples
+    from those K candidates without touching the vocabulary, whenever its top_k survivors
+    provably lie among them (see `_top_k_fast`); the result is bit-identical to the full path,
+    which every other row takes.
 
     `logsumexp` [B], when given, is the step graph's fp32 logsumexp of each row's raw logits. A
     NaN or +inf logit makes the in-graph log-softmax NaN, so a finite value certifies the row's

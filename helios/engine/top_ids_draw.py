@@ -1,6 +1,7 @@
-"""One draw for every top-k row of a step at once, from the step graph's top ids.
+"""One draw for every top-k row of a step at once, from the step's candidate ids.
 
-A row with 0 < top_k <= K (K: the graph's top ids per row), no grammar mask, no logit_bias,
+A row with 0 < top_k <= K (K: candidate ids per row, the fused head's 64 or the graph's 20 top
+ids; helios.engine.step_io.StepOutput.sampling_candidates), no grammar mask, no logit_bias,
 penalties that can only lower a logit and finite logits samples among its K raw-best tokens when
 those provably hold every top-k survivor (helios.engine.sampler._top_k_fast gives the argument).
 Here the rows that qualify go through penalties, temperature, top-k, top-p, min-p and the
@@ -45,8 +46,9 @@ def draw_rows(
     repetition penalty's), how often it generated each id (presence and frequency penalties) and
     its uniform. `outside` [F], when given, is each of those rows' largest raw logit outside its
     top ids (else the K-th raw logit stands in for it, which ties with the k-th candidate
-    whenever top_k == K and nothing is penalized, so such rows cost a vocabulary pass). Returns (tokens [F], drawn [F]): a row is not drawn when so many tokens tie at
-    its k-th value that its set exceeds SMALL_SET (the caller's one-row path takes it)."""
+    whenever top_k == K and nothing is penalized, so such rows cost a vocabulary pass).
+    Returns (tokens [F], drawn [F]): a row is not drawn when so many tokens tie at its k-th
+    value that its set exceeds SMALL_SET (the caller's one-row path takes it)."""
     n, k_ids = len(rows), top_ids.shape[1]
     span = np.arange(n)
     ids = np.sort(top_ids[rows], axis=1)

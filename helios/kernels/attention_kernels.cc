@@ -113,8 +113,8 @@ struct AttentionProblem {
   bool bf16;  // the chunks run in bf16: on AMX tiles (attention_amx.h) or with AVX512-BF16 (attention_dpbf16.h)
   bool amx;  // bf16 on AMX tiles
   uint16_t* chunk_tiles;  // bf16: [B, KVH, row_chunks] chunks of K tiles then V tiles
-  // Fewer (row, chunk) or (row, query block) pairs than threads would keep busy (a short decode
-  // of one row): conversion and attention items take one KV head each, not every head.
+  // A step that is not split and has fewer than kMinItems (row, query block) pairs (a short
+  // decode of a few rows): conversion and attention items take one KV head each, not every head.
   bool heads_apart;
 };
 
@@ -126,6 +126,9 @@ constexpr int kChunkKeys = 256;  // keys per chunk: its K and V rows stay in L2 
 constexpr int kMinItems = 8;  // fewer (rows x 16-query groups) than this: split the keys
 constexpr size_t kMaxSplitFloats = size_t{8} << 20;  // the split's partial sums stay under 32 MB
 constexpr int kPrefetchBlocks = 2;  // key blocks fetched ahead of the one attended
+// A split item converts this many bytes of K and V tiles at a time (whole rows for as many KV
+// heads as fit), so they are still in L2 when its heads attend them.
+constexpr size_t kSplitTileBytes = size_t{256} << 10;
 
 // Rotate-half rotary of one head: x1 = x[:D/2], x2 = x[D/2:].
 void Rotate(const float* x, const float* cos, const float* sin, int half, float* y) {
@@ -403,7 +406,8 @@ struct HeadQueries {
   int b, kv, i0, last, nq;
   std::vector<float>& q;  // rotated queries [nq, D]
   std::vector<uint16_t>& q_bf16;  // the same in bf16, padded (bf16 steps)
-  const uint16_t* heads_tiles;  // a split bf16 step: this chunk's tiles of every head
+  const uint16_t* heads_tiles;  // a split bf16 step: this chunk's tiles of heads first_head...
+  int first_head;
 
   void Load() {
     constexpr int D = DV * 16;
@@ -424,11 +428,11 @@ struct HeadQueries {
     if constexpr (DV % 2 == 0) {  // bf16 chunks take 32 dims at a time: Compute sets bf16 only then
       if (p.bf16) {
         // Converted by ConvertItemOf for every query block of the step, or (a split step reads
-        // each chunk once) by AttendHeads for the item, into cache-sized tiles.
+        // each chunk once) by AttendHeads for the item, a few heads at a time (kSplitTileBytes).
         const uint16_t* k_tiles =
             p.chunk_tiles != nullptr
                 ? p.chunk_tiles + ((static_cast<size_t>(b) * p.KVH + kv) * p.row_chunks + chunk) * 2 * ChunkTileElems<DV>()
-                : heads_tiles + static_cast<size_t>(kv) * 2 * ChunkTileElems<DV>();
+                : heads_tiles + static_cast<size_t>(kv - first_head) * 2 * ChunkTileElems<DV>();
         const uint16_t* v_tiles = k_tiles + ChunkTileElems<DV>();
         if (p.amx) return AmxChunk<DV>(p, b, i0, last, q_bf16.data(), begin, end, k_tiles, v_tiles, acc, states);
         return Dpbf16Chunk<DV>(p, b, i0, last, q_bf16.data(), begin, end, k_tiles, v_tiles, acc, states);
@@ -472,17 +476,20 @@ void AttendHeads(const AttentionProblem& p, size_t item) {
   thread_local std::vector<uint16_t> q_bf16;
   thread_local std::vector<QueryState> chunk_state, run_state;
   if (p.amx) ConfigureTiles();
-  const uint16_t* heads_tiles = nullptr;
-  if constexpr (DV % 2 == 0) {
-    if (p.bf16 && p.split && p.chunk_tiles == nullptr) {
-      thread_local std::vector<uint16_t> converted;
-      converted.resize(static_cast<size_t>(p.KVH) * 2 * ChunkTileElems<DV>());
-      ConvertChunkHeads<DV, E>(p, s.b, s.chunk, 0, p.KVH, converted.data(), 2 * ChunkTileElems<DV>());
-      heads_tiles = converted.data();
-    }
-  }
+  constexpr size_t kHeadTiles = 2 * ChunkTileElems<DV>();  // one head's K and V tiles
+  const int heads_per_pass = std::max<int>(1, static_cast<int>(kSplitTileBytes / (kHeadTiles * sizeof(uint16_t))));
+  thread_local std::vector<uint16_t> converted;
+  int first_head = s.kv0;
   for (int kv = s.kv0; kv < s.kv1; ++kv) {
-    HeadQueries<DV, E> queries{p, s.b, kv, s.i0, s.last, nq, q_buf, q_bf16, heads_tiles};
+    if constexpr (DV % 2 == 0) {
+      if (p.bf16 && p.split && (kv - s.kv0) % heads_per_pass == 0) {
+        const int last_head = std::min(s.kv1, kv + heads_per_pass);
+        converted.resize(static_cast<size_t>(last_head - kv) * kHeadTiles);
+        ConvertChunkHeads<DV, E>(p, s.b, s.chunk, kv, last_head, converted.data(), kHeadTiles);
+        first_head = kv;
+      }
+    }
+    HeadQueries<DV, E> queries{p, s.b, kv, s.i0, s.last, nq, q_buf, q_bf16, converted.data(), first_head};
     queries.Load();
     if (p.split) {
       const size_t slot = item * p.KVH + kv;

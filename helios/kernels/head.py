@@ -18,8 +18,9 @@ CANDIDATES = 64
 
 
 def candidate_ids_name(top_ids: str) -> str:
-    """The graph output a fused head adds beside a TopK indices output that is a graph output:
-    int64 [N, CANDIDATES], each row's largest logits' ids, best first (the operator's fourth)."""
+    """The graph output a fused head adds, when asked for candidates, beside a TopK indices output
+    that is a graph output: int64 [N, CANDIDATES], each row's largest logits' ids, best first
+    (the operator's fourth)."""
     return f"{top_ids}_candidates"
 
 
@@ -52,18 +53,25 @@ def _vocabulary(graph: onnx.GraphProto, name: str) -> int:
     return dims[-1].dim_value if len(dims) == 2 else 0
 
 
-def fuse_logprob_head(model: onnx.ModelProto) -> int:
+def fuse_logprob_head(model: onnx.ModelProto, candidates: bool = False) -> int:
     """Replace each LogSoftmax over the last axis of a 2-D tensor the graph declares (an input,
     output or value_info) whose output feeds a TopK (last axis, largest, sorted, constant k) by
-    one LogSoftmaxTopK writing the TopK's two outputs, and the log-softmax itself where something
-    else reads it. A GatherElements along its last axis that is the only other reader is folded
-    in (the operator gathers; the [N, V] log-softmax is then never written). Where the TopK's
-    indices are a graph output, the fused node's candidate outputs become graph outputs too
-    (where the vocabulary holds CANDIDATES: `candidate_ids_name`, `outside_logit_name`). Returns
-    the pairs fused."""
+    one LogSoftmaxTopK writing the TopK's two outputs, and the log-softmax itself only where
+    something else reads it. A GatherElements along its last axis (int64 ids not computed from
+    the head itself) that is the only other reader is folded in: the operator gathers, and the
+    [N, V] log-softmax is never written. With `candidates` (a step graph, whose sampler reads
+    them), where the TopK's indices are a graph output and the vocabulary holds CANDIDATES, the
+    fused node's candidate outputs become graph outputs too (`candidate_ids_name`,
+    `outside_logit_name`). Returns the pairs fused."""
     graph = model.graph
-    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in (*graph.input, *graph.output, *graph.value_info)}
+    declared_values = (*graph.input, *graph.output, *graph.value_info)
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in declared_values}
+    types = {v.name: v.type.tensor_type.elem_type for v in declared_values}
     declared = {o.name: o for o in graph.output}
+    # A subgraph (If, Loop) may read a tensor without naming it as an input: keep every output then.
+    nested = any(
+        a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for a in n.attribute
+    )
     # By position: names may be empty or repeated.
     replaced: dict[int, onnx.NodeProto] = {}  # LogSoftmax position -> the fused node
     dropped: set[int] = set()  # positions of the TopKs (and gathers) it replaces
@@ -84,7 +92,7 @@ def fuse_logprob_head(model: onnx.ModelProto) -> int:
                 continue
             inputs, outputs, extra = [soft.input[0]], [soft.output[0], *top.output, "", ""], {}
             ids = declared.get(top.output[1])
-            if ids is not None and CANDIDATES >= k and _vocabulary(graph, soft.input[0]) >= CANDIDATES:
+            if candidates and ids is not None and CANDIDATES >= k and _vocabulary(graph, soft.input[0]) >= CANDIDATES:
                 rows = [d.dim_param or d.dim_value or None for d in ids.type.tensor_type.shape.dim[:1]] or [None]
                 outputs[3:5] = [candidate_ids_name(ids.name), outside_logit_name(ids.name)]
                 graph.output.extend(
@@ -95,12 +103,15 @@ def fuse_logprob_head(model: onnx.ModelProto) -> int:
                 )
                 extra["candidates"] = CANDIDATES
             others = [(i, n) for i, n in readers if i != top_at]
-            if len(others) == 1 and soft.output[0] not in declared and _gathers_last_axis(others[0][1], soft.output[0]):
+            private = not nested and soft.output[0] not in declared
+            if private and len(others) == 1 and _foldable_gather(graph, others[0][1], soft, types):
                 gather_at, gather = others[0]
                 inputs.append(gather.input[1])
-                outputs[0] = ""
                 outputs.append(gather.output[0])
                 dropped.add(gather_at)
+                others = []
+            if private and not others:
+                outputs[0] = ""  # nothing reads the log-softmax: never written
             while outputs[-1] == "":
                 outputs.pop()
             replaced[at] = helper.make_node(OP, inputs, outputs, name=f"{soft.name}.topk", domain=DOMAIN, k=k, **extra)
@@ -119,6 +130,32 @@ def fuse_logprob_head(model: onnx.ModelProto) -> int:
     if not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return len(replaced)
+
+
+def _foldable_gather(graph: onnx.GraphProto, node: onnx.NodeProto, soft: onnx.NodeProto, types: dict[str, int]) -> bool:
+    """Whether `node` is a GatherElements of the log-softmax along its last axis whose ids are
+    int64 (the operator's input type) and not computed from the log-softmax (the fused node
+    would read its own output)."""
+    return (
+        _gathers_last_axis(node, soft.output[0])
+        and types.get(node.input[1]) == onnx.TensorProto.INT64
+        and not _computed_from(graph, node.input[1], soft.output[0])
+    )
+
+
+def _computed_from(graph: onnx.GraphProto, name: str, source: str) -> bool:
+    """Whether tensor `name` depends on tensor `source` through the graph's nodes."""
+    producers = {out: n for n in graph.node for out in n.output if out}
+    seen, pending = set(), [name]
+    while pending:
+        current = pending.pop()
+        if current == source:
+            return True
+        if current in seen or current not in producers:
+            continue
+        seen.add(current)
+        pending.extend(x for x in producers[current].input if x)
+    return False
 
 
 def _gathers_last_axis(node: onnx.NodeProto, data: str) -> bool:

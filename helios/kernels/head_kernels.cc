@@ -20,7 +20,8 @@
 //          Optional, for a sampler: candidates int64 [N, c], the c largest of x in the same
 //          order (the first k are the indices), and outside float [N], the largest x among the
 //          indices not in candidates (-inf when there are none): together they let a sampler
-//          rule out every other token without reading the row again. Optional gathered float
+//          rule out every other token without reading the row again (a row with fewer than c
+//          orderable logits, NaN aside, pads with id 0). Optional gathered float
 //          [M, E]: Y at ids, the same bits Y holds there.
 // Attributes: k; candidates (c >= k, default k).
 #include <immintrin.h>
@@ -65,7 +66,9 @@ struct Head {
 };
 
 // Phase 1, per (row, chunk): the chunk's max and sum(exp(x - its max)), and its blocks' maxima
-// (NaN skipped: _mm512_max_ps returns its second operand when either is NaN).
+// (NaN skipped: _mm512_max_ps returns its second operand when either is NaN). A NaN logit makes
+// the chunk's sum NaN, so its row's Y, values and logsumexp are NaN, as onnxruntime's are (Exp
+// clamps its input, which would let a NaN through as a finite term).
 void ChunkSums(void* data, size_t item) {
   Head& h = *static_cast<Head*>(data);
   const int64_t row = static_cast<int64_t>(item) / h.chunks, chunk = static_cast<int64_t>(item) % h.chunks;
@@ -74,11 +77,13 @@ void ChunkSums(void* data, size_t item) {
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   float* blocks = h.block_max.data() + item * kBlocksPerChunk;
   __m512 vmax = neg_inf;
+  __mmask16 nan = 0;
   for (int64_t b = 0; b < kBlocksPerChunk; ++b) {
     __m512 block = neg_inf;
     for (int64_t i = begin + b * kBlock; i < std::min(end, begin + (b + 1) * kBlock); i += 16) {
       const __mmask16 lanes = end - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (end - i)) - 1u);
       const __m512 v = _mm512_mask_loadu_ps(neg_inf, lanes, x + i);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
       block = _mm512_max_ps(v, block);
       vmax = _mm512_max_ps(vmax, v);
     }
@@ -94,7 +99,8 @@ void ChunkSums(void* data, size_t item) {
     vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(tail, Exp(_mm512_add_ps(_mm512_maskz_loadu_ps(tail, x + i), neg))));
   }
   h.chunk_max[item] = m;
-  h.chunk_sum[item] = m == -std::numeric_limits<float>::infinity() ? 0.f : _mm512_reduce_add_ps(vsum);
+  h.chunk_sum[item] = nan ? std::numeric_limits<float>::quiet_NaN()
+                          : m == -std::numeric_limits<float>::infinity() ? 0.f : _mm512_reduce_add_ps(vsum);
 }
 
 // Per row: the max, log(sum(exp(x - max))) and the candidates' floor, the keep-th largest block
@@ -105,8 +111,10 @@ void RowStatistics(void* data, size_t item) {
   const float* maxes = h.chunk_max.data() + row * h.chunks;
   const float max = *std::max_element(maxes, maxes + h.chunks);
   double sum = 0.0;
-  for (int64_t c = 0; c < h.chunks; ++c)
-    if (h.chunk_sum[row * h.chunks + c] > 0.f) sum += h.chunk_sum[row * h.chunks + c] * std::exp(maxes[c] - max);
+  for (int64_t c = 0; c < h.chunks; ++c) {
+    const float part = h.chunk_sum[row * h.chunks + c];
+    if (!(part == 0.f)) sum += part * std::exp(maxes[c] - max);  // a NaN part makes the row NaN
+  }
   h.row_max[row] = max;
   h.row_log_sum[row] = std::log(static_cast<float>(sum));
   const float* blocks = h.block_max.data() + row * h.chunks * kBlocksPerChunk;
@@ -175,17 +183,17 @@ void ChunkOutputs(void* data, size_t item) {
 }
 
 struct LogSoftmaxTopKKernel {
-  int64_t k, c;
+  int64_t k, candidates_per_row;
 
   LogSoftmaxTopKKernel(const OrtApi& api, const OrtKernelInfo* info) {
     k = Ort::ConstKernelInfo(info).GetAttribute<int64_t>("k");
     if (k < 1) ORT_CXX_API_THROW("LogSoftmaxTopK: k must be >= 1", ORT_INVALID_ARGUMENT);
     // candidates is optional: the C API says so by a status, where the C++ one would throw.
-    if (OrtStatus* missing = api.KernelInfoGetAttribute_int64(info, "candidates", &c)) {
+    if (OrtStatus* missing = api.KernelInfoGetAttribute_int64(info, "candidates", &candidates_per_row)) {
       api.ReleaseStatus(missing);
-      c = k;
+      candidates_per_row = k;
     }
-    if (c < k) ORT_CXX_API_THROW("LogSoftmaxTopK: candidates must be >= k", ORT_INVALID_ARGUMENT);
+    if (candidates_per_row < k) ORT_CXX_API_THROW("LogSoftmaxTopK: candidates must be >= k", ORT_INVALID_ARGUMENT);
   }
 
   void Compute(OrtKernelContext* context) {
@@ -194,7 +202,7 @@ struct LogSoftmaxTopKKernel {
     const std::vector<int64_t> shape = input.GetTensorTypeAndShapeInfo().GetShape();
     if (shape.size() != 2) ORT_CXX_API_THROW("LogSoftmaxTopK: X must be [N, V]", ORT_INVALID_ARGUMENT);
     const int64_t N = shape[0], V = shape[1];
-    if (V < c) ORT_CXX_API_THROW("LogSoftmaxTopK: k or candidates is larger than the vocabulary", ORT_INVALID_ARGUMENT);
+    if (V < candidates_per_row) ORT_CXX_API_THROW("LogSoftmaxTopK: k or candidates is larger than the vocabulary", ORT_INVALID_ARGUMENT);
     auto output = ctx.GetOutput(0, shape);  // null where the node names no Y
     auto values = ctx.GetOutput(1, {N, k});
     auto indices = ctx.GetOutput(2, {N, k});
@@ -202,7 +210,7 @@ struct LogSoftmaxTopKKernel {
     int64_t* candidates = nullptr;
     float* outside = nullptr;
     if (ctx.GetOutputCount() > 3) {
-      auto value = ctx.GetOutput(3, {N, c});
+      auto value = ctx.GetOutput(3, {N, candidates_per_row});
       if (value) candidates = value.GetTensorMutableData<int64_t>();
     }
     if (ctx.GetOutputCount() > 4) {
@@ -224,7 +232,12 @@ struct LogSoftmaxTopKKernel {
         for (int64_t i = 0; i < gather_rows * gather_width; ++i)
           if (gather_ids[i] < -V || gather_ids[i] >= V)
             ORT_CXX_API_THROW("LogSoftmaxTopK: an id lies outside the vocabulary", ORT_INVALID_ARGUMENT);
-        gathered = ctx.GetOutput(5, {gather_rows, gather_width}).GetTensorMutableData<float>();
+        auto value = ctx.GetOutput(5, {gather_rows, gather_width});
+        if (value) {
+          gathered = value.GetTensorMutableData<float>();
+        } else {
+          gather_rows = 0;  // ids without a gathered output: nothing to write
+        }
       }
     }
     if (N == 0) return;
@@ -232,7 +245,7 @@ struct LogSoftmaxTopKKernel {
     h.x = input.GetTensorData<float>();
     h.y = output ? output.GetTensorMutableData<float>() : nullptr;
     h.V = V;
-    h.keep = c + 1;
+    h.keep = candidates_per_row + 1;
     h.chunks = (V + kChunk - 1) / kChunk;
     const size_t items = static_cast<size_t>(N * h.chunks);
     h.chunk_max.resize(items);
@@ -258,6 +271,7 @@ struct LogSoftmaxTopKKernel {
       }
       const int64_t ranked = std::min<int64_t>(h.keep, merged.size());
       std::partial_sort(merged.begin(), merged.begin() + ranked, merged.end(), Before);
+      const int64_t c = candidates_per_row;
       if (outside != nullptr) outside[row] = ranked > c ? merged[c].raw : -std::numeric_limits<float>::infinity();
       for (int64_t j = 0; candidates != nullptr && j < c; ++j) candidates[row * c + j] = j < ranked ? merged[j].index : 0;
       for (int64_t j = 0; j < k; ++j) {

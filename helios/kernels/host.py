@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -13,14 +14,14 @@ from helios import kernels
 from helios.kernels import kv_dtype as kv_types
 
 _lock = threading.Lock()
-_scatter: ctypes._CFuncPtr | None = None
+_scatter: Callable[..., int] | None = None
 _loaded = False
 
 _I64 = ctypes.c_int64
 _POINTER = ctypes.c_void_p
 
 
-def _scatter_kv_function() -> ctypes._CFuncPtr | None:
+def _scatter_kv_function() -> Callable[..., int] | None:
     global _scatter, _loaded
     with _lock:
         if not _loaded:
@@ -44,8 +45,8 @@ def scatter_kv(pages: np.ndarray, new_kv: np.ndarray, slots: tuple[np.ndarray, .
     function = _scatter_kv_function()
     if function is None:
         return False
-    layers, planes, num_pages, page_tokens, kv_heads, head_dim = pages.shape
-    if new_kv.shape[:2] != (layers, planes) or new_kv.shape[4:] != (kv_heads, head_dim):
+    layers, kinds, num_pages, page_tokens, kv_heads, head_dim = pages.shape  # kinds: K and V
+    if new_kv.shape[:2] != (layers, kinds) or new_kv.shape[4:] != (kv_heads, head_dim):
         raise ValueError(f"new_kv of shape {new_kv.shape} for a pool of shape {pages.shape}")
     source = np.ascontiguousarray(new_kv, dtype=np.float32)
     page, offset, row, token = (np.ascontiguousarray(s, dtype=np.int64) for s in slots)
@@ -53,7 +54,7 @@ def scatter_kv(pages: np.ndarray, new_kv: np.ndarray, slots: tuple[np.ndarray, .
     status = function(
         pages.ctypes.data,
         int(bf16),
-        layers * planes,
+        layers * kinds,  # the C side's planes
         num_pages,
         page_tokens,
         kv_heads * head_dim,

@@ -25,14 +25,19 @@ def uses_flare_ops(model: onnx.ModelProto) -> bool:
 
 
 def open_session(
-    path: Path, options: ort.SessionOptions, providers: list[str], kv_dtype: str = "float32"
+    path: Path,
+    options: ort.SessionOptions,
+    providers: list[str],
+    kv_dtype: str = "float32",
+    candidates: bool = False,
 ) -> tuple[ort.InferenceSession, str]:
     """(session, kernels) for the graph at `path`, its kv_pool input declared `kv_dtype` (a step
     graph's; helios.kernels.kv_dtype); `kernels` says what runs its ai.flare operators: "flare"
     (flare's kernel library), "onnxruntime" (rewritten to onnxruntime's MatMulNBits and
     GroupQueryAttention, and routed experts to dense Einsums, because the library cannot run here:
     the reason is logged) or "" (the graph has none). Where the library runs, a graph's logprob
-    head runs fused whatever else it holds (helios.kernels.head)."""
+    head runs fused whatever else it holds (helios.kernels.head), reporting sampling candidates
+    with `candidates` (a step graph's)."""
     header = onnx.load(str(path), load_external_data=False)
     retype = kv_dtype != "float32"
     flare_ops = uses_flare_ops(header)
@@ -47,13 +52,13 @@ def open_session(
             # ignition's graphs did before ai.flare.MoE.
             model = onnx.load(str(path))
             to_dense_experts(model)
-            fuse_logprob_head(model)
+            fuse_logprob_head(model, candidates)
             if retype:
                 retype_pool(model, kv_dtype)
             return _open_rewritten(model, path, options, providers), kernels
         # Every graph with a logprob head (step and score graphs alike) runs it fused, so both
         # report the same numbers.
-        fused = fuse_logprob_head(header)
+        fused = fuse_logprob_head(header, candidates)
         if retype:
             retype_pool(header, kv_dtype)
         if retype or fused:

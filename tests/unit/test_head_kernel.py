@@ -70,7 +70,7 @@ def _logits(rows: int, vocab: int, seed: int) -> np.ndarray:
 def test_fused_head_matches_log_softmax_and_top_k(rows, vocab, k):
     reference = _head_model(k)
     fused = _head_model(k, vocab)
-    assert fuse_logprob_head(fused) == 1
+    assert fuse_logprob_head(fused, candidates=True) == 1
     assert [n.op_type for n in fused.graph.node] == [OP, "GatherElements"]
     assert fused.graph.node[0].domain == DOMAIN
     logits = _logits(rows, vocab, seed=rows * vocab)
@@ -118,7 +118,7 @@ def test_only_a_last_axis_top_k_of_a_two_dimensional_log_softmax_is_fused():
     model.graph.node[1].input[1] = "k_input"  # k computed at run time: left alone
     assert fuse_logprob_head(model) == 0
     model = _head_model(20)  # a vocabulary the graph does not state: fused, without candidates
-    assert fuse_logprob_head(model) == 1
+    assert fuse_logprob_head(model, candidates=True) == 1
     assert [o.name for o in model.graph.output] == ["top_logprobs", "top_ids", "token_logprobs", "log_softmax"]
 
 
@@ -130,7 +130,7 @@ def test_logits_the_log_softmax_rounds_together_rank_by_logit(vocab):
     take lower ids."""
     k = 20
     model = _head_model(k, vocab)
-    assert fuse_logprob_head(model) == 1
+    assert fuse_logprob_head(model, candidates=True) == 1
     logits = (np.random.default_rng(vocab).random((2, vocab)) * 1e-5).astype(np.float32)
     got = _run(model, logits, np.zeros((2, 1), dtype=np.int64))
     soft, top_ids = got["log_softmax"], got["top_ids"]
@@ -152,7 +152,7 @@ def test_a_gather_that_only_reads_the_log_softmax_is_folded_and_it_is_never_writ
     writing = _head_model(k, vocab)  # log_softmax is a graph output: written, the gather kept
     folded = _head_model(k, vocab)
     del folded.graph.output[3]  # nothing but TopK and the gather reads log_softmax now
-    assert fuse_logprob_head(writing) == 1 and fuse_logprob_head(folded) == 1
+    assert fuse_logprob_head(writing, candidates=True) == 1 and fuse_logprob_head(folded, candidates=True) == 1
     assert [n.op_type for n in folded.graph.node] == [OP]
     assert folded.graph.node[0].output[0] == "" and list(folded.graph.node[0].input) == ["logits", "ids"]
     logits = _logits(rows, vocab, seed=vocab + rows)
@@ -163,3 +163,55 @@ def test_a_gather_that_only_reads_the_log_softmax_is_folded_and_it_is_never_writ
         assert value.tobytes() == want[name].tobytes(), name
     with pytest.raises(Exception, match="outside the vocabulary"):
         _run(folded, logits, np.full((rows, 1), vocab, dtype=np.int64))
+
+
+def test_a_nan_logit_makes_its_row_nan_as_onnxruntime_does():
+    """A finite logsumexp certifies a row's logits to the sampler, so one NaN logit must make the
+    row's log-softmax, values and gathered logprobs NaN (Exp clamps a NaN to a finite term),
+    while its neighbour is untouched."""
+    vocab = 20000
+    logits = _logits(2, vocab, seed=5)
+    logits[0, 12345] = np.nan
+    ids = np.array([[3, 12345], [7, 9]], dtype=np.int64)
+    model = _head_model(20, vocab)
+    assert fuse_logprob_head(model, candidates=True) == 1
+    got, want = _run(model, logits, ids), _run(_head_model(20, vocab), logits, ids)
+    for name in ("log_softmax", "top_logprobs", "token_logprobs"):
+        assert np.isnan(got[name][0]).all() and np.isnan(want[name][0]).all(), name
+        np.testing.assert_allclose(got[name][1], want[name][1], rtol=0, atol=5e-5)
+    assert 12345 not in got[candidate_ids_name("top_ids")][0]  # NaN never ranks
+
+
+def test_the_log_softmax_is_not_written_where_only_the_top_k_reads_it():
+    model = _head_model(20, 1000)
+    del model.graph.output[3]  # log_softmax: now read by the TopK and the gather only
+    model.graph.node[2].input[0] = "logits"  # the gather reads the logits instead
+    assert fuse_logprob_head(model) == 1
+    assert [n.op_type for n in model.graph.node] == [OP, "GatherElements"]
+    assert model.graph.node[0].output[0] == ""
+    logits = _logits(2, 1000, seed=9)
+    got, want = (
+        _run(model, logits, np.zeros((2, 1), dtype=np.int64)),
+        _run(_head_model(20, 1000), logits, np.zeros((2, 1), dtype=np.int64)),
+    )
+    np.testing.assert_array_equal(got["top_ids"], want["top_ids"])
+
+
+def test_a_gather_whose_ids_come_from_the_head_or_are_int32_is_left_as_it_is():
+    model = _head_model(20, 1000)
+    del model.graph.output[3]
+    model.graph.node.insert(2, helper.make_node("Slice", ["top_ids", "zero", "one", "one_axis"], ["first_id"]))
+    model.graph.initializer.extend(
+        numpy_helper.from_array(np.array([v], dtype=np.int64), n) for v, n in ((0, "zero"), (1, "one"), (1, "one_axis"))
+    )
+    model.graph.node[3].input[1] = "first_id"  # gather(log_softmax, top_ids[:, :1]): a cycle if folded
+    assert fuse_logprob_head(model) == 1
+    assert [n.op_type for n in model.graph.node] == [OP, "Slice", "GatherElements"]
+    logits = _logits(2, 1000, seed=4)
+    got = _run(model, logits, np.zeros((2, 1), dtype=np.int64))
+    np.testing.assert_array_equal(got["token_logprobs"][:, 0], got["top_logprobs"][:, 0])
+    model = _head_model(20, 1000)
+    del model.graph.output[3]
+    model.graph.input[1].type.tensor_type.elem_type = TensorProto.INT32  # the operator takes int64 ids
+    assert fuse_logprob_head(model) == 1
+    assert [n.op_type for n in model.graph.node] == [OP, "GatherElements"]

@@ -12,6 +12,7 @@ import pytest
 import torch
 from onnx import numpy_helper
 
+from helios import kernels
 from helios.engine.runner import Runner, StepRow, pack_rows, scatter_new_kv
 from helios.kernels.head import CANDIDATES
 from helios.manifest import Architecture, KVLayout
@@ -226,8 +227,11 @@ def test_mixed_batch_equals_separate_steps(fp32_graph, split_mixed):
         want = np.concatenate([getattr(s, field) for s in separate])
         np.testing.assert_allclose(getattr(together, field), want, rtol=1e-5, atol=1e-5, err_msg=field)
     np.testing.assert_array_equal(together.top_ids, np.concatenate([s.top_ids for s in separate]))
-    np.testing.assert_array_equal(together.candidate_ids, np.concatenate([s.candidate_ids for s in separate]))
-    np.testing.assert_allclose(together.outside_logit, np.concatenate([s.outside_logit for s in separate]), atol=1e-5)
+    if kernels.available()[0] is not None:  # the fused head's sampling candidates
+        np.testing.assert_array_equal(together.candidate_ids, np.concatenate([s.candidate_ids for s in separate]))
+        np.testing.assert_allclose(
+            together.outside_logit, np.concatenate([s.outside_logit for s in separate]), atol=1e-5
+        )
     np.testing.assert_allclose(mixed.pool, alone.pool, rtol=1e-5, atol=1e-5)  # same K/V, same slots
 
 
@@ -241,6 +245,9 @@ def test_logprob_outputs_consistent_with_logits(fp32_graph):
     np.testing.assert_array_equal(out.top_ids, np.argsort(-out.logits, axis=-1, kind="stable")[:, :20])
     np.testing.assert_allclose(out.top_logprobs, np.take_along_axis(logits, out.top_ids, -1) - lse[:, None], atol=1e-4)
     assert (np.diff(out.top_logprobs, axis=-1) <= 0).all()
+    if kernels.available()[0] is None:  # onnxruntime's own head reports no candidates
+        assert out.candidate_ids is None and out.outside_logit is None
+        return
     # The fused head's sampling candidates: the CANDIDATES largest logits, and the largest left out.
     ids, outside = out.sampling_candidates()
     order = np.argsort(-out.logits, axis=-1, kind="stable")
