@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tokenizers import Tokenizer
 
 from helios.engine.api import (
@@ -41,7 +40,7 @@ from helios.engine.constraints import ConstraintError, Constraints, RowMask
 from helios.engine.host_store import HostStoreConfig
 from helios.engine.prefix_cache import PrefixCache, PrefixCacheConfig
 from helios.engine.runner import PromptScores, StepOutput, StepRow
-from helios.engine.sampler import explicit_logprob, prompt_logprob_entries, sample, token_logprob
+from helios.engine.sampler import explicit_logprob, prompt_logprob_entries, sample_outputs, token_logprob
 from helios.engine.scheduler import Batch, Scheduler, step_rows
 from helios.engine.sequence import Sequence
 from helios.engine.speculation import RoundCounts, SpeculationConfig
@@ -420,7 +419,7 @@ class Engine:
         seqs = [seq for _, seq, _ in todo]
         row_masks = [mask for _, _, mask in todo] if masks else None
         try:
-            tokens = _sample_at(out, seqs, row_masks, [out.index(i) for i, _, _ in todo])
+            tokens = sample_outputs(out, seqs, row_masks, [out.index(i) for i, _, _ in todo])
         except Exception as exc:
             log.exception("sampling failed")
             for seq in seqs:
@@ -467,7 +466,7 @@ class Engine:
             seqs = [r.seq for _, r in active]
             at = [out.index(i, position) for i, _ in active]
             try:
-                tokens = _sample_at(out, seqs, None, at)
+                tokens = sample_outputs(out, seqs, None, at)
             except Exception as exc:
                 log.exception("sampling failed")
                 emitted.extend((seq, self._fail(seq, f"sampling failed: {exc}")) for seq in seqs)
@@ -596,10 +595,3 @@ class Engine:
                 log.exception("event sink failed for %s; aborting it", seq.request_id)
                 if not event.finished:
                     self.abort(seq.request_id)
-
-
-def _sample_at(out: StepOutput, seqs: list[Sequence], masks: list[RowMask | None] | None, at: list[int]) -> np.ndarray:
-    """One token for each of `seqs` from output rows `at` of a step: the head's candidates let
-    top-k rows sample without a vocabulary pass (helios.engine.sampler)."""
-    ids, outside = out.sampling_candidates()
-    return sample(out.logits, seqs, masks, top_ids=ids, logsumexp=out.logsumexp, outside_logit=outside, at=at)

@@ -21,6 +21,7 @@ from helios.engine.top_ids_draw import CANDIDATE_CUTOFF, SMALL_SET, draw_rows, p
 
 if TYPE_CHECKING:
     from helios.engine.runner import PromptScores
+    from helios.engine.step_io import StepOutput
 
 # Temperatures below this are greedy (argmax); the frontend clamps to a positive minimum, but a
 # core may allow tiny values and 1/T would then only amplify float noise.
@@ -145,6 +146,15 @@ def sample(
         ids, vals = candidates(z[b], s)
         out[b] = ids[_inverse_cdf(vals, u[b])]
     return out
+
+
+def sample_outputs(
+    out: StepOutput, rows: list[SampleRow], masks: list[TokenMask | None] | None, at: list[int]
+) -> np.ndarray:
+    """`sample` over output rows `at` of a step: the head's candidates (or the graph's top ids)
+    let top-k rows sample without a vocabulary pass."""
+    ids, outside = out.sampling_candidates()
+    return sample(out.logits, rows, masks, top_ids=ids, logsumexp=out.logsumexp, outside_logit=outside, at=at)
 
 
 def _draw_top_k_rows(
