@@ -453,14 +453,11 @@ void ConvertItemOf(const AttentionProblem& p, size_t item) {
   if constexpr (DV % 2 == 0) {
     const size_t chunk_elems = 2 * ChunkTileElems<DV>();
     const int chunk = static_cast<int>(item % p.row_chunks);
-    if (p.heads_apart) {
-      const int kv = static_cast<int>(item / p.row_chunks % p.KVH), b = static_cast<int>(item / p.row_chunks / p.KVH);
-      ConvertChunkHeads<DV, E>(p, b, chunk, kv, kv + 1, p.chunk_tiles + item * chunk_elems, chunk_elems);
-      return;
-    }
-    const int b = static_cast<int>(item / p.row_chunks);
-    uint16_t* first = p.chunk_tiles + (static_cast<size_t>(b) * p.KVH * p.row_chunks + chunk) * chunk_elems;
-    ConvertChunkHeads<DV, E>(p, b, chunk, 0, p.KVH, first, p.row_chunks * chunk_elems);
+    const int heads = p.heads_apart ? 1 : p.KVH;  // the item's KV heads
+    const int kv0 = p.heads_apart ? static_cast<int>(item / p.row_chunks % p.KVH) : 0;
+    const int b = static_cast<int>(item / p.row_chunks / (p.heads_apart ? p.KVH : 1));
+    uint16_t* first = p.chunk_tiles + ((static_cast<size_t>(b) * p.KVH + kv0) * p.row_chunks + chunk) * chunk_elems;
+    ConvertChunkHeads<DV, E>(p, b, chunk, kv0, kv0 + heads, first, p.row_chunks * chunk_elems);
   }
 }
 

@@ -465,7 +465,7 @@ ItemSpan Span(const AttentionProblem& p, size_t item, int chunks, bool heads_apa
 template <int DV, class E>
 void AttendHeads(const AttentionProblem& p, size_t item) {
   constexpr int D = DV * 16;
-  const ItemSpan s = Span(p, item, p.split ? p.row_chunks : 1, p.heads_apart && !p.split);
+  const ItemSpan s = Span(p, item, p.split ? p.row_chunks : 1, p.heads_apart);
   const int group = p.H / p.KVH;
   if (s.chunk == 0 && s.kv0 == 0)
     for (int i = s.last; i < std::min(p.L, s.i0 + kQueryBlock); ++i)  // padded queries: zeros

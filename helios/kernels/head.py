@@ -46,13 +46,6 @@ def _constant_k(model: onnx.ModelProto, name: str) -> int | None:
     return int(array[0]) if array.size == 1 else None
 
 
-def _vocabulary(graph: onnx.GraphProto, name: str) -> int:
-    """The last dimension of a declared 2-D tensor when the graph states it, else 0."""
-    value = next((v for v in (*graph.input, *graph.output, *graph.value_info) if v.name == name), None)
-    dims = value.type.tensor_type.shape.dim if value is not None else []
-    return dims[-1].dim_value if len(dims) == 2 else 0
-
-
 def fuse_logprob_head(model: onnx.ModelProto, candidates: bool = False) -> int:
     """Replace each LogSoftmax over the last axis of a 2-D tensor the graph declares (an input,
     output or value_info) whose output feeds a TopK (last axis, largest, sorted, constant k) by
@@ -65,7 +58,7 @@ def fuse_logprob_head(model: onnx.ModelProto, candidates: bool = False) -> int:
     `outside_logit_name`). Returns the pairs fused."""
     graph = model.graph
     declared_values = (*graph.input, *graph.output, *graph.value_info)
-    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in declared_values}
+    dims = {v.name: v.type.tensor_type.shape.dim for v in declared_values}
     types = {v.name: v.type.tensor_type.elem_type for v in declared_values}
     declared = {o.name: o for o in graph.output}
     # A subgraph (If, Loop) may read a tensor without naming it as an input: keep every output then.
@@ -76,7 +69,10 @@ def fuse_logprob_head(model: onnx.ModelProto, candidates: bool = False) -> int:
     replaced: dict[int, onnx.NodeProto] = {}  # LogSoftmax position -> the fused node
     dropped: set[int] = set()  # positions of the TopKs (and gathers) it replaces
     for at, soft in enumerate(graph.node):
-        if soft.op_type != "LogSoftmax" or soft.domain not in ("", "ai.onnx") or ranks.get(soft.input[0]) != 2:
+        if soft.op_type != "LogSoftmax" or soft.domain not in ("", "ai.onnx"):
+            continue
+        logit_dims = dims.get(soft.input[0], [])
+        if len(logit_dims) != 2:
             continue
         if _attribute(soft, "axis", -1) not in (-1, 1):
             continue
@@ -92,7 +88,8 @@ def fuse_logprob_head(model: onnx.ModelProto, candidates: bool = False) -> int:
                 continue
             inputs, outputs, extra = [soft.input[0]], [soft.output[0], *top.output, "", ""], {}
             ids = declared.get(top.output[1])
-            if candidates and ids is not None and CANDIDATES >= k and _vocabulary(graph, soft.input[0]) >= CANDIDATES:
+            # The vocabulary, where the graph states it (dim_value 0 where it does not).
+            if candidates and ids is not None and CANDIDATES >= k and logit_dims[1].dim_value >= CANDIDATES:
                 rows = [d.dim_param or d.dim_value or None for d in ids.type.tensor_type.shape.dim[:1]] or [None]
                 outputs[3:5] = [candidate_ids_name(ids.name), outside_logit_name(ids.name)]
                 graph.output.extend(

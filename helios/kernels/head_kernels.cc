@@ -76,7 +76,6 @@ void ChunkSums(void* data, size_t item) {
   const float* x = h.x + row * h.V;
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   float* blocks = h.block_max.data() + item * kBlocksPerChunk;
-  __m512 vmax = neg_inf;
   __mmask16 nan = 0;
   for (int64_t b = 0; b < kBlocksPerChunk; ++b) {
     __m512 block = neg_inf;
@@ -85,11 +84,10 @@ void ChunkSums(void* data, size_t item) {
       const __m512 v = _mm512_mask_loadu_ps(neg_inf, lanes, x + i);
       nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
       block = _mm512_max_ps(v, block);
-      vmax = _mm512_max_ps(vmax, v);
     }
     blocks[b] = _mm512_reduce_max_ps(block);
   }
-  const float m = _mm512_reduce_max_ps(vmax);
+  const float m = *std::max_element(blocks, blocks + kBlocksPerChunk);  // past the row: -inf
   const __m512 neg = _mm512_set1_ps(-m);
   __m512 vsum = _mm512_setzero_ps();
   int64_t i = begin;
@@ -151,7 +149,7 @@ void ChunkOutputs(void* data, size_t item) {
   Candidate* list = h.candidates.data() + item * 2 * keep;
   int64_t count = 0;
   const __m512 vmax = _mm512_set1_ps(h.row_max[row]), vlog = _mm512_set1_ps(h.row_log_sum[row]);
-  const __m512 floor = _mm512_set1_ps(h.row_floor[row]);
+  const __m512 floor = _mm512_set1_ps(row_floor);
   bool cut = false;  // the buffer has been cut: `bar` holds its last kept logit
   __m512 bar = floor;
   for (int64_t i = begin; i < end; i += 16) {

@@ -5,7 +5,7 @@ take), and the caller then runs the numpy formula it replaces, which gives the s
 from __future__ import annotations
 
 import ctypes
-import threading
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -13,26 +13,19 @@ import numpy as np
 from helios import kernels
 from helios.kernels import kv_dtype as kv_types
 
-_lock = threading.Lock()
-_scatter: Callable[..., int] | None = None
-_loaded = False
-
 _I64 = ctypes.c_int64
 _POINTER = ctypes.c_void_p
 
 
+@functools.cache
 def _scatter_kv_function() -> Callable[..., int] | None:
-    global _scatter, _loaded
-    with _lock:
-        if not _loaded:
-            _loaded = True
-            library, _ = kernels.available()
-            if library is not None:
-                function = ctypes.CDLL(str(library)).flare_scatter_kv
-                function.restype = ctypes.c_int32
-                function.argtypes = [_POINTER, ctypes.c_int32, *[_I64] * 4, _POINTER, _I64, _I64, *[_POINTER] * 4, _I64]
-                _scatter = function
-        return _scatter
+    library, _ = kernels.available()
+    if library is None:
+        return None
+    function = ctypes.CDLL(str(library)).flare_scatter_kv
+    function.restype = ctypes.c_int32
+    function.argtypes = [_POINTER, ctypes.c_int32, *[_I64] * 4, _POINTER, _I64, _I64, *[_POINTER] * 4, _I64]
+    return function
 
 
 def scatter_kv(pages: np.ndarray, new_kv: np.ndarray, slots: tuple[np.ndarray, ...]) -> bool:
