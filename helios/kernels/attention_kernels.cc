@@ -408,6 +408,7 @@ struct HeadQueries {
   std::vector<uint16_t>& q_bf16;  // the same in bf16, padded (bf16 steps)
   const uint16_t* heads_tiles;  // a split bf16 step: this chunk's tiles of heads first_head...
   int first_head;
+  NextChunkPages* next;  // a split AVX512-BF16 step: the next item's pages, read during this one
 
   void Load() {
     constexpr int D = DV * 16;
@@ -435,7 +436,7 @@ struct HeadQueries {
                 : heads_tiles + static_cast<size_t>(kv - first_head) * 2 * ChunkTileElems<DV>();
         const uint16_t* v_tiles = k_tiles + ChunkTileElems<DV>();
         if (p.amx) return AmxChunk<DV>(p, b, i0, last, q_bf16.data(), begin, end, k_tiles, v_tiles, acc, states);
-        return Dpbf16Chunk<DV>(p, b, i0, last, q_bf16.data(), begin, end, k_tiles, v_tiles, acc, states);
+        return Dpbf16Chunk<DV>(p, b, i0, last, q_bf16.data(), begin, end, k_tiles, v_tiles, acc, states, next);
       }
     }
     AttendChunk<DV, E>(p, b, i0, last, q.data(), begin, end, rows, acc, states);
@@ -479,6 +480,8 @@ void AttendHeads(const AttentionProblem& p, size_t item) {
   constexpr size_t kHeadTiles = 2 * ChunkTileElems<DV>();  // one head's K and V tiles
   const int heads_per_pass = std::max<int>(1, static_cast<int>(kSplitTileBytes / (kHeadTiles * sizeof(uint16_t))));
   thread_local std::vector<uint16_t> converted;
+  thread_local NextChunkPages next_pages;
+  NextChunkPages* next = nullptr;
   int first_head = s.kv0;
   for (int kv = s.kv0; kv < s.kv1; ++kv) {
     if constexpr (DV % 2 == 0) {
@@ -487,9 +490,17 @@ void AttendHeads(const AttentionProblem& p, size_t item) {
         converted.resize(static_cast<size_t>(last_head - kv) * kHeadTiles);
         ConvertChunkHeads<DV, E>(p, s.b, s.chunk, kv, last_head, converted.data(), kHeadTiles);
         first_head = kv;
+        if (!p.amx && kv == s.kv0) {
+          next = nullptr;
+          if (item + 1 < static_cast<size_t>(p.B) * p.query_blocks * p.row_chunks) {  // the item after this one
+            const ItemSpan after = Span(p, item + 1, p.row_chunks);
+            next_pages.Plan<E>(p, after.b, after.chunk, (s.kv1 - s.kv0) * kChunkKeys / 16);
+            next = &next_pages;
+          }
+        }
       }
     }
-    HeadQueries<DV, E> queries{p, s.b, kv, s.i0, s.last, nq, q_buf, q_bf16, converted.data(), first_head};
+    HeadQueries<DV, E> queries{p, s.b, kv, s.i0, s.last, nq, q_buf, q_bf16, converted.data(), first_head, next};
     queries.Load();
     if (p.split) {
       const size_t slot = item * p.KVH + kv;
