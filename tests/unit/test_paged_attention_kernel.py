@@ -115,6 +115,13 @@ CASES = {
     # Keys in several chunks of 256: a decode splits them over items and merges the chunks...
     "long decode": (14, 2, 64, 16, [(700, 1)], 1),
     "long decode, pages of 12": (4, 2, 32, 12, [(600, 1), (40, 1), (257, 1)], 1),
+    # ...as does a decode (or a verify) of eight rows and more, one query block each.
+    "long decode, eight rows": (
+        14, 2, 64, 16, [(600, 1), (40, 1), (257, 1), (0, 1), (511, 1), (256, 1), (900, 1), (300, 1)], 1,
+    ),
+    "long verify, eight rows": (
+        8, 2, 32, 16, [(300, 4), (20, 3), (700, 4), (256, 1), (0, 4), (513, 2), (64, 4), (290, 4)], 4,
+    ),
     # ...a long prefill walks them in one item per query block.
     "long prefill": (8, 2, 32, 16, [(300, 130)], 130),
 }
