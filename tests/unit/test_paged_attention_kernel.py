@@ -106,6 +106,8 @@ def _case(
     return _graph(heads, kv_heads, dim, layer, num_layers, cos, sin, precision), feeds, [w.numpy() for w in want], rows
 
 
+EIGHT_DECODES = [(600, 1), (40, 1), (257, 1), (0, 1), (511, 1), (256, 1), (900, 1), (300, 1)]
+EIGHT_VERIFIES = [(300, 4), (20, 3), (700, 4), (256, 1), (0, 4), (513, 2), (64, 4), (290, 4)]
 CASES = {
     # heads, kv heads, head dim, page tokens, (history, valid) per row, padded length
     "decode batch": (14, 2, 64, 16, [(0, 1), (5, 1), (16, 1), (47, 1), (130, 1)], 1),
@@ -116,12 +118,8 @@ CASES = {
     "long decode": (14, 2, 64, 16, [(700, 1)], 1),
     "long decode, pages of 12": (4, 2, 32, 12, [(600, 1), (40, 1), (257, 1)], 1),
     # ...as does a decode (or a verify) of eight rows and more, one query block each.
-    "long decode, eight rows": (
-        14, 2, 64, 16, [(600, 1), (40, 1), (257, 1), (0, 1), (511, 1), (256, 1), (900, 1), (300, 1)], 1,
-    ),
-    "long verify, eight rows": (
-        8, 2, 32, 16, [(300, 4), (20, 3), (700, 4), (256, 1), (0, 4), (513, 2), (64, 4), (290, 4)], 4,
-    ),
+    "long decode, eight rows": (14, 2, 64, 16, EIGHT_DECODES, 1),
+    "long verify, eight rows": (8, 2, 32, 16, EIGHT_VERIFIES, 4),
     # ...a long prefill walks them in one item per query block.
     "long prefill": (8, 2, 32, 16, [(300, 130)], 130),
 }
