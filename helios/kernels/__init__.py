@@ -37,7 +37,15 @@ SOURCES = tuple(
     for n in ("cpu_kernels.cc", "attention_kernels.cc", "moe_kernels.cc", "head_kernels.cc", "host_kernels.cc")
 )
 LOCAL_HEADERS = tuple(
-    Path(__file__).with_name(n) for n in ("int4_gemm.h", "simd_math.h", "attention_amx.h", "attention_dpbf16.h")
+    Path(__file__).with_name(n)
+    for n in (
+        "int4_gemm.h",
+        "simd_math.h",
+        "attention_pool.h",
+        "attention_fp32.h",
+        "attention_amx.h",
+        "attention_dpbf16.h",
+    )
 )  # included
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
 HEADERS_DEB = (

@@ -22,8 +22,9 @@
 // continues exactly as if it had been computed in one pass. precision="bfloat16" computes each
 // chunk on AMX tiles instead (attention_amx.h), with the same chunks and the same fold.
 //
-// Work: with many (row, query block) pairs, one item per pair walks every chunk; with few
-// (decode), one item per chunk, so both threads stream their own pages, and MergeHeads folds.
+// Work: with many (row, query block) pairs, one item per pair walks every chunk; with few, or
+// one query block a row (decode), one item per chunk, so both threads stream their own pages,
+// and MergeHeads folds.
 // An item covers every KV head: a token's heads lie side by side, so it reads whole rows.
 
 #include <immintrin.h>
@@ -167,16 +168,6 @@ void RotateToken(void* data, size_t token) {
   if (p.pool_type == PoolType::kF16) RoundNewKeys<PoolF16>(p, token);
 }
 
-// Flash-attention style: the keys stream past in blocks of 16 (transposed in registers, so a query
-// vector's 16 scores are D FMAs), each query vector keeps a running max, sum and output
-// accumulator (online softmax), and NR query vectors share every key and value load.
-template <class E>
-struct KeyBlock {
-  alignas(64) float kt[kMaxHeadDim][16];  // [d][key]
-  const typename E::T* values[16];
-  int count;  // keys in the block (the rest of kt is zero)
-};
-
 // In-register transpose of 16 rows of 16 floats: r[c] becomes column c. Always inlined: called
 // out of line (as GCC chose), the rows went through the stack and every reload waited on its store
 // (a 16k-token decode's bf16 attention: 0.70 -> 0.53 ms a layer on Zen 4).
@@ -201,58 +192,6 @@ __attribute__((always_inline)) inline void Transpose16(__m512 r[16]) {
     r[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88);
     r[c + 8] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0xDD);
   }
-}
-
-// Not inlined: inside AttendChunk the compiler spills the NR x DV accumulators to the stack.
-template <int DV, int NR, class E>
-__attribute__((noinline)) void AttendBlock(const AttentionProblem& p, const KeyBlock<E>& blk, int j0, int history, int i0, int group,
-                 const float* q, int v0, int nv, float* acc, QueryState* state) {
-  constexpr int D = DV * 16;
-  __m512 s[NR], s_odd[NR];  // even and odd dimensions: two chains per score halve its latency
-  for (int r = 0; r < NR; ++r) s[r] = s_odd[r] = _mm512_setzero_ps();
-  for (int d = 0; d < D; d += 2) {
-    const __m512 kd = _mm512_load_ps(blk.kt[d]), ke = _mm512_load_ps(blk.kt[d + 1]);
-    for (int r = 0; r < NR; ++r) {
-      s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[(v0 + r) * D + d]), kd, s[r]);
-      s_odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[(v0 + r) * D + d + 1]), ke, s_odd[r]);
-    }
-  }
-  for (int r = 0; r < NR; ++r) s[r] = _mm512_add_ps(s[r], s_odd[r]);
-  alignas(64) float prob[NR][16];
-  float corr[NR];
-  const __mmask16 present = static_cast<__mmask16>((1u << blk.count) - 1u);
-  for (int r = 0; r < NR; ++r) {
-    corr[r] = 1.f;
-    _mm512_store_ps(prob[r], _mm512_setzero_ps());
-    if (r >= nv) continue;
-    const int i = i0 + (v0 + r) / group;  // query index of this query vector
-    const int visible = history + i + 1 - j0;  // keys of the block it may see: the first `visible`
-    if (visible <= 0) continue;
-    const __mmask16 mask = visible >= 16 ? present : static_cast<__mmask16>(present & ((1u << visible) - 1u));
-    const __m512 scores = _mm512_mul_ps(s[r], _mm512_set1_ps(p.scale));
-    const float block_max = _mm512_mask_reduce_max_ps(mask, scores);
-    QueryState& st = state[v0 + r];
-    const float new_max = std::max(st.max, block_max);
-    corr[r] = st.sum == 0.f ? 0.f : std::exp(st.max - new_max);
-    const __m512 e = _mm512_maskz_mov_ps(mask, Exp(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
-    st.sum = st.sum * corr[r] + _mm512_reduce_add_ps(e);
-    st.max = new_max;
-    _mm512_store_ps(prob[r], e);
-  }
-  __m512 out[NR][DV];
-  for (int r = 0; r < NR; ++r)
-    for (int x = 0; x < DV; ++x)
-      out[r][x] = _mm512_mul_ps(_mm512_loadu_ps(acc + (v0 + r) * D + 16 * x), _mm512_set1_ps(corr[r]));
-  for (int j = 0; j < blk.count; ++j) {
-    __m512 v[DV];
-    for (int x = 0; x < DV; ++x) v[x] = E::Load(blk.values[j] + 16 * x);
-    for (int r = 0; r < NR; ++r) {
-      const __m512 pj = _mm512_set1_ps(prob[r][j]);
-      for (int x = 0; x < DV; ++x) out[r][x] = _mm512_fmadd_ps(pj, v[x], out[r][x]);
-    }
-  }
-  for (int r = 0; r < nv; ++r)
-    for (int x = 0; x < DV; ++x) _mm512_storeu_ps(acc + (v0 + r) * D + 16 * x, out[r][x]);
 }
 
 // Folds a chunk's partial state into a running one. Every path folds with this one function in
@@ -280,115 +219,13 @@ inline void Finish(const QueryState& run, const float* run_acc, float* out) {
   for (int x = 0; x < DV; ++x) _mm512_storeu_ps(out + 16 * x, _mm512_mul_ps(_mm512_loadu_ps(run_acc + 16 * x), inv));
 }
 
-// prefetcht0 of the line holding `p`. Not _mm_prefetch: GCC 12 deletes a loop whose body is only
-// __builtin_prefetch calls (it has no side effects for the optimizer), so KeyRows::Prefetch compiled
-// to nothing; an asm volatile stays.
-inline void PrefetchLine(const char* p) { asm volatile("prefetcht0 %0" : : "m"(*p)); }
-
-// The K and V rows of one row's keys for one KV head, in the pool's element type E: pool pages
-// for history, the step's own new tokens after it (rounded to E for a 16-bit pool). A block of
-// keys inside one page is one pointer and a stride.
-template <class E>
-struct KeyRows {
-  using T = typename E::T;
-  const AttentionProblem& p;
-  int b, kv, history;
-  size_t stride;
-  const T* k_pages;
-  const T* v_pages;
-  const T* k_new;
-  const T* v_new;
-
-  KeyRows(const AttentionProblem& problem, int row, int head)
-      : p(problem), b(row), kv(head), history(static_cast<int>(problem.history_lens[row])),
-        stride(static_cast<size_t>(problem.KVH) * problem.D),
-        k_pages(static_cast<const T*>(problem.pool) + static_cast<size_t>(2 * problem.layer) * problem.pages * problem.T * stride),
-        v_pages(k_pages + static_cast<size_t>(problem.pages) * problem.T * stride) {
-    if constexpr (std::is_same_v<T, float>) {
-      k_new = problem.k_out;
-      v_new = problem.v_out;
-    } else {
-      k_new = problem.k_new16;
-      v_new = problem.v_new16;
-    }
-  }
-
-  void operator()(int j0, int count, const T** k_rows, const T** v_rows) const {
-    if (j0 + count <= history && j0 / p.T == (j0 + count - 1) / p.T) {
-      const int64_t page = p.block_tables[static_cast<size_t>(b) * p.M + j0 / p.T];
-      const size_t base = (static_cast<size_t>(page) * p.T + j0 % p.T) * stride + kv * p.D;
-      for (int jj = 0; jj < count; ++jj) {
-        k_rows[jj] = k_pages + base + jj * stride;
-        v_rows[jj] = v_pages + base + jj * stride;
-      }
-      return;
-    }
-    for (int jj = 0; jj < count; ++jj) {
-      const int j = j0 + jj;
-      if (j < history) {
-        const int64_t page = p.block_tables[static_cast<size_t>(b) * p.M + j / p.T];
-        const size_t at = (static_cast<size_t>(page) * p.T + j % p.T) * stride + kv * p.D;
-        k_rows[jj] = k_pages + at;
-        v_rows[jj] = v_pages + at;
-      } else {
-        const size_t at = (static_cast<size_t>(b) * p.L + (j - history)) * stride + kv * p.D;
-        k_rows[jj] = k_new + at;
-        v_rows[jj] = v_new + at;
-      }
-    }
-  }
-
-  // Start loading the K and V rows of keys [j0, end), at most 16 of them, into L1 (a decode's
-  // keys stream from memory: the chunks fetch a block or two ahead of the one they work on).
-  void Prefetch(int j0, int end) const {
-    if (j0 >= end) return;
-    const T* rows[2][16];
-    const int count = std::min(16, end - j0);
-    (*this)(j0, count, rows[0], rows[1]);
-    for (int jj = 0; jj < count; ++jj)
-      for (int line = 0; line < p.D * static_cast<int>(sizeof(T)); line += 64) {
-        PrefetchLine(reinterpret_cast<const char*>(rows[0][jj]) + line);
-        PrefetchLine(reinterpret_cast<const char*>(rows[1][jj]) + line);
-      }
-  }
-};
-
-// One chunk of keys for query vectors [i0, last) x group of row b (q: their rotated queries,
-// [nq, D]), from a fresh state: acc [nq, D] gets sum(e^(s - max) v), states the running max and
-// sum. Keys [begin, end): the chunk, clipped to what the last query sees.
-template <int DV, class E>
-void AttendChunk(const AttentionProblem& p, int b, int i0, int last, const float* q, int begin, int end,
-                 const KeyRows<E>& key_rows, float* acc, QueryState* states) {
-  using T = typename E::T;
-  constexpr int D = DV * 16;
-  constexpr int NR = DV <= 2 ? 8 : DV <= 4 ? 4 : DV <= 8 ? 2 : 1;  // accumulators NR x DV stay in registers
-  const int group = p.H / p.KVH;
-  const int nq = (last - i0) * group;  // query vectors (i, g) -> (i - i0) * group + g
-  std::fill(acc, acc + static_cast<size_t>(nq) * D, 0.f);
-  std::fill(states, states + nq, QueryState{-INFINITY, 0.f});
-  // A one-row decode waits on memory unless the rows a few blocks ahead are already on the way.
-  for (int ahead = 0; ahead < kPrefetchBlocks; ++ahead) key_rows.Prefetch(begin + 16 * ahead, end);
-  KeyBlock<E> blk;
-  for (int j0 = begin; j0 < end; j0 += 16) {
-    key_rows.Prefetch(j0 + 16 * kPrefetchBlocks, end);
-    blk.count = std::min(16, end - j0);
-    const T* k_rows[16];
-    key_rows(j0, blk.count, k_rows, blk.values);
-    for (int x = 0; x < DV; ++x) {  // 16 keys x 16 dims at a time, missing keys as zeros
-      __m512 r[16];
-      for (int jj = 0; jj < 16; ++jj) r[jj] = jj < blk.count ? E::Load(k_rows[jj] + 16 * x) : _mm512_setzero_ps();
-      Transpose16(r);
-      for (int c = 0; c < 16; ++c) _mm512_store_ps(blk.kt[16 * x + c], r[c]);
-    }
-    for (int v0 = 0; v0 < nq; v0 += NR)
-      AttendBlock<DV, NR, E>(p, blk, j0, key_rows.history, i0, group, q, v0, std::min(NR, nq - v0), acc, states);
-  }
-}
-
 }  // namespace
 
-// The bf16 chunks (AMX, AVX512-BF16): after the definitions they share (QueryState, KeyRows,
+// How the chunks read the pool (KeyRows), then the chunks themselves (fp32 on any AVX-512 CPU;
+// bf16 on AMX or AVX512-BF16): after the definitions they share (AttentionProblem, QueryState,
 // Transpose16, Exp).
+#include "attention_pool.h"
+#include "attention_fp32.h"
 #include "attention_amx.h"
 #include "attention_dpbf16.h"
 
