@@ -1,14 +1,15 @@
 """How fast ai.flare.PagedAttention attends over a long history, against the bandwidth probe.
 
-python scripts/attention_speed.py [--history 16384] [--queries 1 512] [--kv-dtype bf16] [--layers 24]
-                                  [--repeats 10] [--threads 2] [--library A.so B.so]
+python scripts/attention_speed.py [--history 16384] [--queries 1 512] [--rows 1] [--kv-dtype bf16]
+                                  [--layers 24] [--repeats 10] [--threads 2] [--library A.so B.so]
 
 One ONNX graph holds `--layers` PagedAttention nodes with the default core's geometry (14 query
 heads, 2 KV heads, head dim 64, 16-token pages), each reading its own layer of one pool whose
-pages are shuffled, as a served row's are: one run is the attention of one step of `--queries`
-new tokens over `--history` pool tokens. Reported per query count: ms per layer, and for decode
-(one query) the K/V GB/s that is and its ratio to scripts/bandwidth.py's probe read in the same
-minutes. The A/B tool for the attention chunks (`--library`: several kernel builds in turns).
+pages are shuffled, as served rows' are: one run is the attention of one step of `--rows` rows,
+each `--queries` new tokens over `--history` pool tokens. Reported per query count: ms per
+layer, and for decode (one query) the K/V GB/s that is and its ratio to scripts/bandwidth.py's
+probe read in the same minutes. The A/B tool for the attention chunks (`--library`: several
+kernel builds in turns).
 """
 
 from __future__ import annotations
@@ -85,16 +86,17 @@ def pool_value(tokens: int, layers: int, dtype: np.dtype) -> ort.OrtValue:
     )
 
 
-def feeds_for(history: int, queries: int, pool: ort.OrtValue) -> dict:
+def feeds_for(history: int, queries: int, rows: int, pool: ort.OrtValue) -> dict:
     rng = np.random.default_rng(queries)
     pages = -(-(history + queries) // PAGE)
     return {
-        "qkv": rng.standard_normal((1, queries, (HEADS + 2 * KV_HEADS) * DIM), dtype=np.float32),
-        "positions": np.arange(history, history + queries, dtype=np.int64)[None],
+        "qkv": rng.standard_normal((rows, queries, (HEADS + 2 * KV_HEADS) * DIM), dtype=np.float32),
+        "positions": np.tile(np.arange(history, history + queries, dtype=np.int64), (rows, 1)),
         "kv_pool": pool,
-        "block_tables": rng.permutation(pages).astype(np.int64)[None],  # shuffled, as a served row's
-        "history_lens": np.array([history], np.int64),
-        "query_lens": np.array([queries], np.int64),
+        # Every row's pages, shuffled over the pool as served rows' are.
+        "block_tables": rng.permutation(rows * pages).astype(np.int64).reshape(rows, pages),
+        "history_lens": np.full(rows, history, np.int64),
+        "query_lens": np.full(rows, queries, np.int64),
     }
 
 
@@ -102,6 +104,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--history", type=int, default=16384)
     parser.add_argument("--queries", type=int, nargs="+", default=[1, 512])
+    parser.add_argument("--rows", type=int, default=1, help="batch rows, each over its own history")
     parser.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--layers", type=int, default=24)
     kernel_ab.add_options(parser, repeats=10)
@@ -109,11 +112,13 @@ def main() -> None:
     dtype = kv_types.numpy_dtype(args.kv_dtype)
     model = attention_model(args.layers, args.history + max(args.queries) + 1, args.kv_dtype).SerializeToString()
     sessions = {lib: kernel_ab.session(model, args.threads, lib) for lib in kernel_ab.libraries(args)}
-    pool = pool_value(args.history + max(args.queries), args.layers, dtype)
-    feeds = {q: feeds_for(args.history, q, pool) for q in args.queries}
-    kv_bytes = args.history * KV_HEADS * DIM * 2 * dtype.itemsize  # one layer's K and V
+    pages = -(-(args.history + max(args.queries)) // PAGE)
+    pool = pool_value(args.rows * pages * PAGE, args.layers, dtype)
+    feeds = {q: feeds_for(args.history, q, args.rows, pool) for q in args.queries}
+    kv_bytes = args.rows * args.history * KV_HEADS * DIM * 2 * dtype.itemsize  # one layer's K and V
     probe = read_bandwidth(args.threads)["gbs"]
-    result = {"history": args.history, "kv_dtype": args.kv_dtype, "probe_gbs": probe, "libraries": {}}
+    result = {"history": args.history, "rows": args.rows, "kv_dtype": args.kv_dtype, "probe_gbs": probe}
+    result["libraries"] = {}
     for _turn in range(args.turns):
         for lib, sess in sessions.items():
             for queries in args.queries:
