@@ -423,10 +423,10 @@ void AmxChunk(const AttentionProblem& p, int b, int i0, int last, const uint16_t
 // 16-key block: a block's keys are one page's rows, read whole (heads lie side by side in a row)
 // where a pass per head read half of every row twice over (~9% of a 16k decode's attention on
 // Zen 4). Heads [kv0, kv1): head kv's K tiles go to tiles + (kv - kv0) * head_stride, its V
-// tiles right after them.
+// tiles right after them. `next` (a split item's): a step of its prefetches per block.
 template <int DV, class E>
 void ConvertChunkHeads(const AttentionProblem& p, int b, int chunk, int kv0, int kv1, uint16_t* tiles,
-                       size_t head_stride) {
+                       size_t head_stride, NextChunkPages* next = nullptr) {
   const int begin = chunk * kChunkKeys;
   const int keys = std::min(kChunkKeys, static_cast<int>(p.history_lens[b] + p.query_lens[b]) - begin);
   if (keys <= 0) return;  // past the row's keys: no query reads it
@@ -438,6 +438,7 @@ void ConvertChunkHeads(const AttentionProblem& p, int b, int chunk, int kv0, int
   }
   for (int blk = 0; blk * 16 < keys; ++blk)
     for (int kv = kv0; kv < kv1; ++kv) {
+      if (next != nullptr && kv == kv0) next->Step();
       const KeyRows<E> rows(p, b, kv);
       rows.Prefetch(begin + 16 * (blk + 1), begin + keys);
       uint16_t* k_tiles = tiles + (kv - kv0) * head_stride;

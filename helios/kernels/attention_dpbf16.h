@@ -69,56 +69,6 @@ inline void WeighValues(const uint32_t* p32, int v0, int rows, int width, int st
     for (int x = 0; x < DV; ++x) _mm512_storeu_ps(out + static_cast<size_t>(v0 + r) * D + 16 * x, acc[r][x]);
 }
 
-// The pool pages of the chunk a split item's thread attends next, fetched while this item
-// computes. An item otherwise reads its chunk from memory and then computes with no read in
-// flight; spread over the scores' blocks, the next chunk's reads overlap the arithmetic (a 16k
-// decode's attention ~20% faster on Zen 4). Only chunks whose pages fit kSplitTileBytes: larger
-// ones would evict the tiles being read.
-struct NextChunkPages {
-  static constexpr int kMaxRuns = 2 * kChunkKeys;  // K and V runs of a chunk's pages (T >= 1)
-  const char* runs[kMaxRuns];
-  int run_bytes[kMaxRuns];
-  int count = 0, at = 0, offset = 0, lines_per_step = 0;
-
-  // Plans the pages of chunk `chunk` of row b (history keys only: the step's own are in cache),
-  // spread over `steps` calls of Step.
-  template <class E>
-  void Plan(const AttentionProblem& p, int b, int chunk, int steps) {
-    count = at = offset = 0;
-    const int history = static_cast<int>(p.history_lens[b]);
-    const int begin = chunk * kChunkKeys, end = std::min(history, begin + kChunkKeys);
-    const size_t row_bytes = static_cast<size_t>(p.KVH) * p.D * sizeof(typename E::T);
-    if (begin >= end || static_cast<size_t>(end - begin) * row_bytes * 2 > kSplitTileBytes) return;
-    const KeyRows<E> rows(p, b, 0);
-    int lines = 0;
-    for (int j = begin; j < end;) {
-      const int n = std::min(end, (j / p.T + 1) * p.T) - j;  // keys of j's page in the chunk
-      const typename E::T* k_row[1];
-      const typename E::T* v_row[1];
-      rows(j, 1, k_row, v_row);
-      const int bytes = static_cast<int>(n * row_bytes);
-      runs[count] = reinterpret_cast<const char*>(k_row[0]);
-      run_bytes[count++] = bytes;
-      runs[count] = reinterpret_cast<const char*>(v_row[0]);
-      run_bytes[count++] = bytes;
-      lines += 2 * ((bytes + 63) / 64);
-      j += n;
-    }
-    lines_per_step = (lines + steps - 1) / std::max(1, steps);
-  }
-
-  void Step() {
-    for (int n = 0; n < lines_per_step && at < count; ++n) {
-      PrefetchLine(runs[at] + offset);
-      offset += 64;
-      if (offset >= run_bytes[at]) {
-        ++at;
-        offset = 0;
-      }
-    }
-  }
-};
-
 struct Dpbf16ChunkBuffers {
   std::vector<float> s;  // scores [rows, width]
   std::vector<uint16_t> p;  // P [rows, width] in bf16

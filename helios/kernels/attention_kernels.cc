@@ -325,16 +325,16 @@ void AttendHeads(const AttentionProblem& p, size_t item) {
       if (p.bf16 && p.split && (kv - s.kv0) % heads_per_pass == 0) {
         const int last_head = std::min(s.kv1, kv + heads_per_pass);
         converted.resize(static_cast<size_t>(last_head - kv) * kHeadTiles);
-        ConvertChunkHeads<DV, E>(p, s.b, s.chunk, kv, last_head, converted.data(), kHeadTiles);
-        first_head = kv;
         if (!p.amx && kv == s.kv0) {
           next = nullptr;
           if (item + 1 < static_cast<size_t>(p.B) * p.query_blocks * p.row_chunks) {  // the item after this one
             const ItemSpan after = Span(p, item + 1, p.row_chunks);
-            next_pages.Plan<E>(p, after.b, after.chunk, (s.kv1 - s.kv0) * kChunkKeys / 16);
+            next_pages.Plan<E>(p, after.b, after.chunk, (s.kv1 - s.kv0 + 1) * kChunkKeys / 16);
             next = &next_pages;
           }
         }
+        ConvertChunkHeads<DV, E>(p, s.b, s.chunk, kv, last_head, converted.data(), kHeadTiles, next);
+        first_head = kv;
       }
     }
     HeadQueries<DV, E> queries{p, s.b, kv, s.i0, s.last, nq, q_buf, q_bf16, converted.data(), first_head, next};
