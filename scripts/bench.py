@@ -41,8 +41,8 @@ pool type helios serves with: --kv-dtype, auto by default, reported as kv_pool_d
 bandwidth / bytes.
 
 Other tenants' load on a shared host comes and goes within a run, so helios and the peers
-alternate for --rounds rounds (default 2) and each runtime keeps its best round; every round's
-numbers and the load average are in the JSON ("rounds").
+alternate for --rounds rounds (default 2) and each runtime keeps, per metric, its best round;
+every round's numbers and the load average are in the JSON ("rounds").
 
 JSON: {"helios": {decode_b1_tps, decode_b8_tps, prefill_tps, ttft_ms, prefix_hit_ttft_ratio,
 rss_mb, decode_b1_bound_tps and decode_b1_bound_ratio (the probe over the core's
