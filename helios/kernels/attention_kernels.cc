@@ -326,7 +326,6 @@ void AttendHeads(const AttentionProblem& p, size_t item) {
         const int last_head = std::min(s.kv1, kv + heads_per_pass);
         converted.resize(static_cast<size_t>(last_head - kv) * kHeadTiles);
         if (!p.amx && kv == s.kv0) {
-          next = nullptr;
           if (item + 1 < static_cast<size_t>(p.B) * p.query_blocks * p.row_chunks) {  // the item after this one
             const ItemSpan after = Span(p, item + 1, p.row_chunks);
             next_pages.Plan<E>(p, after.b, after.chunk, (s.kv1 - s.kv0 + 1) * kChunkKeys / 16);
