@@ -108,6 +108,7 @@ def stream(client: httpx.Client, prompt: list[dict] | str, max_tokens: int) -> t
     body = {
         "max_tokens": max_tokens,
         "temperature": 0,
+        "top_k": 1,  # greedy: temperature 0 alone is clamped to the core's minimum and still samples
         "stream": True,
         "stream_options": {"include_usage": True},
         **({"messages": prompt} if chat else {"prompt": prompt, "stop": ["```"]}),
