@@ -25,13 +25,17 @@ template <int DV, int NR, class E>
 __attribute__((noinline)) void AttendBlock(const AttentionProblem& p, const KeyBlock<E>& blk, int j0, int history, int i0, int group,
                  const float* q, int v0, int nv, float* acc, QueryState* state) {
   constexpr int D = DV * 16;
+  // Vectors past nv (the last pass of a group not a multiple of NR) repeat the last real one:
+  // q and acc end at nq vectors, and reading past them can cross into an unmapped page.
+  const float* qr[NR];
+  for (int r = 0; r < NR; ++r) qr[r] = q + (v0 + std::min(r, nv - 1)) * D;
   __m512 s[NR], s_odd[NR];  // even and odd dimensions: two chains per score halve its latency
   for (int r = 0; r < NR; ++r) s[r] = s_odd[r] = _mm512_setzero_ps();
   for (int d = 0; d < D; d += 2) {
     const __m512 kd = _mm512_load_ps(blk.kt[d]), ke = _mm512_load_ps(blk.kt[d + 1]);
     for (int r = 0; r < NR; ++r) {
-      s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[(v0 + r) * D + d]), kd, s[r]);
-      s_odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[(v0 + r) * D + d + 1]), ke, s_odd[r]);
+      s[r] = _mm512_fmadd_ps(_mm512_set1_ps(qr[r][d]), kd, s[r]);
+      s_odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(qr[r][d + 1]), ke, s_odd[r]);
     }
   }
   for (int r = 0; r < NR; ++r) s[r] = _mm512_add_ps(s[r], s_odd[r]);
@@ -59,7 +63,8 @@ __attribute__((noinline)) void AttendBlock(const AttentionProblem& p, const KeyB
   __m512 out[NR][DV];
   for (int r = 0; r < NR; ++r)
     for (int x = 0; x < DV; ++x)
-      out[r][x] = _mm512_mul_ps(_mm512_loadu_ps(acc + (v0 + r) * D + 16 * x), _mm512_set1_ps(corr[r]));
+      out[r][x] = r < nv ? _mm512_mul_ps(_mm512_loadu_ps(acc + (v0 + r) * D + 16 * x), _mm512_set1_ps(corr[r]))
+                         : _mm512_setzero_ps();
   for (int j = 0; j < blk.count; ++j) {
     __m512 v[DV];
     for (int x = 0; x < DV; ++x) v[x] = E::Load(blk.values[j] + 16 * x);
