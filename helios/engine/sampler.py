@@ -18,6 +18,7 @@ import numpy as np
 
 from helios.engine.api import PromptLogprob, SamplingParams, TokenLogprob
 from helios.engine.top_ids_draw import CANDIDATE_CUTOFF, SMALL_SET, draw_rows, penalized_row
+from helios.kernels import host
 
 if TYPE_CHECKING:
     from helios.engine.runner import PromptScores
@@ -360,7 +361,7 @@ def _top_p(ids: np.ndarray, vals: np.ndarray, mx: np.float32, top_p: float) -> n
     Best-first is decreasing logit, then increasing token id, so ties are cut deterministically.
     A token is kept while the probability of the tokens before it is below top_p.
     """
-    p = np.exp(vals - mx)
+    p = host.exp(vals - mx)
     bins = _bins(vals, mx)
     cum = np.cumsum(np.bincount(bins, weights=p))
     target = top_p * cum[-1]
@@ -381,7 +382,7 @@ def _top_p_small(ids: np.ndarray, vals: np.ndarray, mx: np.float32, top_p: float
     """`_top_p` for a set of at most CDF_BLOCK tokens: sorted best-first (decreasing logit, then
     increasing id), a token is kept while the float64 mass before it is below top_p of the total."""
     order = np.lexsort((ids, -vals))
-    mass = np.exp(vals - mx)[order].astype(np.float64)
+    mass = host.exp(vals - mx)[order].astype(np.float64)
     running = np.cumsum(mass)
     before = np.concatenate([np.zeros(1), running[:-1]])
     return np.sort(order[before < top_p * running[-1]])
@@ -389,7 +390,7 @@ def _top_p_small(ids: np.ndarray, vals: np.ndarray, mx: np.float32, top_p: float
 
 def _inverse_cdf(vals: np.ndarray, u: float) -> int:
     """Index into `vals` sampled from softmax(vals) with the uniform u in [0, 1)."""
-    p = np.exp(vals - vals.max())
+    p = host.exp(vals - vals.max())
     n = p.size
     if n <= CDF_BLOCK:  # one block: the first running sum above u of the total
         running = np.cumsum(p, dtype=np.float64)

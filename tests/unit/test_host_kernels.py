@@ -1,12 +1,16 @@
 """The kernel library's host helpers (helios/kernels/host_kernels.cc through helios.kernels.host)
-against the numpy formulas they replace: the same bits in the pool."""
+against the numpy formulas they replace: the same bits in the pool, the same draws."""
 
 from __future__ import annotations
+
+import collections
 
 import numpy as np
 import pytest
 
 from helios import kernels
+from helios.engine import top_ids_draw
+from helios.engine.api import SamplingParams
 from helios.engine.step_io import StepRow, new_token_slots, scatter_new_kv
 from helios.kernels import host
 from helios.kernels import kv_dtype as kv_types
@@ -58,3 +62,90 @@ def test_scatter_leaves_pools_it_does_not_take_to_numpy_and_refuses_slots_outsid
     with pytest.raises(IndexError):
         host.scatter_kv(pool, new_kv, (page, offset, row, token - 1))
     assert not pool.any()
+
+
+def test_exp_is_within_float32_rounding_of_numpys_and_zero_below_the_normal_range():
+    x = np.concatenate([np.linspace(-87.0, 0.0, 100_003, dtype=np.float32), np.float32([0.5, 3.0, 20.0])])
+    got = host.exp(x)
+    np.testing.assert_allclose(got, np.exp(x), rtol=3e-7, atol=0)
+    assert host.exp(np.float32([-np.inf, -88.0, -1000.0, 0.0])).tolist() == [0.0, 0.0, 0.0, 1.0]
+    assert host.exp(np.zeros(0, np.float32)).shape == (0,)
+    assert host.exp(np.float64([1.0])).dtype == np.float64  # not the library's: numpy's
+
+
+def _draw_case(seed: int, rows: int = 8, k_ids: int = 64, vocab: int = 5000):
+    """Logits from flat to peaked, each row's K raw-best ids (any order), parameters covering every
+    filter and penalty, prompts and outputs among the candidates."""
+    rng = np.random.default_rng(seed)
+    scale = rng.choice([0.05, 0.5, 2.0, 8.0, 30.0], size=(rows, 1)).astype(np.float32)
+    logits = (rng.standard_normal((rows, vocab)).astype(np.float32) * scale).astype(np.float32)
+    logits[:, rng.integers(0, vocab, 40)] = logits[:, :1]  # ties
+    top = np.argsort(-logits, axis=1, kind="stable")[:, :k_ids]
+    top = np.take_along_axis(top, rng.permuted(np.tile(np.arange(k_ids), (rows, 1)), axis=1), axis=1)
+    params, seen, counts = [], [], []
+    for b in range(rows):
+        params.append(
+            SamplingParams(
+                top_k=int(rng.integers(1, k_ids + 1)),
+                temperature=float(rng.choice([0.05, 0.7, 1.0, 1.7])),
+                top_p=float(rng.choice([1.0, 0.95, 0.8, 0.3])),
+                min_p=float(rng.choice([0.0, 0.0, 0.05, 0.3])),
+                repetition_penalty=float(rng.choice([1.0, 1.05, 1.3])),
+                presence_penalty=float(rng.choice([0.0, 0.4])),
+                frequency_penalty=float(rng.choice([0.0, 0.3, 1.1])),
+            )
+        )
+        picked = rng.choice(top[b], size=12).tolist() + rng.integers(0, vocab, 20).tolist()
+        seen.append(set(picked[::2]))
+        counts.append(collections.Counter(picked[1::3]))
+    return logits, top, params, seen, counts
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_librarys_draw_equals_numpys_for_every_row_it_takes(seed):
+    logits, top, params, seen, counts = _draw_case(seed)
+    rows = list(range(len(params)))
+    rng = np.random.default_rng(1000 + seed)
+    outside = None
+    for turn in range(60):
+        if turn == 30:  # the fused head's bound on the logits outside the candidates
+            rest = logits.copy()
+            np.put_along_axis(rest, top, -np.inf, axis=1)
+            outside = rest.max(axis=1)
+        uniforms = rng.random(len(rows)).tolist()
+        library = top_ids_draw._draw_in_library(logits, top, rows, params, seen, counts, uniforms, outside)
+        numpy_tokens, drawn = top_ids_draw._draw_in_numpy(logits, top, rows, params, seen, counts, uniforms, outside)
+        taken = library >= 0
+        assert taken.any()
+        assert library[taken].tolist() == numpy_tokens[taken].tolist()
+        together, together_drawn = top_ids_draw.draw_rows(logits, top, rows, params, seen, counts, uniforms, outside)
+        assert together.tolist() == numpy_tokens.tolist() and together_drawn.tolist() == drawn.tolist()
+
+
+def test_the_library_leaves_rows_that_need_the_vocabulary_pass():
+    # A heavily penalized candidate set: its k-th value falls below tokens outside the candidates.
+    logits = (np.random.default_rng(7).standard_normal((1, 600)) * 0.5).astype(np.float32)
+    top = np.argsort(-logits, axis=1)[:, :64]
+    ids = top[0].tolist()
+    params = [SamplingParams(top_k=64, temperature=1.0, repetition_penalty=1.0, frequency_penalty=30.0)]
+    counts = [collections.Counter(ids)]
+    tokens = top_ids_draw._draw_in_library(logits, top, [0], params, [set()], counts, [0.5], None)
+    assert tokens.tolist() == [-1]
+    token, drawn = top_ids_draw.draw_rows(logits, top, [0], params, [set()], counts, [0.5], None)
+    assert drawn.tolist() == [True] and int(token[0]) not in ids  # drawn by the numpy path
+
+
+def test_the_librarys_draw_refuses_rows_and_top_k_outside_its_arrays():
+    logits, top, _, _, _ = _draw_case(3, rows=2)
+    table = np.zeros((1, len(host.DRAW_COLUMNS)))
+    table[0, host.DRAW_COLUMNS.index("temperature")] = 1.0
+    table[0, host.DRAW_COLUMNS.index("top_k")] = 65
+    penalties = np.zeros((1, 2, 64), np.float32)
+    with pytest.raises(IndexError):
+        host.draw_top_k(logits, top, [0], table, penalties)
+    table[0, host.DRAW_COLUMNS.index("top_k")] = 5
+    with pytest.raises(IndexError):
+        host.draw_top_k(logits, top, [2], table, penalties)
+    with pytest.raises(ValueError):
+        host.draw_top_k(logits, top, [0, 1], table, penalties)
+    assert host.draw_top_k(logits, top, [1], table, penalties).tolist()[0] in top[1].tolist()
