@@ -11,11 +11,17 @@
 // pays the unpacking once.
 //
 // Inputs:  A float [..., K]; W uint8 [tiles * blocks * block_size * 8] (ignition.export.int4_layout);
-//          scales float [tiles, blocks, 16]; bias float [N] (optional).
+//          scales float [tiles, blocks, 16]; bias float [N] (optional); skip float [..., K] and
+//          gamma float [K] (both or neither: the fused norm below).
 // Output:  Y float [..., N], or [..., N / 2] with activation "swiglu": then the tiles alternate
 //          gate and up columns (tile 2i: gate columns 16i.., tile 2i+1: the same up columns) and
 //          Y = silu(gate) * up, the MLP's Split/Sigmoid/Mul/Mul done in the store loop.
-// Attributes: K, N, block_size, activation (optional: "swiglu").
+//          With the fused norm, sum float [..., K] (optional): A + skip.
+// Attributes: K, N, block_size, activation (optional: "swiglu"), epsilon (optional: the fused
+//          norm). With epsilon the matmul's input is onnxruntime's SkipSimplifiedLayerNormalization
+//          of (A, skip, gamma), in its float operations and order, so the result has the same bits
+//          as the two nodes (helios.kernels.norm_fusion makes the rewrite at load; one node
+//          dispatch fewer per norm, 48 a step on the default core).
 // Weights are symmetric 4-bit (value = (q - 8) * scale). Activations are quantized to int8 per
 // weight block (max-abs scale), as MatMulNBits' accuracy level 4 does.
 #include <immintrin.h>
@@ -39,11 +45,39 @@
 
 namespace {
 
+// An opaque copy: keeps the compiler from fusing a product into the following add (onnxruntime's
+// norm rounds the square and the sum separately).
+inline float Rounded(float value) {
+  asm("" : "+v"(value));
+  return value;
+}
+
+// onnxruntime's SkipSimplifiedLayerNormalization of one row (contrib_ops/cpu/skip_layer_norm.cc,
+// float): sum = a + skip, a sequential float sum of squares, y = sum / sqrt(mean + eps) * gamma.
+void SkipRmsNorm(const float* a, const float* skip, const float* gamma, float epsilon, int K, float* sum, float* y) {
+  float square_sum = 0.f;
+  for (int h = 0; h < K; ++h) {
+    const float value = a[h] + skip[h];
+    if (sum) sum[h] = value;
+    y[h] = value;
+    square_sum = square_sum + Rounded(value * value);
+  }
+  const float rms = std::sqrt(square_sum / static_cast<float>(K) + epsilon);
+  for (int h = 0; h < K; ++h) y[h] = y[h] / rms * gamma[h];
+}
+
+// A row's int8 copy, after its norm when the matmul carries one.
 void QuantizeItem(void* data, size_t row) {
   const Problem& p = *static_cast<const Problem*>(data);
   QuantizedRows& a = *p.a;
-  QuantizeRow(p.a_float + row * p.K, p.K, p.block, a.q.data() + row * p.K, a.scale.data() + row * p.blocks,
-              a.zsum.data() + row * p.blocks);
+  const float* x = p.a_float + row * p.K;
+  if (p.norm.gamma) {
+    float* normed = p.norm.normed + row * p.K;
+    SkipRmsNorm(x, p.norm.skip + row * p.K, p.norm.gamma, p.norm.epsilon, p.K,
+                p.norm.sum ? p.norm.sum + row * p.K : nullptr, normed);
+    x = normed;
+  }
+  QuantizeRow(x, p.K, p.block, a.q.data() + row * p.K, a.scale.data() + row * p.blocks, a.zsum.data() + row * p.blocks);
 }
 
 // One work item: a group of tiles against one chunk of rows (chunk-major, so the threads
@@ -79,6 +113,8 @@ void RunItem(void* data, size_t item) {
 struct MatMulInt4Kernel {
   int64_t K, N, block;
   bool swiglu;
+  bool norm;  // the fused SkipSimplifiedLayerNormalization (attribute epsilon)
+  float epsilon = 0.f;
 
   MatMulInt4Kernel(const OrtApi&, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
@@ -91,6 +127,12 @@ struct MatMulInt4Kernel {
     } catch (const Ort::Exception&) {
       activation.clear();  // absent: none
     }
+    try {
+      epsilon = ki.GetAttribute<float>("epsilon");
+      norm = true;
+    } catch (const Ort::Exception&) {
+      norm = false;  // absent: A is the matmul's input as is
+    }
     if (activation != "" && activation != "swiglu")
       ORT_CXX_API_THROW("MatMulInt4: activation must be absent or \"swiglu\"", ORT_INVALID_ARGUMENT);
     swiglu = activation == "swiglu";
@@ -99,6 +141,25 @@ struct MatMulInt4Kernel {
     if (K <= 0 || N <= 0 || block <= 0 || block % 16 != 0 || K % block != 0)
       ORT_CXX_API_THROW("MatMulInt4: needs K, N > 0 and a block_size that is a multiple of 16 dividing K",
                         ORT_INVALID_ARGUMENT);
+  }
+
+  // The fused norm's skip [..., K] (A's shape), gamma [K] and the optional sum output.
+  NormInputs NormOperands(Ort::KernelContext& ctx, const std::vector<int64_t>& a_shape) const {
+    if (ctx.GetInputCount() < 6) ORT_CXX_API_THROW("MatMulInt4: epsilon needs skip and gamma inputs", ORT_INVALID_ARGUMENT);
+    auto skip = ctx.GetInput(4);
+    auto gamma = ctx.GetInput(5);
+    if (!skip || !gamma || skip.GetTensorTypeAndShapeInfo().GetShape() != a_shape ||
+        gamma.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(K))
+      ORT_CXX_API_THROW("MatMulInt4: the norm needs skip shaped like A and gamma of K values", ORT_INVALID_ARGUMENT);
+    NormInputs fused;
+    fused.skip = skip.GetTensorData<float>();
+    fused.gamma = gamma.GetTensorData<float>();
+    fused.epsilon = epsilon;
+    if (ctx.GetOutputCount() > 1) {
+      auto sum = ctx.GetOutput(1, a_shape);
+      if (sum) fused.sum = sum.GetTensorMutableData<float>();
+    }
+    return fused;
   }
 
   // The weights' sizes follow from the attributes; a mismatch would read out of bounds.
@@ -122,12 +183,15 @@ struct MatMulInt4Kernel {
       if (bias_value) bias = bias_value.GetTensorData<float>();
     }
     CheckSizes(w, scales, bias ? &bias_value : nullptr);
-    std::vector<int64_t> shape = a.GetTensorTypeAndShapeInfo().GetShape();
+    const std::vector<int64_t> a_shape = a.GetTensorTypeAndShapeInfo().GetShape();
+    std::vector<int64_t> shape = a_shape;
     if (shape.empty() || shape.back() != K) ORT_CXX_API_THROW("MatMulInt4: A's last dimension is not K", ORT_INVALID_ARGUMENT);
     int64_t M = 1;
     for (size_t i = 0; i + 1 < shape.size(); ++i) M *= shape[i];
     shape.back() = swiglu ? N / 2 : N;
     auto y = ctx.GetOutput(0, shape);
+    NormInputs fused;
+    if (norm) fused = NormOperands(ctx, a_shape);
     if (M == 0) return;
 
     thread_local QuantizedRows rows;
@@ -149,6 +213,12 @@ struct MatMulInt4Kernel {
     p.blocks = blocks;
     p.tiles = static_cast<int>((N + kTileN - 1) / kTileN);
     p.swiglu = swiglu;
+    if (norm) {
+      thread_local std::vector<float> normed;  // the rows the matmul quantizes
+      normed.resize(M * K);
+      p.norm = fused;
+      p.norm.normed = normed.data();
+    }
     p.tiles_per_item = std::clamp(p.tiles / 16, 1, kMaxTilesPerItem);
     if (swiglu) p.tiles_per_item = std::max(2, p.tiles_per_item & ~1);  // whole (gate, up) pairs
     p.items_per_chunk = (p.tiles + p.tiles_per_item - 1) / p.tiles_per_item;
@@ -166,15 +236,18 @@ struct MatMulInt4Op : Ort::CustomOpBase<MatMulInt4Op, MatMulInt4Kernel> {
   void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new MatMulInt4Kernel(api, info); }
   const char* GetName() const { return "MatMulInt4"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 4; }
+  size_t GetInputTypeCount() const { return 6; }  // A, W, scales, bias, skip, gamma
   ONNXTensorElementDataType GetInputType(size_t i) const {
     return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
-    return i == 3 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+    return i >= 3 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
-  size_t GetOutputTypeCount() const { return 1; }
+  size_t GetOutputTypeCount() const { return 2; }  // Y, and the fused norm's sum
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const {
+    return i == 1 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
 };
 
 std::mutex domains_mutex;

@@ -62,6 +62,15 @@ inline __m512i Broadcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// MatMulInt4's fused SkipSimplifiedLayerNormalization (cpu_kernels.cc); gamma null: none.
+struct NormInputs {
+  const float* skip = nullptr;  // [M, K]
+  const float* gamma = nullptr;  // [K]
+  float epsilon = 0.f;
+  float* sum = nullptr;  // [M, K]: A + skip, or null when the graph does not read it
+  float* normed = nullptr;  // [M, K]: the rows the matmul quantizes
+};
+
 struct Problem {
   const float* a_float;  // [M, K]
   const float* bias;
@@ -72,6 +81,7 @@ struct Problem {
   int M, N, K, block, blocks, tiles, tiles_per_item, items_per_chunk;
   bool swiglu;  // N = 2 x the output width; tiles alternate gate, up
   int bits = 4;  // 8: the 8-bit tiles of Pass8 (MoEInt4 with bits = 8)
+  NormInputs norm;  // MatMulInt4's fused norm, applied as rows are quantized
 };
 
 // Rows [row, row + MR) against NT consecutive tiles of 16 columns, over all of K. With few

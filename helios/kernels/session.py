@@ -16,6 +16,7 @@ from helios.kernels.head import fuse_logprob_head
 from helios.kernels.int4_layout import to_matmul_nbits
 from helios.kernels.kv_dtype import retype_pool
 from helios.kernels.moe import to_dense_experts
+from helios.kernels.norm_fusion import fuse_norms
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,8 @@ def open_session(
     GroupQueryAttention, and routed experts to dense Einsums, because the library cannot run here:
     the reason is logged) or "" (the graph has none). Where the library runs, a graph's logprob
     head runs fused whatever else it holds (helios.kernels.head), reporting sampling candidates
-    with `candidates` (a step graph's)."""
+    with `candidates` (a step graph's), and norms that feed int4 matmuls run inside them
+    (helios.kernels.norm_fusion)."""
     header = onnx.load(str(path), load_external_data=False)
     retype = kv_dtype != "float32"
     flare_ops = uses_flare_ops(header)
@@ -53,12 +55,13 @@ def open_session(
             model = onnx.load(str(path))
             to_dense_experts(model)
             fuse_logprob_head(model, candidates)
+            fuse_norms(model)
             if retype:
                 retype_pool(model, kv_dtype)
             return _open_rewritten(model, path, options, providers), kernels
         # Every graph with a logprob head (step and score graphs alike) runs it fused, so both
-        # report the same numbers.
-        fused = fuse_logprob_head(header, candidates)
+        # report the same numbers; norms before int4 matmuls run inside them (the same bits).
+        fused = fuse_logprob_head(header, candidates) + fuse_norms(header)
         if retype:
             retype_pool(header, kv_dtype)
         if retype or fused:
