@@ -45,13 +45,6 @@
 
 namespace {
 
-// An opaque copy: keeps the compiler from fusing a product into the following add (onnxruntime's
-// norm rounds the square and the sum separately).
-inline float Rounded(float value) {
-  asm("" : "+v"(value));
-  return value;
-}
-
 // onnxruntime's SkipSimplifiedLayerNormalization of one row (contrib_ops/cpu/skip_layer_norm.cc,
 // float): sum = a + skip, a sequential float sum of squares, y = sum / sqrt(mean + eps) * gamma.
 void SkipRmsNorm(const float* a, const float* skip, const float* gamma, float epsilon, int K, float* sum, float* y) {

@@ -87,13 +87,6 @@ extern "C" void flare_exp_f32(const float* x, float* y, int64_t n) {
 // the numpy path.
 namespace {
 
-// An opaque copy: the compiler cannot fuse a product into a following add (FMA contraction
-// would round once where numpy rounds twice).
-inline float Rounded(float value) {
-  asm("" : "+v"(value));
-  return value;
-}
-
 // The k-th largest of `values` (k >= 1), as numpy's sort(values)[n - k].
 float KthLargest(std::vector<float> values, int64_t k) {
   std::nth_element(values.begin(), values.begin() + (k - 1), values.end(), std::greater<float>());

@@ -1,9 +1,16 @@
-// Vector math shared by flare's kernels (AVX-512).
+// Math shared by flare's kernels (AVX-512).
 #pragma once
 
 #include <immintrin.h>
 
 namespace {
+
+// An opaque copy: keeps the compiler from fusing a product into the add that follows (FMA
+// contraction rounds once where the numpy or onnxruntime formula being matched rounds twice).
+inline float Rounded(float value) {
+  asm("" : "+v"(value));
+  return value;
+}
 
 // exp for the SwiGLU epilogue and the attention softmax: 2^n * e^r with |r| <= ln2/2 and Cephes' degree-6 expf polynomial
 // (relative error ~1e-7, like onnxruntime's Sigmoid).
