@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from helios.engine.api import PromptLogprob, SamplingParams, TokenLogprob
-from helios.engine.top_ids_draw import CANDIDATE_CUTOFF, SMALL_SET, draw_rows, penalized_row
+from helios.engine.top_ids_draw import CANDIDATE_CUTOFF, SMALL_SET, CandidateRows, draw_rows, penalized_row
 from helios.kernels import host
 
 if TYPE_CHECKING:
@@ -183,11 +183,17 @@ def _draw_top_k_rows(
     ]
     if not picked:
         return drawn
-    params = [rows[b].sampling for b in picked]
-    seen = [rows[b].seen_ids for b in picked]
-    counts = [rows[b].output_counts for b in picked]
-    bounds = None if outside_logit is None else outside_logit[picked]
-    tokens, done = draw_rows(logits, top_ids, picked, params, seen, counts, [u[b] for b in picked], bounds)
+    batch = CandidateRows(
+        logits,
+        top_ids,
+        picked,
+        [rows[b].sampling for b in picked],
+        [rows[b].seen_ids for b in picked],
+        [rows[b].output_counts for b in picked],
+        [u[b] for b in picked],
+        None if outside_logit is None else outside_logit[picked],
+    )
+    tokens, done = draw_rows(batch)
     for b, token, ok in zip(picked, tokens.tolist(), done.tolist()):
         if ok:
             out[b] = token

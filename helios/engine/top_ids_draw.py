@@ -20,6 +20,7 @@ float64 running sum unchanged.
 from __future__ import annotations
 
 from collections.abc import Mapping, Set
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,93 +35,92 @@ CANDIDATE_CUTOFF = 35.0
 SMALL_SET = 1024
 
 
-def draw_rows(
-    logits: np.ndarray,
-    top_ids: np.ndarray,
-    rows: list[int],
-    params: list[SamplingParams],
-    seen: list[Set[int]],
-    counts: list[Mapping[int, int]],
-    uniforms: list[float],
-    outside: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """One token for each batch row of `rows` (indices into logits [B, V], whose rows are finite,
-    and top_ids [B, K]), from its sampling `params`, the ids it has seen (prompt and output: the
-    repetition penalty's), how often it generated each id (presence and frequency penalties) and
-    its uniform. `outside` [F], when given, is each of those rows' largest raw logit outside its
-    top ids (else the K-th raw logit stands in for it, which ties with the k-th candidate
-    whenever top_k == K and nothing is penalized, so such rows cost a vocabulary pass).
+@dataclass(frozen=True)
+class CandidateRows:
+    """The rows of a step that draw from their candidate ids, and what each row's draw reads."""
+
+    logits: np.ndarray  # [B, V]; the rows drawn are finite
+    top_ids: np.ndarray  # [B, K]: each row's candidate ids, any order
+    rows: list[int]  # the batch rows drawn, [F]
+    params: list[SamplingParams]
+    seen: list[Set[int]]  # prompt and output ids: the repetition penalty's
+    counts: list[Mapping[int, int]]  # generated id -> occurrences: presence and frequency penalties
+    uniforms: list[float]  # the row's draw, in [0, 1)
+    # [F]: each row's largest raw logit outside its top ids; None: the K-th raw logit stands in
+    # for it, which ties with the k-th candidate whenever top_k == K and nothing is penalized, so
+    # such rows cost a vocabulary pass.
+    outside: np.ndarray | None = None
+
+    def only(self, picked: list[int]) -> CandidateRows:
+        """The rows at positions `picked` of this set."""
+        return CandidateRows(
+            self.logits,
+            self.top_ids,
+            [self.rows[f] for f in picked],
+            [self.params[f] for f in picked],
+            [self.seen[f] for f in picked],
+            [self.counts[f] for f in picked],
+            [self.uniforms[f] for f in picked],
+            None if self.outside is None else self.outside[picked],
+        )
+
+
+def draw_rows(batch: CandidateRows) -> tuple[np.ndarray, np.ndarray]:
+    """One token for each row of `batch` from its sampling parameters, penalties and uniform.
     Returns (tokens [F], drawn [F]): a row is not drawn when so many tokens tie at its k-th
     value that its set exceeds SMALL_SET (the caller's one-row path takes it).
 
     The kernel library's draw takes every row whose set is its K ids (the usual case) in one
     call, in the same operations; the rows it leaves (a vocabulary pass) are drawn here."""
     if not host.can_draw():
-        return _draw_in_numpy(logits, top_ids, rows, params, seen, counts, uniforms, outside)
-    tokens = _draw_in_library(logits, top_ids, rows, params, seen, counts, uniforms, outside)
+        return _draw_in_numpy(batch)
+    tokens = _draw_in_library(batch)
     left = np.flatnonzero(tokens < 0).tolist()
-    drawn = np.ones(len(rows), dtype=bool)
+    drawn = np.ones(len(batch.rows), dtype=bool)
     if left:
-        rest, done = _draw_in_numpy(
-            logits,
-            top_ids,
-            [rows[f] for f in left],
-            [params[f] for f in left],
-            [seen[f] for f in left],
-            [counts[f] for f in left],
-            [uniforms[f] for f in left],
-            None if outside is None else outside[left],
-        )
-        tokens[left] = rest
-        drawn[left] = done
+        tokens[left], drawn[left] = _draw_in_numpy(batch.only(left))
     return tokens, drawn
 
 
-def _draw_in_library(
-    logits: np.ndarray,
-    top_ids: np.ndarray,
-    rows: list[int],
-    params: list[SamplingParams],
-    seen: list[Set[int]],
-    counts: list[Mapping[int, int]],
-    uniforms: list[float],
-    outside: np.ndarray | None,
-) -> np.ndarray:
-    """host.draw_top_k over `rows`: a token each, -1 where the row needs the vocabulary pass."""
-    id_lists = top_ids[rows].tolist()
-    penalties = np.zeros((len(rows), 2, top_ids.shape[1]), dtype=np.float32)
-    for f, s in enumerate(params):
-        if s.repetition_penalty != 1.0:
-            penalties[f, 0] = [t in seen[f] for t in id_lists[f]]
-        if s.presence_penalty != 0.0 or s.frequency_penalty != 0.0:
-            penalties[f, 1] = [counts[f].get(t, 0) for t in id_lists[f]]
+def _draw_in_library(batch: CandidateRows) -> np.ndarray:
+    """host.draw_top_k over the batch: a token each, -1 where the row needs the vocabulary pass."""
+    id_lists = batch.top_ids[batch.rows].tolist()
+    hits, generated = _penalty_lookups(batch.params, batch.seen, batch.counts, id_lists)
     with np.errstate(divide="ignore"):  # log(0) = -inf: no min-p floor (as _draw_in_numpy computes it)
-        log_min_p = np.log(np.array([[s.min_p] for s in params], dtype=np.float64)).astype(np.float32)[:, 0].tolist()
-    bounds = [float("nan")] * len(rows) if outside is None else outside.tolist()
+        min_p = np.array([[s.min_p] for s in batch.params], dtype=np.float64)
+        log_min_p = np.log(min_p).astype(np.float32)[:, 0].tolist()
+    bounds = [float("nan")] * len(batch.rows) if batch.outside is None else batch.outside.tolist()
     columns = [
         [s.top_k, s.temperature, s.top_p, lmp, s.repetition_penalty, s.presence_penalty, s.frequency_penalty, u, o]
-        for s, lmp, u, o in zip(params, log_min_p, uniforms, bounds)
+        for s, lmp, u, o in zip(batch.params, log_min_p, batch.uniforms, bounds)
     ]
-    return host.draw_top_k(logits, top_ids, rows, np.array(columns, dtype=np.float64), penalties)
+    penalties = np.stack([hits, generated], axis=1)
+    return host.draw_top_k(batch.logits, batch.top_ids, batch.rows, np.array(columns, dtype=np.float64), penalties)
 
 
-def _draw_in_numpy(
-    logits: np.ndarray,
-    top_ids: np.ndarray,
-    rows: list[int],
-    params: list[SamplingParams],
-    seen: list[Set[int]],
-    counts: list[Mapping[int, int]],
-    uniforms: list[float],
-    outside: np.ndarray | None = None,
+def _penalty_lookups(
+    params: list[SamplingParams], seen: list[Set[int]], counts: list[Mapping[int, int]], id_lists: list[list[int]]
 ) -> tuple[np.ndarray, np.ndarray]:
+    """Per row and id of id_lists: whether the repetition penalty applies (float32 0/1) and how
+    often the id was generated; only the rows a penalty applies to look their ids up."""
+    shape = (len(id_lists), len(id_lists[0]) if id_lists else 0)
+    hits, generated = np.zeros(shape, dtype=np.float32), np.zeros(shape, dtype=np.float32)
+    for f, s in enumerate(params):
+        if s.repetition_penalty != 1.0:
+            hits[f] = [t in seen[f] for t in id_lists[f]]
+        if s.presence_penalty != 0.0 or s.frequency_penalty != 0.0:
+            generated[f] = [counts[f].get(t, 0) for t in id_lists[f]]
+    return hits, generated
+
+
+def _draw_in_numpy(batch: CandidateRows) -> tuple[np.ndarray, np.ndarray]:
     """draw_rows' arithmetic in numpy, for any row."""
-    n, k_ids = len(rows), top_ids.shape[1]
+    logits, rows, params, outside = batch.logits, batch.rows, batch.params, batch.outside
+    n, k_ids = len(rows), batch.top_ids.shape[1]
     span = np.arange(n)
-    ids = np.sort(top_ids[rows], axis=1)
-    id_lists = ids.tolist()
+    ids = np.sort(batch.top_ids[rows], axis=1)
     raw = logits[np.asarray(rows)[:, None], ids]
-    vals = _penalized(raw, params, id_lists, seen, counts)
+    vals = _penalized(raw, params, *_penalty_lookups(params, batch.seen, batch.counts, ids.tolist()))
     top_k = np.array([s.top_k for s in params], dtype=np.int64)
     # Every top-k survivor is among the K ids unless a token outside them reaches the k-th
     # penalized value: it cannot when that value is above every raw logit outside. Otherwise (a
@@ -136,7 +136,7 @@ def _draw_in_numpy(
         drawn[f] = False
         del wide[f]
     if wide:
-        ids, vals = _widened(logits, rows, params, seen, counts, ids, vals, wide)
+        ids, vals = _widened(batch, ids, vals, wide)
     width = ids.shape[1]
     temperature = np.array([[s.temperature] for s in params], dtype=np.float32)
     scaled = vals / temperature
@@ -155,32 +155,26 @@ def _draw_in_numpy(
         keep &= scaled >= floor
     # Inverse CDF over the kept tokens in id order (sampler._inverse_cdf).
     cdf = np.cumsum(np.where(keep, weights, np.float32(0)), axis=1, dtype=np.float64)
-    target = np.asarray(uniforms, dtype=np.float64)[:, None] * cdf[:, -1:]
+    target = np.asarray(batch.uniforms, dtype=np.float64)[:, None] * cdf[:, -1:]
     pick = (cdf <= target).sum(axis=1)
     last_kept = width - 1 - np.argmax(keep[:, ::-1], axis=1)
     return ids[span, np.minimum(pick, last_kept)], drawn
 
 
 def _widened(
-    logits: np.ndarray,
-    rows: list[int],
-    params: list[SamplingParams],
-    seen: list[Set[int]],
-    counts: list[Mapping[int, int]],
-    ids: np.ndarray,
-    vals: np.ndarray,
-    wide: dict[int, np.ndarray],
+    batch: CandidateRows, ids: np.ndarray, vals: np.ndarray, wide: dict[int, np.ndarray]
 ) -> tuple[np.ndarray, np.ndarray]:
     """The candidate arrays with rows `wide` replaced by their wider sets (increasing ids),
     every row padded to the widest with id -1 at -inf (probability 0, never kept)."""
     width = max(w.size for w in wide.values())
-    padded_ids = np.full((len(rows), width), -1, dtype=np.int64)
-    padded_vals = np.full((len(rows), width), -np.inf, dtype=np.float32)
+    padded_ids = np.full((len(batch.rows), width), -1, dtype=np.int64)
+    padded_vals = np.full((len(batch.rows), width), -np.inf, dtype=np.float32)
     padded_ids[:, : ids.shape[1]] = ids
     padded_vals[:, : ids.shape[1]] = vals
     for f, w in wide.items():
         padded_ids[f, : w.size] = w
-        padded_vals[f, : w.size] = penalized_row(logits[rows[f]], w, params[f], seen[f], counts[f])
+        row = batch.logits[batch.rows[f]]
+        padded_vals[f, : w.size] = penalized_row(row, w, batch.params[f], batch.seen[f], batch.counts[f])
     return padded_ids, padded_vals
 
 
@@ -189,34 +183,22 @@ def penalized_row(
 ) -> np.ndarray:
     """One row's float32 logits at `ids` after its penalties (the sampler's one-row path uses it
     too, so both paths penalize in the same operations)."""
-    one = [ids.tolist()]
-    return _penalized(logits[ids].astype(np.float32)[None], [params], one, [seen], [counts])[0]
+    lookups = _penalty_lookups([params], [seen], [counts], [ids.tolist()])
+    return _penalized(logits[ids].astype(np.float32)[None], [params], *lookups)[0]
 
 
-def _penalized(
-    raw: np.ndarray,
-    params: list[SamplingParams],
-    id_lists: list[list[int]],
-    seen: list[Set[int]],
-    counts: list[Mapping[int, int]],
-) -> np.ndarray:
-    """The candidates' logits (raw [F, W] at the ids of id_lists) after repetition, presence and
-    frequency penalties, in the float32 operations of sampler.apply_penalties. Only the rows a
-    penalty applies to look their ids up."""
+def _penalized(raw: np.ndarray, params: list[SamplingParams], hits: np.ndarray, generated: np.ndarray) -> np.ndarray:
+    """The candidates' logits (raw [F, W]) after repetition, presence and frequency penalties
+    (hits and generated: _penalty_lookups'), in the float32 operations of
+    sampler.apply_penalties."""
     vals = raw
-    repeat = [f for f, s in enumerate(params) if s.repetition_penalty != 1.0]
-    if repeat:
-        hit = np.zeros(raw.shape, dtype=bool)
-        hit[repeat] = [[t in seen[f] for t in id_lists[f]] for f in repeat]
+    if hits.any():
         repetition = np.array([[s.repetition_penalty] for s in params], dtype=np.float32)
-        vals = np.where(hit, np.where(vals > 0, vals / repetition, vals * repetition), vals)
-    counted = [f for f, s in enumerate(params) if s.presence_penalty != 0.0 or s.frequency_penalty != 0.0]
-    if counted:
-        c = np.zeros(raw.shape, dtype=np.float32)
-        c[counted] = [[counts[f].get(t, 0) for t in id_lists[f]] for f in counted]
+        vals = np.where(hits > 0, np.where(vals > 0, vals / repetition, vals * repetition), vals)
+    if generated.any():
         presence = np.array([[s.presence_penalty] for s in params], dtype=np.float32)
         frequency = np.array([[s.frequency_penalty] for s in params], dtype=np.float32)
-        vals = np.where(c > 0, vals - (frequency * c + presence), vals)
+        vals = np.where(generated > 0, vals - (frequency * generated + presence), vals)
     return vals
 
 

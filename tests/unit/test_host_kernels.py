@@ -113,12 +113,13 @@ def test_the_librarys_draw_equals_numpys_for_every_row_it_takes(seed):
             np.put_along_axis(rest, top, -np.inf, axis=1)
             outside = rest.max(axis=1)
         uniforms = rng.random(len(rows)).tolist()
-        library = top_ids_draw._draw_in_library(logits, top, rows, params, seen, counts, uniforms, outside)
-        numpy_tokens, drawn = top_ids_draw._draw_in_numpy(logits, top, rows, params, seen, counts, uniforms, outside)
+        batch = top_ids_draw.CandidateRows(logits, top, rows, params, seen, counts, uniforms, outside)
+        library = top_ids_draw._draw_in_library(batch)
+        numpy_tokens, drawn = top_ids_draw._draw_in_numpy(batch)
         taken = library >= 0
         assert taken.any()
         assert library[taken].tolist() == numpy_tokens[taken].tolist()
-        together, together_drawn = top_ids_draw.draw_rows(logits, top, rows, params, seen, counts, uniforms, outside)
+        together, together_drawn = top_ids_draw.draw_rows(batch)
         assert together.tolist() == numpy_tokens.tolist() and together_drawn.tolist() == drawn.tolist()
 
 
@@ -129,9 +130,9 @@ def test_the_library_leaves_rows_that_need_the_vocabulary_pass():
     ids = top[0].tolist()
     params = [SamplingParams(top_k=64, temperature=1.0, repetition_penalty=1.0, frequency_penalty=30.0)]
     counts = [collections.Counter(ids)]
-    tokens = top_ids_draw._draw_in_library(logits, top, [0], params, [set()], counts, [0.5], None)
-    assert tokens.tolist() == [-1]
-    token, drawn = top_ids_draw.draw_rows(logits, top, [0], params, [set()], counts, [0.5], None)
+    batch = top_ids_draw.CandidateRows(logits, top, [0], params, [set()], counts, [0.5])
+    assert top_ids_draw._draw_in_library(batch).tolist() == [-1]
+    token, drawn = top_ids_draw.draw_rows(batch)
     assert drawn.tolist() == [True] and int(token[0]) not in ids  # drawn by the numpy path
 
 

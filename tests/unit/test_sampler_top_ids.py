@@ -122,7 +122,7 @@ def test_certified_rows_are_drawn_together_from_the_top_ids(monkeypatch):
 
     def spy_draw(*args):
         tokens, drawn = original_draw(*args)
-        together.append((list(args[2]), drawn.tolist()))
+        together.append((list(args[0].rows), drawn.tolist()))
         return tokens, drawn
 
     def spy_fast(row_logits, row_top, row, *rest):
