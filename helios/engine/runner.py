@@ -132,6 +132,8 @@ class Runner:
         # The same memory as [layers, 2, pages, tokens, kvh, D]: the scatter/copy view.
         self._pages = self.pool.reshape(kv.num_layers, 2, num_pages, kv.page_tokens, kv.kv_heads, kv.head_dim)
         self._output_names = [o.name for o in self.session.get_outputs()]
+        # What every step reads; token_logprobs and hidden only for rows that ask for them.
+        self._step_outputs = [n for n in self._output_names if n not in ("token_logprobs", "hidden")]
         self._input_names = {i.name for i in self.session.get_inputs()}
         # A multimodal step graph (manifest `vision`) takes image features of this width.
         self.takes_images = "image_embeds" in self._input_names
@@ -225,13 +227,19 @@ class Runner:
             slots = np.array([r.state_slot for r in rows], dtype=np.int64)
             binding.bind_ortvalue_input("state_pool", self._state_value)
             binding.bind_cpu_input("state_slots", slots)
-        for name in self._output_names:
+        # Only the outputs this step reads are fetched: each costs a binding and a wrapper.
+        fetched = [*self._step_outputs]
+        if any(r.logprob_ids for r in rows) and "token_logprobs" in self._output_names:
+            fetched.append("token_logprobs")
+        if any(r.score_targets is not None for r in rows) and "hidden" in self._output_names:
+            fetched.append("hidden")
+        for name in fetched:
             binding.bind_output(name, "cpu")
         start = time.perf_counter()
         self.session.run_with_iobinding(binding)
         self.graph_seconds += time.perf_counter() - start
         # OrtValues stay in onnxruntime's memory; only the outputs used are turned into arrays.
-        values = dict(zip(self._output_names, binding.get_outputs()))
+        values = dict(zip(fetched, binding.get_outputs()))
         out = {name: values[name].numpy() for name in ("logits", "logsumexp", "top_logprobs", "top_ids")}
         for field, name in (
             ("candidate_ids", candidate_ids_name("top_ids")),

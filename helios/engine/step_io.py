@@ -284,8 +284,9 @@ def pack_rows(rows: list[StepRow], page_tokens: int) -> dict[str, np.ndarray]:
     }
 
 
-def new_token_slots(rows: list[StepRow], page_tokens: int) -> tuple[np.ndarray, ...]:
-    """Where each row's valid new tokens go: (page, offset) in the pool, (row, token) in new_kv."""
+def new_token_slots(rows: list[StepRow], page_tokens: int) -> np.ndarray:
+    """Where each row's valid new tokens go: int64 [4, N], its rows (page, offset) in the pool and
+    (row, token) in new_kv (one array: the kernel library's scatter takes it in one pointer)."""
     pages, offsets, row_index, token_index = [], [], [], []
     for b, row in enumerate(rows):
         positions = range(row.history_len, row.history_len + len(row.token_ids))
@@ -293,7 +294,7 @@ def new_token_slots(rows: list[StepRow], page_tokens: int) -> tuple[np.ndarray, 
         offsets += [p % page_tokens for p in positions]
         row_index += [b] * len(positions)
         token_index += range(len(positions))
-    return tuple(np.array(column, dtype=np.int64) for column in (pages, offsets, row_index, token_index))
+    return np.array([pages, offsets, row_index, token_index], dtype=np.int64)
 
 
 def scatter_new_kv(pages: np.ndarray, rows: list[StepRow], new_kv: np.ndarray) -> None:

@@ -33,17 +33,18 @@ def _library_function(name: str) -> Callable[..., int] | None:
 _SIGNATURES = {
     "flare_scatter_kv": (
         ctypes.c_int32,
-        [_POINTER, ctypes.c_int32, *[_I64] * 4, _POINTER, _I64, _I64, *[_POINTER] * 4, _I64],
+        [_POINTER, ctypes.c_int32, *[_I64] * 4, _POINTER, _I64, _I64, _POINTER, _I64],
     ),
     "flare_exp_f32": (None, [_POINTER, _POINTER, _I64]),
     "flare_draw_top_k": (ctypes.c_int32, [_POINTER, _I64, _I64, _POINTER, _I64, _I64, *[_POINTER] * 3]),
 }
 
 
-def scatter_kv(pages: np.ndarray, new_kv: np.ndarray, slots: tuple[np.ndarray, ...]) -> bool:
+def scatter_kv(pages: np.ndarray, new_kv: np.ndarray, slots: np.ndarray | tuple[np.ndarray, ...]) -> bool:
     """pages [layers, 2, num_pages, page_tokens, kvh, D] (a contiguous float32 or bfloat16 pool)
     [:, :, page[i], offset[i]] = new_kv [layers, 2, B, L, kvh, D] [:, :, row[i], token[i]], rounded
-    to the pool's type as kv_dtype.to_bfloat16 rounds; slots: (page, offset, row, token) int64."""
+    to the pool's type as kv_dtype.to_bfloat16 rounds; slots: int64 [4, N] (page, offset, row,
+    token; helios.engine.step_io.new_token_slots), or those four columns."""
     bf16 = pages.dtype == kv_types.numpy_dtype("bfloat16")
     if not (bf16 or pages.dtype == np.float32) or not pages.flags.c_contiguous or pages.ndim != 6:
         return False
@@ -54,7 +55,9 @@ def scatter_kv(pages: np.ndarray, new_kv: np.ndarray, slots: tuple[np.ndarray, .
     if new_kv.shape[:2] != (layers, kinds) or new_kv.shape[4:] != (kv_heads, head_dim):
         raise ValueError(f"new_kv of shape {new_kv.shape} for a pool of shape {pages.shape}")
     source = np.ascontiguousarray(new_kv, dtype=np.float32)
-    page, offset, row, token = (np.ascontiguousarray(s, dtype=np.int64) for s in slots)
+    table = np.ascontiguousarray(slots, dtype=np.int64)
+    if table.ndim != 2 or table.shape[0] != 4:
+        raise ValueError(f"slots of shape {table.shape}: four columns of equal length are needed")
     batch, length = source.shape[2:4]
     status = function(
         pages.ctypes.data,
@@ -66,11 +69,8 @@ def scatter_kv(pages: np.ndarray, new_kv: np.ndarray, slots: tuple[np.ndarray, .
         source.ctypes.data,
         batch,
         length,
-        page.ctypes.data,
-        offset.ctypes.data,
-        row.ctypes.data,
-        token.ctypes.data,
-        page.size,
+        table.ctypes.data,
+        table.shape[1],
     )
     if status != 0:
         raise IndexError("a new K/V slot lies outside the pool or new_kv")

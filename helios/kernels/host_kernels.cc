@@ -31,12 +31,13 @@ inline uint16_t ToBfloat16(float value) {
 
 // new_kv [planes, batch, length, width] float32 (planes: layers x {K, V}; width: kv heads x
 // head dim) -> pool [planes, pages, page_tokens, width] of float32 (bf16 = 0) or bfloat16
-// (bf16 = 1): row i of `count` takes new_kv[:, row[i], token[i]] into pool[:, page[i], offset[i]].
-// Returns 0, or -1 without writing anything when an index lies outside its array.
+// (bf16 = 1): slot i of `count` (slots [4, count]: page, offset, row, token) takes
+// new_kv[:, row[i], token[i]] into pool[:, page[i], offset[i]]. Returns 0, or -1 without
+// writing anything when an index lies outside its array.
 extern "C" int32_t flare_scatter_kv(void* pool, int32_t bf16, int64_t planes, int64_t pages, int64_t page_tokens,
                                     int64_t width, const float* new_kv, int64_t batch, int64_t length,
-                                    const int64_t* page, const int64_t* offset, const int64_t* row,
-                                    const int64_t* token, int64_t count) {
+                                    const int64_t* slots, int64_t count) {
+  const int64_t *page = slots, *offset = slots + count, *row = slots + 2 * count, *token = slots + 3 * count;
   for (int64_t i = 0; i < count; ++i) {
     const bool inside = page[i] >= 0 && page[i] < pages && offset[i] >= 0 && offset[i] < page_tokens &&
                         row[i] >= 0 && row[i] < batch && token[i] >= 0 && token[i] < length;
