@@ -24,21 +24,21 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import llguidance
 import numpy as np
+from tokenizers import Tokenizer
 
 from helios.engine.api import GenerationRequest
 from helios.engine.sequence import Sequence
 
 log = logging.getLogger("helios.engine")
 
-_TOKENIZERS: dict[tuple[str, int, tuple[int, ...]], Any] = {}
+_TOKENIZERS: dict[tuple[str, int, tuple[int, ...]], llguidance.LLTokenizer] = {}
 _TOKENIZERS_LOCK = threading.Lock()
 
 
-def llg_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> Any:
+def llg_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
     """The shared llguidance tokenizer of a tokenizer.json (built once per process)."""
     key = (hashlib.sha256(tokenizer_json.encode()).hexdigest(), vocab_size, tuple(eos_token_ids))
     with _TOKENIZERS_LOCK:
@@ -49,7 +49,7 @@ def llg_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]
         return cached
 
 
-def parser_limits() -> Any:
+def parser_limits() -> llguidance.LLParserLimits:
     """Bounds on grammar size and per-step work (compile and masks)."""
     return llguidance.LLParserLimits(
         max_grammar_size=200_000,
@@ -80,7 +80,7 @@ class RowConstraint:
         self.grammar = request.grammar
         self.control = request.reasoning
         self.eos = eos_token_ids
-        self.matcher: Any = None
+        self.matcher: llguidance.LLMatcher | None = None
         self.reasoning_tokens = 0
         self.budget_cut = False
         c = self.control
@@ -101,7 +101,7 @@ class RowConstraint:
             return c is not None and c.budget is not None and self.reasoning_tokens >= c.budget
         return self.grammar is not None and self.phase != FREE
 
-    def matcher_for(self, tokenizer: Any) -> Any:
+    def matcher_for(self, tokenizer: llguidance.LLTokenizer) -> llguidance.LLMatcher:
         if self.matcher is None:
             self.matcher = llguidance.LLMatcher(tokenizer, self.grammar, log_level=0, limits=parser_limits())
             if self.matcher.is_error():
@@ -164,15 +164,14 @@ class RowMask:
 class Constraints:
     """Masks for the rows of one engine, computed beside the forward pass."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]):
-        """`tokenizer`: the engine's tokenizers.Tokenizer (serialized on the first grammar) or
-        its JSON text; None when masks are unavailable."""
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int]):
+        """`tokenizer`: the engine's tokenizer, serialized for the grammar engine on the first grammar."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.eos = frozenset(eos_token_ids)
         self._executor: ThreadPoolExecutor | None = None
-        self._llg: Any = None
+        self._llg: llguidance.LLTokenizer | None = None
         self.mask_seconds = 0.0  # wall time spent computing masks (reported by the benchmark)
         self.budget_cuts = 0
 
@@ -184,15 +183,9 @@ class Constraints:
             return
         seq.constraint = RowConstraint(request, self.eos)
 
-    def _tokenizer(self) -> Any:
+    def _tokenizer(self) -> llguidance.LLTokenizer:
         if self._llg is None:
-            source = self.tokenizer
-            if not isinstance(source, str):
-                to_str = getattr(source, "to_str", None)
-                if not callable(to_str):
-                    raise ConstraintError("this engine has no tokenizer for grammar masks")
-                source = to_str()
-            self._llg = llg_tokenizer(source, self.vocab_size, self.eos_token_ids)
+            self._llg = llg_tokenizer(self.tokenizer.to_str(), self.vocab_size, self.eos_token_ids)
         return self._llg
 
     def begin(self, seqs: list[Sequence]) -> Future | None:

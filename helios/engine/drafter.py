@@ -20,9 +20,10 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 from helios.engine.runner import Runner, StepRow
+from helios.engine.scheduler import ScheduledRow
+from helios.engine.sequence import Sequence
 from helios.manifest import Manifest
 
 log = logging.getLogger("helios.engine")
@@ -52,14 +53,14 @@ class LearnedDrafter:
     def copy_page(self, src: int, dst: int) -> None:
         self.runner.copy_page(src, dst)
 
-    def can_draft(self, seq: Any, width: int) -> bool:
+    def can_draft(self, seq: Sequence, width: int) -> bool:
         """Whether `seq` may take `width` learned drafts: its drafter K/V lags by at most
         catch_up_tokens, and every drafted position lies within the drafter's positions."""
         settle(seq)
         lag = seq.num_tokens - seq.drafter_len
         return lag <= self.catch_up_tokens and seq.num_tokens + width - 1 <= self.runner.max_positions
 
-    def draft(self, rows: list[Any]) -> None:
+    def draft(self, rows: list[ScheduledRow]) -> None:
         """Fill `drafts` of the scheduled rows with a `learned_width`: one drafter step reads each
         row's unread tokens and proposes its first draft, each further step (the rows still
         drafting, batched) one more. A failed drafter step leaves those rows without drafts."""
@@ -123,7 +124,7 @@ def step_cost(target: Runner, drafter: Runner) -> float | None:
     return seconds(drafter) / seconds(target)
 
 
-def share_reads(seq: Any, page_tokens: int) -> None:
+def share_reads(seq: Sequence, page_tokens: int) -> None:
     """Checkpoints sharing `seq`'s leading pages (captured from it, or restored into it) hold the
     drafter K/V it has read into those pages: a later request restoring them starts from there.
     Checkpoints are captured while the prompt is computed, before a lazy drafter reads it."""
@@ -136,7 +137,7 @@ def share_reads(seq: Any, page_tokens: int) -> None:
         ckpt.drafter_len = max(ckpt.drafter_len, min(seq.drafter_len, same * page_tokens, ckpt.length))
 
 
-def settle(seq: Any) -> None:
+def settle(seq: Sequence) -> None:
     """Count the drafts the drafter fed in `seq`'s last round that were committed as read."""
     n = seq.drafter_len
     for token in seq.drafter_pending:

@@ -13,7 +13,6 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -65,7 +64,7 @@ class Engine:
         kv_pages: int | None = None,
         threads: int | None = None,
         runner: StepRunner | None = None,
-        tokenizer: Any | None = None,
+        tokenizer: Tokenizer | None = None,
         prefix_cache: PrefixCacheConfig | None = None,
         host_store: HostStoreConfig | None = None,
         speculation: SpeculationConfig | None = None,
@@ -532,7 +531,9 @@ class Engine:
 
     # -- events and bookkeeping ----------------------------------------------------------------
 
-    def _event(self, seq: Sequence, token_ids: list[int], text: str, logprobs) -> GenerationEvent:
+    def _event(
+        self, seq: Sequence, token_ids: list[int], text: str, logprobs: list[TokenLogprob] | None
+    ) -> GenerationEvent:
         if logprobs is None and seq.sampling.logprobs is not None:
             logprobs = []  # requested: always a list, empty when this event has no entries
         return GenerationEvent(
@@ -545,7 +546,9 @@ class Engine:
             completion_tokens=seq.num_generated,
         )
 
-    def _final_event(self, seq: Sequence, token_ids: list[int], text: str, logprobs) -> GenerationEvent:
+    def _final_event(
+        self, seq: Sequence, token_ids: list[int], text: str, logprobs: list[TokenLogprob] | None
+    ) -> GenerationEvent:
         """The request's last event; also retires it from the engine's books."""
         event = self._event(seq, token_ids, text, logprobs)
         event.finished = True

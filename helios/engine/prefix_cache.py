@@ -57,6 +57,7 @@ import numpy as np
 from helios.engine.api import CheckpointCandidate, CheckpointRole
 from helios.engine.block_manager import BlockManager
 from helios.engine.host_store import HostStore, prefix_key, prefix_keys
+from helios.engine.sequence import Sequence
 
 # Selection order: the anchor is shared by every conversation with the same preamble; hints are
 # the client's own boundaries; the endpoint serves repeats and the next turn; message ends last.
@@ -251,7 +252,7 @@ class PrefixCache:
 
     # -- restore ---------------------------------------------------------------------------------
 
-    def restore(self, seq, ckpt: Checkpoint, r: int) -> None:
+    def restore(self, seq: Sequence, ckpt: Checkpoint, r: int) -> None:
         """Give an unstarted `seq` the K/V of its first r tokens from `ckpt` (pages must be free
         for the copied tail page: the scheduler checked)."""
         assert seq.num_computed_tokens == 0 and not seq.page_table and 0 < r <= ckpt.length
@@ -276,7 +277,7 @@ class PrefixCache:
 
     # -- selection -------------------------------------------------------------------------------
 
-    def plan(self, seq, chunk_size: int | None = None) -> list[CheckpointCandidate]:
+    def plan(self, seq: Sequence, chunk_size: int | None = None) -> list[CheckpointCandidate]:
         """Choose which of the request's candidates to capture (sorted by position).
 
         Called at the first admission, after any restore. `chunk_size` (the prefill chunk) predicts
@@ -350,7 +351,7 @@ class PrefixCache:
 
     # -- capture ---------------------------------------------------------------------------------
 
-    def capture_reached(self, seq, free_reserve: int = 0) -> None:
+    def capture_reached(self, seq: Sequence, free_reserve: int = 0) -> None:
         """Capture every planned boundary the sequence's computed K/V now covers.
 
         `free_reserve`: pages the scheduler has promised to running sequences, which a copied
@@ -366,7 +367,7 @@ class PrefixCache:
                 continue
             self.capture(seq, cand.position, CheckpointRole(cand.role), free_reserve)
 
-    def capture(self, seq, p: int, role: CheckpointRole, free_reserve: int = 0) -> Checkpoint | None:
+    def capture(self, seq: Sequence, p: int, role: CheckpointRole, free_reserve: int = 0) -> Checkpoint | None:
         if not (0 < p <= seq.num_computed_tokens):
             raise ValueError(f"cannot capture position {p}: {seq.num_computed_tokens} tokens computed")
         ids = np.asarray(seq.token_ids[:p], dtype=np.int64)
@@ -422,8 +423,7 @@ class PrefixCache:
             pages.append(page)
         ckpt = Checkpoint(ids, pages, role, key, state)
         ckpt.drafter_len = min(p, seq.drafter_len)
-        if hasattr(seq, "shared_checkpoints"):  # its pages may hold more drafter K/V later
-            seq.shared_checkpoints.append(ckpt)
+        seq.shared_checkpoints.append(ckpt)  # its pages may hold more drafter K/V later
         self._register(ckpt)
         self.captures[role] += 1
         if self.host is not None and role is not CheckpointRole.MESSAGE:

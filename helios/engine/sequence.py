@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from helios.engine.api import CheckpointCandidate, FinishReason, GenerationEvent, GenerationRequest, SamplingParams
 from helios.engine.detokenizer import IncrementalDetokenizer
 from helios.engine.stops import StopChecker
+
+if TYPE_CHECKING:  # these modules read sequences, so this one imports them for types only
+    from helios.engine.constraints import RowConstraint
+    from helios.engine.detokenizer import Decoder
+    from helios.engine.prefix_cache import Checkpoint
+    from helios.engine.speculation import RequestDrafts
 
 
 class SequenceStatus(enum.Enum):
@@ -65,25 +71,24 @@ class Sequence:
         # Prompt scoring: prompt positions whose entries were emitted (a recompute after
         # preemption scores nothing twice).
         self.prompt_scored = 0
-        # Its grammar or forced tokens: a helios.engine.constraints.RowConstraint, which module
-        # reads sequences (so this one does not import it).
-        self.constraint: Any = None
+        # Its grammar or forced tokens (None: unconstrained).
+        self.constraint: RowConstraint | None = None
         self.host_looked_up = False  # its first admission attempt consulted the host store
-        self.speculation: Any = None  # helios.engine.speculation.RequestDrafts, made at its first round
+        self.speculation: RequestDrafts | None = None  # made at its first round
         # Learned drafter (helios.engine.drafter): leading tokens whose drafter K/V its pages hold,
         # and the drafts it fed past them in its last round (valid while they get committed).
         self.drafter_len = 0
         self.drafter_pending: list[int] = []
         # Checkpoints whose leading pages are this sequence's pages: the drafter K/V it reads
         # into them is theirs too (helios.engine.drafter.share_reads).
-        self.shared_checkpoints: list[Any] = []
+        self.shared_checkpoints: list[Checkpoint] = []
 
     @classmethod
     def create(
         cls,
         request: GenerationRequest,
         arrival: int,
-        tokenizer,
+        tokenizer: Decoder,
         eos_token_ids: list[int],
         context_length: int,
         sink: Callable[[GenerationEvent], None] | None = None,

@@ -32,9 +32,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from helios.engine.sequence import Sequence
+
+if TYPE_CHECKING:  # the drafter runs scheduled rows, whose module imports this one
+    from helios.engine.drafter import LearnedDrafter
 
 MODES = ("auto", "off")
 
@@ -250,10 +253,10 @@ class Speculator:
     """The scheduler's draft planner (plain data): each decode round's history drafts for one
     request, or the width the learned drafter (helios.engine.drafter) is to fill in."""
 
-    def __init__(self, config: SpeculationConfig, learned: Any = None):
+    def __init__(self, config: SpeculationConfig, learned: LearnedDrafter | None = None):
         config.validate()
         self.config = config
-        self.learned = learned  # a LearnedDrafter, or None
+        self.learned = learned
         self.shared = SharedHistory(config, config.shared_history_tokens) if config.shared_history_tokens else None
 
     def _room(self, seq: Sequence, decoding_rows: int, room: int) -> int:

@@ -37,6 +37,7 @@ from helios.engine.step_io import (
     run_in_groups,
 )
 from helios.kernels import kv_dtype as kv_types
+from helios.kernels import torch_ops  # noqa: F401 (registers flare::*, which torch.export.load needs)
 from helios.manifest import Engine, Manifest
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -45,10 +46,8 @@ OUTPUTS = ("logits", "logsumexp", "top_logprobs", "top_ids", "token_logprobs", "
 
 
 def load_step_program(path: Path, device: torch.device) -> torch.nn.Module:
-    """The program at `path` as a callable module on `device`, flare's ops registered first (and
-    their Triton kernels on CUDA)."""
-    import helios.kernels.torch_ops  # noqa: F401 (registers flare::*; torch.export.load needs them)
-
+    """The program at `path` as a callable module on `device` (flare's ops are registered at import;
+    their Triton kernels here, on CUDA)."""
     if device.type == "cuda":
         from helios.kernels.triton_attention import register_cuda_kernel
 

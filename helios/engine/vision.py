@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -26,6 +25,7 @@ from PIL import Image
 
 from helios.engine.api import ImageInput
 from helios.engine.runner import StepRow
+from helios.engine.sequence import Sequence
 from helios.kernels.session import open_session
 from helios.manifest import Manifest, Vision
 
@@ -156,7 +156,7 @@ class ImagePlacer:
     def for_core(cls, core_dir: Path, manifest: Manifest, threads: int | None = None) -> ImagePlacer:
         return cls(VisionEncoder(core_dir, manifest, threads) if manifest.vision is not None else None)
 
-    def mark(self, seq: Any) -> None:
+    def mark(self, seq: Sequence) -> None:
         """Give the sequence's image tokens their identity ids (its request carries real ids)."""
         request = seq.request
         if not request.images:
@@ -177,7 +177,7 @@ class ImagePlacer:
             "vision_graph_launches": self.encoder.images_total if self.encoder is not None else 0,
         }
 
-    def place(self, rows: list[StepRow], seqs: list[Any]) -> None:
+    def place(self, rows: list[StepRow], seqs: list[Sequence]) -> None:
         """Fill each row's rope_positions and image_features (rows of text-only sequences keep the
         default positions)."""
         if self.vision is None:
