@@ -134,10 +134,8 @@ def step_dynamic_shapes(model: DecoderLM, state: StateLayout | None, vision: boo
         {0: outputs},
     )
     if state is not None:
-        if getattr(model, "state_width", 0) != state.width:
-            raise ValueError(
-                f"the model's state width {getattr(model, 'state_width', 0)} != the layout's {state.width}"
-            )
+        if model.state_width != state.width:
+            raise ValueError(f"the model's state width {model.state_width} != the layout's {state.width}")
         dynamic_shapes += ({0: torch.export.Dim("S", min=1)}, {0: batch})
     if vision:
         if state is None:
@@ -166,7 +164,7 @@ def export_step_graph(
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / file_name
     data_name = file_name + ".data"
-    vision = getattr(model, "mrope_section", None) is not None
+    vision = model.mrope_section is not None
     dynamic_shapes = step_dynamic_shapes(model, state, vision)
     # The dynamo exporter: ~3x fewer nodes than the legacy tracer, no tracer warnings, and
     # dynamic shapes are checked symbolically rather than guessed from one trace.

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -21,26 +21,23 @@ class ReferenceMiss(LookupError):
 
 
 class RecordingReference:
-    """Wraps a DecoderLM for validate(): passes `reference` calls through and keeps what a
+    """Wraps the torch model for validate(): passes `reference` calls through and keeps what a
     replay needs (the last call's logits in full, every call's last row)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Reference) -> None:
         self.model = model
         self.lengths: list[int] = []
         self.last_rows: list[np.ndarray] = []
         self.tokens: list[int] | None = None
         self.final: np.ndarray | None = None
 
-    def reference(self, tokens: Any) -> Any:
+    def reference(self, tokens: torch.Tensor) -> torch.Tensor:
         out = self.model.reference(tokens)
         array = out.detach().float().numpy()
         self.lengths.append(int(array.shape[0]))
         self.last_rows.append(array[-1].copy())
         self.tokens, self.final = [int(t) for t in tokens.reshape(-1).tolist()], array.copy()
         return out
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.model, name)
 
     def save(self, path: Path) -> bool:
         if self.final is None or self.tokens is None:
@@ -65,7 +62,7 @@ class CachedReference:
             self.final = data["final"]
             self.rows = {int(n): row for n, row in zip(data["lengths"], data["last_rows"])}
 
-    def reference(self, tokens: Any) -> Any:
+    def reference(self, tokens: torch.Tensor) -> torch.Tensor:
         ids = [int(t) for t in tokens.reshape(-1).tolist()]
         n = len(ids)
         if n not in self.rows or ids != self.tokens[:n]:

@@ -45,7 +45,7 @@ def export_torch_program(
     file_name: str = TORCH_PROGRAM_FILE,
 ) -> Engine:
     """Write out_dir/file_name and return the manifest's "step" engine for target "cuda"."""
-    vision = getattr(model, "mrope_section", None) is not None
+    vision = model.mrope_section is not None
     engine = dataclasses.replace(torch_program_engine(arch, kv, dtype, state, vision), file=file_name)
     torch_dtype = TORCH_DTYPES[dtype]
     # A copy: the fp32 model stays the export's validation reference.

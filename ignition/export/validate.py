@@ -49,7 +49,7 @@ from helios.engine.runner import Runner, StepRow
 from helios.engine.step_io import StepRunner
 from helios.manifest import MANIFEST_NAME, KVLayout, Manifest, Parity, StateLayout
 from ignition.checkpoints.base import Checkpoint
-from ignition.models import DecoderLM
+from ignition.export.reference import Reference
 
 # What export validates on (repeated to MIN_TOKENS) and `ignition verify` smoke-runs.
 VALIDATION_PROMPT = (
@@ -98,7 +98,7 @@ MIN_TOKENS = 64  # shorter prompts are repeated up to this length (see module do
 
 def validate(
     core_or_onnx_path: Path,
-    model: DecoderLM,
+    model: Reference,
     kv_layout: KVLayout,
     prompt_ids: list[int],
     decode_steps: int = 8,
@@ -185,7 +185,7 @@ def _graph_path(path: Path) -> Path:
 
 
 @torch.no_grad()
-def _reference(model: DecoderLM, prompt_ids: list[int], decode_steps: int) -> tuple[list[int], np.ndarray]:
+def _reference(model: Reference, prompt_ids: list[int], decode_steps: int) -> tuple[list[int], np.ndarray]:
     """Greedy continuation by the reference; logits [len(sequence), V] of the whole sequence."""
     sequence = list(prompt_ids)
     logits = model.reference(torch.tensor(sequence))

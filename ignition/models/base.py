@@ -47,6 +47,8 @@ class StepModel(nn.Module):
     # A multimodal step graph (a vision tower is exported beside it): its rotary axes' frequency
     # counts (t, h, w); the graph then takes mrope_positions / image_embeds / image_slots.
     mrope_section: list[int] | None = None
+    # Floats of recurrent state a sequence keeps per layer stack (0: the pool's K/V is all its state).
+    state_width: int = 0
 
     @classmethod
     def architecture(cls, config: dict[str, Any]) -> Architecture:

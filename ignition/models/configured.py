@@ -29,7 +29,7 @@ from torch import nn
 
 from helios.manifest import Architecture, StateLayer, StateLayout
 from ignition.models.base import StepModel, text_config
-from ignition.models.blocks.attention import GQAttention, PagedPool, StepState, layer_inv_freq
+from ignition.models.blocks.attention import GQAttention, MLAttention, PagedPool, StepState, layer_inv_freq
 from ignition.models.blocks.loading import TensorLoader, check_fully_loaded, text_tensors
 from ignition.models.blocks.mlp import MoE, SwiGLU
 from ignition.models.blocks.norms import RMSNorm
@@ -122,6 +122,7 @@ class ConfiguredLM(StepModel):
         self._kv_index = {layer: j for j, layer in enumerate(self.kv_layers)}
         self.state_layout = plan.state_layers(arch.hidden_size)
         self.state_width = sum(size for _, _, _, size in self.state_layout)
+        self.pool_kernel_layers: set[int] = set()  # adopt_pool_kernel's layers: they read pages in place
         self.norm = RMSNorm(arch.hidden_size, plan.rms_norm_eps, offset=plan.final_norm_offset, fusable=True)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.mtp_tensors: dict[str, np.ndarray] = {}
@@ -193,7 +194,7 @@ class ConfiguredLM(StepModel):
         with torch.device("meta"):
             model = cls(arch, cls.planner(text_config(config)))
         for module in model.modules():  # rotary frequencies are computed, never loaded
-            if hasattr(module, "inv_freq"):
+            if isinstance(module, (GQAttention, MLAttention)):
                 module.inv_freq = layer_inv_freq(module.plan)
         model.load(tensors)
         model.adopt_pool_kernel()
@@ -208,13 +209,14 @@ class ConfiguredLM(StepModel):
         checkpoint's layout)."""
         sources = {p.kv_source for p in self.plan.layers if p.kv_source is not None}
         for i, layer in enumerate(self.layers):
-            attention = getattr(layer, "self_attn", None)
+            attention = next((m for m in layer.children() if isinstance(m, GQAttention)), None)
             if (
-                isinstance(attention, GQAttention)
+                attention is not None
                 and i not in sources
                 and attention.fits_pool_kernel(self.arch.num_kv_heads, self.arch.head_dim)
             ):
                 attention.use_pool_kernel(self._kv_index[i])
+                self.pool_kernel_layers.add(i)
 
     # -- the step graph ---------------------------------------------------------------------------
 
@@ -289,7 +291,7 @@ class ConfiguredLM(StepModel):
                 x = layer.feed_forward(x)
                 continue
             source = layer.plan.kv_source
-            if getattr(getattr(layer, "self_attn", None), "pool_layer", None) is not None:
+            if i in self.pool_kernel_layers:
                 past_k = past_v = None  # the pool kernel reads the pages in place
             else:
                 window = layer.plan.window

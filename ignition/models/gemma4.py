@@ -111,7 +111,7 @@ class Gemma4Attention(GQAttention):
     def __init__(self, plan: Gemma4LayerPlan, hidden: int, eps: float) -> None:
         super().__init__(plan, hidden, eps)
         if plan.k_eq_v and plan.kv_source is None:
-            del self.v_proj
+            self.v_proj = None
         self.v_norm = RMSNorm(plan.v_head_dim, eps, weighted=False)
 
     def keys_values(self, x, step):

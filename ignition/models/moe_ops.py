@@ -26,7 +26,7 @@ from ignition.models import ops
 
 def experts(h, idx, weights, up, down, gate, kind: str, unit: str = "glu", limit: float = 0.0, alpha: float = 0.0):
     """What the model calls: the custom op inside `ops.fused_export()`, the plain math otherwise."""
-    fn = experts_op if ops._FUSED else experts_ref
+    fn = experts_op if ops.fused() else experts_ref
     return fn(h, idx, weights, up, down, gate, kind, unit, limit, alpha)
 
 

@@ -52,6 +52,11 @@ def fused_export() -> Iterator[None]:
         _FUSED = previous
 
 
+def fused() -> bool:
+    """Whether the model runs inside `fused_export()` (the custom ops) rather than the plain math."""
+    return _FUSED
+
+
 # -- what the model calls ---------------------------------------------------------------------------
 
 

@@ -232,7 +232,8 @@ class GQAttention(nn.Module):
         self.q_proj = nn.Linear(hidden, h * plan.head_dim * width, bias=plan.attention_bias)
         if not shared:
             self.k_proj = nn.Linear(hidden, g * plan.head_dim, bias=plan.attention_bias)
-            self.v_proj = nn.Linear(hidden, g * plan.v_head_dim, bias=plan.attention_bias)
+            # None in a family whose values are its keys (no value projection of their own).
+            self.v_proj: nn.Linear | None = nn.Linear(hidden, g * plan.v_head_dim, bias=plan.attention_bias)
         self.o_proj = nn.Linear(h * plan.v_head_dim, hidden, bias=plan.attention_bias and plan.o_bias)
         if plan.qk_norm:
             self.q_norm = RMSNorm(plan.head_dim, eps, offset=plan.norm_offset, fusable=True)
@@ -403,7 +404,7 @@ class GQAttention(nn.Module):
             loader.norm(self.q_norm, prefix + "q_norm")
         if plan.kv_source is None:
             loader.linear(self.k_proj, prefix + "k_proj")
-            if hasattr(self, "v_proj"):
+            if self.v_proj is not None:
                 loader.linear(self.v_proj, prefix + "v_proj")
             if plan.qk_norm:
                 loader.norm(self.k_norm, prefix + "k_norm")

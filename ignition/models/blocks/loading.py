@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ignition.models.blocks.norms import RMSNorm
+
 
 class TensorLoader:
     """Sets module parameters from Hugging Face-named checkpoint tensors and records which names
@@ -41,7 +43,7 @@ class TensorLoader:
             raise ValueError(
                 f"{attr} of {type(module).__name__}: checkpoint shape {tuple(value.shape)} != {tuple(current.shape)}"
             )
-        if attr in module._buffers:
+        if attr in dict(module.named_buffers(recurse=False)):
             setattr(module, attr, value)
         else:
             setattr(module, attr, nn.Parameter(value, requires_grad=False))
@@ -54,8 +56,9 @@ class TensorLoader:
 
     def norm(self, module: nn.Module, name: str) -> None:
         """A norm's `name`.weight (none for an unscaled norm)."""
-        if getattr(module, "weighted", True):
-            self.put(module, "weight", self.take(name + ".weight"))
+        if isinstance(module, RMSNorm) and not module.weighted:
+            return
+        self.put(module, "weight", self.take(name + ".weight"))
 
     def lm_head(self, model: nn.Module) -> None:
         """The checkpoint's lm_head.weight, or the token embedding when the architecture ties them."""

@@ -39,9 +39,10 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj: nn.Linear | None = None  # fuse_gate_up's one projection (gate rows first)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "gate_up_proj"):  # fuse_gate_up: the form the int4 kernel fuses whole
+        if self.gate_up_proj is not None:  # fuse_gate_up: the form the int4 kernel fuses whole
             gate, up = self.gate_up_proj(x).split(self.gate_up_proj.out_features // 2, dim=-1)
             return self.down_proj(self.glu(gate, up))
         return self.down_proj(self.glu(self.gate_proj(x), self.up_proj(x)))
