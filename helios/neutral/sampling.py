@@ -160,21 +160,24 @@ def parse_logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
     return biases
 
 
-def resolve_max_tokens(
-    requested: Any, prompt_tokens: int, limits: Limits, *, name: str = "max_tokens", allow_zero: bool
-) -> int:
+def requested_max_tokens(value: Any, name: str = "max_tokens", *, allow_zero: bool) -> int | None:
+    """The output budget a body asks for, decoded (None: the core's default)."""
+    if value is None:
+        return None
+    budget = require_int(value, name)
+    if budget < 0 or (budget == 0 and not allow_zero):
+        raise RequestError(f"{name} must be at least {0 if allow_zero else 1}", param=name)
+    return budget
+
+
+def resolve_max_tokens(requested: int | None, prompt_tokens: int, limits: Limits, *, name: str = "max_tokens") -> int:
     """The output budget: default or requested, bounded by the context left after the prompt."""
     context = limits.context_length
     if prompt_tokens > context:
         raise RequestError(
             f"the prompt has {prompt_tokens} tokens, more than this model's {context}-token context", param=name
         )
-    if requested is None:
-        budget = limits.default_max_tokens
-    else:
-        budget = require_int(requested, name)
-        if budget < 0 or (budget == 0 and not allow_zero):
-            raise RequestError(f"{name} must be at least {0 if allow_zero else 1}", param=name)
+    budget = limits.default_max_tokens if requested is None else requested
     if budget == 0:
         return 0
     remaining = context - prompt_tokens

@@ -29,7 +29,7 @@ from helios.neutral.grammar import OutputFormat
 from helios.neutral.images import decode_data_url
 from helios.neutral.output import BlockDelta, BlockOpened, OutputEvent
 from helios.neutral.request import ChatOptions, Lowered, OutputPlan, lower
-from helios.neutral.sampling import check_top_logprobs, resolve_max_tokens
+from helios.neutral.sampling import check_top_logprobs, requested_max_tokens, resolve_max_tokens
 from helios.neutral.thinking import Budget, check_budget, check_effort, template_kwargs
 from helios.neutral.tools import EmittedCall, ToolChoice, unique_names
 from helios.protocols import common
@@ -200,7 +200,7 @@ class ChatRequest:
     add_generation_prompt: bool
     continue_final: bool
     sampling: SamplingParams  # without max_tokens, which needs the rendered prompt
-    max_tokens: Any  # max_completion_tokens, else max_tokens (checked against the prompt by build)
+    max_tokens: int | None  # max_completion_tokens, else max_tokens (bounded by the prompt in build)
     max_tokens_param: str
     as_token_ids: bool
     return_token_ids: bool
@@ -244,9 +244,8 @@ def decode(ctx: ServerContext, body: dict[str, Any]) -> ChatRequest:
     )
     sampling = common.request_sampling(body, m, logprobs=k, biased=True)
     sampling.logprob_token_ids = explicit
-    max_tokens, max_tokens_param = body.get("max_completion_tokens"), "max_completion_tokens"
-    if max_tokens is None:
-        max_tokens, max_tokens_param = body.get("max_tokens"), "max_tokens"
+    max_tokens_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = requested_max_tokens(body.get(max_tokens_param), max_tokens_param, allow_zero=False)
     return ChatRequest(
         conversation=Conversation(messages),
         tools=tools,
@@ -306,7 +305,6 @@ def build(ctx: ServerContext, request: ChatRequest, response_id: str) -> ChatPla
         len(lowered.prompt_ids),
         ctx.manifest.limits,
         name=request.max_tokens_param,
-        allow_zero=False,
     )
     base = dataclasses.replace(request.sampling, max_tokens=max_tokens)
     return ChatPlan(

@@ -20,6 +20,7 @@ from helios.neutral.request import engine_requests
 from helios.neutral.sampling import (
     check_top_logprobs,
     parse_token_ids,
+    requested_max_tokens,
     resolve_max_tokens,
 )
 from helios.neutral.tokenizer import Tokenizer
@@ -101,7 +102,7 @@ class CompletionRequest:
     prompt_logprobs: int | None  # the prompt_logprobs field's count (or echo's)
     scoring: int | None  # alternatives the engine scores the prompt with; None: unscored
     sampling: SamplingParams  # without max_tokens, which depends on each prompt
-    max_tokens: Any
+    max_tokens: int | None
     as_token_ids: bool
     cache_key: str | None  # prompt_cache_key: a routing hint
 
@@ -155,7 +156,7 @@ def decode(ctx: ServerContext, body: dict[str, Any]) -> CompletionRequest:
         prompt_logprobs=prompt_k,
         scoring=scoring,
         sampling=sampling,
-        max_tokens=body.get("max_tokens"),
+        max_tokens=requested_max_tokens(body.get("max_tokens"), allow_zero=True),
         as_token_ids=opt_bool(body, "return_tokens_as_token_ids", False),
         cache_key=common.prompt_cache_key(body),
     )
@@ -165,7 +166,7 @@ def build(ctx: ServerContext, request: CompletionRequest, response_id: str) -> C
     """One engine request per (prompt, choice), each with its own output budget."""
     prompts = request.prompts
     limits = ctx.manifest.limits
-    budgets = [resolve_max_tokens(request.max_tokens, len(p.token_ids), limits, allow_zero=True) for p in prompts]
+    budgets = [resolve_max_tokens(request.max_tokens, len(p.token_ids), limits) for p in prompts]
     requests: list[GenerationRequest] = []
     # max_tokens 0 reaches the model only to score the prompt (api.md).
     if any(budgets) or request.scoring is not None:

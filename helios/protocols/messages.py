@@ -87,7 +87,7 @@ def count(ctx: ServerContext, body: dict[str, Any]) -> int:
 def build(ctx: ServerContext, request: MessagesRequest, response_id: str) -> MessagesPlan:
     """Render the conversation and make its engine request."""
     lowered = _lower(ctx, request.decoded)
-    max_tokens = resolve_max_tokens(request.max_tokens, len(lowered.prompt_ids), ctx.manifest.limits, allow_zero=False)
+    max_tokens = resolve_max_tokens(request.max_tokens, len(lowered.prompt_ids), ctx.manifest.limits)
     requests = lowered.requests(response_id, dataclasses.replace(request.sampling, max_tokens=max_tokens))
     return MessagesPlan(response_id, lowered.prompt_ids, requests, request.stream, lowered.output, request.cache_key)
 

@@ -25,6 +25,7 @@ from helios.neutral.errors import RequestError
 from helios.neutral.grammar import OutputFormat
 from helios.neutral.images import decode_base64
 from helios.neutral.request import ChatOptions
+from helios.neutral.sampling import requested_max_tokens
 from helios.neutral.thinking import INT32_MAX, Budget, check_budget, check_effort, effort_from_budget, template_kwargs
 from helios.neutral.tools import ToolChoice, unique_names
 from helios.protocols import common
@@ -373,7 +374,7 @@ class MessagesRequest:
     decoded: Decoded
     stream: bool
     sampling: SamplingParams  # without max_tokens, which needs the rendered prompt
-    max_tokens: Any
+    max_tokens: int | None
     cache_key: str | None  # prompt_cache_key, accepted on every generation route: a routing hint
 
 
@@ -382,4 +383,5 @@ def decode_request(ctx: ServerContext, body: dict[str, Any]) -> MessagesRequest:
     decoded = decode(ctx, body)
     stream = opt_bool(body, "stream", False)
     sampling = common.request_sampling(body, ctx.manifest, stop_name="stop_sequences")
-    return MessagesRequest(decoded, stream, sampling, body.get("max_tokens"), common.prompt_cache_key(body))
+    max_tokens = requested_max_tokens(body.get("max_tokens"), allow_zero=False)
+    return MessagesRequest(decoded, stream, sampling, max_tokens, common.prompt_cache_key(body))

@@ -55,7 +55,7 @@ def build(ctx: ServerContext, request: ResponsesRequest, response_id: str) -> Re
     )
     prompt_ids = lowered.prompt_ids
     max_tokens = resolve_max_tokens(
-        request.max_output_tokens, len(prompt_ids), ctx.manifest.limits, name="max_output_tokens", allow_zero=False
+        request.max_output_tokens, len(prompt_ids), ctx.manifest.limits, name="max_output_tokens"
     )
     sampling = dataclasses.replace(request.sampling, max_tokens=max_tokens)
     return ResponsesPlan(

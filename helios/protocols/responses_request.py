@@ -24,7 +24,7 @@ from helios.neutral.errors import RequestError
 from helios.neutral.grammar import Compiler, OutputFormat, compiler_for
 from helios.neutral.images import decode_data_url
 from helios.neutral.request import ChatOptions
-from helios.neutral.sampling import check_top_logprobs
+from helios.neutral.sampling import check_top_logprobs, requested_max_tokens
 from helios.neutral.thinking import Budget, check_budget, check_effort, template_kwargs
 from helios.neutral.tools import (
     CUSTOM_PARAMETERS,
@@ -314,7 +314,7 @@ class ResponsesRequest:
     conversation: Conversation
     options: ChatOptions
     sampling: SamplingParams  # without max_tokens, which needs the rendered prompt
-    max_output_tokens: Any
+    max_output_tokens: int | None
     top_logprobs: int | None  # natural alternatives per output_text entry; None: not included
     stream: bool
     as_token_ids: bool
@@ -355,7 +355,7 @@ def decode(ctx: ServerContext, body: dict[str, Any]) -> ResponsesRequest:
         conversation=Conversation(messages),
         options=options,
         sampling=sampling,
-        max_output_tokens=body.get("max_output_tokens"),
+        max_output_tokens=requested_max_tokens(body.get("max_output_tokens"), "max_output_tokens", allow_zero=False),
         top_logprobs=k,
         stream=opt_bool(body, "stream", False),
         as_token_ids=opt_bool(body, "return_tokens_as_token_ids", False),

@@ -37,6 +37,7 @@ from helios.neutral.sampling import (
     child_seed,
     parse_stop_strings,
     parse_token_stops,
+    requested_max_tokens,
     resolve_distribution,
     resolve_max_tokens,
     resolve_sampling,
@@ -222,19 +223,21 @@ def test_string_and_token_stops_cannot_combine():
 
 
 def test_max_tokens_default_and_context_bounds():
-    assert resolve_max_tokens(None, 10, LIMITS, allow_zero=False) == 30
-    assert resolve_max_tokens(None, 90, LIMITS, allow_zero=False) == 10  # default bounded by context
-    assert resolve_max_tokens(500, 10, LIMITS, allow_zero=False) == 90  # clamped, not rejected
-    assert resolve_max_tokens(5, 10, LIMITS, allow_zero=False) == 5
-    assert resolve_max_tokens(0, 10, LIMITS, allow_zero=True) == 0
-    assert resolve_max_tokens(0, 100, LIMITS, allow_zero=True) == 0  # a full prompt can still echo
+    assert resolve_max_tokens(None, 10, LIMITS) == 30
+    assert resolve_max_tokens(None, 90, LIMITS) == 10  # default bounded by context
+    assert resolve_max_tokens(500, 10, LIMITS) == 90  # clamped, not rejected
+    assert resolve_max_tokens(5, 10, LIMITS) == 5
+    assert resolve_max_tokens(0, 10, LIMITS) == 0
+    assert resolve_max_tokens(0, 100, LIMITS) == 0  # a full prompt can still echo
     with pytest.raises(RequestError, match="more than"):
-        resolve_max_tokens(0, 101, LIMITS, allow_zero=True)
+        resolve_max_tokens(0, 101, LIMITS)
     with pytest.raises(RequestError, match="no room"):
-        resolve_max_tokens(None, 100, LIMITS, allow_zero=False)
+        resolve_max_tokens(None, 100, LIMITS)
+    assert requested_max_tokens(None, allow_zero=False) is None
+    assert requested_max_tokens(0, allow_zero=True) == 0 and requested_max_tokens(7, allow_zero=False) == 7
     for bad in (0, -1, 1.5, True, "8"):
         with pytest.raises(RequestError):
-            resolve_max_tokens(bad, 10, LIMITS, allow_zero=False)
+            requested_max_tokens(bad, allow_zero=False)
 
 
 def test_top_logprobs_capacity():
