@@ -22,6 +22,8 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from helios.cluster import affinity
 from helios.cluster.affinity import AffinityTable, RouteKey
 
+MAX_PENDING_DECISIONS = 4096
+
 
 class PrefixAffinityRouter(RequestRouter):
     def initialize_state(self, policy: str = "affinity", capacity: int = 8) -> None:
@@ -30,6 +32,9 @@ class PrefixAffinityRouter(RequestRouter):
         self.inflight: Counter[str] = Counter()
         self.decisions: Counter[str] = Counter()
         self.requests_by_replica: Counter[str] = Counter()
+        # Each routed request's decision from choose_replicas until on_request_routed reads it
+        # (by Ray's request id; bounded, since a request cancelled before routing never comes back).
+        self.pending_decisions: dict[str, str] = {}
         affinity.ROUTERS[self._deployment_id.name] = self  # through the module: see above
 
     async def choose_replicas(
@@ -42,15 +47,17 @@ class PrefixAffinityRouter(RequestRouter):
             return _power_of_two(candidates)
         by_id = {r.replica_id.unique_id: r for r in candidates}
         choice = self.table.choose(list(by_id), dict(self.inflight), _route_of(pending_request))
-        if pending_request is not None:  # Ray's per-request scratch, read back in on_request_routed
-            pending_request.routing_context.helios_decision = choice.decision
+        if pending_request is not None:
+            self.pending_decisions[pending_request.metadata.internal_request_id] = choice.decision
+            if len(self.pending_decisions) > MAX_PENDING_DECISIONS:
+                self.pending_decisions.pop(next(iter(self.pending_decisions)))
         return [[by_id[r] for r in rank] for rank in choice.ranks]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         replica = replica_id.unique_id
         self.inflight[replica] += 1
         self.requests_by_replica[replica] += 1
-        decision = getattr(pending_request.routing_context, "helios_decision", "default")
+        decision = self.pending_decisions.pop(pending_request.metadata.internal_request_id, "default")
         self.decisions[decision] += 1
         if self.policy == "affinity":
             self.table.record(_route_of(pending_request), replica)
