@@ -89,9 +89,8 @@ def export(
 ) -> None:
     """Export CHECKPOINT with RECIPE into a core folder."""
     # Imported here: torch and onnxruntime cost seconds that `ignition inspect` and --help never use.
-    from ignition.export.display import export_with_progress
     from ignition.export.options import parse_kv_dtype, parse_targets
-    from ignition.export.pipeline import ExportError, ExportOptions
+    from ignition.export.pipeline import ExportError, ExportOptions, export_with_progress
 
     try:
         loaded = load_recipe(recipe)

@@ -84,13 +84,12 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from bandwidth import read_bandwidth
+from bench_peers import PEERS, bench_peers, start_vllm
 from host_store_ttft import measure as measure_host_store
 from http_speed import (
     decode_tps,
     fresh_prompt,
-    long_context,
     prefill,
-    server_speed,
     stream_completion,
     stream_sse,
 )
@@ -100,6 +99,8 @@ from speculative_tps import measure as measure_speculative
 
 from helios.kernels.kv_dtype import itemsize
 from helios.launcher import HeliosProcess
+from helios.manifest import Manifest
+from helios.neutral.tokenizer import Tokenizer
 
 
 def rss_mb(pid: int) -> float:
@@ -264,144 +265,6 @@ def best(rounds: list[dict]) -> dict:
         values = [r[k] for r in rounds if isinstance(r.get(k), (int, float))]
         out[k] = min(values) if k.endswith("_ms") else max(values)
     return out
-
-
-def _long_result(raw: dict) -> dict:
-    """A runner's long-context JSON under the bench's names (and the raw line, for the record)."""
-    return {
-        "prefill_16k_tps": raw["long_prefill_tps"],
-        "decode_16k_tps": raw["long_decode_tps"],
-        "prefill_16k_ms": raw["long_prefill_ms"],
-        "long_run": raw,
-    }
-
-
-def bench_peers(
-    core: Path,
-    quick: bool,
-    threads: int,
-    only: list[str] | None,
-    long_tokens: int | None = None,
-    long_decode: int = 64,
-    vllm: dict | None = None,
-) -> dict:
-    """One round of each peer; with `long_tokens`, also each peer's long-context run (a separate
-    runner process: prefill_16k_tps, decode_16k_tps, prefill_16k_ms; `long_error` if it failed).
-    `vllm`: the vLLM server started for the run ({"url"}, or {"error"}), measured over HTTP."""
-    from peers import envs as setup
-
-    from helios.manifest import Manifest
-    from ignition.checkpoints.packaged import PACKAGED_MODELS, resolve_packaged
-
-    manifest = Manifest.load(core, verify_files=False)
-    name = manifest.identity.checkpoint_id
-    if name not in PACKAGED_MODELS:
-        return {"peers": {"error": f"peers need a packaged checkpoint; this core came from {name!r}"}}
-    gguf_path = resolve_packaged(PACKAGED_MODELS[name], report=setup.log)
-    decode = "64" if quick else "128"
-    repeats = "2" if quick else "3"
-    peers: dict[str, dict] = {}
-    wanted = only or PEERS
-    long_args = ["--long", str(long_tokens), "--decode", str(long_decode)] if long_tokens else []
-    # The genai model's context_length must hold the long prompt (ensure_genai_model rebuilds a
-    # model built with less).
-    min_context = (long_tokens + long_decode + 1) if long_tokens else 0
-    if "llama.cpp" in wanted:
-        try:
-            python = setup.ensure_llamacpp()
-            label = f"llama.cpp ({setup.gguf_quantization(gguf_path)})"
-            result = setup.run_peer(
-                python,
-                "llamacpp_run.py",
-                [str(gguf_path), "--threads", str(threads), "--decode", decode, "--repeats", repeats],
-                timeout=1800,
-            )
-            if long_args:
-                try:
-                    result.update(
-                        _long_result(
-                            setup.run_peer(
-                                python,
-                                "llamacpp_run.py",
-                                [str(gguf_path), "--threads", str(threads), *long_args],
-                                timeout=1800,
-                            )
-                        )
-                    )
-                except Exception as exc:
-                    result["long_error"] = str(exc)[-500:]
-            peers[label] = result
-        except Exception as exc:  # a peer failing must not lose helios's numbers
-            peers["llama.cpp"] = {"error": str(exc)[-500:]}
-    if "onnxruntime-genai" in wanted:
-        try:
-            python = setup.ensure_ortgenai()
-            model = setup.ensure_genai_model(python, gguf_path, name, threads, min_context=min_context)
-            result = setup.run_peer(
-                python, "ortgenai_run.py", [str(model), "--decode", decode, "--repeats", repeats], timeout=1800
-            )
-            if long_args:
-                try:
-                    result.update(
-                        _long_result(setup.run_peer(python, "ortgenai_run.py", [str(model), *long_args], timeout=1800))
-                    )
-                except Exception as exc:
-                    result["long_error"] = str(exc)[-500:]
-            peers["onnxruntime-genai (int4)"] = result
-        except Exception as exc:
-            peers["onnxruntime-genai"] = {"error": str(exc)[-500:]}
-    if "vllm" in wanted and vllm is not None:
-        peers[VLLM_LABEL] = measure_vllm(vllm, quick, long_tokens, long_decode)
-    return peers
-
-
-PEERS = ["llama.cpp", "onnxruntime-genai", "vllm"]
-VLLM_LABEL = "vLLM (bf16 safetensors)"  # its CPU build serves bf16, dequantized from the same GGUF
-
-
-def start_vllm(core: Path, threads: int) -> tuple[object | None, dict]:
-    """vLLM's server for the whole run (its start-up compiles for minutes): (server, {"url"}), or
-    (None, {"error"}) when it cannot be installed or started."""
-    from peers import envs as setup
-    from peers.vllm_server import VllmServer
-
-    from helios.manifest import Manifest
-    from ignition.checkpoints.packaged import PACKAGED_MODELS, resolve_packaged
-
-    manifest = Manifest.load(core, verify_files=False)
-    name = manifest.identity.checkpoint_id
-    if name not in PACKAGED_MODELS:
-        return None, {"error": f"peers need a packaged checkpoint; this core came from {name!r}"}
-    try:
-        python = setup.ensure_vllm()
-        context = manifest.limits.context_length
-        model = setup.ensure_vllm_model(resolve_packaged(PACKAGED_MODELS[name], report=setup.log), name, context)
-        # KV cache sized like helios' default pool in bf16 (vLLM's CPU KV type), whole GiB.
-        kv = manifest.kv
-        pool_bytes = manifest.limits.kv_pages * kv.page_tokens * kv.num_layers * 2 * kv.kv_heads * kv.head_dim * 2
-        server = VllmServer(python, model, threads, kv_gib=max(1, -(-pool_bytes // 2**30)), max_model_len=context)
-    except Exception as exc:  # a peer failing must not lose helios's numbers
-        return None, {"error": str(exc)[-800:]}
-    return server, {"url": server.url}
-
-
-def measure_vllm(vllm: dict, quick: bool, long_tokens: int | None, long_decode: int) -> dict:
-    """One round of the vLLM server through the same HTTP calls as helios."""
-    from peers.vllm_server import SERVED_NAME
-
-    if "error" in vllm:
-        return {"error": vllm["error"]}
-    try:
-        with httpx.Client(base_url=vllm["url"], timeout=1800) as client:
-            result = server_speed(client, quick, SERVED_NAME)
-            if long_tokens:
-                try:
-                    result.update(long_context(client, long_tokens, long_decode, SERVED_NAME))
-                except Exception as exc:
-                    result["long_error"] = str(exc)[-500:]
-            return result
-    except Exception as exc:
-        return {"error": str(exc)[-500:]}
 
 
 def machine(threads: int) -> dict:
@@ -640,9 +503,6 @@ def main() -> None:
     if args.long_tokens < 16:
         sys.exit("--long-tokens must be at least 16")
     threads = args.threads or os.cpu_count() or 1
-
-    from helios.manifest import Manifest
-    from helios.neutral.tokenizer import Tokenizer
 
     manifest = Manifest.load(args.core, verify_files=False)
     long_decode = 32 if args.quick else 64

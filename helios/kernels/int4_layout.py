@@ -128,7 +128,7 @@ def to_int4_tiles(model: onnx.ModelProto) -> int:
         outputs, extra = list(node.output), {}
         fused = swiglu.get(node.output[0]) if not bias and n % (2 * TILE) == 0 else None
         if fused is not None:
-            order = _swiglu_order(n)
+            order = swiglu_order(n)
             q, scales = q[order], scales[order]
             outputs, extra = [fused[1]], {"activation": "swiglu"}
             removed.update(id(x) for x in fused[0])
@@ -149,7 +149,7 @@ def to_int4_tiles(model: onnx.ModelProto) -> int:
     return converted
 
 
-def _swiglu_order(n: int) -> np.ndarray:
+def swiglu_order(n: int) -> np.ndarray:
     """Column order of a fused gate_up weight: 16 gate columns, the same 16 up columns, ..."""
     half = n // 2
     tiles = np.arange(half).reshape(-1, TILE)
@@ -225,7 +225,7 @@ def to_matmul_nbits(model: onnx.ModelProto, accuracy_level: int = 4) -> int:
         )
         swiglu = a.get("activation", b"") in (b"swiglu", "swiglu")
         if swiglu:
-            inverse = np.argsort(_swiglu_order(n))
+            inverse = np.argsort(swiglu_order(n))
             q, scales = q[inverse], scales[inverse]
         inits[node.input[1]].CopyFrom(numpy_helper.from_array(q_to_nbits(q, block), node.input[1]))
         inits[node.input[2]].CopyFrom(numpy_helper.from_array(scales.reshape(-1), node.input[2]))

@@ -12,7 +12,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from helios.kernels import DOMAIN
-from helios.kernels.int4_layout import TILE, _swiglu_order, nbits_to_q, pack, pack8, unpack, unpack8
+from helios.kernels.int4_layout import TILE, nbits_to_q, pack, pack8, swiglu_order, unpack, unpack8
 
 OP = "MoE"
 INT4_OP = "MoEInt4"
@@ -72,7 +72,7 @@ def quantize_experts(model: onnx.ModelProto, bits: int = 4) -> int:
         block_down = next((b for b in blocks if inter % b == 0), None)
         if block_up is None or block_down is None or (gate is not None and inter % TILE):
             continue
-        order = _swiglu_order(2 * inter) if gate is not None else None
+        order = swiglu_order(2 * inter) if gate is not None else None
         parts: dict[str, list[np.ndarray]] = {"gu": [], "gus": [], "dn": [], "dns": []}
         for e in range(experts):
             first = up[e] if gate is None else np.concatenate([gate[e], up[e]])[order]
@@ -159,7 +159,7 @@ def _dequantized(node: onnx.NodeProto, attrs: dict, tables: dict) -> tuple[onnx.
         q, s = unpacker(gu[e], gus[e], n1, width, attrs["block_up"])
         first = (q.astype(np.float32) - zero) * np.repeat(s, attrs["block_up"], axis=1)
         if glu:
-            first = first[np.argsort(_swiglu_order(n1))]  # back to [gate rows, up rows]
+            first = first[np.argsort(swiglu_order(n1))]  # back to [gate rows, up rows]
             gates.append(first[:inter])
             ups.append(first[inter:])
         else:

@@ -121,7 +121,7 @@ def _architecture(
     )
 
 
-def _quantization_name(reader: gguf.GGUFReader) -> str:
+def quantization_name(reader: gguf.GGUFReader) -> str:
     file_type = metadata_value(reader, "general.file_type")
     try:
         return gguf.LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_") if file_type is not None else ""
@@ -200,7 +200,7 @@ def _checkpoint(
         add_bos=tok.add_bos,
         special_tokens=tok.special_tokens,
         source_format="gguf",
-        source_quantization=_quantization_name(reader),
+        source_quantization=quantization_name(reader),
         model_config=config or {},
     )
 

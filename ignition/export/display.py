@@ -9,9 +9,6 @@ import time
 from rich.console import Console
 from rich.markup import escape
 
-from helios.manifest import Manifest
-from ignition.export.options import ExportOptions
-
 # The pipeline's stages, as the CLI shows them (ignition.export.pipeline.STAGES; not imported
 # here, since the pipeline pulls in torch and `helios serve CORE` never compiles).
 STAGES = ("read", "convert", "export", "quantize", "validate", "write")
@@ -54,11 +51,3 @@ class StageDisplay:
         order = (*PRE_STAGES, *STAGES)
         step = f" ({STAGES.index(stage) + 1}/{len(STAGES)})" if stage in STAGES else ""
         self.status.update(f"[bold]{stage}[/]{step}: {escape(detail)}" if stage in order else escape(detail))
-
-
-def export_with_progress(options: ExportOptions, console: Console) -> Manifest:
-    """export_core with its stages shown on `console`."""
-    from ignition.export.pipeline import export_core
-
-    with StageDisplay(console) as display:
-        return export_core(options, display.report)

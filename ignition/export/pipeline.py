@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rich.console import Console
+
 from helios.manifest import Manifest
 from ignition.checkpoints.load import peek_config, peek_family, peek_vocab
 from ignition.export import display, stages
@@ -129,3 +131,9 @@ def check_request(options: ExportOptions) -> None:
         ours, theirs = peek_vocab(options.checkpoint), peek_vocab(options.drafter)
         if ours is not None and theirs is not None:
             check_drafter_vocab(options.drafter, ours, theirs)
+
+
+def export_with_progress(options: ExportOptions, console: Console) -> Manifest:
+    """export_core with its stages shown on `console`."""
+    with display.StageDisplay(console) as shown:
+        return export_core(options, shown.report)

@@ -29,6 +29,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from ignition.checkpoints.gguf import open_gguf, quantization_name
+
 LLAMA_CPP_VERSION = "0.3.36"
 # llama.cpp is compiled for this CPU (-march=native) but without its AMX backend: on this host
 # (a VM whose CPUID advertises AMX and whose kernel enables the tile state) the first AMX matmul
@@ -275,9 +277,7 @@ def set_genai_threads(model: Path, threads: int) -> None:
 
 def gguf_quantization(path: Path) -> str:
     """The GGUF's quantization name (e.g. Q4_K_M), for labelling the llama.cpp peer."""
-    from ignition.checkpoints.gguf import _quantization_name, open_gguf
-
-    return _quantization_name(open_gguf(path)) or "GGUF"
+    return quantization_name(open_gguf(path)) or "GGUF"
 
 
 def run_peer(python: Path, script: str, args: list[str], timeout: float) -> dict:
