@@ -212,7 +212,8 @@ def input_files(located: Located) -> list[Path]:
 def checkpoint_digest(located: Located, report: Callable[[str], None]) -> str:
     """The sha256 of the checkpoint's files: a packaged model's pinned one, else computed once
     and remembered by the files' paths, sizes and mtimes (a stamp in the cache), so a second
-    start does not read gigabytes again."""
+    start does not read gigabytes again. A single file's is its own sha256, as a packaged model's
+    is its joined GGUF's: its name and its file then share one compiled core."""
     if located.kind == "packaged":
         return PACKAGED_MODELS[located.name].sha256
     files = input_files(located)
@@ -227,17 +228,21 @@ def checkpoint_digest(located: Located, report: Callable[[str], None]) -> str:
         pass
     size = sum(size for _, size, _ in stats)
     report(f"hashing {located.name} ({size / 1e9:.2f} GB)")
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(path.name.encode() + b"\0" + file_sha256(path).encode())
+    if len(files) == 1:
+        digest = file_sha256(files[0])
+    else:
+        combined = hashlib.sha256()
+        for path in files:
+            combined.update(path.name.encode() + b"\0" + file_sha256(path).encode())
+        digest = combined.hexdigest()
     try:
         stamp.parent.mkdir(parents=True, exist_ok=True)
         partial = stamp.with_name(f"{stamp.name}.{os.getpid()}.tmp")
-        partial.write_text(digest.hexdigest() + "\n")
+        partial.write_text(digest + "\n")
         os.replace(partial, stamp)  # never a half-written stamp
     except OSError:
         pass  # a read-only cache still works; it hashes on every start
-    return digest.hexdigest()
+    return digest
 
 
 def core_folder(located: Located, digest: str, recipe: Recipe, options: dict[str, object]) -> Path:
