@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import subprocess
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ignition.recipes import COMPILED_FAMILIES, PLANNED_FAMILIES, load_recipe
-from tests.conftest import REPO
+from tests.conftest import CACHE, REPO, code_digest
 from tests.unit.family_checkpoints import write_family_checkpoint
 
 SEED_RECIPES = [
@@ -44,6 +46,8 @@ COMPILED = [name for name in SEED_RECIPES if load_recipe(name).family in COMPILE
 TORCH_PROGRAM_RECIPES = (
     COMPILED if os.environ.get("FLARE_ALL_TORCH_FAMILIES") == "1" else ["qwen38_dense", "deepseek4", "kimi3"]
 )
+# The family cores, kept across runs (family_env).
+FAMILY_CORES = CACHE / "cores" / "families"
 PLANNED = [name for name in SEED_RECIPES if load_recipe(name).family in PLANNED_FAMILIES]
 
 
@@ -56,7 +60,9 @@ def family_env(tmp_path_factory, request):
     family export in sequence through a private export cache, so the second reuses the first's
     traced graph. Returns recipe -> (core, transformers reference), waiting for that export.
     A test names its recipes by a `recipe` parameter or `@pytest.mark.families(RECIPE, ...)`.
-    The cores are shared: tests read them and never write into them."""
+    The cores are shared: tests read them and never write into them. They are kept in the flare
+    cache under a key of everything that shapes them (family_core_key): a later run with the same
+    code and checkpoint bytes reads them instead of exporting again (~5 CPU-minutes)."""
     folder = tmp_path_factory.mktemp("families")
     env = {**os.environ, "FLARE_CACHE": str(folder / "cache")}
     selected = set()
@@ -70,14 +76,20 @@ def family_env(tmp_path_factory, request):
     for recipe in [r for r in COMPILED if r in selected] or COMPILED:
         families.setdefault(load_recipe(recipe).family, []).append(recipe)
     checkpoints = {family: write_family_checkpoint(folder / f"ckpt-{family}", family) for family in families}
+    code = code_digest()
 
     def export(family: str) -> dict[str, tuple[Path, str]]:
         done = {}
         for recipe in families[family]:
-            out = folder / f"core-{recipe}"
             # TORCH_PROGRAM_RECIPES also get the fp32 torch step program (validated against the reference
             # at export; test_torch_families holds it to the ONNX graph).
             targets = ["--target", "cpu,cuda", "--torch-dtype", "float32"] if recipe in TORCH_PROGRAM_RECIPES else []
+            out = FAMILY_CORES / f"{recipe}-{family_core_key(code, checkpoints[family][0], targets)}"
+            if (out / "core.json").is_file():
+                done[recipe] = (out, "")
+                continue
+            for stale in FAMILY_CORES.glob(f"{recipe}-*"):
+                shutil.rmtree(stale, ignore_errors=True)
             command = [
                 sys.executable,
                 "-m",
@@ -103,6 +115,18 @@ def family_env(tmp_path_factory, request):
         yield lambda recipe: _finished(futures, checkpoints, recipe)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def family_core_key(code: str, checkpoint: Path, export_args: list[str]) -> str:
+    """What a family core is made of: the exporting code (`code`: code_digest), the checkpoint's
+    bytes (written afresh each session, the same bytes for the same code) and the export's options."""
+    h = hashlib.sha256(code.encode())
+    h.update(" ".join(export_args).encode())
+    for path in sorted(checkpoint.rglob("*")):
+        if path.is_file():
+            h.update(path.relative_to(checkpoint).as_posix().encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _finished(futures: dict[str, Future], checkpoints: dict, recipe: str) -> tuple[Path, object]:
