@@ -1,11 +1,15 @@
 """The real Gemma 3 270M (its packaged GGUF, Q4_K_M) against transformers' own GGUF loader: the
 SentencePiece tokenizer flare builds from the file encodes as transformers' does, and the served
 fp32 core's greedy continuations equal transformers' on the same file (a divergence only at a
-recorded near-tie). The package installs on demand; the tests skip, saying why, only where pip
-cannot install it."""
+recorded near-tie). transformers' side is recorded once per GGUF, transformers and torch version
+and set of texts (transformers_reference). The package installs on demand; the tests skip,
+saying why, only where pip cannot install it."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +21,7 @@ import torch
 from helios.launcher import HeliosProcess
 from ignition.checkpoints.base import CheckpointError
 from ignition.checkpoints.gguf import open_gguf
-from ignition.checkpoints.packaged import resolve_packaged
+from ignition.checkpoints.packaged import PACKAGED_MODELS, resolve_packaged
 from ignition.checkpoints.tokenizer import tokenizer_from_gguf
 from tests.conftest import CACHE, code_digest, export
 
@@ -47,14 +51,72 @@ def gemma_gguf() -> Path:
         pytest.skip(f"the {PACKAGED} packages cannot be installed here: {exc}")
 
 
-@pytest.fixture(scope="module")
-def transformers_reference(gemma_gguf):
+def probe_texts() -> list[str]:
+    """What the tokenizer test encodes: the prompts, hard cases, and this file's source in pieces."""
+    source = Path(__file__).read_text()
+    return [
+        *PROMPTS,
+        "  two leading spaces,   three inside, tabs\t\tand trailing  ",
+        "naïve café, 日本語のテキスト, emoji 🙂👩‍👩‍👧, math ∑ ≈ ∞, zero\u200bwidth",
+        "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n",
+        "<table><tr><td>1</td></tr></table> and <b>bold</b>",
+        "\n\n\n\n    indented\n\t\n",
+        "12345 678.9e-10 0x1F",
+        *(source[i : i + 400] for i in range(0, len(source), 400)),
+    ]
+
+
+def record_reference(gguf_path: Path) -> dict:
+    """transformers' side of every comparison, from its own GGUF loader: the BOS id, each probe
+    text's encoding, and each prompt's greedy continuation (the tokens, each one's text, each
+    prefix's text, and the margin between the two best logits at every step)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder, name = str(gemma_gguf.parent), gemma_gguf.name
+    folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    return tokenizer, model
+    greedy = {}
+    for prompt in PROMPTS:
+        ids = torch.tensor([tokenizer.encode(prompt)])
+        with torch.no_grad():
+            out = model.generate(
+                ids, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True
+            )
+        tokens = out.sequences[0, ids.shape[1] :].tolist()
+        best = torch.topk(torch.stack(out.logits)[:, 0], 2).values
+        greedy[prompt] = {
+            "tokens": tokens,
+            "pieces": [tokenizer.decode([token]) for token in tokens],
+            "prefix_texts": [tokenizer.decode(tokens[:n]) for n in range(len(tokens) + 1)],
+            "margins": (best[:, 0] - best[:, 1]).tolist(),
+        }
+    return {
+        "bos_token_id": tokenizer.bos_token_id,
+        "encodings": [tokenizer.encode(text, add_special_tokens=False) for text in probe_texts()],
+        "greedy": greedy,
+    }
+
+
+@pytest.fixture(scope="module")
+def transformers_reference(gemma_gguf) -> dict:
+    """record_reference, kept in the flare cache under a key of everything it depends on (the
+    pinned GGUF, the transformers and torch versions, the texts and prompts): loading the GGUF in
+    transformers takes ~50 s, and the same inputs give the same record."""
+    import transformers
+
+    material = [PACKAGED_MODELS[PACKAGED].sha256, transformers.__version__, torch.__version__, NEW_TOKENS]
+    key = hashlib.sha256(json.dumps([*material, PROMPTS, probe_texts()]).encode()).hexdigest()[:16]
+    path = CACHE / "references" / f"gemma3-transformers-{key}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    record = record_reference(gemma_gguf)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob("gemma3-transformers-*.json"):
+        stale.unlink()
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(record))
+    os.replace(partial, path)
+    return record
 
 
 @pytest.fixture(scope="module")
@@ -73,41 +135,18 @@ def gemma_server(gemma_gguf) -> Iterator[HeliosProcess]:
 def test_sentencepiece_tokenizer_encodes_as_transformers(gemma_gguf, transformers_reference):
     from tokenizers import Tokenizer
 
-    reference, _ = transformers_reference
     built = tokenizer_from_gguf(open_gguf(gemma_gguf))
     ours = Tokenizer.from_str(built.tokenizer_json)
-    assert built.add_bos and built.bos_token_id == reference.bos_token_id
-    source = Path(__file__).read_text()
-    texts = [
-        *PROMPTS,
-        "  two leading spaces,   three inside, tabs\t\tand trailing  ",
-        "naïve café, 日本語のテキスト, emoji 🙂👩‍👩‍👧, math ∑ ≈ ∞, zero\u200bwidth",
-        "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n",
-        "<table><tr><td>1</td></tr></table> and <b>bold</b>",
-        "\n\n\n\n    indented\n\t\n",
-        "12345 678.9e-10 0x1F",
-        *(source[i : i + 400] for i in range(0, len(source), 400)),
-    ]
-    for text in texts:
-        assert ours.encode(text, add_special_tokens=False).ids == reference.encode(text, add_special_tokens=False), text
+    assert built.add_bos and built.bos_token_id == transformers_reference["bos_token_id"]
+    for text, expected in zip(probe_texts(), transformers_reference["encodings"], strict=True):
         ids = ours.encode(text, add_special_tokens=False).ids
+        assert ids == expected, text
         assert ours.decode(ids, skip_special_tokens=False) == text
-
-
-def _greedy(model, tokenizer, prompt: str) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy continuation and the logits each new token was chosen from."""
-    ids = torch.tensor([tokenizer.encode(prompt)])
-    with torch.no_grad():
-        out = model.generate(
-            ids, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True
-        )
-    return out.sequences[0, ids.shape[1] :].tolist(), torch.stack(out.logits)[:, 0]
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_continuations_equal_transformers(gemma_server, transformers_reference, prompt):
-    tokenizer, model = transformers_reference
-    expected, logits = _greedy(model, tokenizer, prompt)
+    reference = transformers_reference["greedy"][prompt]
     body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "logprobs": 1, **GREEDY}
     answer = httpx.post(gemma_server.url + "/v1/completions", json=body, timeout=120).json()
     served = answer["choices"][0]["logprobs"]["tokens"]
@@ -115,18 +154,18 @@ def test_greedy_continuations_equal_transformers(gemma_server, transformers_refe
     again = httpx.post(gemma_server.url + "/v1/completions", json=body, timeout=120).json()
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, again
     assert again["choices"][0]["logprobs"]["tokens"] == served
-    wanted = [tokenizer.decode([token]) for token in expected]
+    wanted = reference["pieces"]
     for step, (ours, theirs) in enumerate(zip(served, wanted, strict=False)):
         if ours != theirs:
-            best = torch.topk(logits[step], 2).values
-            margin = float(best[0] - best[1])
+            margin = reference["margins"][step]
             assert margin < NEAR_TIE, (
                 f"{prompt!r}: step {step} served {ours!r}, transformers {theirs!r} (margin {margin})"
             )
             print(f"{prompt!r}: first divergence at step {step}, a near-tie (margin {margin:.4f})")
             return
     assert len(served) == len(wanted) or answer["choices"][0]["finish_reason"] == "stop", answer
-    assert answer["choices"][0]["text"] == tokenizer.decode(expected[: len(served)])
+    texts = reference["prefix_texts"]
+    assert answer["choices"][0]["text"] == texts[min(len(served), len(texts) - 1)]
 
 
 def test_a_chat_round_trip(gemma_server):
