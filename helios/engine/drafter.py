@@ -20,13 +20,22 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Protocol
 
 from helios.engine.runner import Runner, StepRow
-from helios.engine.scheduler import ScheduledRow
 from helios.engine.sequence import Sequence
 from helios.manifest import Manifest
 
 log = logging.getLogger("helios.engine")
+
+
+class DraftRow(Protocol):
+    """A scheduled row the drafter fills in (helios.engine.scheduler.ScheduledRow, whose module
+    reaches this one through the speculator)."""
+
+    seq: Sequence
+    learned_width: int
+    drafts: list[int]
 
 
 class LearnedDrafter:
@@ -60,7 +69,7 @@ class LearnedDrafter:
         lag = seq.num_tokens - seq.drafter_len
         return lag <= self.catch_up_tokens and seq.num_tokens + width - 1 <= self.runner.max_positions
 
-    def draft(self, rows: list[ScheduledRow]) -> None:
+    def draft(self, rows: list[DraftRow]) -> None:
         """Fill `drafts` of the scheduled rows with a `learned_width`: one drafter step reads each
         row's unread tokens and proposes its first draft, each further step (the rows still
         drafting, batched) one more. A failed drafter step leaves those rows without drafts."""

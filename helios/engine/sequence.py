@@ -11,19 +11,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
 from helios.engine.api import CheckpointCandidate, FinishReason, GenerationEvent, GenerationRequest, SamplingParams
-from helios.engine.detokenizer import IncrementalDetokenizer
+from helios.engine.detokenizer import Decoder, IncrementalDetokenizer
 from helios.engine.stops import StopChecker
-
-if TYPE_CHECKING:  # these modules read sequences, so this one imports them for types only
-    from helios.engine.constraints import RowConstraint
-    from helios.engine.detokenizer import Decoder
-    from helios.engine.prefix_cache import Checkpoint
-    from helios.engine.speculation import RequestDrafts
 
 
 class SequenceStatus(enum.Enum):
@@ -71,17 +65,18 @@ class Sequence:
         # Prompt scoring: prompt positions whose entries were emitted (a recompute after
         # preemption scores nothing twice).
         self.prompt_scored = 0
-        # Its grammar or forced tokens (None: unconstrained).
-        self.constraint: RowConstraint | None = None
+        # Its grammar or forced tokens: a helios.engine.constraints.RowConstraint, or None. Typed
+        # Any here and below: those modules read sequences, and this one imports none of them.
+        self.constraint: Any = None
         self.host_looked_up = False  # its first admission attempt consulted the host store
-        self.speculation: RequestDrafts | None = None  # made at its first round
+        self.speculation: Any = None  # helios.engine.speculation.RequestDrafts, made at its first round
         # Learned drafter (helios.engine.drafter): leading tokens whose drafter K/V its pages hold,
         # and the drafts it fed past them in its last round (valid while they get committed).
         self.drafter_len = 0
         self.drafter_pending: list[int] = []
         # Checkpoints whose leading pages are this sequence's pages: the drafter K/V it reads
         # into them is theirs too (helios.engine.drafter.share_reads).
-        self.shared_checkpoints: list[Checkpoint] = []
+        self.shared_checkpoints: list[Any] = []  # helios.engine.prefix_cache.Checkpoint
 
     @classmethod
     def create(
