@@ -26,17 +26,7 @@ SPECIALS = {
         "<|tool_call_end|>",
         "<|im_tool|>",
     ],
-    "mimo_v2_flash": [
-        "<|endoftext|>",
-        "<|im_start|>",
-        "<|im_end|>",
-        "<think>",
-        "</think>",
-        "<tool_call>",
-        "</tool_call>",
-        "<tool_response>",
-        "</tool_response>",
-    ],
+    "mimo_v2_flash": QWEN_SPECIALS,
     "step3p7": [
         "<|begin_of_sentence|>",
         "<|endoftext|>",
