@@ -23,8 +23,8 @@ from typing import Any, get_type_hints
 # `content_digest`; 1.6 `template.rejects`; 1.7 `logit_rows` / `logit_positions`; 1.8 `drafter`;
 # 1.9 `vision`; 1.10 `quantization.attention`; 1.11 an engine's `target`, `dtype`,
 # `torch_version` and `parity`; 1.12 `limits.kv_dtype`; 1.13 `architecture.rope_scaling`; 1.14
-# `identity.source_format` / `source_quantization`; 1.15 `kv.window`.
-FORMAT_VERSION = "1.15"
+# `identity.source_format` / `source_quantization`; 1.15 `kv.window`; 1.16 `quantization.scales`.
+FORMAT_VERSION = "1.16"
 ENGINE_TARGETS = ("cpu", "cuda")
 KV_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 TEMPLATE_REJECTS = ("drop_thinking", "continuation", "add_generation_prompt_false")
@@ -279,6 +279,9 @@ class Quantization:
     # (1.10) PagedAttention's arithmetic: "float32", or "bfloat16" (AMX tiles where the CPU has
     # them, fp32 elsewhere).
     attention: str = "float32"
+    # (1.16) The 4-bit matmuls' scales: "float16" (rounded to half floats at quantization, which
+    # MatMulInt4 stores as float16 wherever a whole matrix's are normal halves) or "float32".
+    scales: str = "float32"
 
 
 @dataclass

@@ -59,6 +59,8 @@ def _quantization_text(q: dict[str, Any] | None) -> str:
         parts.append(f"lm_head int{q['lm_head_bits']} block {q['lm_head_block']}")
     if q.get("embedding_bits"):
         parts.append(f"embedding int{q['embedding_bits']} block {q['embedding_block']}")
+    if q.get("scales", "float32") == "float16":
+        parts.append("float16 scales")
     op = q.get("matmul_op", "com.microsoft.MatMulNBits").rsplit(".", 1)[-1]
     return f" ({', '.join(parts)}, accuracy level {q['accuracy_level']}, {op})"
 

@@ -1,6 +1,7 @@
 """How fast ai.flare.MatMulInt4 streams a decode step's weights, against the bandwidth probe.
 
 python scripts/int4_stream.py [--rows 1 8] [--layers 24] [--repeats 20] [--threads 2] [--library A.so B.so]
+                              [--scales float16 float32]
 
 One ONNX graph holds the default core's int4 matmuls for a whole decode step (per layer: qkv
 896x1152, o 896x896, gate_up 896x9728 with swiglu, down 4864x896, all block 64; then lm_head
@@ -8,8 +9,8 @@ One ONNX graph holds the default core's int4 matmuls for a whole decode step (pe
 as a step does. Reported per row count: ms per step of matmuls alone, the GB/s that is, and its
 ratio to scripts/bandwidth.py's probe read in the same minutes. The A/B tool for the kernel's
 streaming (prefetch, blocking, work split): it times the kernel without the rest of the graph.
-`--library` times several builds of the kernel library (default: helios.kernels' own), in turns,
-in the same run.
+`--library` times several builds of the kernel library (default: helios.kernels' own), and
+`--scales` the weight scales' types (ignition writes float16), in turns, in the same run.
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ LAYER = (
 LM_HEAD = ("lm_head", 896, 151936, 128, "")
 
 
-def _matmul(name: str, k: int, n: int, block: int, activation: str, rng: np.random.Generator):
+def _matmul(name: str, k: int, n: int, block: int, activation: str, rng: np.random.Generator, scale_dtype: str):
     tiles = (n + TILE - 1) // TILE
     w = rng.integers(0, 256, tiles * k * 8, dtype=np.uint8)
-    scales = (rng.random((tiles, k // block, TILE), dtype=np.float32) * 0.01).astype(np.float32)
+    scales = (rng.random((tiles, k // block, TILE), dtype=np.float32) * 0.01).astype(scale_dtype)
     attrs = {"K": k, "N": n, "block_size": block}
     if activation:
         attrs["activation"] = activation
@@ -57,13 +58,13 @@ def _matmul(name: str, k: int, n: int, block: int, activation: str, rng: np.rand
     return node, inits, helper.make_tensor_value_info(f"{name}.y", TensorProto.FLOAT, ["M", out_n])
 
 
-def step_model(layers: int, seed: int = 0) -> tuple[onnx.ModelProto, int]:
-    """(model, weight bytes it reads per run)."""
+def step_model(layers: int, scale_dtype: str = "float32", seed: int = 0) -> tuple[onnx.ModelProto, int]:
+    """(model, weight bytes it reads per run), its scales stored as `scale_dtype`."""
     rng = np.random.default_rng(seed)
     nodes, inits, outputs = [], [], []
     shapes = [(f"l{i}.{name}", *rest) for i in range(layers) for name, *rest in LAYER] + [LM_HEAD]
     for name, k, n, block, activation in shapes:
-        node, weights, output = _matmul(name, k, n, block, activation, rng)
+        node, weights, output = _matmul(name, k, n, block, activation, rng, scale_dtype)
         nodes.append(node)
         inits += weights
         outputs.append(output)
@@ -87,23 +88,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument(
+        "--scales", nargs="+", default=["float16"], choices=["float16", "float32"], help="the weight scales' types"
+    )
     kernel_ab.add_options(parser, repeats=20)
     args = parser.parse_args()
-    model, weight_bytes = step_model(args.layers)
-    sessions = {
-        lib: kernel_ab.session(model.SerializeToString(), args.threads, lib) for lib in kernel_ab.libraries(args)
-    }
+    sessions, weight_mb = {}, {}
+    for scale_dtype in args.scales:
+        model, weight_bytes = step_model(args.layers, scale_dtype)
+        weight_mb[scale_dtype] = weight_bytes / 1e6
+        for lib in kernel_ab.libraries(args):
+            key = f"{Path(lib).name} {scale_dtype} scales"
+            sessions[key] = (kernel_ab.session(model.SerializeToString(), args.threads, lib), weight_bytes)
     probe = read_bandwidth(args.threads)["gbs"]
-    result = {"weight_mb": round(weight_bytes / 1e6, 1), "probe_gbs": probe, "libraries": {}}
+    result = {"weight_mb": {k: round(v, 1) for k, v in weight_mb.items()}, "probe_gbs": probe, "libraries": {}}
     for _turn in range(args.turns):
-        for lib, sess in sessions.items():
+        for key, (sess, weight_bytes) in sessions.items():
             for rows in args.rows:
                 ms = kernel_ab.median_ms(sess, row_feeds(sess, rows), args.repeats, warmups=2)
-                best = result["libraries"].setdefault(Path(lib).name, {}).get(rows)
+                best = result["libraries"].setdefault(key, {}).get(rows)
                 if best is None or ms < best["ms"]:
                     gbs = weight_bytes / ms / 1e6
                     best = {"ms": round(ms, 3), "gbs": round(gbs, 2), "vs_probe": round(gbs / probe, 3)}
-                result["libraries"][Path(lib).name][rows] = best
+                result["libraries"][key][rows] = best
     result["probe_after_gbs"] = read_bandwidth(args.threads)["gbs"]
     print(json.dumps(result, indent=1))
 

@@ -11,7 +11,8 @@
 // pays the unpacking once.
 //
 // Inputs:  A float [..., K]; W uint8 [tiles * blocks * block_size * 8] (ignition.export.int4_layout);
-//          scales float [tiles, blocks, 16]; bias float [N] (optional); skip float [..., K] and
+//          scales float or float16 [tiles, blocks, 16] (float16: 4.25 bits a weight at block 64
+//          instead of 4.5, so a decode step reads ~5% fewer bytes); bias float [N] (optional); skip float [..., K] and
 //          gamma float [K] (both or neither: the fused norm below).
 // Output:  Y float [..., N], or [..., N / 2] with activation "swiglu": then the tiles alternate
 //          gate and up columns (tile 2i: gate columns 16i.., tile 2i+1: the same up columns) and
@@ -196,7 +197,13 @@ struct MatMulInt4Kernel {
     p.a_float = a.GetTensorData<float>();
     p.bias = bias;
     p.w = w.GetTensorData<uint8_t>();
-    p.wscale = scales.GetTensorData<float>();
+    switch (scales.GetTensorTypeAndShapeInfo().GetElementType()) {
+      case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: p.wscale = scales.GetTensorData<float>(); break;
+      case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16:
+        p.wscale_half = reinterpret_cast<const uint16_t*>(scales.GetTensorRawData());
+        break;
+      default: ORT_CXX_API_THROW("MatMulInt4: scales must be float or float16", ORT_INVALID_ARGUMENT);
+    }
     p.y = y.GetTensorMutableData<float>();
     p.a = &rows;
     p.M = static_cast<int>(M);
@@ -231,7 +238,8 @@ struct MatMulInt4Op : Ort::CustomOpBase<MatMulInt4Op, MatMulInt4Kernel> {
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
   size_t GetInputTypeCount() const { return 6; }  // A, W, scales, bias, skip, gamma
   ONNXTensorElementDataType GetInputType(size_t i) const {
-    return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    if (i == 1) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+    return i == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;  // float or float16
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
     return i >= 3 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;

@@ -18,7 +18,7 @@ from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
 from helios.kernels import DOMAIN
 from helios.kernels.attention import set_precision
-from helios.kernels.int4_layout import OP, to_int4_tiles
+from helios.kernels.int4_layout import OP, round_scales_to_half, to_int4_tiles
 from helios.kernels.moe import quantize_experts
 from helios.manifest import Quantization
 from ignition.export.graph import save_with_external_data
@@ -122,6 +122,7 @@ def manifest_quantization(precision: str) -> Quantization | None:
         matmul_op=f"{DOMAIN}.{OP}" if s.int4_tiles else "com.microsoft.MatMulNBits",
         embedding_block=s.block_size if s.embedding_bits is not None else None,
         attention=s.attention,
+        scales="float16" if s.int4_tiles else "float32",
     )
 
 
@@ -153,10 +154,12 @@ def quantize_weights(model: onnx.ModelProto, s: QuantSettings, source_grid: bool
     lm_head = [n.name for n in model.graph.node if LM_HEAD_OUTPUT in n.output and n.op_type == "MatMul"]
     originals = matmul_weights(model) if source_grid and s.bits == 4 else {}
     _matmul_nbits(model, s, s.bits, None, lm_head, ("MatMul",), s.block_size)
-    if originals:
-        snap_to_source_grid(model, originals, s.block_size)
     if s.lm_head_bits is not None and lm_head:
         _matmul_nbits(model, s, s.lm_head_bits, lm_head, [], ("MatMul",), s.lm_head_block_size)
+    if s.int4_tiles:
+        round_int4_scales(model)
+    if originals:  # after the rounding: a source grid's own scales stay exact
+        snap_to_source_grid(model, originals, s.block_size)
     if s.embedding_bits is not None:
         if s.embedding_bits != 4:
             raise ValueError("onnxruntime quantizes Gather to 4 bits only")
@@ -184,6 +187,7 @@ def quantize_score(onnx_in: Path, onnx_out: Path, precision: str) -> None:
         _name_nodes(model)
         _matmul_nbits(model, s, s.lm_head_bits, None, [], ("MatMul",), s.lm_head_block_size)
         if s.int4_tiles:
+            round_int4_scales(model)  # as the step graph's lm_head: the same logits
             to_int4_tiles(model)
     out = Path(onnx_out)
     save_with_external_data(model, out, out.name + ".data")
@@ -214,6 +218,24 @@ def _matmul_nbits(
     )
     quantizer.process()
     model.CopyFrom(quantizer.model.model)
+
+
+def round_int4_scales(model: onnx.ModelProto) -> None:
+    """Round every 4-bit MatMulNBits' scales to half floats, which MatMulInt4 then stores as
+    float16: a decode step reads ~5% fewer bytes (4.25 bits a weight at block 64 instead of 4.5;
+    the default core 282 -> 269 MB). Each scale moves by at most 2^-11 of itself, so a weight by
+    at most 1/128 of what its 4-bit rounding already moves it; the codes stay as the quantizer
+    chose them. On the real 0.5B (200 teacher-forced decode positions) the rounded core differs
+    from the float32-scale one by mean KL 0.0025, as much as scales moved by only 1e-6 do (0.0023):
+    either change re-draws which way the int8 activations round, and validation's KL against the
+    reference stays where it was (0.0023 -> 0.0025)."""
+    inits = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        bits = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "bits"), None)
+        if node.op_type == "MatMulNBits" and bits == 4 and node.input[2] in inits:
+            scales = inits[node.input[2]]
+            rounded = round_scales_to_half(numpy_helper.to_array(scales))
+            scales.CopyFrom(numpy_helper.from_array(rounded, scales.name))
 
 
 def fold_bias_adds(model: onnx.ModelProto) -> None:

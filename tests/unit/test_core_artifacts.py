@@ -583,9 +583,9 @@ def test_inspect_names_the_int4_matmul_operator():
     from ignition.inspect_core import _quantization_text
 
     current = dataclasses.asdict(manifest_quantization("int4"))
-    assert _quantization_text(current).endswith("accuracy level 4, MatMulInt4)")
-    older = {k: v for k, v in current.items() if k != "matmul_op"}  # a 1.3 core: MatMulNBits
-    assert _quantization_text(older).endswith("accuracy level 4, MatMulNBits)")
+    assert _quantization_text(current).endswith("float16 scales, accuracy level 4, MatMulInt4)")
+    older = {k: v for k, v in current.items() if k not in ("matmul_op", "scales")}  # a 1.3 core: MatMulNBits
+    assert _quantization_text(older).endswith("block 64, accuracy level 4, MatMulNBits)")
     assert dataclasses.asdict(manifest_quantization("int8"))["matmul_op"] == "com.microsoft.MatMulNBits"
 
 

@@ -241,3 +241,64 @@ def test_kernel_rejects_weights_that_do_not_match_its_attributes():
     attrs["N"].i, attrs["block_size"].i = 40, 24  # not a multiple of 16
     with pytest.raises(Exception, match="block_size"):
         _session(model, library).run(None, {"a": np.ones((1, 128), np.float32)})
+
+
+def _scales_of(model: onnx.ModelProto) -> onnx.TensorProto:
+    node = next(n for n in model.graph.node if n.op_type in ("MatMulInt4", "MatMulNBits"))
+    return next(t for t in model.graph.initializer if t.name == node.input[2])
+
+
+@pytest.mark.parametrize(("k", "n", "block"), [(896, 1152, 64), (256, 40, 128)])
+def test_half_scales_are_stored_as_float16_and_compute_the_same_numbers(k, n, block):
+    """ignition rounds int4 scales to half floats (round_int4_scales); MatMulInt4 then stores them
+    as float16, and computes exactly what the same scales held as float32 give. The rewrite back
+    to MatMulNBits (float32 scales) is still exact."""
+    from ignition.export.quantize import round_int4_scales
+
+    library = _library()
+    reference_model = _nbits_model(k, n, block, bias=True, seed=11)
+    before = numpy_helper.to_array(_scales_of(reference_model)).copy()
+    round_int4_scales(reference_model)
+    rounded = numpy_helper.to_array(_scales_of(reference_model))
+    assert rounded.dtype == np.float32 and not np.array_equal(rounded, before)
+    assert (np.abs(rounded - before) <= np.abs(before) * 2.0**-11).all()
+    np.testing.assert_array_equal(rounded.astype(np.float16).astype(np.float32), rounded)
+
+    half_model = onnx.ModelProto()
+    half_model.CopyFrom(reference_model)
+    to_int4_tiles(half_model)
+    assert _scales_of(half_model).data_type == TensorProto.FLOAT16
+    float_model = onnx.ModelProto()
+    float_model.CopyFrom(half_model)
+    widened = numpy_helper.to_array(_scales_of(float_model)).astype(np.float32)
+    _scales_of(float_model).CopyFrom(numpy_helper.from_array(widened, _scales_of(float_model).name))
+
+    half, wide, reference = _session(half_model, library), _session(float_model, library), _session(reference_model)
+    rng = np.random.default_rng(12)
+    for rows in (1, 3, 8, 70):
+        a = rng.standard_normal((rows, k)).astype(np.float32)
+        got = half.run(None, {"a": a})[0]
+        np.testing.assert_array_equal(got, wide.run(None, {"a": a})[0])
+        bound = 1e-5 * np.abs(a).sum(axis=1, keepdims=True) * np.abs(rounded).max() * 8 * 16
+        assert (np.abs(got - reference.run(None, {"a": a})[0]) <= bound).all()
+
+    assert to_matmul_nbits(half_model) == 1
+    np.testing.assert_array_equal(numpy_helper.to_array(_scales_of(half_model)).reshape(-1), rounded.reshape(-1))
+
+
+def test_a_scale_outside_half_range_keeps_the_matrix_in_float32():
+    """A scale below half's normal range is not rounded (it would lose its digits), and the
+    matrix holding it keeps float32 scales in MatMulInt4: the rewrite never changes a number."""
+    from ignition.export.quantize import round_int4_scales
+
+    model = _nbits_model(128, 40, 64, bias=False, seed=13)
+    scales = numpy_helper.to_array(_scales_of(model)).copy()
+    scales.reshape(-1)[5] = 3e-6
+    _scales_of(model).CopyFrom(numpy_helper.from_array(scales, _scales_of(model).name))
+    round_int4_scales(model)
+    kept = numpy_helper.to_array(_scales_of(model))
+    assert kept.reshape(-1)[5] == np.float32(3e-6)
+    to_int4_tiles(model)
+    assert _scales_of(model).data_type == TensorProto.FLOAT
+    to_matmul_nbits(model)
+    np.testing.assert_array_equal(numpy_helper.to_array(_scales_of(model)).reshape(-1), kept.reshape(-1))

@@ -240,7 +240,7 @@ def test_scheduler_slots_and_prefix_cache_skips():
 def test_manifest_state_layout_is_checked():
     from helios.manifest import _build
 
-    assert FORMAT_VERSION == "1.15"
+    assert FORMAT_VERSION == "1.16"
     good = {
         "width": 30,
         "dtype": "float32",
