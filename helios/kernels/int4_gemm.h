@@ -91,14 +91,24 @@ inline __m512 WeightScales(const Problem& p, size_t at) {
   return _mm512_loadu_ps(p.wscale + at);
 }
 
-// The pass's scales (NT tiles x blocks x 16) asked for up front: each tile's are a short stream
-// of their own (7 lines of halves at K 896, block 64), too short for the hardware prefetchers to
-// learn (a step's matmuls 2-3% faster at one and eight rows, Zen 4, in turns).
-inline void PrefetchScales(const Problem& p, size_t at, int tiles) {
-  const size_t bytes = static_cast<size_t>(tiles) * p.blocks * kTileN * (p.wscale_half ? 2 : 4);
-  const char* base = p.wscale_half ? reinterpret_cast<const char*>(p.wscale_half + at)
-                                   : reinterpret_cast<const char*>(p.wscale + at);
-  for (size_t off = 0; off < bytes; off += 64) _mm_prefetch(base + off, _MM_HINT_T0);
+// A pass's first kilobyte of each tile and all of its tiles' scales, asked for at once. Prefetch
+// (1 KB ahead) starts a stream's lines only as the loop reaches them, so a pass began on NT cold
+// streams, one miss after another, and each tile's scales are a stream too short (7 lines of
+// halves at K 896, block 64) for the hardware prefetchers to learn. A decode step's matmuls
+// (scripts/int4_stream.py's graph, float16 scales, runs of both builds interleaved on Zen 4):
+// one row 10.0 -> 8.8 ms, eight rows 19.0 -> 17.0 ms (medians, in a slow minute of the host).
+// PrefetchLine is a volatile asm because GCC deletes a loop of _mm_prefetch whose trip count is
+// not a constant, as a loop without side effects.
+inline void PrefetchLine(const void* line) { asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(line))); }
+
+template <int NT>
+inline void PrefetchPass(const Problem& p, const uint8_t* w, size_t tile_bytes, size_t scales_at) {
+  const size_t bytes = static_cast<size_t>(NT) * p.blocks * kTileN * (p.wscale_half ? 2 : 4);
+  const char* scales = p.wscale_half ? reinterpret_cast<const char*>(p.wscale_half + scales_at)
+                                     : reinterpret_cast<const char*>(p.wscale + scales_at);
+  for (size_t off = 0; off < bytes; off += 64) PrefetchLine(scales + off);
+  for (int t = 0; t < NT; ++t)
+    for (int line = 0; line < 1024; line += 64) PrefetchLine(w + t * tile_bytes + line);
 }
 
 // Rows [row, row + MR) against NT consecutive tiles of 16 columns, over all of K. With few
@@ -123,7 +133,7 @@ void Pass(const Problem& p, int tile, int row, float* dst, size_t ld) {
   const size_t tile_bytes = static_cast<size_t>(p.blocks) * p.block * 8;
   const uint8_t* w = p.w + tile * tile_bytes;
   const size_t ws = static_cast<size_t>(tile) * p.blocks * kTileN;
-  PrefetchScales(p, ws, NT);
+  PrefetchPass<NT>(p, w, tile_bytes, ws);
   const int8_t* aq = p.a->q.data() + static_cast<size_t>(row) * p.K;
   const float* as = p.a->scale.data() + static_cast<size_t>(row) * p.blocks;
   const int32_t* az = p.a->zsum.data() + static_cast<size_t>(row) * p.blocks;
