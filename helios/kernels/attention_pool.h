@@ -10,11 +10,6 @@
 
 namespace {
 
-// prefetcht0 of the line holding `p`. Not _mm_prefetch: GCC 12 deletes a loop whose body is only
-// __builtin_prefetch calls (it has no side effects for the optimizer), so KeyRows::Prefetch compiled
-// to nothing; an asm volatile stays.
-inline void PrefetchLine(const char* p) { asm volatile("prefetcht0 %0" : : "m"(*p)); }
-
 // The K and V rows of one row's keys for one KV head, in the pool's element type E: pool pages
 // for history, the step's own new tokens after it (rounded to E for a 16-bit pool). A block of
 // keys inside one page is one pointer and a stride.

@@ -10,6 +10,8 @@
 #include <cstring>
 #include <vector>
 
+#include "simd_math.h"
+
 namespace {
 
 constexpr int kTileN = 16;     // output columns per tile: one zmm of lanes
@@ -97,9 +99,6 @@ inline __m512 WeightScales(const Problem& p, size_t at) {
 // halves at K 896, block 64) for the hardware prefetchers to learn. A decode step's matmuls
 // (scripts/int4_stream.py's graph, float16 scales, runs of both builds interleaved on Zen 4):
 // one row 10.0 -> 8.8 ms, eight rows 19.0 -> 17.0 ms (medians, in a slow minute of the host).
-// PrefetchLine is a volatile asm because GCC deletes a loop of _mm_prefetch whose trip count is
-// not a constant, as a loop without side effects.
-inline void PrefetchLine(const void* line) { asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(line))); }
 
 template <int NT>
 inline void PrefetchPass(const Problem& p, const uint8_t* w, size_t tile_bytes, size_t scales_at) {
@@ -108,7 +107,7 @@ inline void PrefetchPass(const Problem& p, const uint8_t* w, size_t tile_bytes, 
                                      : reinterpret_cast<const char*>(p.wscale + scales_at);
   for (size_t off = 0; off < bytes; off += 64) PrefetchLine(scales + off);
   for (int t = 0; t < NT; ++t)
-    for (int line = 0; line < 1024; line += 64) PrefetchLine(w + t * tile_bytes + line);
+    for (int line = 0; line < 1024; line += 64) PrefetchLine(reinterpret_cast<const char*>(w + t * tile_bytes + line));
 }
 
 // Rows [row, row + MR) against NT consecutive tiles of 16 columns, over all of K. With few

@@ -5,6 +5,11 @@
 
 namespace {
 
+// prefetcht0 of the line holding `p`. Not _mm_prefetch: GCC 12 deletes a loop whose body is only
+// __builtin_prefetch calls (it has no side effects for the optimizer), so such a loop (PagedAttention's
+// KeyRows::Prefetch, MatMulInt4's pass start) compiled to nothing; an asm volatile stays.
+inline void PrefetchLine(const char* p) { asm volatile("prefetcht0 %0" : : "m"(*p)); }
+
 // An opaque copy: keeps the compiler from fusing a product into the add that follows (FMA
 // contraction rounds once where the numpy or onnxruntime formula being matched rounds twice).
 inline float Rounded(float value) {
