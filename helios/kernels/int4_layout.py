@@ -68,7 +68,7 @@ def as_half_if_exact(scales: np.ndarray) -> np.ndarray:
 
 
 def round_scales_to_half(scales: np.ndarray) -> np.ndarray:
-    """float32 scales rounded to the nearest half float (a relative change under 2^-11, against
+    """float32 scales rounded to the nearest half float (a relative change of at most 2^-11, against
     a 4-bit step of the scale itself), except those outside half's normal range, kept as they
     are: a matrix holding one of those keeps float32 scales (as_half_if_exact)."""
     half = scales.astype(np.float16).astype(np.float32)
