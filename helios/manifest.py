@@ -279,8 +279,9 @@ class Quantization:
     # (1.10) PagedAttention's arithmetic: "float32", or "bfloat16" (AMX tiles where the CPU has
     # them, fp32 elsewhere).
     attention: str = "float32"
-    # (1.16) The 4-bit matmuls' scales: "float16" (rounded to half floats at quantization, which
-    # MatMulInt4 stores as float16 wherever a whole matrix's are normal halves) or "float32".
+    # (1.16) The dense 4-bit matmuls' scales: "float16" (rounded to half floats at quantization,
+    # which MatMulInt4 stores as float16 wherever a whole matrix's are normal halves) or "float32".
+    # Routed experts' MoEInt4 tables keep float32 scales.
     scales: str = "float32"
 
 
