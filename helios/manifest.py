@@ -16,14 +16,9 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 # major.minor: helios refuses a core whose major version it does not know; a minor version only
-# adds optional fields (an older 1.x helios ignores them, a newer one defaults them for older 1.x).
-# docs/cores.md says what each minor version added: 1.1 `digest`; 1.2 explicit-id logprobs, the
-# `hidden` output and the "score" engine; 1.3 `state`, `quantization`, `template.numeric_effort`;
-# 1.4 `quantization.matmul_op` (ai.flare.MatMulInt4 / PagedAttention graphs); 1.5
-# `content_digest`; 1.6 `template.rejects`; 1.7 `logit_rows` / `logit_positions`; 1.8 `drafter`;
-# 1.9 `vision`; 1.10 `quantization.attention`; 1.11 an engine's `target`, `dtype`,
-# `torch_version` and `parity`; 1.12 `limits.kv_dtype`; 1.13 `architecture.rope_scaling`; 1.14
-# `identity.source_format` / `source_quantization`; 1.15 `kv.window`; 1.16 `quantization.scales`.
+# adds optional fields (an older 1.x helios ignores them, a newer one defaults them for older 1.x),
+# though its graphs may need what an older helios lacks (1.4's MatMulInt4, 1.16's float16 scales).
+# docs/cores.md (`format_version`) says what each minor version added.
 FORMAT_VERSION = "1.16"
 ENGINE_TARGETS = ("cpu", "cuda")
 KV_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
