@@ -78,7 +78,7 @@ struct Problem {
   const float* bias;
   const uint8_t* w;
   const float* wscale;  // [tiles, blocks, 16], or null where the scales are half floats:
-  const uint16_t* wscale_half = nullptr;  // the same as IEEE half (half the bytes a step reads)
+  const uint16_t* wscale_half = nullptr;  // the same as IEEE half (MatMulInt4's 4-bit tiles only)
   float* y;
   QuantizedRows* a;
   int M, N, K, block, blocks, tiles, tiles_per_item, items_per_chunk;
@@ -87,10 +87,16 @@ struct Problem {
   NormInputs norm;  // MatMulInt4's fused norm, applied as rows are quantized
 };
 
-// Weight scales [at, at + 16) as floats, from whichever type the matrix stores them in.
+// Weight scales [at, at + 16) as floats, from the type the matrix stores them in. A template
+// argument, not a branch: a branch in the pass's epilogue cost a 64-row pass ~60% (register
+// spills beside its 32 live accumulators), where the float16 load is one vcvtph2ps.
+template <bool Half>
 inline __m512 WeightScales(const Problem& p, size_t at) {
-  if (p.wscale_half) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.wscale_half + at)));
-  return _mm512_loadu_ps(p.wscale + at);
+  if constexpr (Half) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.wscale_half + at)));
+  } else {
+    return _mm512_loadu_ps(p.wscale + at);
+  }
 }
 
 // A pass's first kilobyte of each tile and all of its tiles' scales, asked for at once. Prefetch
@@ -125,7 +131,7 @@ void Store(const Problem& p, int tile, const __m512 (&out)[MR][NT], float* dst, 
   }
 }
 
-template <int MR, int NT>
+template <int MR, int NT, bool HalfScales>
 void Pass(const Problem& p, int tile, int row, float* dst, size_t ld) {
   constexpr int kChains = MR * NT >= 4 ? 1 : 2;
   const size_t tile_bytes = static_cast<size_t>(p.blocks) * p.block * 8;
@@ -166,7 +172,7 @@ void Pass(const Problem& p, int tile, int row, float* dst, size_t ld) {
       const __m512i zero_point = _mm512_set1_epi32(az[m * p.blocks + b]);
       const __m512 a_scale = _mm512_set1_ps(as[m * p.blocks + b]);
       for (int t = 0; t < NT; ++t) {
-        const __m512 scale = _mm512_mul_ps(WeightScales(p, ws + (t * p.blocks + b) * kTileN), a_scale);
+        const __m512 scale = _mm512_mul_ps(WeightScales<HalfScales>(p, ws + (t * p.blocks + b) * kTileN), a_scale);
         __m512i dot = acc[0][m][t];
         if constexpr (kChains == 2) dot = _mm512_add_epi32(dot, acc[1][m][t]);
         out[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot, zero_point)), scale, out[m][t]);
@@ -214,7 +220,7 @@ void Pass8(const Problem& p, int tile, int row, float* dst, size_t ld) {
       const __m512i zero_point = _mm512_set1_epi32(16 * az[m * p.blocks + b]);
       const __m512 a_scale = _mm512_set1_ps(as[m * p.blocks + b]);
       for (int t = 0; t < NT; ++t) {
-        const __m512 scale = _mm512_mul_ps(WeightScales(p, ws + (t * p.blocks + b) * kTileN), a_scale);
+        const __m512 scale = _mm512_mul_ps(WeightScales<false>(p, ws + (t * p.blocks + b) * kTileN), a_scale);
         const __m512i dot = _mm512_add_epi32(acc[0][m][t], acc[1][m][t]);
         out[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot, zero_point)), scale, out[m][t]);
       }
@@ -227,8 +233,10 @@ template <int MR, int NT, int Bits>
 void PassOf(const Problem& p, int tile, int row, float* dst, size_t ld) {
   if constexpr (Bits == 8) {
     Pass8<MR, NT>(p, tile, row, dst, ld);
+  } else if (p.wscale_half) {
+    Pass<MR, NT, true>(p, tile, row, dst, ld);
   } else {
-    Pass<MR, NT>(p, tile, row, dst, ld);
+    Pass<MR, NT, false>(p, tile, row, dst, ld);
   }
 }
 
