@@ -12,8 +12,8 @@
 //
 // Inputs:  A float [..., K]; W uint8 [tiles * blocks * block_size * 8] (ignition.export.int4_layout);
 //          scales float or float16 [tiles, blocks, 16] (float16: 4.25 bits a weight at block 64
-//          instead of 4.5, so a decode step reads ~5% fewer bytes); bias float [N] (optional); skip float [..., K] and
-//          gamma float [K] (both or neither: the fused norm below).
+//          instead of 4.5, so a decode step reads ~5% fewer bytes); bias float [N] (optional);
+//          skip float [..., K] and gamma float [K] (both or neither: the fused norm below).
 // Output:  Y float [..., N], or [..., N / 2] with activation "swiglu": then the tiles alternate
 //          gate and up columns (tile 2i: gate columns 16i.., tile 2i+1: the same up columns) and
 //          Y = silu(gate) * up, the MLP's Split/Sigmoid/Mul/Mul done in the store loop.
