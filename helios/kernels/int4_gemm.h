@@ -103,8 +103,9 @@ inline __m512 WeightScales(const Problem& p, size_t at) {
 // (1 KB ahead) starts a stream's lines only as the loop reaches them, so a pass began on NT cold
 // streams, one miss after another, and each tile's scales are a stream too short (7 lines of
 // halves at K 896, block 64) for the hardware prefetchers to learn. A decode step's matmuls
-// (scripts/int4_stream.py's graph, float16 scales, runs of both builds interleaved on Zen 4):
-// one row 10.0 -> 8.8 ms, eight rows 19.0 -> 17.0 ms (medians, in a slow minute of the host).
+// (scripts/int4_stream.py's graph, float16 scales, runs of both builds interleaved on Zen 4,
+// medians of two runs): eight rows 12.05 -> 10.85 and 12.61 -> 11.23 ms; one row and 64 rows
+// within 1%.
 template <int NT>
 inline void PrefetchPass(const Problem& p, const uint8_t* w, size_t tile_bytes, size_t scales_at) {
   const size_t bytes = static_cast<size_t>(NT) * p.blocks * kTileN * (p.wscale_half ? 2 : 4);
