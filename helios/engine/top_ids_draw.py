@@ -19,6 +19,7 @@ float64 running sum unchanged.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Set
 from dataclasses import dataclass
 
@@ -83,34 +84,46 @@ def draw_rows(batch: CandidateRows) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _draw_in_library(batch: CandidateRows) -> np.ndarray:
-    """host.draw_top_k over the batch: a token each, -1 where the row needs the vocabulary pass."""
+    """host.draw_top_k over the batch: a token each, -1 where the row needs the vocabulary pass.
+    (Plain lists and one cached log a row: this runs every decode step, cache-cold.)"""
     id_lists = batch.top_ids[batch.rows].tolist()
-    hits, generated = _penalty_lookups(batch.params, batch.seen, batch.counts, id_lists)
-    with np.errstate(divide="ignore"):  # log(0) = -inf: no min-p floor (as _draw_in_numpy computes it)
-        min_p = np.array([[s.min_p] for s in batch.params], dtype=np.float64)
-        log_min_p = np.log(min_p).astype(np.float32)[:, 0].tolist()
+    penalties = _penalty_table(batch.params, batch.seen, batch.counts, id_lists)
     bounds = [float("nan")] * len(batch.rows) if batch.outside is None else batch.outside.tolist()
     columns = [
-        [s.top_k, s.temperature, s.top_p, lmp, s.repetition_penalty, s.presence_penalty, s.frequency_penalty, u, o]
-        for s, lmp, u, o in zip(batch.params, log_min_p, batch.uniforms, bounds)
+        [s.top_k, s.temperature, s.top_p, log_min_p(s.min_p), s.repetition_penalty, s.presence_penalty, s.frequency_penalty, u, o]
+        for s, u, o in zip(batch.params, batch.uniforms, bounds)
     ]
-    penalties = np.stack([hits, generated], axis=1)
     return host.draw_top_k(batch.logits, batch.top_ids, batch.rows, np.array(columns, dtype=np.float64), penalties)
+
+
+@functools.lru_cache(maxsize=256)
+def log_min_p(min_p: float) -> float:
+    """float32 log(min_p) as _draw_in_numpy computes it (-inf for 0: no floor), as a float."""
+    with np.errstate(divide="ignore"):
+        return float(np.log(np.array([min_p], dtype=np.float64)).astype(np.float32)[0])
+
+
+def _penalty_table(
+    params: list[SamplingParams], seen: list[Set[int]], counts: list[Mapping[int, int]], id_lists: list[list[int]]
+) -> np.ndarray:
+    """Per row and id of id_lists, float32 [rows, 2, ids]: whether the repetition penalty applies
+    (0/1) and how often the id was generated; only the rows a penalty applies to look their ids
+    up."""
+    table = np.zeros((len(id_lists), 2, len(id_lists[0]) if id_lists else 0), dtype=np.float32)
+    for f, s in enumerate(params):
+        if s.repetition_penalty != 1.0:
+            table[f, 0] = [t in seen[f] for t in id_lists[f]]
+        if s.presence_penalty != 0.0 or s.frequency_penalty != 0.0:
+            table[f, 1] = [counts[f].get(t, 0) for t in id_lists[f]]
+    return table
 
 
 def _penalty_lookups(
     params: list[SamplingParams], seen: list[Set[int]], counts: list[Mapping[int, int]], id_lists: list[list[int]]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per row and id of id_lists: whether the repetition penalty applies (float32 0/1) and how
-    often the id was generated; only the rows a penalty applies to look their ids up."""
-    shape = (len(id_lists), len(id_lists[0]) if id_lists else 0)
-    hits, generated = np.zeros(shape, dtype=np.float32), np.zeros(shape, dtype=np.float32)
-    for f, s in enumerate(params):
-        if s.repetition_penalty != 1.0:
-            hits[f] = [t in seen[f] for t in id_lists[f]]
-        if s.presence_penalty != 0.0 or s.frequency_penalty != 0.0:
-            generated[f] = [counts[f].get(t, 0) for t in id_lists[f]]
-    return hits, generated
+    """_penalty_table's two planes: (repetition hits, generated counts), each [rows, ids]."""
+    table = _penalty_table(params, seen, counts, id_lists)
+    return table[:, 0], table[:, 1]
 
 
 def _draw_in_numpy(batch: CandidateRows) -> tuple[np.ndarray, np.ndarray]:
