@@ -90,7 +90,17 @@ def _draw_in_library(batch: CandidateRows) -> np.ndarray:
     penalties = _penalty_table(batch.params, batch.seen, batch.counts, id_lists)
     bounds = [float("nan")] * len(batch.rows) if batch.outside is None else batch.outside.tolist()
     columns = [
-        [s.top_k, s.temperature, s.top_p, log_min_p(s.min_p), s.repetition_penalty, s.presence_penalty, s.frequency_penalty, u, o]
+        [
+            s.top_k,
+            s.temperature,
+            s.top_p,
+            log_min_p(s.min_p),
+            s.repetition_penalty,
+            s.presence_penalty,
+            s.frequency_penalty,
+            u,
+            o,
+        ]
         for s, u, o in zip(batch.params, batch.uniforms, bounds)
     ]
     return host.draw_top_k(batch.logits, batch.top_ids, batch.rows, np.array(columns, dtype=np.float64), penalties)
