@@ -4,6 +4,7 @@ prints numbers, it asserts nothing).
     python scripts/bench.py [--core cores/default] [--quick] [--json OUT] [--no-peers]
                             [--peers llama.cpp onnxruntime-genai vllm] [--no-long-context]
                             [--long-rounds N] [--kv-dtype auto|bf16|fp16|fp32] [--speculation auto|off]
+                            [--paired-turns N]
 
 Helios (a real `helios serve` process, streamed completions with `ignore_eos`): decode tokens/s
 at 1 and 8 concurrent streams, prefill tokens/s and time to first token for a fresh 512-token
@@ -42,7 +43,11 @@ bandwidth / bytes.
 
 Other tenants' load on a shared host comes and goes within a run, so helios and the peers
 alternate for --rounds rounds (default 2) and each runtime keeps, per metric, its best round;
-every round's numbers and the load average are in the JSON ("rounds").
+every round's numbers and the load average are in the JSON ("rounds"). Best rounds can still
+fall minutes apart, and a runtime's speed moves 1.5x within minutes here; so after the rounds,
+--paired-turns turns (default 8; 0: none) decode 64 tokens at 1 and 8 streams with helios and
+each peer back to back in random order (scripts/paired_speed.py), and report the median of each
+pair's ratio: the decode ratios least moved by the host's minute.
 
 JSON: {"helios": {decode_b1_tps, decode_b8_tps, prefill_tps, ttft_ms, prefix_hit_ttft_ratio,
 rss_mb, decode_b1_bound_tps and decode_b1_bound_ratio (the probe over the core's
@@ -63,7 +68,8 @@ learned drafter, e.g. the 1.5B with the 0.5B: {CORE_NAME: {edit_on_tps, edit_off
 free_on_tps, free_off_tps, b8_on_tps, b8_off_tps, acceptance, peer_edit_best_tps, ...}}, plus
 peer_edit_best_tps: the --core's peer). With --moe, "moe" holds scripts/moe_tps.py's section
 ({sparse_b1_tps, dense_b1_tps, bound_b1_tps, sparse_b8_tps, sparse_prefill_tps, dense_prefill_tps,
-...}).
+...}). "paired" (unless --paired-turns 0 or --no-peers): {turns, tokens, decode_b1: {PEER:
+{helios_tps, peer_tps, ratio, pairs}}, decode_b8: {...}} (medians; llama.cpp has no decode_b8).
 """
 
 from __future__ import annotations
@@ -84,7 +90,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from bandwidth import read_bandwidth
-from bench_peers import PEERS, bench_peers, start_vllm
+from bench_peers import PEERS, bench_peers, measure_paired, start_vllm
 from host_store_ttft import measure as measure_host_store
 from http_speed import (
     decode_tps,
@@ -94,6 +100,7 @@ from http_speed import (
     stream_sse,
 )
 from moe_tps import measure as measure_moe
+from paired_speed import paired_lines
 from prefix_ttft import measure as measure_prefix_reuse
 from speculative_tps import measure as measure_speculative
 
@@ -332,6 +339,8 @@ def table(results: dict) -> str:
             f"decode_b1 / bandwidth bound {helios['decode_b1_bound_ratio']:.2f}x (bound "
             f"{helios['decode_b1_bound_tps']} tok/s; target >= 0.8)"
         )
+    if results.get("paired"):
+        lines += paired_lines(results["paired"], {"decode_b1_tps": 1.5, "decode_b8_tps": 2.5})
     lines += long_table(results)
     return "\n".join(lines)
 
@@ -492,6 +501,12 @@ def main() -> None:
         help="add the host prefix store section (scripts/host_store_ttft.py: minutes of 16k prefill)",
     )
     parser.add_argument(
+        "--paired-turns",
+        type=int,
+        default=8,
+        help="decode turns of helios and each peer back to back after the rounds (scripts/paired_speed.py; 0: none)",
+    )
+    parser.add_argument(
         "--long-tokens",
         type=int,
         default=LONG_TOKENS,
@@ -553,6 +568,9 @@ def main() -> None:
                             vllm,
                         )
                     )
+            paired = None
+            if args.paired_turns and not args.no_peers:
+                paired = measure_paired(client, args.core, threads, args.peers, vllm, args.paired_turns)
             if not bandwidth:  # no long-context round: the machine figure is still reported
                 bandwidth.append(read_bandwidth(threads))
             repeats = 2 if args.quick else 3
@@ -612,6 +630,8 @@ def main() -> None:
         "core": str(args.core),
         "rounds": {"helios": helios_rounds, "peers": peer_rounds},
     }
+    if paired is not None:
+        results["paired"] = paired
     if args.speculative:
         section = {
             core.name: measure_speculative(core, log=lambda line: print(f"speculative: {line}", flush=True))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import httpx
 from http_speed import long_context, server_speed
+from paired_speed import Measure, PeerLoop, http_measure, paired_decode
 from peers import envs as setup
 from peers.vllm_server import SERVED_NAME, VllmServer
 
@@ -99,6 +100,7 @@ def bench_peers(
 
 
 PEERS = ["llama.cpp", "onnxruntime-genai", "vllm"]
+PAIRED_TOKENS = 64  # decode tokens after the first in each paired turn
 VLLM_LABEL = "vLLM (bf16 safetensors)"  # its CPU build serves bf16, dequantized from the same GGUF
 
 
@@ -137,3 +139,55 @@ def measure_vllm(vllm: dict, quick: bool, long_tokens: int | None, long_decode: 
             return result
     except Exception as exc:
         return {"error": str(exc)[-500:]}
+
+
+def peer_measures(
+    core: Path, threads: int, only: list[str] | None, vllm: dict | None
+) -> tuple[dict[str, Measure], list]:
+    """Each peer's decode for scripts/paired_speed.py, under the rounds' labels: ({label:
+    measure}, what to close afterwards: runner loops and vLLM's HTTP client). A peer that cannot
+    start is left out (the rounds report why)."""
+    manifest = Manifest.load(core, verify_files=False)
+    name = manifest.identity.checkpoint_id
+    if name not in PACKAGED_MODELS:
+        return {}, []
+    gguf_path = resolve_packaged(PACKAGED_MODELS[name], report=setup.log)
+    wanted = only or PEERS
+    measures: dict[str, Measure] = {}
+    opened: list = []
+    if "llama.cpp" in wanted:
+        try:
+            loop = PeerLoop(
+                setup.ensure_llamacpp(), setup.HERE / "llamacpp_run.py", [str(gguf_path), "--threads", str(threads)]
+            )
+            opened.append(loop)
+            measures[f"llama.cpp ({setup.gguf_quantization(gguf_path)})"] = loop.decode
+        except Exception as exc:
+            setup.log(f"paired: llama.cpp left out: {exc}")
+    if "onnxruntime-genai" in wanted:
+        try:
+            python = setup.ensure_ortgenai()
+            model = setup.ensure_genai_model(python, gguf_path, name, threads)
+            loop = PeerLoop(python, setup.HERE / "ortgenai_run.py", [str(model)])
+            opened.append(loop)
+            measures["onnxruntime-genai (int4)"] = loop.decode
+        except Exception as exc:
+            setup.log(f"paired: onnxruntime-genai left out: {exc}")
+    if "vllm" in wanted and vllm is not None and "url" in vllm:
+        client = httpx.Client(base_url=vllm["url"], timeout=1800)
+        opened.append(client)
+        measures[VLLM_LABEL] = http_measure(client, SERVED_NAME)
+    return measures, opened
+
+
+def measure_paired(
+    client: httpx.Client, core: Path, threads: int, only: list[str] | None, vllm: dict | None, turns: int
+) -> dict:
+    """scripts/paired_speed.py against every peer that starts: decode at 1 and 8 streams."""
+    measures, opened = peer_measures(core, threads, only, vllm)
+    try:
+        paired = paired_decode(http_measure(client), measures, turns, PAIRED_TOKENS)
+    finally:
+        for thing in opened:
+            thing.close()
+    return {"turns": turns, "tokens": PAIRED_TOKENS, **paired}

@@ -3,6 +3,7 @@
     python llamacpp_run.py MODEL.gguf --threads 2 --decode 64 --prefill 512 --repeats 2
     python llamacpp_run.py MODEL.gguf --threads 2 --long 16384 --decode 64
     python llamacpp_run.py MODEL.gguf --threads 2 --edit PROMPT.txt --decode 1200
+    python llamacpp_run.py MODEL.gguf --threads 2 --serve
 
 Prints one JSON line: decode_b1_tps (greedy single-stream decode after a short prompt, tokens
 after the first), prefill_tps (a fresh prompt of --prefill token ids, best of --repeats).
@@ -15,6 +16,9 @@ the KV cache keeps llama.cpp's default type (f16; no type_k/type_v). Flash atten
 which is what llama.cpp's own default ("auto") resolves to on a CPU; llama-cpp-python's wrapper
 defaults it off, --no-flash-attn measures that configuration.
 
+--serve (scripts/paired_speed.py): loads and warms the model, prints "ready", then answers each
+stdin line "1 STEPS" with one JSON line {"tps": ...} (the decode above) until stdin closes.
+
 --edit FILE (the speculative-decoding peer; only these figures): greedy completion of the file's
 text up to --decode tokens (stopping at a closing ```), once plainly (edit_plain_tps) and once
 with llama-cpp-python's prompt-lookup drafts (LlamaPromptLookupDecoding, its speculative mode
@@ -25,6 +29,7 @@ tokens after the first over the time after the first.
 
 import argparse
 import json
+import sys
 import time
 
 import numpy as np
@@ -150,6 +155,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--long", type=int, default=0, help="long-context mode: prompt tokens (e.g. 16384)")
     ap.add_argument("--no-flash-attn", action="store_true", help="long mode: flash attention off")
+    ap.add_argument("--serve", action="store_true", help='decode on request: stdin lines "1 STEPS"')
     ap.add_argument("--edit", help="edit mode: a prompt file (plain and prompt-lookup decode)")
     ap.add_argument("--draft", help="edit mode: a smaller GGUF with the same tokenizer, as a draft model")
     ap.add_argument("--draft-width", type=int, default=4, help="draft-model tokens per round")
@@ -181,6 +187,15 @@ def main() -> None:
             llm.eval([token])
             token = next_token(llm, vocab)
         return steps / (time.perf_counter() - start)
+
+    if a.serve:  # one stream only: this runner has no batched decode
+        decode(4)
+        print("ready", flush=True)
+        for line in sys.stdin:
+            batch, steps = (int(x) for x in line.split())
+            reply = {"tps": round(decode(steps), 2)} if batch == 1 else {"error": "llama.cpp runs one stream here"}
+            print(json.dumps(reply), flush=True)
+        return
 
     def prefill(rep: int) -> float:
         ids = prompt_ids(a.prefill, rep)

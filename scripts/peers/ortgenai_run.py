@@ -2,6 +2,10 @@
 
     python ortgenai_run.py MODEL_DIR --decode 64 --prefill 512 --repeats 2
     python ortgenai_run.py MODEL_DIR --long 16384 --decode 64 [--chunk 512]
+    python ortgenai_run.py MODEL_DIR --serve
+
+--serve (scripts/paired_speed.py): loads and warms the model, prints "ready", then answers each
+stdin line "BATCH STEPS" with one JSON line {"tps": ...} (the decode below) until stdin closes.
 
 Prints one JSON line: decode_b1_tps, decode_b8_tps (8 equal-length prompts in one generator:
 aggregate tokens/s after the first token), prefill_tps (a fresh prompt of --prefill ids).
@@ -69,6 +73,33 @@ def long_context(a: argparse.Namespace) -> dict:
     }
 
 
+PROMPT = [(1000 + 7 * i) % 30000 + 100 for i in range(12)]
+
+
+def decode_tps(model: og.Model, batch: int, steps: int) -> float:
+    """Aggregate tokens/s of `batch` equal rows over `steps` greedy tokens after the first."""
+    params = og.GeneratorParams(model)
+    total = len(PROMPT) + steps + 1
+    params.set_search_options(max_length=total, min_length=total, do_sample=False, batch_size=batch)
+    gen = og.Generator(model, params)
+    gen.append_tokens(np.array([PROMPT] * batch, dtype=np.int32))  # prompt + first token
+    gen.generate_next_token()
+    start = time.perf_counter()
+    for _ in range(steps):
+        gen.generate_next_token()
+    return batch * steps / (time.perf_counter() - start)
+
+
+def serve(model: og.Model) -> None:
+    """The --serve loop: one decode per stdin line "BATCH STEPS"."""
+    decode_tps(model, 1, 4)
+    decode_tps(model, 8, 4)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        batch, steps = (int(x) for x in line.split())
+        print(json.dumps({"tps": round(decode_tps(model, batch, steps), 2)}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -77,25 +108,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--long", type=int, default=0, help="long-context mode: prompt tokens (e.g. 16384)")
     ap.add_argument("--chunk", type=int, default=512, help="long mode: prompt tokens per append_tokens")
+    ap.add_argument("--serve", action="store_true", help="decode on request from stdin (see above)")
     a = ap.parse_args()
     if a.long:
         print(json.dumps(long_context(a)))
         return
     model = og.Model(a.model)
-    prompt = [(1000 + 7 * i) % 30000 + 100 for i in range(12)]
+    if a.serve:
+        serve(model)
+        return
 
     def decode(batch: int, steps: int) -> float:
-        params = og.GeneratorParams(model)
-        total = len(prompt) + steps + 1
-        params.set_search_options(max_length=total, min_length=total, do_sample=False, batch_size=batch)
-        gen = og.Generator(model, params)
-        gen.append_tokens(np.array([prompt] * batch, dtype=np.int32))  # prompt + first token
-        gen.generate_next_token()
-        start = time.perf_counter()
-        for _ in range(steps):
-            gen.generate_next_token()
-        elapsed = time.perf_counter() - start
-        return batch * steps / elapsed
+        return decode_tps(model, batch, steps)
 
     def prefill(rep: int) -> float:
         ids = [(1000 + 7 * i + 13 * rep) % 30000 + 100 for i in range(a.prefill)]
