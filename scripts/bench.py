@@ -81,6 +81,7 @@ import platform
 import statistics
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -100,7 +101,7 @@ from http_speed import (
     stream_sse,
 )
 from moe_tps import measure as measure_moe
-from paired_speed import paired_lines
+from paired_speed import SETTLE_SECONDS, paired_lines
 from prefix_ttft import measure as measure_prefix_reuse
 from speculative_tps import measure as measure_speculative
 
@@ -548,6 +549,7 @@ def main() -> None:
             # only at its unluckiest moment.
             for index in range(args.rounds):
                 long_round = index < long_rounds
+                time.sleep(SETTLE_SECONDS)  # the last peer's threads wind down first
                 round_ = helios_speed(client, server.process.pid, args.quick)
                 if long_round:
                     # The probe first (helios idle), so the bound uses this round's bandwidth.

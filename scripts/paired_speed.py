@@ -22,6 +22,11 @@ from pathlib import Path
 import httpx
 from http_speed import decode_tps
 
+# vLLM's CPU server keeps a core busy for about a second after each request (measured here: one
+# core busy over the next two half-second windows, 0.02 after), which would halve the decode of
+# whichever runtime ran next; every measurement waits this long before it starts.
+SETTLE_SECONDS = 1.5
+
 # A peer's decode: (streams, tokens after the first) -> aggregate tokens/s, or None where the
 # peer has no such decode (llama.cpp's runner decodes one stream).
 Measure = Callable[[int, int], float | None]
@@ -73,8 +78,9 @@ def paired_decode(helios: Measure, peers: dict[str, Measure], turns: int, tokens
             pairs = []
             for _ in range(turns):
                 first, second = (helios, peer) if random.random() < 0.5 else (peer, helios)
+                time.sleep(SETTLE_SECONDS)
                 a = first(n, tokens)
-                time.sleep(0.2)
+                time.sleep(SETTLE_SECONDS)
                 b = second(n, tokens)
                 ours, theirs = (a, b) if first is helios else (b, a)
                 if theirs is None:

@@ -26,9 +26,9 @@ def _library_function(name: str) -> Callable[..., int] | None:
     if library is None:
         return None
     # PyDLL: the call keeps the GIL. A decode step's calls take microseconds; releasing the GIL
-    # for each handed it to the server's event-loop thread, and the engine thread then waited to
-    # get it back. Served decode at one row (two servers in turns, Zen 4; with the draw's cached
-    # columns): 122.1 -> 125.1 and 112.0 -> 113.1 tok/s, medians of 8 and 12 turns.
+    # for each lets the server's event-loop thread take it, and the engine thread then waits to
+    # get it back. Served decode at one row, two servers in turns on Zen 4 (with the draw's
+    # cached columns): +2.5%, +1.0%, -4.0% and +2.7% tok/s in four sets, within the host's noise.
     function = getattr(ctypes.PyDLL(str(library)), name)
     function.restype, function.argtypes = _SIGNATURES[name]
     return function

@@ -20,7 +20,7 @@ def paired(monkeypatch):
     return paired_speed
 
 
-def test_ratios_are_medians_of_pairs_and_a_peer_without_the_batch_is_left_out(paired):
+def test_ratios_are_medians_of_pairs_and_a_peer_without_the_batch_is_left_out(paired, monkeypatch):
     helios_speeds = iter([100.0, 90.0, 300.0, 800.0, 800.0, 800.0])
 
     def helios(streams, tokens):
@@ -29,6 +29,7 @@ def test_ratios_are_medians_of_pairs_and_a_peer_without_the_batch_is_left_out(pa
     def one_stream_peer(streams, tokens):
         return 50.0 if streams == 1 else None
 
+    monkeypatch.setattr(paired, "SETTLE_SECONDS", 0.0)
     out = paired.paired_decode(helios, {"peer": one_stream_peer}, turns=3, tokens=8)
     # Three turns at one stream: ratios 2.0, 1.8, 6.0 -> median 2.0; helios median 100.
     assert out["decode_b1"]["peer"]["ratio"] == pytest.approx(2.0)
