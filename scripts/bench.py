@@ -69,7 +69,8 @@ free_on_tps, free_off_tps, b8_on_tps, b8_off_tps, acceptance, peer_edit_best_tps
 peer_edit_best_tps: the --core's peer). With --moe, "moe" holds scripts/moe_tps.py's section
 ({sparse_b1_tps, dense_b1_tps, bound_b1_tps, sparse_b8_tps, sparse_prefill_tps, dense_prefill_tps,
 ...}). "paired" (unless --paired-turns 0 or --no-peers): {turns, tokens, decode_b1: {PEER:
-{helios_tps, peer_tps, ratio, pairs}}, decode_b8: {...}} (medians; llama.cpp has no decode_b8).
+{helios_tps, peer_tps, ratio, pairs} or {error}}, decode_b8: {...}} (medians; llama.cpp has
+no decode_b8).
 """
 
 from __future__ import annotations

@@ -75,17 +75,11 @@ def paired_decode(helios: Measure, peers: dict[str, Measure], turns: int, tokens
     for n in streams:
         section = {}
         for name, peer in peers.items():
-            pairs = []
-            for _ in range(turns):
-                first, second = (helios, peer) if random.random() < 0.5 else (peer, helios)
-                time.sleep(SETTLE_SECONDS)
-                a = first(n, tokens)
-                time.sleep(SETTLE_SECONDS)
-                b = second(n, tokens)
-                ours, theirs = (a, b) if first is helios else (b, a)
-                if theirs is None:
-                    break
-                pairs.append((round(ours, 2), round(theirs, 2)))
+            try:
+                pairs = _pairs(helios, peer, n, turns, tokens)
+            except Exception as exc:  # a peer failing must not lose the run's numbers
+                section[name] = {"error": str(exc)[-300:]}
+                continue
             if pairs:
                 section[name] = {
                     "helios_tps": round(statistics.median(p[0] for p in pairs), 2),
@@ -97,6 +91,22 @@ def paired_decode(helios: Measure, peers: dict[str, Measure], turns: int, tokens
     return out
 
 
+def _pairs(helios: Measure, peer: Measure, streams: int, turns: int, tokens: int) -> list[tuple[float, float]]:
+    """(helios, peer) tokens/s of each turn; none where the peer has no decode of `streams`."""
+    pairs = []
+    for _ in range(turns):
+        first, second = (helios, peer) if random.random() < 0.5 else (peer, helios)
+        time.sleep(SETTLE_SECONDS)
+        a = first(streams, tokens)
+        time.sleep(SETTLE_SECONDS)
+        b = second(streams, tokens)
+        ours, theirs = (a, b) if first is helios else (b, a)
+        if theirs is None:
+            return []
+        pairs.append((round(ours, 2), round(theirs, 2)))
+    return pairs
+
+
 def paired_lines(paired: dict, targets: dict[str, float]) -> list[str]:
     """The table's lines: each peer's median ratio, then against the peer fastest in the pairs."""
     lines = [
@@ -104,6 +114,11 @@ def paired_lines(paired: dict, targets: dict[str, float]) -> list[str]:
     ]
     for key, section in paired.items():
         if not isinstance(section, dict) or not section:
+            continue
+        failed = {name: r["error"] for name, r in section.items() if "error" in r}
+        section = {name: r for name, r in section.items() if "error" not in r}
+        lines += [f"  {key}: peer {name} failed: {error}" for name, error in failed.items()]
+        if not section:
             continue
         parts = [f"{name} {r['helios_tps']} / {r['peer_tps']} tok/s = {r['ratio']:.2f}x" for name, r in section.items()]
         lines.append(f"  {key}: " + "; ".join(parts))

@@ -40,6 +40,20 @@ def test_ratios_are_medians_of_pairs_and_a_peer_without_the_batch_is_left_out(pa
     assert any("decode_b1 vs the fastest peer (peer): 2.00x (target >= 1.5)" in line for line in lines)
 
 
+def test_a_peer_that_fails_mid_run_is_reported_and_the_others_kept(paired, monkeypatch):
+    monkeypatch.setattr(paired, "SETTLE_SECONDS", 0.0)
+
+    def broken(streams, tokens):
+        raise ValueError("the runner went away")
+
+    out = paired.paired_decode(lambda s, t: 90.0, {"broken": broken, "fine": lambda s, t: 45.0}, turns=2, tokens=8)
+    assert out["decode_b1"]["broken"] == {"error": "the runner went away"}
+    assert out["decode_b1"]["fine"]["ratio"] == pytest.approx(2.0)
+    lines = paired.paired_lines({"turns": 2, "tokens": 8, **out}, {})
+    assert "  decode_b1: peer broken failed: the runner went away" in lines
+    assert any("vs the fastest peer (fine): 2.00x" in line for line in lines)
+
+
 def test_peer_loop_speaks_the_serve_protocol(paired, tmp_path):
     runner = tmp_path / "runner.py"
     runner.write_text(
