@@ -118,9 +118,6 @@ def main() -> None:
         serve(model)
         return
 
-    def decode(batch: int, steps: int) -> float:
-        return decode_tps(model, batch, steps)
-
     def prefill(rep: int) -> float:
         ids = [(1000 + 7 * i + 13 * rep) % 30000 + 100 for i in range(a.prefill)]
         params = og.GeneratorParams(model)
@@ -130,10 +127,10 @@ def main() -> None:
         gen.append_tokens(np.array([ids], dtype=np.int32))
         return a.prefill / (time.perf_counter() - start)
 
-    decode(1, 4)
-    b1 = max(decode(1, a.decode) for _ in range(a.repeats))
-    decode(8, 4)
-    b8 = max(decode(8, a.decode) for _ in range(a.repeats))
+    decode_tps(model, 1, 4)
+    b1 = max(decode_tps(model, 1, a.decode) for _ in range(a.repeats))
+    decode_tps(model, 8, 4)
+    b8 = max(decode_tps(model, 8, a.decode) for _ in range(a.repeats))
     pre = max(prefill(r) for r in range(a.repeats + 1))
     print(json.dumps({"decode_b1_tps": round(b1, 2), "decode_b8_tps": round(b8, 2), "prefill_tps": round(pre, 1)}))
 
